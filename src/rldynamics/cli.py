@@ -7,6 +7,15 @@ import sys
 
 from rldynamics import __version__
 
+TRAIN_EPILOG = """\
+examples:
+  rldyn train                                       # embedded default: tiny model, Sokoban, CPU, minutes
+  rldyn train --preset sokoban-ppo model.path=/models/Qwen2.5-3B filter.value=0.9
+  rldyn train train.steps=5 val.env_groups=32 log.name=smoke
+  rldyn train log.name=smoke checkpoint.resume=latest train.steps=10
+  rldyn train --help-config                         # every config key with its default and meaning
+"""
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -14,8 +23,51 @@ def build_parser() -> argparse.ArgumentParser:
         description="rldynamics: RL training of language-model agents with training-dynamics diagnostics.",
     )
     parser.add_argument("--version", action="version", version=f"rldynamics {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    train = sub.add_parser(
+        "train", help="train an agent (default: tiny model on Sokoban, CPU)",
+        description="Train an LLM agent with PPO/GRPO. Settings are `key=value` overrides on a preset; "
+                    "the run directory (config, metrics, samples, checkpoints) is written under log.run_dir.",
+        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.lr=1e-5")
+    train.add_argument("--preset", default="sokoban-tiny", help="preset name (default: sokoban-tiny)")
+    train.add_argument("--config", default=None, help="YAML file merged after the preset, before overrides")
+    train.add_argument("--help-config", action="store_true", help="list every config key and exit")
+
+    sub.add_parser("envs", help="list the registered environments")
     return parser
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from rldynamics.config import ConfigError, help_text, make_config, preset_names
+
+    if args.help_config:
+        print(f"presets: {', '.join(preset_names())}\n\nconfig keys (key=default  meaning):\n{help_text()}")
+        return 0
+    try:
+        cfg = make_config(args.preset, args.config, args.overrides)
+    except ConfigError as e:
+        print(f"rldyn train: config error: {e}", file=sys.stderr)
+        return 2
+    from rldynamics.train.trainer import train
+
+    try:
+        run_dir = train(cfg)
+    except (FileExistsError, FileNotFoundError, ValueError, OSError) as e:
+        print(f"rldyn train: {e}", file=sys.stderr)
+        return 2
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def cmd_envs(args: argparse.Namespace) -> int:
+    from rldynamics.envs import ENVS
+
+    for name, cls in ENVS.items():
+        print(f"{name:12s} {cls.__module__}.{cls.__name__}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return 0
+    return {"train": cmd_train, "envs": cmd_envs}[args.command](args)
 
 
 if __name__ == "__main__":

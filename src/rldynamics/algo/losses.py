@@ -1,0 +1,292 @@
+"""Token-level losses and the one reduction helper they all share.
+
+Design choices:
+- Every loss builds a per-token matrix ``[N, T]`` and reduces it with :func:`aggregate`; no loss
+  reduces on its own. :func:`aggregate` is defined as ``(values * aggregation_weights(mask, mode)).sum()``,
+  so the loss is exactly linear in the per-token values and gradients of disjoint token subsets
+  (e.g. variance buckets) add up to the gradient of the whole batch.
+- Positions outside the mask never reach the result, even when they hold inf/nan: values are
+  selected with ``torch.where`` rather than multiplied by the mask.
+- Losses return ``(loss, metrics)`` where metrics are python floats computed without gradient.
+- Pure functions of tensors and scalars: no config objects, no models, no loggers.
+
+Formulas follow the PPO/verl conventions summarised in ``reference/ragen_behaviour.md`` §4 and
+``reference/peer_systems.md`` D.2-D.5.
+"""
+
+from __future__ import annotations
+
+import torch
+
+AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+POLICY_LOSS_KINDS: tuple[str, ...] = ("ppo", "cispo")
+_EPS = 1e-8
+
+
+def check_same_shape(**tensors: torch.Tensor) -> None:
+    """Raise ValueError unless all keyword tensors have the same shape.
+
+    Args:
+        **tensors: name -> tensor; the names appear in the error message.
+    """
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        listing = ", ".join(f"{name}={shape}" for name, shape in shapes.items())
+        raise ValueError(f"shape mismatch: expected equal shapes, got {listing}")
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` over positions where ``mask`` is set.
+
+    Args:
+        values: any shape.
+        mask: same shape as ``values``, bool or {0, 1} float.
+        dim: reduce only this dimension; ``None`` reduces everything.
+
+    Returns:
+        ``Σ(v·m) / (Σm + 1e-8)`` along ``dim`` (a scalar when ``dim`` is None); 0 where the mask is empty.
+    """
+    check_same_shape(values=values, mask=mask)
+    keep = mask.bool()  # same shape as values
+    picked = torch.where(keep, values, torch.zeros_like(values))  # same shape as values
+    if dim is None:
+        return picked.sum() / (keep.sum() + _EPS)  # []
+    return picked.sum(dim) / (keep.sum(dim) + _EPS)  # values.shape without dim
+
+
+def aggregation_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Per-token weights ``w`` such that ``aggregate(v, mask, mode) == (v * w).sum()`` for every finite ``v``.
+
+    Args:
+        mask: ``[N, T]`` bool or {0, 1} float.
+        mode: one of :data:`AGG_MODES`.
+
+    Returns:
+        ``[N, T]`` float32 weights, zero outside the mask:
+        token-mean ``m / (Σm + 1e-8)``; seq-mean-token-mean ``m / (Σ_t m + 1e-8) / S``;
+        seq-mean-token-sum ``m / S``; seq-mean-token-sum-norm ``m / T``; S = #sequences with ≥ 1 token
+        (clamped to ≥ 1 so an all-empty batch gives a zero loss).
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"agg mode must be one of {AGG_MODES}, got {mode!r}")
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be [N, T], got shape {tuple(mask.shape)}")
+    m = mask.bool().float()  # [N, T]
+    seq_tokens = m.sum(-1, keepdim=True)  # [N, 1]
+    num_seqs = (seq_tokens > 0).sum().clamp_min(1)  # []
+    if mode == "token-mean":
+        return m / (m.sum() + _EPS)  # [N, T]
+    if mode == "seq-mean-token-mean":
+        return m / (seq_tokens + _EPS) / num_seqs  # [N, T]
+    if mode == "seq-mean-token-sum":
+        return m / num_seqs  # [N, T]
+    return m / m.shape[-1]  # [N, T]  seq-mean-token-sum-norm (Dr. GRPO: fixed length normaliser)
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Reduce a per-token loss matrix to a scalar.
+
+    Args:
+        values: ``[N, T]`` per-token losses.
+        mask: ``[N, T]`` bool or {0, 1} float.
+        mode: token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm.
+
+    Returns:
+        Scalar tensor ``Σ v·w`` with ``w = aggregation_weights(mask, mode)``, in at least float32.
+    """
+    check_same_shape(values=values, mask=mask)
+    # Reduce in at least float32: bf16 weights like 1/Σm would carry only ~3 significant digits.
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    weights = aggregation_weights(mask, mode).to(dtype)  # [N, T]
+    picked = torch.where(mask.bool(), values, torch.zeros_like(values)).to(dtype)  # [N, T]
+    return (picked * weights).sum()  # []
+
+
+def _metric(flags: torch.Tensor, mask: torch.Tensor) -> float:
+    """Masked mean of a boolean/float matrix as a python float."""
+    return float(masked_mean(flags.float(), mask))
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    kind: str = "ppo",
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    clip_c: float | None = 3.0,
+    agg: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped policy-gradient loss.
+
+    ``ppo``: dual-clip PPO (https://arxiv.org/abs/1912.09729) with asymmetric "clip-higher" bounds;
+    ``L = max(-A·r, -A·clip(r, 1-clip_low, 1+clip_high))`` and, for A < 0 when ``clip_c`` is set,
+    ``min(L, -A·clip_c)``. ``cispo`` (https://arxiv.org/abs/2506.13585):
+    ``L = -sg(clip(r, 1-clip_low, 1+clip_high))·A·logπ``, so no gradient flows through the ratio.
+    ``r = exp(clamp(logπ - logπ_old, -20, 20))``.
+
+    Args:
+        logprobs: ``[N, T]`` current-policy token log-probs (carries the gradient).
+        old_logprobs: ``[N, T]`` behaviour-policy log-probs.
+        advantages: ``[N, T]``.
+        response_mask: ``[N, T]`` tokens that are trained on.
+        kind: ppo | cispo.
+        clip_low, clip_high: ratio clip bounds (``0 ≤ clip_low < 1``, ``clip_high ≥ 0``).
+        clip_c: dual-clip constant, must be > 1; ``None`` turns dual clip off (ppo only).
+        agg: aggregation mode, see :func:`aggregate`.
+
+    Returns:
+        ``(loss [], metrics)`` with python floats ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``
+        (token-level masked means, independent of ``agg``).
+    """
+    check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask)
+    if kind not in POLICY_LOSS_KINDS:
+        raise ValueError(f"kind must be one of {POLICY_LOSS_KINDS}, got {kind!r}")
+    if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
+        raise ValueError(f"clip_low must be in [0, 1) and clip_high >= 0, got {clip_low}, {clip_high}")
+    if clip_c is not None and clip_c <= 1.0:
+        raise ValueError(f"clip_c must be > 1 or None, got {clip_c}")
+    log_ratio = logprobs - old_logprobs  # [N, T]
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))  # [N, T]
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [N, T]
+    ppo_kl = _metric(-log_ratio.detach(), response_mask)
+    if kind == "cispo":
+        per_token = -clipped.detach() * advantages * logprobs  # [N, T]
+        with torch.no_grad():
+            clipfrac = _metric(ratio != clipped, response_mask)
+        metrics = {"pg_clipfrac": clipfrac, "pg_clipfrac_lower": 0.0, "ppo_kl": ppo_kl}
+        return aggregate(per_token, response_mask, agg), metrics
+    unclipped_loss = -advantages * ratio  # [N, T]
+    clipped_loss = -advantages * clipped  # [N, T]
+    per_token = torch.maximum(unclipped_loss, clipped_loss)  # [N, T]
+    lower = torch.zeros_like(per_token, dtype=torch.bool)  # [N, T]
+    if clip_c is not None:
+        dual_bound = -advantages * clip_c  # [N, T]
+        lower = (per_token > dual_bound) & (advantages < 0)  # [N, T]
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, dual_bound), per_token)  # [N, T]
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": _metric(clipped_loss > unclipped_loss, response_mask),
+            "pg_clipfrac_lower": _metric(lower, response_mask),
+            "ppo_kl": ppo_kl,
+        }
+    return aggregate(per_token, response_mask, agg), metrics
+
+
+def _kl_k1(diff: torch.Tensor) -> torch.Tensor:
+    return diff  # [N, T]
+
+
+def _kl_abs(diff: torch.Tensor) -> torch.Tensor:
+    return diff.abs()  # [N, T]
+
+
+def _kl_k2(diff: torch.Tensor) -> torch.Tensor:
+    return 0.5 * diff.square()  # [N, T]
+
+
+def _kl_k3(diff: torch.Tensor) -> torch.Tensor:
+    d = (-diff).clamp(-20.0, 20.0)  # [N, T]  log(π_ref/π)
+    return (torch.exp(d) - d - 1.0).clamp(-10.0, 10.0)  # [N, T]
+
+
+_KL_ESTIMATORS = {
+    "k1": _kl_k1,
+    "kl": _kl_k1,
+    "abs": _kl_abs,
+    "k2": _kl_k2,
+    "mse": _kl_k2,
+    "k3": _kl_k3,
+    "low_var_kl": _kl_k3,
+}
+KL_KINDS: tuple[str, ...] = tuple(_KL_ESTIMATORS) + tuple(f"{name}+" for name in _KL_ESTIMATORS)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate between the current and the reference policy (http://joschu.net/blog/kl-approx.html).
+
+    Args:
+        logprobs: ``[N, T]`` current-policy log-probs.
+        ref_logprobs: ``[N, T]`` reference-policy log-probs.
+        kind: k1|kl (``logπ - logπ_ref``), abs, k2|mse (``½(logπ - logπ_ref)²``), k3|low_var_kl
+            (``clamp(e^d - d - 1, ±10)`` with ``d = clamp(logπ_ref - logπ, ±20)``); a trailing ``+``
+            keeps that forward value but takes the gradient of k2 (straight-through).
+
+    Returns:
+        ``[N, T]`` per-token penalty (not masked; aggregate it with the response mask).
+    """
+    check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
+    if kind not in KL_KINDS:
+        raise ValueError(f"kl kind must be one of {KL_KINDS}, got {kind!r}")
+    diff = logprobs - ref_logprobs  # [N, T]
+    value = _KL_ESTIMATORS[kind.rstrip("+")](diff)  # [N, T]
+    if not kind.endswith("+"):
+        return value  # [N, T]
+    k2 = _kl_k2(diff)  # [N, T]
+    return k2 + (value - k2).detach()  # [N, T]  forward = value, backward = ∇k2
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+    """Entropy of the softmax distribution, ``H = logsumexp(z) - Σ softmax(z)·z``, in float32.
+
+    Args:
+        logits: ``[..., V]``.
+        chunk_size: if set (≥ 1), process this many rows of the flattened leading dims at a time to
+            bound the float32 ``[rows, V]`` temporaries; the values are identical.
+
+    Returns:
+        ``[...]`` float32 entropies (differentiable).
+    """
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be None or >= 1, got {chunk_size}")
+    lead_shape = logits.shape[:-1]
+    flat = logits.reshape(-1, logits.shape[-1])  # [M, V]
+    step = chunk_size or max(flat.shape[0], 1)
+    parts = []
+    for start in range(0, flat.shape[0], step):
+        z = flat[start : start + step].float()  # [m, V]
+        probs = torch.softmax(z, dim=-1)  # [m, V]
+        parts.append(torch.logsumexp(z, dim=-1) - (probs * z).sum(-1))  # [m]
+    if not parts:
+        return torch.zeros(lead_shape, dtype=torch.float32, device=logits.device)  # [...]
+    return torch.cat(parts).reshape(lead_shape)  # [...]
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_range: float = 0.5,
+    agg: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped critic loss ``½·agg(max((v - R)², (v_clip - R)²))``, ``v_clip = v_old + clamp(v - v_old, ±clip_range)``.
+
+    Args:
+        values: ``[N, T]`` current value predictions (carries the gradient).
+        old_values: ``[N, T]`` predictions at rollout time.
+        returns: ``[N, T]`` regression targets.
+        response_mask: ``[N, T]``.
+        clip_range: > 0.
+        agg: aggregation mode, see :func:`aggregate`.
+
+    Returns:
+        ``(loss [], metrics)`` with python floats ``vf_clipfrac`` (share of tokens where the clipped
+        term is larger) and ``vpred_mean`` (masked mean prediction).
+    """
+    check_same_shape(values=values, old_values=old_values, returns=returns, response_mask=response_mask)
+    if clip_range <= 0:
+        raise ValueError(f"clip_range must be > 0, got {clip_range}")
+    clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)  # [N, T]
+    unclipped_sq = (values - returns).square()  # [N, T]
+    clipped_sq = (clipped_values - returns).square()  # [N, T]
+    per_token = torch.maximum(unclipped_sq, clipped_sq)  # [N, T]
+    with torch.no_grad():
+        metrics = {
+            "vf_clipfrac": _metric(clipped_sq > unclipped_sq, response_mask),
+            "vpred_mean": _metric(values, response_mask),
+        }
+    return 0.5 * aggregate(per_token, response_mask, agg), metrics

@@ -1,0 +1,440 @@
+"""Configuration: one dataclass per pipeline stage, YAML presets, `key=value` overrides.
+
+Design choices:
+- Each knob has exactly one default, here, with a docstring under it. Library code reads fields; it
+  never does `cfg.get(key, default)`.
+- Presets (`presets/*.yaml` in the package) hold only the fields that differ from these defaults.
+  Precedence: defaults < preset < YAML file < `key=value` overrides.
+- Merging goes through OmegaConf structured configs, so types are checked; unknown keys and bad values
+  fail before any work with the key named and close matches suggested (`ConfigError`).
+- Choices are plain strings checked against tuples in `validate`; the resolved config is saved as YAML
+  in the run directory and can be loaded back with `load_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names it and says how to fix it."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "tiny"
+    """HF model id or local directory; `tiny` = the embedded default model built locally."""
+    dtype: str = "float32"
+    """Parameter dtype: float32 | bfloat16 | float16 | auto."""
+    device: str = "auto"
+    """Device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N."""
+    warm_start_episodes: int = 768
+    """Tiny model only: solver demonstrations (episodes) for the supervised warm start (0 = none)."""
+    warm_start_noise: float = 0.5
+    """Tiny model only: probability that a demonstrated action is replaced by a random one."""
+    warm_start_epochs: int = 2
+    """Tiny model only: passes over the demonstrations in the warm start."""
+    warm_start_lr: float = 2e-3
+    """Tiny model only: AdamW learning rate of the warm start."""
+
+
+@dataclass
+class EnvConfig:
+    name: str = "sokoban"
+    """Environment name in `rldynamics.envs.ENVS`."""
+    max_turns: int = 5
+    """Turns per episode (one model response per turn)."""
+    max_actions_per_turn: int = 2
+    """Actions executed per turn; extra actions in a response are dropped."""
+    max_actions_per_traj: int = 10
+    """Actions per episode; the episode ends (truncated) when reached."""
+    max_new_tokens: int = 24
+    """Tokens the model may generate per turn."""
+    enable_think: bool = False
+    """Require `<think>...</think>` before `<answer>...</answer>`."""
+    format_penalty: float = -0.1
+    """Reward added once per turn when the response is malformed or has no valid action."""
+    dim_room: list[int] = field(default_factory=lambda: [6, 6])
+    """Sokoban: room size (rows, cols)."""
+    num_boxes: int = 1
+    """Sokoban: number of boxes."""
+    max_steps: int = 100
+    """Sokoban: env steps before the env itself ends the episode."""
+    search_depth: int = 300
+    """Sokoban: depth of the reverse-play search that scrambles the solved room."""
+    observation_format: str = "grid_coord"
+    """Sokoban: grid | coord | grid_coord."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 30
+    """Training steps (one rollout + update each)."""
+    env_groups: int = 16
+    """Groups per rollout; the envs of a group share one initial state."""
+    group_size: int = 8
+    """Trajectories per group."""
+    seed_base: int = 10000
+    """Step s uses env seeds seed_base + env_groups*(s-1) + g (RAGEN's train seeds)."""
+    lr: float = 2e-4
+    """Actor AdamW learning rate."""
+    weight_decay: float = 0.01
+    """Actor AdamW weight decay."""
+    ppo_epochs: int = 1
+    """Passes over the batch per step."""
+    mini_batch_size: int = 32
+    """Sequences per optimizer step."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
+    max_grad_norm: float = 1.0
+    """Global L2 gradient clipping (the pre-clip norm is logged as actor/grad_norm)."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts."""
+    shuffle: bool = False
+    """Shuffle sequences before splitting into mini-batches (seeded)."""
+
+
+@dataclass
+class ValConfig:
+    every: int = 10
+    """Validate every N steps (and after the last step); 0 = never in the loop."""
+    before_train: bool = True
+    """Validate before the first step (logged at step 0)."""
+    env_groups: int = 256
+    """Validation puzzles (fixed seeds seed_base .. seed_base+env_groups-1)."""
+    group_size: int = 1
+    """Samples per validation puzzle."""
+    temperature: float = 0.5
+    """Sampling temperature of validation rollouts."""
+    seed_base: int = 123
+    """First validation env seed (RAGEN's)."""
+
+
+@dataclass
+class AlgoConfig:
+    adv_estimator: str = "gae"
+    """gae | grpo | rloo | reinforce_pp."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group std (False = Dr.GRPO)."""
+    policy_loss: str = "ppo"
+    """ppo (dual-clip when clip_c is set) | cispo."""
+    clip_low: float = 0.2
+    """Lower clip range: ratio >= 1 - clip_low."""
+    clip_high: float = 0.28
+    """Upper clip range: ratio <= 1 + clip_high (clip-higher)."""
+    clip_c: float | None = 3.0
+    """Dual-clip constant for negative advantages (> 1), or null to disable."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 1.0
+    """GAE lambda."""
+    kl_coef: float = 0.0
+    """KL loss coefficient (a reference model is loaded only when > 0 or when analysis needs it)."""
+    kl_type: str = "low_var_kl"
+    """k1|kl, k2|mse, k3|low_var_kl, abs; a trailing + = straight-through k2 gradient."""
+    entropy_coef: float = 0.001
+    """Entropy bonus coefficient."""
+
+
+@dataclass
+class CriticConfig:
+    lr: float = 1e-3
+    """Critic AdamW learning rate (GAE only)."""
+    clip_range: float = 0.5
+    """Value clipping range around the old values."""
+    max_grad_norm: float = 1.0
+    """Critic gradient clipping."""
+
+
+@dataclass
+class FilterConfig:
+    strategy: str = "top_p"
+    """none | top_p | top_k | top_k_abs | min_p (whole groups are kept or dropped)."""
+    value: float = 1.0
+    """Strategy parameter (top_p: mass; top_k: fraction of groups; top_k_abs: count; min_p: ratio)."""
+    keep: str = "largest"
+    """largest | smallest scores are kept."""
+    metric: str = "reward_std"
+    """Group score: reward_std | reward | reward_sum | reward_max."""
+    prob_mode: str = "linear"
+    """top_p: linear | softmax."""
+    include_zero: bool = True
+    """Keep groups whose score is zero as candidates."""
+    loss_scaling: str = "none"
+    """Scale advantages by the kept ratio: none | linear | sqrt."""
+    empty_stop_steps: int = 5
+    """Stop after this many consecutive steps with an empty filtered batch (<= 0 disables)."""
+
+
+@dataclass
+class AnalysisConfig:
+    enabled: bool = False
+    """Run the gradient analysis on schedule."""
+    every: int = 10
+    """Analyse at steps 1, 1+every, 1+2*every, ..."""
+    num_buckets: int = 6
+    """Reward-variance buckets."""
+    bucket_mode: str = "quantile"
+    """quantile | fixed_rv."""
+    env_groups: int | None = None
+    """Separate analysis batch: groups (null = analyse the training batch)."""
+    group_size: int | None = None
+    """Separate analysis batch: group size (null = training group size)."""
+    exit_after: bool = False
+    """End the run right after the first analysis (no update, no checkpoint)."""
+    only: bool = False
+    """Probe mode: never update critic or actor."""
+    prefilter: bool = False
+    """Also analyse the separate analysis batch before filtering."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save every N steps (and at the end when > 0); 0 = only at the end if save_last."""
+    save_last: bool = True
+    """Save a checkpoint after the last step."""
+    resume: str | None = None
+    """Resume from a checkpoint directory, or `latest` (newest in this run's checkpoints/)."""
+
+
+@dataclass
+class EarlyStopConfig:
+    enabled: bool = True
+    """Stop on reward-variance collapse, low validation success or repeated empty batches."""
+    rv_baseline_steps: int = 10
+    """Steps that form the reward-std baseline."""
+    rv_window: int = 10
+    """Consecutive steps that must all be below rv_ratio * baseline."""
+    rv_ratio: float = 0.1
+    """Collapse threshold as a fraction of the baseline."""
+    val_success_threshold: float = 0.01
+    """Validation success below this counts as a low-success validation."""
+    val_patience: int = 5
+    """Consecutive low-success validations that stop the run."""
+
+
+@dataclass
+class LogConfig:
+    run_dir: str = "runs"
+    """Parent directory of run directories."""
+    name: str | None = None
+    """Run name (default: <env>_<model>_<time>)."""
+    samples_per_step: int = 4
+    """Decoded trajectories written to samples.jsonl per step."""
+    wandb: bool = False
+    """Mirror metrics to Weights & Biases (WANDB_MODE=offline works)."""
+    wandb_project: str = "rldynamics"
+    """W&B project."""
+    tensorboard: bool = False
+    """Mirror metrics to TensorBoard event files in the run directory."""
+    progress: bool = True
+    """Show the rich progress bar and per-step summaries."""
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    """Seed of model init, sampling and shuffling."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    val: ValConfig = field(default_factory=ValConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    filter: FilterConfig = field(default_factory=FilterConfig)
+    analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": ("float32", "bfloat16", "float16", "auto"),
+    "env.observation_format": ("grid", "coord", "grid_coord"),
+    "algo.adv_estimator": ("gae", "grpo", "rloo", "reinforce_pp"),
+    "algo.policy_loss": ("ppo", "cispo"),
+    "algo.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+    "algo.kl_type": tuple(k + s for k in ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs") for s in ("", "+")),
+    "filter.strategy": ("none", "top_p", "top_k", "top_k_abs", "min_p"),
+    "filter.keep": ("largest", "smallest"),
+    "filter.metric": ("reward_std", "reward_variance", "reward", "reward_mean", "reward_sum", "reward_max"),
+    "filter.prob_mode": ("linear", "softmax"),
+    "filter.loss_scaling": ("none", "linear", "sqrt"),
+    "analysis.bucket_mode": ("quantile", "fixed_rv"),
+}
+
+POSITIVE_INTS = (
+    "env.max_turns", "env.max_actions_per_turn", "env.max_actions_per_traj", "env.max_new_tokens",
+    "train.env_groups", "train.group_size", "train.ppo_epochs", "train.mini_batch_size", "train.micro_batch_size",
+    "val.env_groups", "val.group_size", "analysis.every", "analysis.num_buckets",
+)  # fmt: skip
+
+
+def preset_names() -> list[str]:
+    """Names of the presets shipped with the package."""
+    files = resources.files("rldynamics") / "presets"
+    return sorted(p.name[: -len(".yaml")] for p in files.iterdir() if p.name.endswith(".yaml"))
+
+
+def _preset_dict(name: str) -> dict[str, Any]:
+    names = preset_names()
+    if name not in names:
+        raise ConfigError(f"unknown preset {name!r}; available presets: {', '.join(names)}{_suggest(name, names)}")
+    text = (resources.files("rldynamics") / "presets" / f"{name}.yaml").read_text()
+    return yaml.safe_load(text) or {}
+
+
+def _suggest(word: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(word, candidates, n=3, cutoff=0.5)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+def all_keys(obj: Any = None, prefix: str = "") -> list[str]:
+    """Every dotted config key, e.g. `train.lr`."""
+    obj = Config() if obj is None else obj
+    keys = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += all_keys(value, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _check_keys(data: dict[str, Any], source: str, prefix: str = "") -> None:
+    """Raise ConfigError for any key in `data` that is not a config key."""
+    known = all_keys()
+    sections = {k.split(".")[0] for k in known if "." in k}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and dotted in sections:
+            _check_keys(value, source, f"{dotted}.")
+        elif dotted not in known:
+            raise ConfigError(f"unknown config key {dotted!r} in {source}{_suggest(dotted, known)}")
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn `["train.lr=1e-5", "filter.value=0.9"]` into a nested dict (values parsed as YAML scalars)."""
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-5)")
+        value = yaml.safe_load(raw) if raw else ""
+        node = nested
+        *parents, leaf = key.strip().split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return nested
+
+
+def _merge(base: Config, data: dict[str, Any], source: str) -> Config:
+    _check_keys(data, source)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(base), OmegaConf.create(data))
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        reason = str(e).splitlines()[0]
+        raise ConfigError(f"bad value for config key {key!r} in {source}: {reason}") from e
+
+
+def validate(cfg: Config) -> Config:
+    """Check choices and ranges; raise ConfigError naming the key and the allowed values."""
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
+    for key in POSITIVE_INTS:
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"{key} must be a positive integer, got {_get(cfg, key)}")
+    if cfg.train.steps < 0:
+        raise ConfigError(f"train.steps must be >= 0, got {cfg.train.steps}")
+    if cfg.filter.value < 0:
+        raise ConfigError(f"filter.value must be >= 0, got {cfg.filter.value}")
+    if cfg.algo.clip_c is not None and cfg.algo.clip_c <= 1:
+        raise ConfigError(f"algo.clip_c must be > 1 (or null to disable dual clip), got {cfg.algo.clip_c}")
+    if cfg.train.temperature <= 0 or cfg.val.temperature <= 0:
+        raise ConfigError("train.temperature and val.temperature must be > 0")
+    if len(cfg.env.dim_room) != 2:
+        raise ConfigError(f"env.dim_room must be [rows, cols], got {cfg.env.dim_room}")
+    return cfg
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def make_config(preset: str | None = "sokoban-tiny", file: str | Path | None = None,
+                overrides: list[str] | None = None) -> Config:
+    """Build a validated Config from defaults, a preset, an optional YAML file and `key=value` overrides."""
+    cfg = Config()
+    if preset:
+        cfg = _merge(cfg, _preset_dict(preset), f"preset {preset!r}")
+    if file:
+        path = Path(file)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        cfg = _merge(cfg, yaml.safe_load(path.read_text()) or {}, str(path))
+    if overrides:
+        cfg = _merge(cfg, parse_overrides(overrides), "command-line overrides")
+    return validate(cfg)
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain nested dict of a Config."""
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config as YAML."""
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def load_config(path: str | Path) -> Config:
+    """Load a config saved by `save_config` (validated)."""
+    return validate(_merge(Config(), yaml.safe_load(Path(path).read_text()) or {}, str(path)))
+
+
+def help_text() -> str:
+    """Every key with its default and docstring, for `rldyn train --help-config`."""
+    import ast
+    import inspect
+
+    lines = []
+    for section in [Config, *(type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)
+                              if dataclasses.is_dataclass(getattr(Config(), f.name)))]:
+        tree = ast.parse(inspect.getsource(section))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        prefix = "" if section is Config else _section_name(section) + "."
+        for node, nxt in zip(body, body[1:] + [None]):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                doc = nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) else ""
+                if doc:
+                    default = _get(Config(), prefix + node.target.id)
+                    lines.append(f"  {prefix}{node.target.id}={default!s:<12} {doc}")
+    return "\n".join(lines)
+
+
+def _section_name(section: type) -> str:
+    for f in dataclasses.fields(Config):
+        if type(getattr(Config(), f.name)) is section:
+            return f.name
+    raise KeyError(section)

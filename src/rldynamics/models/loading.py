@@ -1,0 +1,199 @@
+"""Load any Hugging Face causal LM + tokenizer, and a critic built on the same backbone.
+
+Design choices:
+
+- Everything goes through ``from_pretrained`` so a hub name, a local directory, a tiny model from
+  ``models.tiny`` and a trainer checkpoint all take one code path. ``"tiny"`` is resolved to a
+  directory by ``resolve_model_path`` before loading; the loaders never build models themselves.
+- Tokenizers are set up for batched RL generation: left padding, and pad = eos when the tokenizer
+  has no pad token.
+- A directory whose ``tokenizer_config.json`` declares the generic backend (``TokenizersBackend`` /
+  ``PreTrainedTokenizerFast``) gets its ``tokenizer.json`` loaded verbatim. transformers 5 would
+  otherwise rebuild a ``qwen2`` tokenizer with Qwen's hard-coded pipeline, which silently changes
+  the ids of the tiny tokenizer and of checkpoints saved from it.
+- The critic is ``ValueModel``: the base transformer (no LM head) plus a ``Linear(hidden, 1)`` head
+  kept in float32 and zero-initialised, so a fresh critic predicts 0 everywhere, deterministically.
+  It saves as ``save_pretrained`` output of the backbone plus ``value_head.safetensors``; loading
+  never unpickles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from rldynamics.models.tiny import ensure_tiny_model
+
+DTYPES: dict[str, torch.dtype | str] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "auto": "auto",
+}
+VALUE_HEAD_FILE = "value_head.safetensors"
+GENERIC_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+
+
+def resolve_model_path(path: str, corpus_fn: Callable[[], Iterable[str]], cache_dir: str | Path | None = None) -> str:
+    """Map ``"tiny"`` to the cached embedded model directory (building it if needed); return others unchanged."""
+    if path == "tiny":
+        return str(ensure_tiny_model(corpus_fn, cache_dir))
+    return path
+
+
+def load_model_and_tokenizer(
+    path: str, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a local directory or a hub name.
+
+    Args:
+        path: local directory or hub model id (``"tiny"`` must be resolved first, see ``resolve_model_path``).
+        dtype: one of ``float32``, ``bfloat16``, ``float16``, ``auto`` (the checkpoint's dtype).
+        device: torch device the model is moved to.
+        trust_remote_code: forwarded to ``from_pretrained``.
+
+    Returns:
+        ``(model, tokenizer)``; the model is in eval mode, the tokenizer pads on the left and has a pad token.
+
+    Raises:
+        ValueError: unknown ``dtype``. FileNotFoundError / OSError: the model cannot be found.
+    """
+    torch_dtype = _parse_dtype(dtype)
+    _check_source(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        tokenizer = _load_tokenizer(path, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        if Path(path).expanduser().exists():
+            raise
+        raise OSError(_not_found_message(path) + f" Underlying error: {err}") from err
+    _prepare_tokenizer(tokenizer, path)
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.to(device).eval(), tokenizer
+
+
+def load_value_model(
+    path: str, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False
+) -> ValueModel:
+    """Load a critic from ``path``: a causal-LM checkpoint (fresh zero head) or a saved ``ValueModel``.
+
+    Args mirror ``load_model_and_tokenizer``. The value head is loaded from ``value_head.safetensors``
+    when the directory has one, and stays float32 whatever ``dtype`` the backbone gets.
+    """
+    return ValueModel.from_pretrained(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+
+
+class ValueModel(nn.Module):
+    """Critic: a base transformer and a scalar head, mapping token ids [N, T] to values [N, T]."""
+
+    def __init__(self, backbone: PreTrainedModel, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(hidden_size, 1, dtype=torch.float32, device=backbone.device)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    @property
+    def config(self) -> PretrainedConfig:
+        """The backbone's config (hidden size, vocab, ...)."""
+        return self.backbone.config
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Return the value of every position: [N, T] float32 (pad positions hold garbage; mask them)."""
+        out = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
+        hidden = out.last_hidden_state  # [N, T, H]
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)  # [N, T]
+
+    def save_pretrained(self, save_directory: str | Path) -> None:
+        """Write the backbone with ``save_pretrained`` (safetensors) and the head to ``value_head.safetensors``."""
+        save_directory = Path(save_directory)
+        self.backbone.save_pretrained(save_directory)
+        head = {"weight": self.head.weight.detach().cpu().contiguous(), "bias": self.head.bias.detach().cpu()}
+        save_file(head, str(save_directory / VALUE_HEAD_FILE), metadata={"hidden_size": str(self.head.in_features)})
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False
+    ) -> ValueModel:
+        """Load the backbone with ``AutoModel.from_pretrained`` and the head from safetensors if present."""
+        torch_dtype = _parse_dtype(dtype)
+        path = str(path)
+        _check_source(path)
+        backbone = AutoModel.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        model = cls(backbone, backbone.config.get_text_config().hidden_size)
+        head_file = Path(path) / VALUE_HEAD_FILE
+        if head_file.is_file():
+            model.head.load_state_dict(load_file(str(head_file)))
+        return model.to(device)
+
+
+def _parse_dtype(dtype: str) -> torch.dtype | str:
+    """Map a dtype name to what ``from_pretrained`` takes; unknown names fail with the allowed list."""
+    if dtype not in DTYPES:
+        raise ValueError(f"model dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _looks_local(path: str) -> bool:
+    """True for strings that can only mean a filesystem path (hub ids are ``name`` or ``org/name``)."""
+    return os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1 or "\\" in path
+
+
+def _check_source(path: str) -> None:
+    """Fail early and clearly when ``path`` is meant as a local directory and does not exist."""
+    if path == "tiny":
+        raise ValueError("model path 'tiny' must be resolved to a directory first: use resolve_model_path()")
+    if _looks_local(path) and not Path(path).expanduser().exists():
+        raise FileNotFoundError(_not_found_message(path))
+
+
+def _not_found_message(path: str) -> str:
+    """Explain what was looked for: the local directory, then the hub (which needs network access)."""
+    looked = Path(path).expanduser().resolve()
+    return (
+        f"cannot load model {path!r}: no local directory {str(looked)!r}, and it was not found as a "
+        "Hugging Face hub id in the local cache (downloads from the hub need network access; "
+        "use model.path=tiny for the embedded model, or a directory saved with save_pretrained)."
+    )
+
+
+def _load_tokenizer(path: str, *, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    """Load the tokenizer, verbatim from ``tokenizer.json`` when the directory declares the generic backend."""
+    config_file = Path(path).expanduser() / "tokenizer_config.json"
+    if config_file.is_file():
+        declared = json.loads(config_file.read_text()).get("tokenizer_class")
+        if declared in GENERIC_TOKENIZER_CLASSES:
+            return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def _prepare_tokenizer(tokenizer: PreTrainedTokenizerBase, path: str) -> None:
+    """Left padding for batched generation; pad = eos when the tokenizer defines no pad token."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer of {path!r} has neither a pad nor an eos token; cannot pad batches")
+        tokenizer.pad_token = tokenizer.eos_token

@@ -1,0 +1,72 @@
+"""RolloutBatch: the trajectories of one rollout as padded tensors, one row per trajectory.
+
+Conventions (one place for shapes):
+- Every per-token tensor is aligned with `input_ids` positions: `[N, L]`, where entry `t` describes
+  token `t` as predicted from the prefix `< t` (so column 0 never carries a log-prob or a loss).
+- `response_mask[i, t] = 1` iff token `t` of trajectory `i` was sampled by the model. The trained
+  tokens are exactly the sampled tokens; chat-template and observation tokens have mask 0.
+- Rows are right-padded with the tokenizer's pad id (attention 0); trajectories of a group are
+  contiguous and share `group_ids`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor  # [N, L] long, right-padded
+    attention_mask: torch.Tensor  # [N, L] long
+    response_mask: torch.Tensor  # [N, L] float {0,1}: token sampled by the model
+    scores: torch.Tensor  # [N] float: trajectory reward (env rewards + format penalties)
+    group_ids: torch.Tensor  # [N] long: trajectories of a group share an initial state
+    env_metrics: list[dict[str, float]] = field(default_factory=list)  # one dict per trajectory
+    texts: list[str] = field(default_factory=list)  # decoded conversation per trajectory
+    seeds: list[int] = field(default_factory=list)  # env seed per trajectory
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def token_rewards(self) -> torch.Tensor:
+        """The trajectory reward placed on the last sampled token of each row, zero elsewhere. [N, L]"""
+        n, length = self.response_mask.shape
+        positions = torch.arange(length).expand(n, length)  # [N, L]
+        last = torch.where(self.response_mask > 0, positions, -1).amax(dim=1)  # [N]
+        rewards = torch.zeros(n, length, dtype=torch.float32)  # [N, L]
+        has = last >= 0  # [N]
+        rewards[has.nonzero().squeeze(1), last[has]] = self.scores[has].float()
+        return rewards
+
+    def select(self, rows: torch.Tensor | list[int]) -> RolloutBatch:
+        """A new batch holding `rows` (in the given order); per-token tensors keep their width L."""
+        rows = torch.as_tensor(rows, dtype=torch.long)  # [M]
+        picked = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                picked[f.name] = value[rows]
+            else:
+                picked[f.name] = [value[i] for i in rows.tolist()] if value else []
+        return replace(self, **picked)
+
+    def group_rows(self) -> dict[int, list[int]]:
+        """Row indices of each group id, in order of first appearance."""
+        rows: dict[int, list[int]] = {}
+        for i, g in enumerate(self.group_ids.tolist()):
+            rows.setdefault(g, []).append(i)
+        return rows
+
+    def group_matrix(self) -> tuple[list[int], torch.Tensor]:
+        """Group ids and their trajectory scores as a [G, n] matrix (groups must be of equal size)."""
+        rows = self.group_rows()
+        sizes = {len(r) for r in rows.values()}
+        if len(sizes) > 1:
+            raise ValueError(f"groups have unequal sizes {sorted(sizes)}; filtering needs equal group sizes")
+        ids = list(rows)
+        matrix = torch.stack([self.scores[r] for r in rows.values()]) if rows else torch.zeros(0, 0)  # [G, n]
+        return ids, matrix.float()
+

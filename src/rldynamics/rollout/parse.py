@@ -1,0 +1,91 @@
+"""Turn a model response into action words, the way RAGEN's context manager does.
+
+Design choices (reference/ragen_behaviour.md §7, "Action parsing"):
+- Special tokens (`<|...|>` forms such as `<|im_end|>`, `<|endoftext|>`, plus `<s>` / `</s>`) are
+  stripped *before* matching, so a trailing end-of-turn token never hides an answer.
+- With `enable_think` the response must contain `<think>...</think>` followed (whitespace allowed) by
+  `<answer>...</answer>`; otherwise only `<answer>...</answer>`. Like RAGEN we search, not anchor: text
+  around the tags is tolerated. The first match wins.
+- The answer is split on `||`, items are trimmed and empty items dropped. The list is then cut to
+  `max_actions` **silently** (RAGEN's behaviour: items past the cap are ignored and cost no format
+  penalty). The kept items are mapped case-insensitively (`str.casefold`) onto `valid_actions`; unknown
+  items are dropped and make the turn malformed.
+- `format_ok` is False when the tags do not match, when an item within the cap was unknown, or when no
+  valid action remains. The caller applies the format penalty and the "no valid action" handling.
+- Parsing never raises on any response text; only a bad `valid_actions` / `max_actions` raises ValueError.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+ACTION_SEPARATOR = "||"
+
+_SPECIAL_TOKEN = re.compile(r"<\|[^<>|]*\|>|</?s>")
+_THINK_ANSWER = re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+@dataclass
+class ParsedTurn:
+    """One parsed assistant turn.
+
+    Attributes:
+        actions: canonical action words (as spelled in `valid_actions`), in order, at most `max_actions`.
+        format_ok: False if the tags did not match, an item within the cap was unknown, or no valid
+            action remained. Truncation at `max_actions` alone keeps it True.
+        think: the stripped reasoning text when `enable_think`, else "".
+    """
+
+    actions: list[str] = field(default_factory=list)
+    format_ok: bool = False
+    think: str = ""
+
+
+def strip_special_tokens(text: str) -> str:
+    """Remove chat special tokens (`<|im_end|>`, `<|endoftext|>`, `</s>`, ...) from `text`."""
+    return _SPECIAL_TOKEN.sub("", text)
+
+
+@lru_cache(maxsize=64)
+def _action_lookup(valid_actions: tuple[str, ...]) -> dict[str, str]:
+    """Case-folded word -> canonical word; rejects empty, padded, separator-containing or clashing words."""
+    if not valid_actions:
+        raise ValueError("valid_actions must contain at least one action word")
+    lookup: dict[str, str] = {}
+    for action in valid_actions:
+        if not isinstance(action, str) or not action.strip() or action != action.strip():
+            raise ValueError(f"action words must be non-empty strings without outer whitespace, got {action!r}")
+        if ACTION_SEPARATOR in action:
+            raise ValueError(f"action word {action!r} contains the separator {ACTION_SEPARATOR!r}")
+        if action.casefold() in lookup:
+            raise ValueError(f"action words {lookup[action.casefold()]!r} and {action!r} differ only by case")
+        lookup[action.casefold()] = action
+    return lookup
+
+
+def parse_response(
+    text: str, valid_actions: tuple[str, ...], *, max_actions: int, enable_think: bool = False
+) -> ParsedTurn:
+    """Parse one response into at most `max_actions` canonical action words (see the module docstring).
+
+    Args:
+        text: the decoded model response (prefix it with the prompt's trailing `<think>` if any).
+        valid_actions: the env's action words, e.g. ("Up", "Down", "Left", "Right").
+        max_actions: the cap on actions per turn (>= 1); extra items are ignored without penalty.
+        enable_think: require `<think>...</think>` before the answer and return its text.
+    """
+    lookup = _action_lookup(tuple(valid_actions))
+    if isinstance(max_actions, bool) or not isinstance(max_actions, int) or max_actions < 1:
+        raise ValueError(f"max_actions must be an integer >= 1, got {max_actions!r}")
+    match = (_THINK_ANSWER if enable_think else _ANSWER).search(strip_special_tokens(text))
+    if match is None:
+        return ParsedTurn(actions=[], format_ok=False, think="")
+    think = match.group(1).strip() if enable_think else ""
+    items = [item.strip() for item in match.groups()[-1].split(ACTION_SEPARATOR)]
+    items = [item for item in items if item][:max_actions]
+    actions = [lookup[item.casefold()] for item in items if item.casefold() in lookup]
+    format_ok = bool(actions) and len(actions) == len(items)
+    return ParsedTurn(actions=actions, format_ok=format_ok, think=think)

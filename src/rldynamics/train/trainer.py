@@ -1,0 +1,198 @@
+"""The training loop. `train(cfg)` sets up a run; `train_step` is one step, read top to bottom:
+
+    rollout -> filter (whole groups) -> old / ref log-probs, values -> advantages (+ filter loss scaling)
+    -> critic update -> [gradient analysis, on schedule, read-only] -> actor update
+
+then, in `train`, validation, checkpoint and logging. Every sampling call is seeded from (seed, step),
+so a resumed run replays exactly the steps an uninterrupted run would have taken.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rldynamics.algo.filter import loss_scale
+from rldynamics.algo.losses import aggregate
+from rldynamics.config import Config
+from rldynamics.models.forward import batch_logprobs, batch_values
+from rldynamics.rollout.agent import env_metric_summary, rollout
+from rldynamics.rollout.batch import RolloutBatch
+from rldynamics.tracking.console import StepConsole
+from rldynamics.tracking.run_dir import RunWriter
+from rldynamics.train import setup
+from rldynamics.train.actor import ActorInputs, update_actor
+from rldynamics.train.checkpoint import find_checkpoint, load_trainer_state, save_checkpoint
+from rldynamics.train.critic import update_critic
+from rldynamics.train.early_stop import EarlyStopper
+from rldynamics.train.stages import (
+    advantages_and_returns,
+    data_metrics,
+    filter_batch,
+    step_seed,
+    train_seeds,
+    val_seeds,
+)
+
+
+@dataclass
+class Session:
+    """Everything a step needs: config, models, optimizers, run writer."""
+
+    cfg: Config
+    run_dir: Path
+    writer: RunWriter
+    model: torch.nn.Module
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    ref_model: torch.nn.Module | None = None
+    critic: torch.nn.Module | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
+    console: StepConsole | None = None
+
+
+@contextmanager
+def timed(metrics: dict[str, float], name: str):
+    """Add the wall time of the block to `metrics["timing_s/<name>"]`."""
+    start = time.perf_counter()
+    yield
+    metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
+
+
+def train(cfg: Config) -> Path:
+    """Run training as configured; returns the run directory."""
+    s = setup.make_session(cfg)
+    stopper = EarlyStopper(cfg.early_stop, cfg.filter.empty_stop_steps)
+    start = 0
+    if cfg.checkpoint.resume:
+        path = find_checkpoint(cfg.checkpoint.resume, s.run_dir)
+        state = load_trainer_state(path, optimizer=s.optimizer, critic_optimizer=s.critic_optimizer)
+        start = state["step"]
+        stopper.load_state_dict(state["early_stop"])
+        s.writer.truncate_after(start)
+    elif cfg.val.before_train:
+        s.writer.log(0, validate(s))
+    env = cfg.env.name
+    with StepConsole(cfg.train.steps, env, enabled=cfg.log.progress) as console:
+        s.console = console
+        console.advance(start, {})
+        for step in range(start + 1, cfg.train.steps + 1):
+            t0 = time.perf_counter()
+            metrics, stop = train_step(s, step, stopper)
+            if stop is None and cfg.val.every > 0 and (step % cfg.val.every == 0 or step == cfg.train.steps):
+                console.phase("validation")
+                metrics.update(validate(s))
+                stop = stopper.after_validation(metrics[f"val-env/{env}/success"])
+            if stop is not None:
+                metrics[f"early_stopped/{stop}"] = 1.0
+            if _checkpoint_due(cfg, step, last=stop is not None):
+                console.phase("checkpoint")
+                save_checkpoint(s.run_dir / "checkpoints", step, model=s.model, tokenizer=s.tokenizer,
+                                optimizer=s.optimizer, critic=s.critic, critic_optimizer=s.critic_optimizer,
+                                trainer_state={"early_stop": stopper.state_dict()})
+            metrics["timing_s/step"] = time.perf_counter() - t0
+            s.writer.log(step, metrics)
+            console.advance(step, metrics)
+            if stop is not None:
+                console.print(f"[yellow]early stop at step {step}: {stop}")
+                break
+    s.writer.close()
+    return s.run_dir
+
+
+def _checkpoint_due(cfg: Config, step: int, last: bool) -> bool:
+    every = cfg.checkpoint.every
+    final = step == cfg.train.steps or last
+    return (every > 0 and step % every == 0) or (final and cfg.checkpoint.save_last)
+
+
+def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, float], str | None]:
+    """One training step; returns its metrics and an early-stop reason (or None)."""
+    cfg, m = s.cfg, {}
+    s.console.phase("rollout")
+    with timed(m, "gen"):
+        torch.manual_seed(step_seed(cfg.seed, step))
+        batch = rollout(s.model, s.tokenizer, train_seeds(cfg.train.seed_base, cfg.train.env_groups, step),
+                        cfg.train.group_size, cfg.env, temperature=cfg.train.temperature)
+    m.update(env_metric_summary(batch, f"train/{cfg.env.name}", cfg.train.group_size))
+    _log_samples(s, step, batch)
+
+    batch, filter_m, _ = filter_batch(batch, cfg.filter)
+    m.update(filter_m)
+    stop = stopper.after_rollout(filter_m["rollout/in_group_reward_std"], empty=len(batch) == 0)
+    if len(batch) == 0:
+        m["rollout/empty_after_filter"] = 1.0
+        return m, stop
+    if stop is not None:
+        return m, stop
+
+    s.console.phase("log-probs")
+    inputs, values = _old_logprobs_and_values(s, batch, m)
+    with timed(m, "adv"):
+        advantages, returns = advantages_and_returns(batch, values, cfg.algo)  # [N, L]
+        inputs.advantages = advantages * loss_scale(filter_m["rollout/filter_kept_ratio"], cfg.filter.loss_scaling)
+    m.update(data_metrics(batch, inputs.advantages, returns, values))
+
+    if s.critic is not None and not cfg.analysis.only:
+        s.console.phase("critic")
+        with timed(m, "update_critic"):
+            m.update(update_critic(s.critic, s.critic_optimizer, batch, values, returns, cfg.algo, cfg.critic,
+                                   cfg.train))
+    if not cfg.analysis.only:
+        s.console.phase("actor")
+        with timed(m, "update_actor"):
+            m.update(update_actor(s.model, s.optimizer, batch, inputs, cfg.algo, cfg.train,
+                                  torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1))))
+    return m, None
+
+
+def _old_logprobs_and_values(s: Session, batch: RolloutBatch, m: dict) -> tuple[ActorInputs, torch.Tensor | None]:
+    """Old log-probs (+ `actor/entropy`), reference log-probs and critic values of the batch."""
+    cfg = s.cfg
+    micro = cfg.train.micro_batch_size
+    with timed(m, "old_log_prob"):
+        old, entropy = batch_logprobs(s.model, batch.input_ids, batch.attention_mask, micro_batch_size=micro,
+                                      temperature=cfg.train.temperature, with_entropy=True)  # [N, L]
+    m["actor/entropy"] = aggregate(entropy, batch.response_mask, cfg.algo.loss_agg_mode).item()
+    inputs = ActorInputs(old_logprobs=old, advantages=torch.zeros_like(old))
+    if s.ref_model is not None:
+        with timed(m, "ref"):
+            inputs.ref_logprobs, _ = batch_logprobs(s.ref_model, batch.input_ids, batch.attention_mask,
+                                                    micro_batch_size=micro, temperature=cfg.train.temperature)
+        m["rollout/ref_log_prob"] = (inputs.ref_logprobs * batch.response_mask).sum().item() / max(
+            batch.response_mask.sum().item(), 1.0)
+    values = None
+    if s.critic is not None:
+        with timed(m, "values"):
+            values = batch_values(s.critic, batch.input_ids, batch.attention_mask, micro_batch_size=micro)  # [N, L]
+    return inputs, values
+
+
+def _log_samples(s: Session, step: int, batch: RolloutBatch) -> None:
+    k = s.cfg.log.samples_per_step
+    if k > 0:
+        picks = range(0, len(batch), max(1, len(batch) // k))
+        s.writer.log_samples(step, [{"seed": batch.seeds[i], "reward": batch.scores[i].item(),
+                                     "success": batch.env_metrics[i]["success"], "text": batch.texts[i]}
+                                    for i in list(picks)[:k]])
+
+
+@torch.no_grad()
+def validate(s: Session) -> dict[str, float]:
+    """Validation rollouts on the fixed puzzles; RNG streams are left as they were."""
+    cfg = s.cfg
+    if s.console is not None:
+        s.console.phase("validation")
+    start = time.perf_counter()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(step_seed(cfg.seed, 0, stream=2))
+        batch = rollout(s.model, s.tokenizer, val_seeds(cfg.val.seed_base, cfg.val.env_groups), cfg.val.group_size,
+                        cfg.env, temperature=cfg.val.temperature)
+    metrics = env_metric_summary(batch, f"val-env/{cfg.env.name}", cfg.val.group_size)
+    metrics["timing_s/val"] = time.perf_counter() - start
+    return metrics
+

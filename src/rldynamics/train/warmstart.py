@@ -1,0 +1,115 @@
+"""Supervised warm start of the embedded tiny model on noisy scripted-solver demonstrations.
+
+RL from random weights cannot discover the answer format and the grid geometry of Sokoban in a few CPU
+minutes, so `model.path=tiny` first imitates an optimal solver whose actions are replaced by random
+ones with probability `model.warm_start_noise`. The demonstrations are played through the same agent
+loop as RL rollouts (`rollout(..., respond=...)`), so prompts and token layout are identical. The result
+is saved with `save_pretrained` and cached under a key of every input, then loaded like any model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+from rldynamics.config import Config, EnvConfig
+from rldynamics.envs import make_env
+from rldynamics.models.forward import token_logprobs
+from rldynamics.rollout.agent import chat_segment, env_kwargs, rollout, state_message, system_message
+
+DEMO_SEED_BASE = 5_000_000  # disjoint from RAGEN's train (10000+) and validation (123+) seeds
+
+
+def tiny_corpus(env_cfg: EnvConfig, num_seeds: int = 200) -> list[str]:
+    """Texts the tiny tokenizer is trained on: prompts and answers as the agent loop writes them."""
+    texts = []
+    for seed in range(DEMO_SEED_BASE - num_seeds, DEMO_SEED_BASE):
+        env = make_env(env_cfg.name, **env_kwargs(env_cfg))
+        observation = env.reset(seed)
+        texts.append(chat_segment("system", system_message(env.instructions(), env_cfg)))
+        texts.append(chat_segment("user", state_message(1, observation, env_cfg.max_actions_per_traj, env_cfg)))
+        for action in env.solve():
+            result = env.step(action)
+            texts.append(f"Reward: {result.reward:g}\n" + result.observation)
+            texts.append(f"<answer>{action} || {random.Random(seed).choice(env.actions)}</answer>")
+    return texts
+
+
+def solver_policy(tokenizer, cfg: EnvConfig, noise: float, rng: random.Random):
+    """A `respond` function for `rollout`: the env's optimal plan, each action randomised with prob `noise`."""
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def respond(trajs) -> list[list[int]]:
+        out = []
+        for traj in trajs:
+            try:
+                plan = traj.env.solve()[: cfg.max_actions_per_turn]
+            except ValueError:  # a noisy push made the room unsolvable: act at random
+                plan = [rng.choice(traj.env.actions) for _ in range(cfg.max_actions_per_turn)]
+            actions = [rng.choice(traj.env.actions) if rng.random() < noise else a for a in plan]
+            text = f"<answer>{' || '.join(actions)}</answer>"
+            if cfg.enable_think:
+                text = "I move the player toward the box and push it onto the target.</think>" + text
+            out.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])
+        return out
+
+    return respond
+
+
+def warm_start_key(base_path: str, cfg: Config) -> str:
+    """Cache key of a warm-started model: every input that changes its weights."""
+    m = cfg.model
+    blob = json.dumps([base_path, m.warm_start_episodes, m.warm_start_noise, m.warm_start_epochs, m.warm_start_lr,
+                       cfg.seed, cfg.env.__dict__], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def ensure_warm_start(base_path: str, cfg: Config, log=print) -> str:
+    """Return the directory of the warm-started tiny model, training and caching it on first use."""
+    final = Path(f"{base_path}-warm-{warm_start_key(base_path, cfg)}")
+    if (final / "config.json").is_file():
+        return str(final)
+    from rldynamics.models.loading import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(base_path)
+    log(f"warm start: imitating {cfg.model.warm_start_episodes} noisy solver episodes "
+        f"(noise {cfg.model.warm_start_noise}); cached in {final}")
+    supervised_warm_start(model, tokenizer, cfg)
+    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.rename(tmp, final)
+    except OSError:  # another process published it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)
+
+
+def supervised_warm_start(model, tokenizer, cfg: Config, batch_size: int = 32) -> list[float]:
+    """Fit `model` to noisy solver demonstrations (token-mean NLL of the response tokens); returns losses."""
+    rng = random.Random(cfg.seed)
+    seeds = [DEMO_SEED_BASE + i for i in range(cfg.model.warm_start_episodes)]
+    demos = rollout(None, tokenizer, seeds, 1, cfg.env, respond=solver_policy(tokenizer, cfg.env,
+                                                                             cfg.model.warm_start_noise, rng))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.model.warm_start_lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    losses = []
+    for _ in range(cfg.model.warm_start_epochs):
+        for rows in torch.split(torch.randperm(len(demos), generator=generator), batch_size):
+            logprobs, _ = token_logprobs(model, demos.input_ids[rows], demos.attention_mask[rows])  # [b, L]
+            mask = demos.response_mask[rows]  # [b, L]
+            loss = -(logprobs * mask).sum() / mask.sum()  # []
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            losses.append(loss.item())
+    model.eval()
+    return losses

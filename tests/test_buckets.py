@@ -1,0 +1,67 @@
+"""Reward-variance bucketing (ragen_behaviour.md §3.4)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rldynamics.analysis.buckets import assign_buckets
+
+
+def buckets(scores, **kwargs) -> list[list[int]]:
+    return assign_buckets(torch.tensor(scores, dtype=torch.float32), **kwargs)
+
+
+def test_quantile_remainder_goes_to_highest_bucket():
+    scores = [0.8, 0.1, 0.5, 0.3, 0.9, 0.2, 0.7, 0.4]  # ascending order: 1, 5, 3, 7, 2, 6, 0, 4
+    assert buckets(scores, num_buckets=3) == [[1, 5], [3, 7], [0, 2, 4, 6]]  # 8 // 3 = 2, remainder 2
+    assert buckets(scores, num_buckets=1) == [list(range(8))]
+    assert buckets(scores, num_buckets=8) == [[1], [5], [3], [7], [2], [6], [0], [4]]
+
+
+def test_quantile_fewer_groups_than_buckets():
+    assert buckets([2.0, 0.0, 1.0]) == [[1], [2], [0]]  # B = min(6, 3)
+
+
+def test_quantile_ties_break_by_lower_index():
+    assert buckets([0.0] * 5, num_buckets=2) == [[0, 1], [2, 3, 4]]
+    assert buckets([1.0, 0.0, 1.0, 0.0], num_buckets=2) == [[1, 3], [0, 2]]
+    assert buckets([1.0, 1.0, 1.0, 0.0], num_buckets=3) == [[3], [0], [1, 2]]
+
+
+def test_fixed_rv_edges():
+    scores = [0.0, 0.999, 1.0, 2.5, 4.99, 5.0, 7.3]
+    # [0,1) -> {0, 1}; [1,2) -> {2}; [2,3) -> {3}; [3,4) empty and omitted; [4,5) -> {4}; [5, inf) -> {5, 6}
+    assert buckets(scores, mode="fixed_rv") == [[0, 1], [2], [3], [4], [5, 6]]
+    assert buckets([7.3, 1.0], mode="fixed_rv", num_buckets=2) == [[1], [0]]  # num_buckets is ignored
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="quantile"):
+        buckets([1.0], mode="equal")
+    with pytest.raises(ValueError, match="num_buckets"):
+        buckets([1.0], num_buckets=0)
+    with pytest.raises(ValueError, match="non-negative"):
+        buckets([1.0, -0.5], mode="fixed_rv")
+    with pytest.raises(ValueError, match=r"\[G\]"):
+        assign_buckets(torch.zeros(2, 2))
+    assert assign_buckets(torch.zeros(0)) == []
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.0, 3.2, 4.0, 5.0, 6.5]) | st.floats(0, 8), max_size=30),
+    st.sampled_from(["quantile", "fixed_rv"]),
+    st.integers(1, 10),
+)
+def test_buckets_partition_and_order(scores, mode, num_buckets):
+    out = buckets(scores, mode=mode, num_buckets=num_buckets)
+    flat = [g for bucket in out for g in bucket]
+    assert sorted(flat) == list(range(len(scores)))  # a partition of the groups
+    assert all(bucket and bucket == sorted(bucket) for bucket in out)
+    scored = [[torch.tensor(scores[g], dtype=torch.float32).item() for g in bucket] for bucket in out]
+    assert all(max(lo) <= min(hi) for lo, hi in zip(scored, scored[1:], strict=False))  # lowest scores first
+    if mode == "quantile" and scores:
+        num_b = min(num_buckets, len(scores))
+        size = len(scores) // num_b
+        assert [len(b) for b in out] == [size] * (num_b - 1) + [size + len(scores) % num_b]

@@ -1,0 +1,252 @@
+"""Losses, aggregation and KL / entropy helpers pinned to hand-computed values."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rldynamics.algo.losses import (
+    AGG_MODES,
+    aggregate,
+    aggregation_weights,
+    entropy_from_logits,
+    kl_penalty,
+    masked_mean,
+    policy_loss,
+    value_loss,
+)
+
+INF = float("inf")
+
+# --- masked_mean / aggregate -----------------------------------------------------------------
+
+
+def test_masked_mean():
+    x = torch.tensor([[1.0, 2.0, INF], [4.0, float("nan"), 6.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 0, 1]], dtype=torch.float32)
+    torch.testing.assert_close(masked_mean(x, mask), torch.tensor(3.0))
+    torch.testing.assert_close(masked_mean(x, mask.bool(), dim=1), torch.tensor([1.5, 6.0]))
+    assert float(masked_mean(x, torch.zeros(2, 3))) == 0.0
+
+
+# rows: 2 tokens, none (all masked), 3 tokens; masked-out slots hold inf / nan and must not leak
+AGG_VALUES = torch.tensor([[1.0, 2.0, INF], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+AGG_VALUES[1, 0] = float("nan")
+AGG_MASK = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1]], dtype=torch.float32)
+AGG_EXPECTED = {
+    "token-mean": 27 / 5,
+    "seq-mean-token-mean": (1.5 + 8.0) / 2,
+    "seq-mean-token-sum": (3.0 + 24.0) / 2,
+    "seq-mean-token-sum-norm": 27 / 3,
+}
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_aggregate_by_hand(mode):
+    assert set(AGG_EXPECTED) == set(AGG_MODES)
+    out = aggregate(AGG_VALUES, AGG_MASK, mode)
+    assert out.shape == ()
+    assert out.item() == pytest.approx(AGG_EXPECTED[mode], rel=1e-6)
+    assert aggregate(AGG_VALUES, AGG_MASK.bool(), mode).item() == pytest.approx(AGG_EXPECTED[mode], rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_aggregate_all_masked_is_zero(mode):
+    assert aggregate(torch.ones(2, 3), torch.zeros(2, 3), mode).item() == 0.0
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from(AGG_MODES))
+def test_aggregation_weights_identity(seed, mode):
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(5, 7, generator=gen, dtype=torch.float64)
+    mask = torch.rand(5, 7, generator=gen) < 0.5
+    weights = aggregation_weights(mask, mode)
+    assert weights.shape == mask.shape
+    assert torch.all(weights[~mask] == 0)
+    torch.testing.assert_close(aggregate(values, mask, mode), (values * weights.double()).sum())
+    # linearity: splitting the tokens into two disjoint parts adds up
+    part = torch.rand(5, 7, generator=gen) < 0.5
+    split = (values * part * weights).sum() + (values * ~part * weights).sum()
+    torch.testing.assert_close(split, aggregate(values, mask, mode))
+
+
+def test_aggregate_low_precision_input_reduces_in_float32():
+    values = torch.full((1, 3000), 1.0, dtype=torch.bfloat16)
+    out = aggregate(values, torch.ones(1, 3000), "token-mean")
+    assert out.dtype == torch.float32
+    assert out.item() == pytest.approx(1.0, rel=1e-6)
+
+
+def test_aggregate_bad_arguments():
+    with pytest.raises(ValueError, match="token-mean"):
+        aggregate(torch.ones(2, 2), torch.ones(2, 2), "sum")
+    with pytest.raises(ValueError, match="shape"):
+        aggregate(torch.ones(2, 2), torch.ones(2, 3), "token-mean")
+
+
+# --- PPO -------------------------------------------------------------------------------------
+
+PPO_ADV = torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0, 50.0]])
+PPO_RATIO = torch.tensor([[1.5, 0.5, 0.5, 1.1, 5.0, 9.0]])
+PPO_MASK = torch.tensor([[1, 1, 1, 1, 1, 0]], dtype=torch.float32)
+
+
+def ppo_case(**kwargs):
+    logp = PPO_RATIO.log().clone().requires_grad_(True)
+    loss, metrics = policy_loss(logp, torch.zeros_like(logp), PPO_ADV, PPO_MASK, **kwargs)
+    loss.backward()
+    return loss, metrics, logp.grad
+
+
+def test_ppo_dual_clip_hand_case():
+    # per token: clipped high (-1.28), unclipped (-0.5), clipped low (0.8), unclipped (1.1), dual-clipped (3.0)
+    loss, metrics, grad = ppo_case()
+    assert loss.item() == pytest.approx((-1.28 - 0.5 + 0.8 + 1.1 + 3.0) / 5, rel=1e-6)
+    assert metrics["pg_clipfrac"] == pytest.approx(2 / 5)
+    assert metrics["pg_clipfrac_lower"] == pytest.approx(1 / 5)
+    log_r = [math.log(r) for r in (1.5, 0.5, 0.5, 1.1, 5.0)]
+    assert metrics["ppo_kl"] == pytest.approx(-sum(log_r) / 5, rel=1e-6)
+    assert all(isinstance(v, float) for v in metrics.values())
+    # d(-A·r)/dlogp = -A·r on unclipped tokens only; clipped and dual-clipped tokens have no gradient
+    expected = torch.tensor([[0.0, -0.5, 0.0, 1.1, 0.0, 0.0]]) / 5
+    torch.testing.assert_close(grad, expected)
+
+
+def test_ppo_without_dual_clip():
+    loss, metrics, _ = ppo_case(clip_c=None)
+    assert loss.item() == pytest.approx((-1.28 - 0.5 + 0.8 + 1.1 + 5.0) / 5, rel=1e-6)
+    assert metrics["pg_clipfrac_lower"] == 0.0
+
+
+def test_ppo_symmetric_clip_and_agg():
+    loss, _, _ = ppo_case(clip_high=0.2, agg="seq-mean-token-sum")
+    assert loss.item() == pytest.approx(-1.2 - 0.5 + 0.8 + 1.1 + 3.0, rel=1e-6)
+
+
+def test_policy_loss_bad_arguments():
+    x = torch.zeros(1, 3)
+    with pytest.raises(ValueError, match="clip_c"):
+        policy_loss(x, x, x, x, clip_c=1.0)
+    with pytest.raises(ValueError, match="ppo"):
+        policy_loss(x, x, x, x, kind="gspo")
+    with pytest.raises(ValueError, match="clip_low"):
+        policy_loss(x, x, x, x, clip_low=1.0)
+    with pytest.raises(ValueError, match="shape"):
+        policy_loss(x, x, torch.zeros(1, 2), x)
+
+
+# --- CISPO -----------------------------------------------------------------------------------
+
+
+def test_cispo_value_and_stop_gradient():
+    ratio = torch.tensor([[1.5, 0.5, 1.1, 2.0], [0.9, 1.0, 0.1, 3.0]])
+    adv = torch.tensor([[1.0, -2.0, 0.5, 3.0], [-1.0, 2.0, 1.0, -4.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1]], dtype=torch.float32)
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-0.2, -1.0, -4.0, -2.0]])
+    logp = (old + ratio.log()).requires_grad_(True)
+    loss, metrics = policy_loss(logp, old, adv, mask, kind="cispo", agg="seq-mean-token-mean")
+    loss.backward()
+    clipped = ratio.clamp(0.8, 1.28)
+    weights = aggregation_weights(mask, "seq-mean-token-mean")
+    torch.testing.assert_close(loss, (-clipped * adv * logp.detach() * weights).sum())
+    torch.testing.assert_close(logp.grad, -clipped * adv * weights)  # no gradient through the ratio
+    # masked tokens: 1.5, 0.5, 1.1 | 0.9, 0.1, 3.0 -> clipped: 1.5, 0.5, 0.1, 3.0
+    assert metrics["pg_clipfrac"] == pytest.approx(4 / 6)
+    assert metrics["pg_clipfrac_lower"] == 0.0
+
+
+# --- KL --------------------------------------------------------------------------------------
+
+LOGP = torch.tensor([[-1.0, -2.0, -30.0]])
+REF = torch.tensor([[-1.5, -1.0, -1.0]])
+DIFF = LOGP - REF  # [0.5, -1.0, -29.0]
+K3 = torch.tensor([[math.exp(-0.5) + 0.5 - 1, math.e - 2, 10.0]])  # d = 29 is clamped to 20, value to 10
+EXPECTED_KL = {
+    "k1": DIFF,
+    "kl": DIFF,
+    "abs": DIFF.abs(),
+    "k2": 0.5 * DIFF**2,
+    "mse": 0.5 * DIFF**2,
+    "k3": K3,
+    "low_var_kl": K3,
+}
+
+
+@pytest.mark.parametrize("kind", list(EXPECTED_KL))
+def test_kl_values(kind):
+    torch.testing.assert_close(kl_penalty(LOGP, REF, kind), EXPECTED_KL[kind])
+
+
+@pytest.mark.parametrize("kind", list(EXPECTED_KL))
+def test_kl_straight_through_variants(kind):
+    logp = LOGP.clone().requires_grad_(True)
+    value = kl_penalty(logp, REF, kind + "+")
+    torch.testing.assert_close(value.detach(), EXPECTED_KL[kind])
+    value.sum().backward()
+    torch.testing.assert_close(logp.grad, DIFF)  # gradient of ½(logp - ref)²
+
+
+def test_k3_gradient():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    kl_penalty(logp, REF[:, :2], "k3").sum().backward()
+    d = REF[:, :2] - logp.detach()
+    torch.testing.assert_close(logp.grad, 1 - torch.exp(d))
+
+
+@pytest.mark.parametrize("kind", ["full", "low-var-kl", "k3++", "K1"])
+def test_kl_unknown_kind(kind):
+    with pytest.raises(ValueError, match="low_var_kl"):
+        kl_penalty(LOGP, REF, kind)
+
+
+# --- entropy ---------------------------------------------------------------------------------
+
+
+def test_entropy_manual_values():
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [math.log(0.5), math.log(0.25), math.log(0.125), math.log(0.125)]])
+    out = entropy_from_logits(logits.double() + 3.0)  # shift invariant
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, torch.tensor([math.log(4), 1.75 * math.log(2)]))
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(3, 11, generator=gen, dtype=torch.float64)
+    p = torch.softmax(z, -1)
+    torch.testing.assert_close(entropy_from_logits(z), (-(p * p.log()).sum(-1)).float())
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 5, 7, 100])
+def test_entropy_chunked_equals_unchunked(chunk_size):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 4, 50, generator=gen).to(torch.bfloat16)
+    full = entropy_from_logits(logits)
+    assert full.shape == (3, 4) and full.dtype == torch.float32
+    assert torch.equal(entropy_from_logits(logits, chunk_size=chunk_size), full)
+
+
+def test_entropy_gradient_and_bad_chunk():
+    logits = torch.zeros(2, 3, requires_grad=True)
+    entropy_from_logits(logits, chunk_size=1).sum().backward()
+    torch.testing.assert_close(logits.grad, torch.zeros(2, 3))  # uniform is a maximum
+    with pytest.raises(ValueError, match="chunk_size"):
+        entropy_from_logits(logits, chunk_size=0)
+
+
+# --- value loss ------------------------------------------------------------------------------
+
+
+def test_value_loss_hand_case():
+    values = torch.tensor([[1.0, 2.0, 100.0]], requires_grad=True)
+    old = torch.tensor([[0.0, 0.0, 0.0]])
+    returns = torch.tensor([[1.5, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, False]])
+    # token 0: v_clip 0.5 -> clipped term 1.0 > 0.25; token 1: v_clip 0.5 -> 0.25 < 4.0
+    loss, metrics = value_loss(values, old, returns, mask)
+    assert loss.item() == pytest.approx(0.5 * (1.0 + 4.0) / 2)
+    assert metrics == {"vf_clipfrac": pytest.approx(0.5), "vpred_mean": pytest.approx(1.5)}
+    loss.backward()
+    # token 0's loss comes from the clipped branch (constant in v); token 1: d ½·½(v-R)² = ½(v-R)
+    torch.testing.assert_close(values.grad, torch.tensor([[0.0, 1.0, 0.0]]))
+    with pytest.raises(ValueError, match="clip_range"):
+        value_loss(values, old, returns, mask, clip_range=0.0)

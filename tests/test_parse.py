@@ -1,0 +1,128 @@
+"""Action parsing: RAGEN's tag formats, case-insensitive mapping, silent cap, and never raising."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rldynamics.rollout.parse import ParsedTurn, parse_response, strip_special_tokens
+
+ACTIONS = ("Up", "Down", "Left", "Right")
+
+
+def _parse(text: str, max_actions: int = 2, enable_think: bool = False) -> ParsedTurn:
+    return parse_response(text, ACTIONS, max_actions=max_actions, enable_think=enable_think)
+
+
+@pytest.mark.parametrize(
+    ("text", "max_actions", "actions", "format_ok"),
+    [
+        ("<answer>Up</answer>", 2, ["Up"], True),
+        ("<answer> Up || Left </answer>", 2, ["Up", "Left"], True),
+        ("<answer>up || LEFT</answer>", 2, ["Up", "Left"], True),
+        ("<answer>Up || || Down ||</answer>", 2, ["Up", "Down"], True),
+        ("<answer>Up || Jump</answer>", 2, ["Up"], False),
+        ("<answer>Jump</answer>", 2, [], False),
+        ("<answer>Up || Down || Left</answer>", 2, ["Up", "Down"], True),
+        ("<answer>Up || Down || Jump</answer>", 2, ["Up", "Down"], True),
+        ("<answer>Up || Jump || Left</answer>", 2, ["Up"], False),
+        ("<answer></answer>", 2, [], False),
+        ("<answer>Up", 2, [], False),
+        ("Up || Down", 2, [], False),
+        ("", 2, [], False),
+        ("reasoning first <answer>Right</answer> trailing", 2, ["Right"], True),
+        ("<answer>Left<|im_end|></answer><|endoftext|>", 2, ["Left"], True),
+        ("<answer>Down</answer><answer>Up</answer>", 2, ["Down"], True),
+        ("<answer>Up\n||\nDown</answer>", 5, ["Up", "Down"], True),
+    ],
+)
+def test_parse_without_think(text: str, max_actions: int, actions: list[str], format_ok: bool) -> None:
+    parsed = _parse(text, max_actions=max_actions)
+    assert (parsed.actions, parsed.format_ok, parsed.think) == (actions, format_ok, "")
+
+
+@pytest.mark.parametrize(
+    ("text", "actions", "format_ok", "think"),
+    [
+        ("<think> box is left </think>\n<answer>Left</answer>", ["Left"], True, "box is left"),
+        ("<think>a</think><answer>Up || Down</answer><|im_end|>", ["Up", "Down"], True, "a"),
+        ("<think>go<|im_end|> up</think> <answer>Up</answer>", ["Up"], True, "go up"),
+        ("<answer>Up</answer>", [], False, ""),
+        ("<think>unfinished <answer>Up</answer>", [], False, ""),
+        ("<think>x</think> words <answer>Up</answer>", [], False, ""),
+        ("<think>x</think><answer>nope</answer>", [], False, "x"),
+    ],
+)
+def test_parse_with_think(text: str, actions: list[str], format_ok: bool, think: str) -> None:
+    parsed = _parse(text, enable_think=True)
+    assert (parsed.actions, parsed.format_ok, parsed.think) == (actions, format_ok, think)
+
+
+def test_strip_special_tokens() -> None:
+    assert strip_special_tokens("a<|im_end|>b<|endoftext|>c</s><s>") == "abc"
+    assert strip_special_tokens("x || y <answer>") == "x || y <answer>"
+
+
+@pytest.mark.parametrize(
+    ("valid_actions", "max_actions", "message"),
+    [
+        ((), 2, "at least one"),
+        (("Up", "up"), 2, "differ only by case"),
+        (("Up", " Down"), 2, "outer whitespace"),
+        (("Up||Down",), 2, "separator"),
+        (ACTIONS, 0, "max_actions"),
+        (ACTIONS, True, "max_actions"),
+    ],
+)
+def test_bad_configuration_raises(valid_actions: tuple[str, ...], max_actions: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_response("<answer>Up</answer>", valid_actions, max_actions=max_actions)
+
+
+_PIECES = st.sampled_from(
+    [
+        "<think>",
+        "</think>",
+        "<answer>",
+        "</answer>",
+        "||",
+        " ",
+        "\n",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<|",
+        "|>",
+        "Up",
+        "down",
+        "LEFT",
+        "right",
+        "jump",
+        "√",
+        "\x00",
+    ]
+)
+_TEXT = st.lists(st.one_of(st.text(max_size=20), _PIECES), max_size=30).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_TEXT, max_actions=st.integers(1, 5), enable_think=st.booleans())
+def test_never_raises_and_respects_invariants(text: str, max_actions: int, enable_think: bool) -> None:
+    parsed = parse_response(text, ACTIONS, max_actions=max_actions, enable_think=enable_think)
+    assert len(parsed.actions) <= max_actions and all(a in ACTIONS for a in parsed.actions)
+    assert parsed.actions or not parsed.format_ok
+    assert enable_think or parsed.think == ""
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    chosen=st.lists(st.sampled_from(ACTIONS), min_size=1, max_size=4),
+    casing=st.sampled_from([str.lower, str.upper, str]),
+    pad=st.sampled_from(["", " ", "\n"]),
+    enable_think=st.booleans(),
+)
+def test_well_formed_answers_round_trip(chosen: list[str], casing, pad: str, enable_think: bool) -> None:
+    answer = "||".join(pad + casing(a) + pad for a in chosen)
+    text = ("<think>plan</think>" if enable_think else "") + f"<answer>{answer}</answer><|im_end|>"
+    parsed = parse_response(text, ACTIONS, max_actions=4, enable_think=enable_think)
+    assert parsed == ParsedTurn(actions=chosen, format_ok=True, think="plan" if enable_think else "")
