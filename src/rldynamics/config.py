@@ -37,6 +37,10 @@ class ModelConfig:
     """Parameter dtype: float32 | bfloat16 | float16 | auto."""
     device: str = "auto"
     """Device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N."""
+    tiny_hidden_size: int = 64
+    """Tiny model only: hidden size of the embedded Qwen2-architecture model."""
+    tiny_layers: int = 2
+    """Tiny model only: transformer layers."""
     warm_start_episodes: int = 768
     """Tiny model only: solver demonstrations (episodes) for the supervised warm start (0 = none)."""
     warm_start_noise: float = 0.5

@@ -396,16 +396,15 @@ class SokobanEnv:
         self._state: SokobanState | None = None
 
     def instructions(self) -> str:
-        """Rules, symbol legend and available actions, for the system prompt."""
+        """Rules, symbol legend and available actions, for the system prompt (kept short: it is in every
+        sequence)."""
         text = (
-            "You are solving the Sokoban puzzle. You are the player and you need to push every box onto a "
-            "target. Moving into a box pushes it one cell if the cell behind it is empty or a target; you "
-            "cannot pull boxes, push two boxes at once, or walk through walls.\n"
-            f"The meaning of each symbol in the state is: {_SYMBOL_LEGEND}.\n"
+            "You are solving Sokoban. Push every box onto a target; you can push a box, never pull it.\n"
+            f"Symbols: {_SYMBOL_LEGEND}.\n"
         )
         if "coord" in self.observation_format:
-            text += "Coordinates are (row, col), zero-indexed from the top-left; Up decreases the row.\n"
-        return text + f"Your available actions are: {', '.join(self.actions)}."
+            text += "Coordinates are (row, col); Up decreases the row.\n"
+        return text + f"Actions: {', '.join(self.actions)}."
 
     def reset(self, seed: int) -> str:
         """Generate the puzzle for `seed` (an integer >= 0), start a new episode, return the observation."""

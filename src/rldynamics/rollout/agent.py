@@ -38,23 +38,22 @@ def env_kwargs(cfg: EnvConfig) -> dict:
 
 
 def format_hint(cfg: EnvConfig) -> str:
-    """The output-format instruction appended to every state message."""
+    """The output-format instruction of the system prompt."""
     body = "<think> [your thoughts] </think> <answer> [your answer] </answer>" if cfg.enable_think else (
         "<answer> [your answer] </answer>"
     )
-    return (f"Always output: {body} with no extra text. Strictly follow this format. "
-            f"Max response length: {cfg.max_new_tokens} tokens.")
+    return f"Always output: {body} with no extra text. Max response length: {cfg.max_new_tokens} tokens."
 
 
 def system_message(instructions: str, cfg: EnvConfig) -> str:
-    """The system prompt: the env's instructions plus the action budget."""
-    return (f"{SYSTEM_PREFIX}{instructions}\nYou can make up to {cfg.max_actions_per_turn} actions per turn, "
-            f"separated by the action separator \" || \".")
+    """The system prompt: the env's instructions, the action budget and the output format."""
+    return (f"{SYSTEM_PREFIX}{instructions}\nUp to {cfg.max_actions_per_turn} actions per turn, separated by "
+            f"\" || \". {format_hint(cfg)}")
 
 
-def state_message(turn: int, observation: str, actions_left: int, cfg: EnvConfig) -> str:
+def state_message(turn: int, observation: str, actions_left: int) -> str:
     """The user message that shows the state at the start of a turn."""
-    return f"Turn {turn}:\nState:\n{observation}\nYou have {actions_left} actions left. {format_hint(cfg)}"
+    return f"Turn {turn}:\nState:\n{observation}\nYou have {actions_left} actions left."
 
 
 def chat_segment(role: str, content: str) -> str:
@@ -110,7 +109,7 @@ def rollout(model, tokenizer, seeds: list[int], group_size: int, cfg: EnvConfig,
             traj = Trajectory(env=env, seed=seed, group_id=g)
             observation = traj.observation = env.reset(seed)
             system = chat_segment("system", system_message(env.instructions(), cfg))
-            user = chat_segment("user", state_message(1, observation, cfg.max_actions_per_traj, cfg))
+            user = chat_segment("user", state_message(1, observation, cfg.max_actions_per_traj))
             traj.add(encode(system + user + assistant_header(cfg)), sampled=False)
             trajs.append(traj)
     for turn in range(1, cfg.max_turns + 1):
@@ -161,7 +160,7 @@ def _play_turn(traj: Trajectory, response: list[int], turn: int, tokenizer, enco
     if not traj.done:
         note = "" if parsed.actions else INVALID_NOTE
         actions_left = cfg.max_actions_per_traj - traj.num_actions
-        user = f"Reward: {turn_reward:g}\n{note}" + state_message(turn + 1, traj.observation, actions_left, cfg)
+        user = f"Reward: {turn_reward:g}\n{note}" + state_message(turn + 1, traj.observation, actions_left)
         traj.add(encode("\n" + chat_segment("user", user) + assistant_header(cfg)), sampled=False)
 
 

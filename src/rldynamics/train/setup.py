@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from rldynamics.config import Config, save_config, to_dict
-from rldynamics.models.loading import load_model_and_tokenizer, load_value_model, resolve_model_path
+from rldynamics.models.loading import load_model_and_tokenizer, load_value_model
+from rldynamics.models.tiny import ensure_tiny_model
 from rldynamics.tracking.run_dir import RunWriter
 from rldynamics.tracking.sinks import TensorBoardSink, WandbSink
 from rldynamics.train.checkpoint import find_checkpoint
@@ -24,10 +25,12 @@ def resolve_device(name: str) -> torch.device:
 
 def base_model_path(cfg: Config) -> str:
     """The initial weights: a local dir / hub id, or the embedded tiny model (built, warm-started, cached)."""
-    path = resolve_model_path(cfg.model.path, lambda: tiny_corpus(cfg.env))
-    if cfg.model.path == "tiny" and cfg.model.warm_start_episodes > 0:
-        path = ensure_warm_start(path, cfg)
-    return path
+    if cfg.model.path != "tiny":
+        return cfg.model.path
+    m = cfg.model
+    path = str(ensure_tiny_model(lambda: tiny_corpus(cfg.env), hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers,
+                                 intermediate_size=4 * m.tiny_hidden_size))
+    return ensure_warm_start(path, cfg) if m.warm_start_episodes > 0 else path
 
 
 def resolve_run_dir(cfg: Config) -> Path:

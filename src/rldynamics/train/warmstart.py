@@ -33,7 +33,7 @@ def tiny_corpus(env_cfg: EnvConfig, num_seeds: int = 200) -> list[str]:
         env = make_env(env_cfg.name, **env_kwargs(env_cfg))
         observation = env.reset(seed)
         texts.append(chat_segment("system", system_message(env.instructions(), env_cfg)))
-        texts.append(chat_segment("user", state_message(1, observation, env_cfg.max_actions_per_traj, env_cfg)))
+        texts.append(chat_segment("user", state_message(1, observation, env_cfg.max_actions_per_traj)))
         for action in env.solve():
             result = env.step(action)
             texts.append(f"Reward: {result.reward:g}\n" + result.observation)

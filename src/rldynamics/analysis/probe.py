@@ -1,0 +1,322 @@
+"""Per-bucket, per-loss-component gradient probe (RAGEN's gradient analysis, exact and read-only).
+
+Semantics (``DESIGN.md`` §4.2–4.4, metric names from ``reference/ragen_behaviour.md`` §3.7):
+- Groups are split into reward-variance buckets with ``assign_buckets`` (whole groups, lowest variance
+  first: ``bucket_1..bucket_B``); ``all`` is the whole batch.
+- The gradient of a bucket and component is the gradient, w.r.t. all trainable parameters, of that
+  component's loss aggregated over the bucket exactly as a training mini-batch made of that bucket alone
+  (same ``loss_agg_mode``). Each micro-batch is forwarded ONCE through ``train.actor.loss_terms`` and each
+  term is differentiated with ``torch.autograd.grad``, scaled by the micro-batch's ``sub_batch_share``;
+  the result does not depend on ``micro_batch_size``.
+- Components are signed as they enter the training loss: task = ∇pg, entropy = −∇H (a bonus),
+  kl = +∇KL. The reported ``task``/``entropy``/``kl`` norms are coefficient-weighted (RAGEN-compatible,
+  i.e. ``entropy_coef·‖∇H‖``); ``raw/*`` are unweighted, so a zero coefficient still shows the direction.
+- ``all`` is derived, not recomputed: buckets partition the batch, so
+  ``g_all = Σ_b share_b · g_b`` with ``share_b = sub_batch_share(all_mask, rows_b, mode)``; losses of
+  ``all`` are combined the same way. Memory stays at three ``all`` vectors plus the current bucket's.
+- Read-only: ``.grad`` is never touched, nothing is stepped, and every RNG stream is restored.
+- Distributed (``torch.distributed`` initialised): each rank holds a shard of the batch; buckets are
+  assigned over the union of all ranks' groups, shares use globally summed aggregation weights and the
+  share-weighted gradient vectors and losses are all-reduced (SUM), so every rank gets the global
+  numbers. The model must be replicated (one full copy per rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from rldynamics.algo.losses import aggregation_weights
+from rldynamics.analysis.buckets import assign_buckets
+from rldynamics.analysis.sketch import GradientSketcher
+from rldynamics.config import AlgoConfig
+from rldynamics.models.forward import micro_batches
+from rldynamics.rollout.batch import RolloutBatch
+from rldynamics.train.actor import ActorInputs, loss_terms, sub_batch_share, term_coefs
+
+COMPONENT_OF_TERM = {"pg": "task", "entropy": "entropy", "kl": "kl"}
+LOSS_NAME_OF_TERM = {"pg": "policy", "entropy": "entropy", "kl": "kl"}
+
+
+@dataclass
+class ProbeResult:
+    """What one probe returns.
+
+    Attributes:
+        metrics: flat ``{prefix}/{bucket}/...`` metrics with RAGEN's names (plus ``actor/...`` copies).
+        groups: ``(bucket name, group_id, group reward std)`` rows for ``groups.csv`` (``bucket_k`` only).
+        sketches: ``"<bucket>/<component>"`` -> ``[sketch_dim]`` float32 count-sketch of the signed,
+            unweighted component gradient.
+        gradients: ``"<bucket>/<component>"`` -> ``[P]`` float32 signed unweighted gradient; filled only
+            with ``keep_gradients=True`` (memory O(buckets × P)).
+    """
+
+    metrics: dict[str, float]
+    groups: list[tuple[str, int, float]]
+    sketches: dict[str, torch.Tensor]
+    gradients: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, float], *,
+                   algo: AlgoConfig, micro_batch_size: int, temperature: float, num_buckets: int = 6,
+                   bucket_mode: str = "quantile", prefix: str = "grad_norm", sketch_dim: int = 1024,
+                   sketch_seed: int = 0, keep_gradients: bool = False) -> ProbeResult:
+    """Per-bucket gradient norms, cosines, losses and sketches of the loss components, without training.
+
+    Args:
+        model: the actor (a causal LM); its parameters, ``.grad`` and mode are left as found.
+        batch: the analysed rollout (N rows; groups are whole).
+        inputs: old log-probs, advantages and optional reference log-probs, ``[N, L]`` each.
+        group_std: reward std of every group id present in ``batch`` (the bucketing score).
+        algo: loss settings (clip, ``loss_agg_mode``, coefficients, KL type) as in training.
+        micro_batch_size: rows per forward pass (≥ 1); results do not depend on it.
+        temperature: logits temperature, as in training.
+        num_buckets, bucket_mode: passed to ``assign_buckets``.
+        prefix: metric namespace; ``"grad_norm"`` also mirrors ``all`` to ``actor/grad_norm/*``, ``actor/loss/*``.
+        sketch_dim: count-sketch size (0 = no sketches); sketch_seed: its projection seed.
+        keep_gradients: also return the full flat gradients (for tests and offline cosines).
+
+    Returns:
+        A :class:`ProbeResult`; empty when the batch has no rows.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):  # dropout draws are undone on return
+        return _probe(model, batch, inputs, group_std, algo=algo, micro_batch_size=micro_batch_size,
+                      temperature=temperature, num_buckets=num_buckets, bucket_mode=bucket_mode, prefix=prefix,
+                      sketch_dim=sketch_dim, sketch_seed=sketch_seed, keep_gradients=keep_gradients)
+
+
+def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperature, num_buckets, bucket_mode,
+           prefix, sketch_dim, sketch_seed, keep_gradients) -> ProbeResult:
+    """Body of :func:`gradient_probe` (runs inside a forked RNG)."""
+    stds = _present_groups(batch, group_std)
+    if not stds:
+        return ProbeResult(metrics={}, groups=[], sketches={})
+    gids = sorted(stds)
+    scores = torch.tensor([stds[g] for g in gids], dtype=torch.float64)  # [G]
+    buckets = [[gids[i] for i in idx] for idx in assign_buckets(scores, mode=bucket_mode, num_buckets=num_buckets)]
+    params = [p for p in model.parameters() if p.requires_grad]
+    sketcher = GradientSketcher([p.shape for p in params], sketch_dim, sketch_seed) if sketch_dim > 0 else None
+    names = [n for n in ("pg", "entropy", "kl") if n != "kl" or inputs.ref_logprobs is not None]
+    bucket_rows = [torch.isin(batch.group_ids, torch.tensor(b)).nonzero().squeeze(1) for b in buckets]  # B x [n_b]
+    shares = _bucket_shares(batch.response_mask, bucket_rows, algo.loss_agg_mode)
+    total_rows = _global_sum([float(len(batch))])[0]
+    all_grads = {n: _zeros(params) for n in names}  # name -> [P]
+    all_losses = dict.fromkeys(names, 0.0)
+    result = ProbeResult(metrics={}, groups=[], sketches={})
+    per_bucket: dict[str, dict[str, float]] = {}
+    for k, (groups, rows, share) in enumerate(zip(buckets, bucket_rows, shares, strict=True)):
+        name = f"bucket_{k + 1}"
+        grads, losses = _bucket_gradients(model, batch, rows, inputs, algo, params, names=names,
+                                          micro_batch_size=micro_batch_size, temperature=temperature)
+        for n in names:
+            all_grads[n].add_(grads[n], alpha=share)  # [P]
+            all_losses[n] += share * losses[n]
+        count, tokens = _global_sum([float(rows.numel()), float(batch.response_mask[rows].sum())])
+        per_bucket[name] = _bucket_metrics(grads, losses, algo, count=count, tokens=tokens, total_rows=total_rows,
+                                           stds=[stds[g] for g in groups])
+        _record(result, name, grads, sketcher, keep_gradients)
+        result.groups.extend((name, g, stds[g]) for g in groups)
+    tokens = _global_sum([float(batch.response_mask.sum())])[0]
+    all_metrics = _bucket_metrics(all_grads, all_losses, algo, count=total_rows, tokens=tokens,
+                                  total_rows=total_rows, stds=[stds[g] for g in gids])
+    _record(result, "all", all_grads, sketcher, keep_gradients)
+    for bucket, values in {"all": all_metrics, **per_bucket}.items():
+        result.metrics.update({f"{prefix}/{bucket}/{key}": v for key, v in values.items()})
+    if prefix == "grad_norm":
+        result.metrics.update(_actor_mirror(all_metrics))
+    return result
+
+
+def _bucket_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, algo: AlgoConfig,
+                      params: list[torch.Tensor], *, names: list[str], micro_batch_size: int,
+                      temperature: float) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Signed, unweighted gradient ``[P]`` and unweighted loss value of each term over the bucket ``rows``.
+
+    One forward per micro-batch; every term is differentiated from the same graph and scaled by the
+    micro-batch's share of the bucket's aggregation weight (all-reduced over ranks when distributed).
+    """
+    signs = _term_signs(algo)
+    grads = {n: _zeros(params) for n in names}  # name -> [P]
+    views = {n: _param_views(grads[n], params) for n in names}
+    losses = torch.zeros(len(names), dtype=torch.float64)  # [K]
+    mask = batch.response_mask[rows]  # [n_b, L]
+    chunks = micro_batches(torch.arange(rows.numel()), micro_batch_size)
+    for positions, share in zip(chunks, _chunk_shares(mask, chunks, algo.loss_agg_mode), strict=True):
+        if share == 0.0:  # no response tokens: contributes nothing to the aggregated loss
+            continue
+        terms, _ = loss_terms(model, batch, rows[positions], inputs, algo, temperature=temperature)
+        for i, n in enumerate(names):
+            losses[i] += share * terms[n].item()
+            if not terms[n].requires_grad:
+                continue
+            parts = torch.autograd.grad(terms[n], params, retain_graph=i < len(names) - 1, allow_unused=True)
+            for view, part in zip(views[n], parts, strict=True):
+                if part is not None:
+                    view.add_(part.float(), alpha=share * signs[n])  # param shape
+    if _distributed():
+        for n in names:
+            dist.all_reduce(grads[n], op=dist.ReduceOp.SUM)  # [P]
+        losses = torch.tensor(_global_sum(losses.tolist()), dtype=torch.float64)  # [K]
+    return grads, dict(zip(names, losses.tolist(), strict=True))
+
+
+def _bucket_metrics(grads: dict[str, torch.Tensor], losses: dict[str, float], algo: AlgoConfig, *, count: float,
+                    tokens: float, total_rows: float, stds: list[float]) -> dict[str, float]:
+    """RAGEN-named metrics of one bucket from its signed raw gradients ``[P]`` and unweighted losses."""
+    coefs = term_coefs(algo)
+    signs = _term_signs(algo)
+    scale = {n: coefs[n] * signs[n] for n in grads}  # the configured coefficient: 1, entropy_coef, kl_coef
+    raw = {n: float(torch.linalg.vector_norm(g)) for n, g in grads.items()}
+    out: dict[str, float] = {}
+    for n in grads:
+        comp = COMPONENT_OF_TERM[n]
+        weighted = abs(scale[n]) * raw[n]
+        out[comp] = weighted
+        if n != "pg":
+            out[f"raw/{comp}"] = raw[n]
+        out[f"per_sample/{comp}"] = weighted / count if count > 0 else 0.0
+        out[f"per_token/{comp}"] = weighted / tokens if tokens > 0 else 0.0
+    for n in grads:
+        out[f"loss/{LOSS_NAME_OF_TERM[n]}"] = coefs[n] * losses[n]
+    out["loss/total"] = sum(coefs[n] * losses[n] for n in grads)
+    out.update(sample_count=count, sample_pct=count / total_rows if total_rows > 0 else 0.0,
+               reward_std_mean=sum(stds) / len(stds), reward_std_min=min(stds), reward_std_max=max(stds),
+               group_rv_count=float(len(stds)))
+    names = list(grads)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            dot = float(torch.dot(grads[a], grads[b]))
+            out[f"cos/{COMPONENT_OF_TERM[a]}_{COMPONENT_OF_TERM[b]}"] = (
+                dot / (raw[a] * raw[b]) if raw[a] > 0 and raw[b] > 0 else 0.0)
+    reg = sum(scale[n] * grads[n] for n in names if n != "pg")  # [P]
+    out["regularizer"] = float(torch.linalg.vector_norm(reg)) if isinstance(reg, torch.Tensor) else 0.0
+    denom = out["task"] + out["regularizer"]
+    out["reg_share"] = out["regularizer"] / denom if denom > 0 else 0.0
+    return out
+
+
+def _actor_mirror(all_metrics: dict[str, float]) -> dict[str, float]:
+    """RAGEN's root copies of the ``all`` bucket: ``actor/grad_norm/*`` and ``actor/loss/*``."""
+    keys = [k for k in ("task", "entropy", "kl") if k in all_metrics]
+    out = {f"actor/grad_norm/{k}": all_metrics[k] for k in keys}
+    out.update({f"actor/{k}": v for k, v in all_metrics.items() if k.startswith("loss/")})
+    return out
+
+
+def _record(result: ProbeResult, bucket: str, grads: dict[str, torch.Tensor], sketcher: GradientSketcher | None,
+            keep_gradients: bool) -> None:
+    """Store the sketches (and, if asked, copies) of one bucket's component gradients."""
+    for n, g in grads.items():
+        key = f"{bucket}/{COMPONENT_OF_TERM[n]}"
+        if sketcher is not None:
+            result.sketches[key] = sketcher.sketch(g).cpu()  # [dim]
+        if keep_gradients:
+            result.gradients[key] = g.detach().cpu().clone()  # [P]
+
+
+def _term_signs(algo: AlgoConfig) -> dict[str, float]:
+    """Sign with which each unweighted term enters the training loss (+pg, −entropy, +kl), from `term_coefs`."""
+    unit = term_coefs(dataclasses.replace(algo, entropy_coef=1.0, kl_coef=1.0))
+    return {n: math.copysign(1.0, c) for n, c in unit.items()}
+
+
+def _zeros(params: list[torch.Tensor]) -> torch.Tensor:
+    """A flat float32 zero vector with one slot per trainable parameter entry. [P]"""
+    device = params[0].device if params else torch.device("cpu")
+    return torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)  # [P]
+
+
+def _param_views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like each parameter (writing a view writes ``flat``)."""
+    parts = flat.split([p.numel() for p in params])  # one [n_i] view per parameter
+    return [part.view(p.shape) for part, p in zip(parts, params, strict=True)]
+
+
+# ---- shares and reductions (single process: plain `sub_batch_share`; distributed: global totals) ----
+
+
+def _distributed() -> bool:
+    """True when running under an initialised ``torch.distributed`` process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _global_sum(values: list[float]) -> list[float]:
+    """Element-wise sum of ``values`` over ranks (identity in one process)."""
+    if not _distributed():
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=_collective_device())  # [K]
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def _collective_device() -> torch.device:
+    """The device tensors must live on for collectives of the default backend."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _present_groups(batch: RolloutBatch, group_std: dict[int, float]) -> dict[int, float]:
+    """``group id -> reward std`` for the groups in ``batch`` (on any rank, when distributed)."""
+    present = sorted(set(batch.group_ids.tolist()))
+    missing = [g for g in present if g not in group_std]
+    if missing:
+        raise ValueError(f"group_std has no reward std for group ids {missing[:10]}")
+    local = {g: float(group_std[g]) for g in present}
+    if not _distributed():
+        return local
+    gathered: list[dict[int, float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return {g: s for part in gathered for g, s in (part or {}).items()}
+
+
+def _global_row_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Total aggregation weight of each local row when the rows of ``mask`` on all ranks are aggregated together. [n]
+
+    The weights of a row depend only on its token count and the width (every mode weights tokens uniformly
+    within a row), so the global aggregation is rebuilt from the gathered per-row token counts.
+    """
+    counts = mask.bool().sum(-1).tolist()  # n ints
+    gathered: list[tuple[list[int], int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (counts, mask.shape[-1]))
+    width = max(w for _, w in gathered)
+    every = torch.tensor([c for cs, _ in gathered for c in cs], dtype=torch.long)  # [N_global]
+    count_mask = torch.arange(width)[None, :] < every[:, None]  # [N_global, width]
+    weights = aggregation_weights(count_mask, mode).sum(-1)  # [N_global]
+    offset = sum(len(cs) for cs, _ in gathered[: dist.get_rank()])
+    return weights[offset : offset + len(counts)]  # [n]
+
+
+def _chunk_shares(mask: torch.Tensor, chunks: list[torch.Tensor], mode: str) -> list[float]:
+    """``sub_batch_share`` of each chunk of local rows of ``mask``, the whole being these rows on every rank."""
+    if not _distributed():
+        return [sub_batch_share(mask, chunk, mode) for chunk in chunks]
+    row_weights = _global_row_weights(mask, mode)  # [n]
+    out = []
+    for chunk in chunks:
+        alone = aggregation_weights(mask[chunk], mode).sum()  # []
+        out.append(float(row_weights[chunk].sum() / alone) if alone > 0 else 0.0)
+    return out
+
+
+def _bucket_shares(mask: torch.Tensor, bucket_rows: list[torch.Tensor], mode: str) -> list[float]:
+    """Share of each bucket in the aggregation of the whole batch: ``g_all = Σ_b share_b · g_b``.
+
+    Distributed: both the bucket's weight within the whole batch and its weight aggregated alone are
+    summed over ranks before the ratio is taken.
+    """
+    if not _distributed():
+        return [sub_batch_share(mask, rows, mode) for rows in bucket_rows]
+    whole_weights = _global_row_weights(mask, mode)  # [N]
+    whole = [float(whole_weights[rows].sum()) for rows in bucket_rows]
+    alone = [float(_global_row_weights(mask[rows], mode).sum()) for rows in bucket_rows]
+    totals = _global_sum(whole + alone)
+    k = len(bucket_rows)
+    return [totals[b] / totals[k + b] if totals[k + b] > 0 else 0.0 for b in range(k)]

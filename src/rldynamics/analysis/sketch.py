@@ -1,0 +1,72 @@
+"""Seeded count-sketches of flat gradient vectors.
+
+A count-sketch (Charikar, Chen & Farach-Colton 2002; https://doi.org/10.1007/3-540-45465-9_59) maps a
+vector ``x`` of ``P`` coordinates to ``dim`` bins: coordinate ``i`` goes to bin ``h(i)`` with sign
+``s(i) ∈ {±1}``, so ``sketch(x)[k] = Σ_{h(i)=k} s(i)·x_i``.
+
+Design choices:
+- The projection is linear (``sketch(a + b) == sketch(a) + sketch(b)`` up to float rounding) and
+  preserves inner products in expectation (``E⟨S a, S b⟩ = ⟨a, b⟩``), so cosines between sketches of
+  two gradients estimate the true cosine with error ~ ``1/sqrt(dim)``; sketches from different steps,
+  buckets and runs can be compared as long as they share ``(shapes, dim, seed)``.
+- ``h`` and ``s`` are drawn from a CPU ``torch.Generator`` seeded with ``seed``, one parameter at a
+  time in the order given, so the same seed and shapes give the same projection on every run and
+  machine, and the global RNG is never touched.
+- Memory-light: one int32 bin index and one int8 sign per coordinate, built once; a sketch is a single
+  ``index_add_``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class GradientSketcher:
+    """A fixed count-sketch projection of flat vectors laid out as the concatenation of ``params_shapes``.
+
+    Args:
+        params_shapes: shapes of the parameters, in the order their gradients are flattened.
+        dim: number of sketch bins (≥ 1).
+        seed: seed of the projection; the same ``(params_shapes, dim, seed)`` gives the same projection.
+    """
+
+    def __init__(self, params_shapes: Sequence[Sequence[int]], dim: int = 1024, seed: int = 0) -> None:
+        if dim < 1:
+            raise ValueError(f"sketch dim must be >= 1, got {dim}")
+        self.dim = dim
+        self.seed = seed
+        numels = [int(torch.Size(shape).numel()) for shape in params_shapes]
+        generator = torch.Generator().manual_seed(seed)
+        index_parts, sign_parts = [], []
+        for numel in numels:  # per parameter, so a prefix of the shapes gives a prefix of the projection
+            index_parts.append(torch.randint(0, dim, (numel,), generator=generator, dtype=torch.int32))  # [n]
+            bits = torch.randint(0, 2, (numel,), generator=generator, dtype=torch.int8)  # [n]
+            sign_parts.append(bits * 2 - 1)  # [n] int8 in {-1, +1}
+        self.index = torch.cat(index_parts) if index_parts else torch.zeros(0, dtype=torch.int32)  # [P]
+        self.sign = torch.cat(sign_parts) if sign_parts else torch.zeros(0, dtype=torch.int8)  # [P]
+        self.numel = self.index.numel()
+
+    def to(self, device: torch.device | str) -> GradientSketcher:
+        """Move the projection tables to ``device`` (in place); returns self."""
+        self.index = self.index.to(device)  # [P]
+        self.sign = self.sign.to(device)  # [P]
+        return self
+
+    def sketch(self, flat_grad: torch.Tensor) -> torch.Tensor:
+        """Project a flat vector.
+
+        Args:
+            flat_grad: ``[P]`` vector (the concatenation of the flattened parameter gradients).
+
+        Returns:
+            ``[dim]`` float32 sketch on the device of ``flat_grad``.
+        """
+        if flat_grad.dim() != 1 or flat_grad.numel() != self.numel:
+            raise ValueError(f"expected a flat vector of {self.numel} entries, got shape {tuple(flat_grad.shape)}")
+        if self.index.device != flat_grad.device:
+            self.to(flat_grad.device)
+        signed = flat_grad.float() * self.sign  # [P]
+        out = torch.zeros(self.dim, dtype=torch.float32, device=flat_grad.device)  # [dim]
+        return out.index_add_(0, self.index, signed)  # [dim]

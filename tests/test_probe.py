@@ -1,0 +1,357 @@
+"""Tests for rldynamics.analysis.probe (gradient probe) and rldynamics.analysis.sketch (count-sketch).
+
+The probe's gradients are checked against independent computations: one forward over the whole batch
+with ``torch.autograd.grad`` (derived ``all``), and ``loss.backward()`` on a fresh model copy (buckets).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rldynamics.algo.losses import AGG_MODES
+from rldynamics.analysis.probe import ProbeResult, gradient_probe
+from rldynamics.analysis.sketch import GradientSketcher
+from rldynamics.config import AlgoConfig
+from rldynamics.models.forward import batch_logprobs
+from rldynamics.models.tiny import build_tiny_model, build_tiny_tokenizer
+from rldynamics.rollout.batch import RolloutBatch
+from rldynamics.train.actor import ActorInputs, loss_terms
+
+GRID = "######\n#_OX√#\n#_P__#\n#S___#\n######"
+GROUP_SIZES = (2, 3, 2, 3, 2)  # 5 groups, 12 rows
+LENGTH = 20
+SIGNS = {"task": ("pg", 1.0), "entropy": ("entropy", -1.0), "kl": ("kl", 1.0)}
+
+
+def sokoban_corpus() -> list[str]:
+    """Sokoban-like texts for the tiny tokenizer."""
+    return [f"Turn {t}:\n{GRID}\nPlayer: ({t}, {t + 2})\n<think>push</think><answer>Up || Left</answer>"
+            for t in range(1, 6)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Tiny tensors gain nothing from threads, and oversubscribed threads stall on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    tokenizer = build_tiny_tokenizer(sokoban_corpus())
+    return build_tiny_model(tokenizer, hidden_size=32, num_layers=1, intermediate_size=64)
+
+
+def make_batch(model, group_sizes=GROUP_SIZES, seed: int = 0) -> tuple[RolloutBatch, ActorInputs, dict[int, float]]:
+    """Random rollout: right-padded rows, short response spans, old/ref log-probs near the model's own."""
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(group_sizes)
+    vocab = model.config.vocab_size
+    input_ids = torch.randint(3, vocab, (n, LENGTH), generator=gen)  # [N, L]
+    lengths = torch.randint(LENGTH - 8, LENGTH + 1, (n,), generator=gen)  # [N]
+    positions = torch.arange(LENGTH)[None, :]  # [1, L]
+    attention_mask = (positions < lengths[:, None]).long()  # [N, L]
+    starts = torch.randint(2, 6, (n,), generator=gen)  # [N]
+    span_a = (positions >= starts[:, None]) & (positions < starts[:, None] + 3)  # [N, L]
+    ends = starts[:, None] + 6 + torch.randint(1, 5, (n, 1), generator=gen)  # [N, 1]
+    span_b = (positions >= starts[:, None] + 6) & (positions < ends)  # [N, L]
+    response_mask = ((span_a | span_b) & attention_mask.bool()).float()  # [N, L]
+    response_mask[n // 3] = 0.0  # a row without sampled tokens carries no aggregation weight
+    group_ids = torch.repeat_interleave(torch.arange(len(group_sizes)) * 10 + 7, torch.tensor(group_sizes))  # [N]
+    scores = torch.randn(n, generator=gen)  # [N]
+    batch = RolloutBatch(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
+                         scores=scores, group_ids=group_ids)
+    own, _ = batch_logprobs(model, input_ids, attention_mask, micro_batch_size=n)  # [N, L]
+    inputs = ActorInputs(
+        old_logprobs=own + 0.05 * torch.randn(n, LENGTH, generator=gen),
+        advantages=torch.randn(n, LENGTH, generator=gen),
+        ref_logprobs=own + 0.2 * torch.randn(n, LENGTH, generator=gen),
+    )
+    group_std = {g: float(scores[group_ids == g].std()) for g in group_ids.unique().tolist()}
+    return batch, inputs, group_std
+
+
+@pytest.fixture(scope="module")
+def data(model):
+    return make_batch(model)
+
+
+def algo_cfg(mode: str = "token-mean") -> AlgoConfig:
+    return AlgoConfig(loss_agg_mode=mode, entropy_coef=0.01, kl_coef=0.05, kl_type="low_var_kl")
+
+
+def probe(model, data, **kw) -> ProbeResult:
+    batch, inputs, stds = data
+    kw.setdefault("algo", algo_cfg())
+    kw.setdefault("micro_batch_size", 3)
+    return gradient_probe(model, batch, inputs, stds, temperature=1.0, **kw)
+
+
+def bucket_rows(result: ProbeResult, batch: RolloutBatch, bucket: str) -> torch.Tensor:
+    gids = torch.tensor([g for b, g, _ in result.groups if b == bucket])  # [G_b]
+    return torch.isin(batch.group_ids, gids).nonzero().squeeze(1)  # [n_b]
+
+
+def params_of(model) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+# ---- exactness ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_derived_all_equals_direct_gradient(model, data, mode):
+    batch, inputs, _ = data
+    algo = algo_cfg(mode)
+    result = probe(model, data, algo=algo, keep_gradients=True, micro_batch_size=2, num_buckets=3)
+    terms, _ = loss_terms(model, batch, torch.arange(len(batch)), inputs, algo, temperature=1.0)
+    for comp, (term, sign) in SIGNS.items():
+        parts = torch.autograd.grad(terms[term], params_of(model), retain_graph=True, allow_unused=True)
+        direct = sign * torch.cat([p.reshape(-1) for p in parts])  # [P]
+        derived = result.gradients[f"all/{comp}"]  # [P]
+        torch.testing.assert_close(derived, direct, rtol=1e-5, atol=1e-5 * float(direct.abs().max()))
+        assert result.metrics[f"grad_norm/all/raw/{comp}" if comp != "task" else "grad_norm/all/task"] == (
+            pytest.approx(float(direct.norm()), rel=1e-5))
+    assert result.metrics["grad_norm/all/loss/policy"] == pytest.approx(terms["pg"].item(), rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_bucket_gradient_matches_backward_on_fresh_copy(model, data, mode):
+    batch, inputs, _ = data
+    algo = algo_cfg(mode)
+    result = probe(model, data, algo=algo, keep_gradients=True, micro_batch_size=1, num_buckets=2)
+    for bucket in ("bucket_1", "bucket_2"):
+        rows = bucket_rows(result, batch, bucket)
+        for comp, (term, sign) in SIGNS.items():
+            fresh = copy.deepcopy(model)
+            terms, _ = loss_terms(fresh, batch, rows, inputs, algo, temperature=1.0)
+            (sign * terms[term]).backward()
+            expected = torch.cat([p.grad.reshape(-1) for p in params_of(fresh)])  # [P]
+            got = result.gradients[f"{bucket}/{comp}"]  # [P]
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_norms_independent_of_micro_batch_size(model, data):
+    results = [probe(model, data, micro_batch_size=m, sketch_dim=0).metrics for m in (1, 2, len(data[0]))]
+    for other in results[1:]:
+        assert other.keys() == results[0].keys()
+        for key, value in results[0].items():
+            assert other[key] == pytest.approx(value, rel=1e-4, abs=1e-8), key
+
+
+# ---- read-only ----------------------------------------------------------------------------------------------
+
+
+def test_probe_is_read_only(model, data):
+    noisy = copy.deepcopy(model).train()  # dropout on: the forward passes draw from the global RNG
+    for module in noisy.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.3
+    before = [p.detach().clone() for p in noisy.parameters()]
+    state = torch.get_rng_state()
+    probe(noisy, data)
+    assert all(p.grad is None for p in noisy.parameters()), "the probe must not populate .grad"
+    assert all(torch.equal(a, p) for a, p in zip(before, noisy.parameters(), strict=True)), "parameters changed"
+    assert torch.equal(torch.get_rng_state(), state), "the probe must restore the global RNG state"
+    assert noisy.training, "the probe must leave the model's mode alone"
+    batch = data[0]
+    noisy(input_ids=batch.input_ids[:2], attention_mask=batch.attention_mask[:2])
+    assert not torch.equal(torch.get_rng_state(), state), "sanity: dropout does consume the global RNG"
+
+
+# ---- edge cases ---------------------------------------------------------------------------------------------
+
+
+def test_single_group_buckets(model, data):
+    result = probe(model, data, num_buckets=6)  # 5 groups -> 5 buckets of one group each
+    names = sorted({b for b, _, _ in result.groups})
+    assert names == [f"bucket_{k}" for k in range(1, 6)]
+    stds = [s for _, _, s in result.groups]
+    assert stds == sorted(stds), "bucket_1 holds the lowest-variance group"
+    for b in names:
+        assert result.metrics[f"grad_norm/{b}/group_rv_count"] == 1.0
+        assert result.metrics[f"grad_norm/{b}/reward_std_min"] == result.metrics[f"grad_norm/{b}/reward_std_max"]
+        assert result.metrics[f"grad_norm/{b}/task"] > 0
+    assert sum(result.metrics[f"grad_norm/{b}/sample_count"] for b in names) == len(data[0])
+
+
+def test_one_bucket_equals_all(model, data):
+    m = probe(model, data, num_buckets=1).metrics
+    for key in ("task", "entropy", "kl", "loss/total", "cos/task_entropy", "regularizer"):
+        assert m[f"grad_norm/bucket_1/{key}"] == pytest.approx(m[f"grad_norm/all/{key}"], rel=1e-5)
+
+
+def test_empty_batch(model, data):
+    batch, inputs, stds = data
+    none = torch.zeros(0, dtype=torch.long)
+    empty = batch.select(none)
+    empty_inputs = ActorInputs(inputs.old_logprobs[none], inputs.advantages[none], inputs.ref_logprobs[none])
+    result = gradient_probe(model, empty, empty_inputs, stds, algo=algo_cfg(), micro_batch_size=2, temperature=1.0)
+    assert result.metrics == {} and result.groups == [] and result.sketches == {}
+
+
+def test_without_reference_no_kl_keys(model, data):
+    batch, inputs, stds = data
+    no_ref = dataclasses.replace(inputs, ref_logprobs=None)
+    result = gradient_probe(model, batch, no_ref, stds, algo=algo_cfg(), micro_batch_size=4, temperature=1.0)
+    assert not [k for k in result.metrics if "kl" in k.split("/")[-1]]
+    assert "grad_norm/all/entropy" in result.metrics and "grad_norm/all/cos/task_entropy" in result.metrics
+    assert not [k for k in result.sketches if k.endswith("/kl")]
+
+
+def test_missing_group_std_is_named(model, data):
+    batch, inputs, stds = data
+    partial = dict(list(stds.items())[1:])
+    with pytest.raises(ValueError, match="group ids"):
+        gradient_probe(model, batch, inputs, partial, algo=algo_cfg(), micro_batch_size=4, temperature=1.0)
+
+
+# ---- metric names and definitions ---------------------------------------------------------------------------
+
+
+def test_metric_keys_and_definitions(model, data):
+    algo = algo_cfg()
+    result = probe(model, data, algo=algo, num_buckets=2)
+    m = result.metrics
+    batch = data[0]
+    suffixes = ["task", "entropy", "kl", "raw/entropy", "raw/kl", "sample_count", "sample_pct", "reward_std_mean",
+                "reward_std_min", "reward_std_max", "group_rv_count", "cos/task_entropy", "cos/task_kl",
+                "cos/entropy_kl", "regularizer", "reg_share"]
+    suffixes += [f"{kind}/{c}" for kind in ("per_sample", "per_token") for c in ("task", "entropy", "kl")]
+    suffixes += [f"loss/{name}" for name in ("policy", "entropy", "kl", "total")]
+    for b in ("all", "bucket_1", "bucket_2"):
+        rows = torch.arange(len(batch)) if b == "all" else bucket_rows(result, batch, b)
+        count, tokens = float(rows.numel()), float(batch.response_mask[rows].sum())
+        for s in suffixes:
+            assert f"grad_norm/{b}/{s}" in m, s
+        key = f"grad_norm/{b}"
+        assert m[f"{key}/sample_count"] == count
+        assert m[f"{key}/sample_pct"] == pytest.approx(count / len(batch))
+        for c in ("task", "entropy", "kl"):
+            assert m[f"{key}/per_sample/{c}"] == pytest.approx(m[f"{key}/{c}"] / count)
+            assert m[f"{key}/per_token/{c}"] == pytest.approx(m[f"{key}/{c}"] / tokens)
+        assert m[f"{key}/entropy"] == pytest.approx(algo.entropy_coef * m[f"{key}/raw/entropy"])
+        assert m[f"{key}/kl"] == pytest.approx(algo.kl_coef * m[f"{key}/raw/kl"])
+        losses = [m[f"{key}/loss/{n}"] for n in ("policy", "entropy", "kl")]
+        assert m[f"{key}/loss/total"] == pytest.approx(sum(losses))
+        assert m[f"{key}/loss/entropy"] < 0, "the entropy loss term is -coef * H"
+        assert 0.0 <= m[f"{key}/reg_share"] <= 1.0
+        assert -1.0 <= m[f"{key}/cos/task_entropy"] <= 1.0
+    for c in ("task", "entropy", "kl"):
+        assert m[f"actor/grad_norm/{c}"] == m[f"grad_norm/all/{c}"]
+    for n in ("policy", "entropy", "kl", "total"):
+        assert m[f"actor/loss/{n}"] == m[f"grad_norm/all/loss/{n}"]
+    assert {k for k in result.sketches} == {f"{b}/{c}" for b in ("all", "bucket_1", "bucket_2")
+                                           for c in ("task", "entropy", "kl")}
+    assert all(s.shape == (1024,) and s.dtype == torch.float32 for s in result.sketches.values())
+
+
+def test_regularizer_and_cosines_from_vectors(model, data):
+    algo = algo_cfg()
+    result = probe(model, data, algo=algo, keep_gradients=True, num_buckets=2)
+    g = {c: result.gradients[f"all/{c}"] for c in ("task", "entropy", "kl")}  # [P] each
+    reg = algo.entropy_coef * g["entropy"] + algo.kl_coef * g["kl"]  # [P]
+    m = result.metrics
+    assert m["grad_norm/all/regularizer"] == pytest.approx(float(reg.norm()), rel=1e-5)
+    cos = torch.nn.functional.cosine_similarity(g["task"], g["entropy"], dim=0)
+    assert m["grad_norm/all/cos/task_entropy"] == pytest.approx(float(cos), abs=1e-5)
+    assert m["grad_norm/all/reg_share"] == pytest.approx(float(reg.norm()) / (float(g["task"].norm())
+                                                                               + float(reg.norm())), rel=1e-5)
+
+
+def test_other_prefix_is_not_mirrored(model, data):
+    m = probe(model, data, prefix="grad_norm_prefilter", sketch_dim=0).metrics
+    assert "grad_norm_prefilter/all/task" in m
+    assert not [k for k in m if k.startswith("actor/") or k.startswith("grad_norm/")]
+
+
+# ---- sketches -----------------------------------------------------------------------------------------------
+
+
+SHAPES = [(40, 30), (30,), (500, 20)]  # P = 11230
+
+
+def test_sketch_is_linear_and_deterministic():
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randn(11230, generator=gen), torch.randn(11230, generator=gen)  # [P]
+    sk = GradientSketcher(SHAPES, dim=256, seed=3)
+    torch.testing.assert_close(sk.sketch(a + b), sk.sketch(a) + sk.sketch(b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sk.sketch(2.5 * a), 2.5 * sk.sketch(a), rtol=1e-5, atol=1e-5)
+    again = GradientSketcher(SHAPES, dim=256, seed=3)
+    assert torch.equal(again.sketch(a), sk.sketch(a)), "same seed must give the same projection"
+    assert not torch.equal(GradientSketcher(SHAPES, dim=256, seed=4).sketch(a), sk.sketch(a))
+    assert sk.index.dtype == torch.int32 and sk.sign.dtype == torch.int8
+    assert set(sk.sign.tolist()) == {-1, 1}
+    assert int(sk.index.min()) >= 0 and int(sk.index.max()) < 256
+    with pytest.raises(ValueError, match="flat vector"):
+        sk.sketch(torch.zeros(7))
+
+
+@pytest.mark.parametrize("true_cos", [-0.6, 0.0, 0.5, 0.9])
+def test_sketch_cosine_tracks_true_cosine(true_cos):
+    gen = torch.Generator().manual_seed(2)
+    u, v = torch.randn(11230, generator=gen), torch.randn(11230, generator=gen)  # [P]
+    v = v - (v @ u) / (u @ u) * u  # [P] orthogonal to u
+    a = u / u.norm()  # [P]
+    b = true_cos * a + (1 - true_cos**2) ** 0.5 * v / v.norm()  # [P] unit, cos(a, b) = true_cos
+    sk = GradientSketcher(SHAPES, dim=8192, seed=0)
+    est = torch.nn.functional.cosine_similarity(sk.sketch(a), sk.sketch(b), dim=0)
+    assert float(est) == pytest.approx(true_cos, abs=0.08)
+    assert float(torch.nn.functional.cosine_similarity(sk.sketch(a), sk.sketch(a), dim=0)) == pytest.approx(1.0)
+
+
+def test_probe_sketches_are_sketches_of_the_gradients(model, data):
+    result = probe(model, data, keep_gradients=True, sketch_dim=64, sketch_seed=5, num_buckets=2)
+    sk = GradientSketcher([p.shape for p in params_of(model)], dim=64, seed=5)
+    for key, grad in result.gradients.items():
+        torch.testing.assert_close(result.sketches[key], sk.sketch(grad))
+
+
+# ---- distributed (gloo, 2 processes) ------------------------------------------------------------------------
+
+
+DIST_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def _dist_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Probe one shard of the batch (the split cuts a group in two) and write the metrics of each mode."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        tokenizer = build_tiny_tokenizer(sokoban_corpus())
+        model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, intermediate_size=64)
+        batch, inputs, stds = make_batch(model)
+        rows = torch.arange(0, 6) if rank == 0 else torch.arange(6, len(batch))  # [n_rank]
+        shard_inputs = ActorInputs(*(t[rows] for t in (inputs.old_logprobs, inputs.advantages, inputs.ref_logprobs)))
+        out = {}
+        for mode in DIST_MODES:
+            result = gradient_probe(model, batch.select(rows), shard_inputs, stds, algo=algo_cfg(mode),
+                                    micro_batch_size=2, temperature=1.0, num_buckets=3, sketch_dim=32)
+            out[mode] = {"metrics": result.metrics, "sketch": result.sketches["all/task"].tolist()}
+        with open(f"{out_dir}/rank{rank}.json", "w") as f:
+            json.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_probe_equals_single_process(model, data, tmp_path):
+    mp.spawn(_dist_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for mode in DIST_MODES:
+        single = probe(model, data, algo=algo_cfg(mode), micro_batch_size=5, num_buckets=3, sketch_dim=32)
+        for out in ranks:
+            got = out[mode]["metrics"]
+            assert got.keys() == single.metrics.keys()
+            for key, value in single.metrics.items():
+                assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-7), (mode, key)
+            torch.testing.assert_close(torch.tensor(out[mode]["sketch"]), single.sketches["all/task"],
+                                       rtol=1e-4, atol=1e-6)

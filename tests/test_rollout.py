@@ -1,0 +1,85 @@
+"""The agent loop on the real tiny model and on scripted policies, including arbitrary garbage output."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rldynamics.config import make_config
+from rldynamics.models.loading import load_model_and_tokenizer
+from rldynamics.models.tiny import ensure_tiny_model
+from rldynamics.rollout.agent import env_metric_summary, rollout
+from rldynamics.train.warmstart import solver_policy, tiny_corpus
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cfg = make_config(overrides=["env.max_new_tokens=8"])
+    path = ensure_tiny_model(lambda: tiny_corpus(cfg.env, num_seeds=20), tmp_path_factory.mktemp("cache"),
+                             hidden_size=32, num_layers=1, intermediate_size=64)
+    model, tokenizer = load_model_and_tokenizer(str(path))
+    return model, tokenizer, cfg
+
+
+def test_model_rollout_shapes_masks_and_rewards(tiny):
+    model, tokenizer, cfg = tiny
+    torch.manual_seed(0)
+    batch = rollout(model, tokenizer, [10, 11], 3, cfg.env, temperature=1.0)
+    assert len(batch) == 6 and batch.group_ids.tolist() == [0, 0, 0, 1, 1, 1]
+    assert batch.seeds == [10, 10, 10, 11, 11, 11]
+    # sampled tokens are a strict subset of the real (non-pad) tokens
+    assert (batch.response_mask <= batch.attention_mask).all()
+    assert batch.response_mask.sum(1).min() > 0
+    # the trajectory reward sits on the last sampled token only
+    rewards = batch.token_rewards
+    assert torch.allclose(rewards.sum(1), batch.scores)
+    last = (batch.response_mask * torch.arange(batch.response_mask.shape[1])).argmax(1)
+    assert torch.allclose(rewards[torch.arange(6), last], batch.scores)
+    # a random model emits garbage: format penalties, no actions
+    assert batch.scores.max() <= 0
+    summary = env_metric_summary(batch, "train/sokoban", 3)
+    assert {"train/sokoban/success", "train/sokoban/pass@3", "train/sokoban/action_is_valid"} <= set(summary)
+
+
+def test_same_sampling_seed_same_rollout(tiny):
+    model, tokenizer, cfg = tiny
+    torch.manual_seed(3)
+    a = rollout(model, tokenizer, [5], 2, cfg.env, temperature=1.0)
+    torch.manual_seed(3)
+    b = rollout(model, tokenizer, [5], 2, cfg.env, temperature=1.0)
+    assert torch.equal(a.input_ids, b.input_ids) and a.texts == b.texts
+
+
+def test_solver_demonstrations_solve_and_are_rewarded(tiny):
+    _, tokenizer, cfg = tiny
+    batch = rollout(None, tokenizer, list(range(20, 28)), 1, cfg.env,
+                    respond=solver_policy(tokenizer, cfg.env, noise=0.0, rng=random.Random(0)))
+    success = torch.tensor([m["success"] for m in batch.env_metrics])
+    solved = success > 0
+    assert solved.float().mean() > 0.5  # the optimal plan fits the 10-action budget for most puzzles
+    assert (batch.scores[solved] > 9).all()  # +10 for solving dominates the step penalties
+    # the sampled tokens decode to exactly the scripted answers
+    first = tokenizer.decode(batch.input_ids[0][batch.response_mask[0] > 0], skip_special_tokens=True)
+    assert first.startswith("<answer>") and "</answer>" in first
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.text(max_size=40), min_size=1, max_size=3))
+def test_garbage_output_gets_format_penalty_never_a_crash(tiny, texts):
+    _, tokenizer, cfg = tiny
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def respond(trajs):
+        return [tokenizer(texts[i % len(texts)], add_special_tokens=False)["input_ids"] + [eos]
+                for i, _ in enumerate(trajs)]
+
+    batch = rollout(None, tokenizer, [1], 2, cfg.env, respond=respond)
+    assert len(batch) == 2
+    valid = [m["action_is_valid"] for m in batch.env_metrics]
+    for score, v in zip(batch.scores.tolist(), valid):
+        if v == 0:  # no turn had a valid action: one format penalty per turn, nothing else
+            assert score == pytest.approx(cfg.env.format_penalty * cfg.env.max_turns)
