@@ -123,6 +123,7 @@ def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperatu
                                            stds=[stds[g] for g in groups])
         _record(result, name, grads, sketcher, keep_gradients)
         result.groups.extend((name, g, stds[g]) for g in groups)
+        del grads  # free this bucket's vectors before the next bucket allocates its own
     tokens = _global_sum([float(batch.response_mask.sum())])[0]
     all_metrics = _bucket_metrics(all_grads, all_losses, algo, count=total_rows, tokens=tokens,
                                   total_rows=total_rows, stds=[stds[g] for g in gids])
