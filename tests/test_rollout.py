@@ -80,6 +80,6 @@ def test_garbage_output_gets_format_penalty_never_a_crash(tiny, texts):
     batch = rollout(None, tokenizer, [1], 2, cfg.env, respond=respond)
     assert len(batch) == 2
     valid = [m["action_is_valid"] for m in batch.env_metrics]
-    for score, v in zip(batch.scores.tolist(), valid):
+    for score, v in zip(batch.scores.tolist(), valid, strict=True):
         if v == 0:  # no turn had a valid action: one format penalty per turn, nothing else
             assert score == pytest.approx(cfg.env.format_penalty * cfg.env.max_turns)

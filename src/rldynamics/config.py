@@ -428,7 +428,7 @@ def help_text() -> str:
         tree = ast.parse(inspect.getsource(section))
         body = tree.body[0].body  # type: ignore[attr-defined]
         prefix = "" if section is Config else _section_name(section) + "."
-        for node, nxt in zip(body, body[1:] + [None]):
+        for node, nxt in zip(body, body[1:] + [None], strict=True):
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 doc = nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) else ""
                 if doc:

@@ -40,7 +40,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 # Bump when the tokenizer or model construction changes: old cache entries are then ignored.
-BUILDER_VERSION = "tiny-v1"
+BUILDER_VERSION = "tiny-v2"
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -48,10 +48,13 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
 ADDED_TOKENS = ["<think>", "</think>", "<answer>", "</answer>", "||"]
 
-# GPT-2-like split, except: a capital letter only joins the lower-case letters after it (so "OX" in
-# a grid is two pieces but "Player" is one), and digits and symbols are always single pieces.
+# GPT-2-like split, except: a coordinate pair "(r, c)" of single digits is one piece (BPE then learns one
+# token per grid cell, so a cell's position is a single embedding), a capital letter only joins the
+# lower-case letters after it (so "OX" in a grid is two pieces but "Player" is one), and other digits
+# and symbols are always single pieces.
 PRETOKENIZE_PATTERN = (
-    r"'(?:[sdmt]|ll|ve|re)"
+    r" ?\(\p{N}, \p{N}\)"
+    r"|'(?:[sdmt]|ll|ve|re)"
     r"| ?\p{Lu}?[\p{Ll}\p{Lm}\p{Lo}\p{Lt}]+"
     r"| ?\p{L}"
     r"| ?\p{N}"

@@ -120,7 +120,7 @@ def rollout(model, tokenizer, seeds: list[int], group_size: int, cfg: EnvConfig,
             responses = generate(model, tokenizer, [t.ids for t in active], cfg.max_new_tokens, temperature)
         else:
             responses = respond(active)
-        for traj, response in zip(active, responses):
+        for traj, response in zip(active, responses, strict=True):
             _play_turn(traj, response, turn, tokenizer, encode, cfg)
     return _to_batch(trajs, tokenizer)
 

@@ -48,11 +48,11 @@ def resolve_run_dir(cfg: Config) -> Path:
     return run_dir
 
 
-def make_session(cfg: Config):
+def make_session(cfg: Config, run_dir: Path | None = None):
     """Build the training session (models on device, optimizers, writer) for `cfg`."""
     from rldynamics.train.trainer import Session
 
-    run_dir = resolve_run_dir(cfg)
+    run_dir = run_dir or resolve_run_dir(cfg)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.model.device)
     base = base_model_path(cfg)
@@ -61,7 +61,7 @@ def make_session(cfg: Config):
     model, tokenizer = load_model_and_tokenizer(actor_path, dtype=cfg.model.dtype, device=str(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     ref_model = None
-    if cfg.algo.kl_coef > 0:
+    if cfg.algo.kl_coef > 0 or cfg.analysis.enabled:  # the probe measures the KL gradient even at coef 0
         ref_model, _ = load_model_and_tokenizer(base, dtype=cfg.model.dtype, device=str(device))
         ref_model.requires_grad_(False)
     critic = critic_optimizer = None

@@ -33,8 +33,8 @@ def step_seed(seed: int, step: int, stream: int = 0) -> int:
     return (seed * 1_000_003 + step * 7919 + stream * 104_729) % (2**63 - 1)
 
 
-def filter_batch(batch: RolloutBatch, cfg: FilterConfig) -> tuple[RolloutBatch, dict[str, float], torch.Tensor]:
-    """Keep whole groups by `cfg`; returns (kept batch, filter metrics, per-group reward std [G]).
+def filter_batch(batch: RolloutBatch, cfg: FilterConfig) -> tuple[RolloutBatch, dict[str, float], dict[int, float]]:
+    """Keep whole groups by `cfg`; returns (kept batch, filter metrics, reward std of every group id).
 
     The group reward std is always computed (it drives the analysis buckets and early stopping),
     even when the strategy is `none`.
@@ -51,7 +51,7 @@ def filter_batch(batch: RolloutBatch, cfg: FilterConfig) -> tuple[RolloutBatch, 
     metrics = filter_metrics(rewards, kept, scores)
     kept_ids = {group_ids[i] for i in kept.tolist()}
     rows = [i for i, g in enumerate(batch.group_ids.tolist()) if g in kept_ids]
-    return batch.select(rows), metrics, stats["std"]
+    return batch.select(rows), metrics, dict(zip(group_ids, stats["std"].tolist(), strict=True))
 
 
 def advantages_and_returns(batch: RolloutBatch, values: torch.Tensor | None,

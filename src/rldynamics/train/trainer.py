@@ -4,7 +4,8 @@
     -> critic update -> [gradient analysis, on schedule, read-only] -> actor update
 
 then, in `train`, validation, checkpoint and logging. Every sampling call is seeded from (seed, step),
-so a resumed run replays exactly the steps an uninterrupted run would have taken.
+so a resumed run replays exactly the steps an uninterrupted run would have taken. The gradient analysis
+(`train/analysis_pass.py`) is read-only: a run with it on ends with the parameters of the run with it off.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from rldynamics.algo.filter import loss_scale
-from rldynamics.algo.losses import aggregate
+from rldynamics.algo.losses import aggregate, masked_mean
 from rldynamics.config import Config
 from rldynamics.models.forward import batch_logprobs, batch_values
 from rldynamics.rollout.agent import env_metric_summary, rollout
@@ -26,6 +27,7 @@ from rldynamics.tracking.console import StepConsole
 from rldynamics.tracking.run_dir import RunWriter
 from rldynamics.train import setup
 from rldynamics.train.actor import ActorInputs, update_actor
+from rldynamics.train.analysis_pass import analysis_due, run_analysis
 from rldynamics.train.checkpoint import find_checkpoint, load_trainer_state, save_checkpoint
 from rldynamics.train.critic import update_critic
 from rldynamics.train.early_stop import EarlyStopper
@@ -37,6 +39,8 @@ from rldynamics.train.stages import (
     train_seeds,
     val_seeds,
 )
+
+EXITED = "exited_after_gradient_analysis"
 
 
 @dataclass
@@ -63,9 +67,9 @@ def timed(metrics: dict[str, float], name: str):
     metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
 
 
-def train(cfg: Config) -> Path:
-    """Run training as configured; returns the run directory."""
-    s = setup.make_session(cfg)
+def train(cfg: Config, run_dir: Path | None = None) -> Path:
+    """Run training as configured (into `run_dir` if given); returns the run directory."""
+    s = setup.make_session(cfg, run_dir)
     stopper = EarlyStopper(cfg.early_stop, cfg.filter.empty_stop_steps)
     start = 0
     if cfg.checkpoint.resume:
@@ -83,6 +87,10 @@ def train(cfg: Config) -> Path:
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
             metrics, stop = train_step(s, step, stopper)
+            if stop == EXITED:
+                s.writer.log(step, metrics)
+                console.print(f"[yellow]exited after the gradient analysis of step {step}")
+                break
             if stop is None and cfg.val.every > 0 and (step % cfg.val.every == 0 or step == cfg.train.steps):
                 console.phase("validation")
                 metrics.update(validate(s))
@@ -111,7 +119,7 @@ def _checkpoint_due(cfg: Config, step: int, last: bool) -> bool:
 
 
 def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, float], str | None]:
-    """One training step; returns its metrics and an early-stop reason (or None)."""
+    """One training step; returns its metrics and a stop reason (early stop, or EXITED after analysis)."""
     cfg, m = s.cfg, {}
     s.console.phase("rollout")
     with timed(m, "gen"):
@@ -121,20 +129,17 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     m.update(env_metric_summary(batch, f"train/{cfg.env.name}", cfg.train.group_size))
     _log_samples(s, step, batch)
 
-    batch, filter_m, _ = filter_batch(batch, cfg.filter)
+    batch, filter_m, group_std = filter_batch(batch, cfg.filter)
     m.update(filter_m)
     stop = stopper.after_rollout(filter_m["rollout/in_group_reward_std"], empty=len(batch) == 0)
     if len(batch) == 0:
         m["rollout/empty_after_filter"] = 1.0
-        return m, stop
+        return m, _analyse(s, step, m, None, None, None) or stop
     if stop is not None:
         return m, stop
 
     s.console.phase("log-probs")
-    inputs, values = _old_logprobs_and_values(s, batch, m)
-    with timed(m, "adv"):
-        advantages, returns = advantages_and_returns(batch, values, cfg.algo)  # [N, L]
-        inputs.advantages = advantages * loss_scale(filter_m["rollout/filter_kept_ratio"], cfg.filter.loss_scaling)
+    inputs, values, returns = prepare_update(s, batch, m, filter_m["rollout/filter_kept_ratio"])
     m.update(data_metrics(batch, inputs.advantages, returns, values))
 
     if s.critic is not None and not cfg.analysis.only:
@@ -142,6 +147,8 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
         with timed(m, "update_critic"):
             m.update(update_critic(s.critic, s.critic_optimizer, batch, values, returns, cfg.algo, cfg.critic,
                                    cfg.train))
+    if _analyse(s, step, m, batch, inputs, group_std):
+        return m, EXITED
     if not cfg.analysis.only:
         s.console.phase("actor")
         with timed(m, "update_actor"):
@@ -150,8 +157,25 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     return m, None
 
 
-def _old_logprobs_and_values(s: Session, batch: RolloutBatch, m: dict) -> tuple[ActorInputs, torch.Tensor | None]:
-    """Old log-probs (+ `actor/entropy`), reference log-probs and critic values of the batch."""
+def _analyse(s: Session, step: int, m: dict, batch, inputs, group_std) -> str | None:
+    """Run the gradient analysis when due; returns EXITED when the run should end right after it."""
+    cfg = s.cfg
+    m["trainer/gradient_analysis_only"] = float(cfg.analysis.only)
+    if not analysis_due(cfg, step):
+        return None
+    s.console.phase("analysis")
+    with timed(m, "gradient_analysis"):
+        m.update(run_analysis(s, step, batch, inputs, group_std,
+                              lambda b, metrics, kept: prepare_update(s, b, metrics, kept)))
+    if cfg.analysis.exit_after:
+        m["trainer/exited_after_gradient_analysis"] = 1.0
+        return EXITED
+    return None
+
+
+def prepare_update(s: Session, batch: RolloutBatch, m: dict,
+                   kept_ratio: float) -> tuple[ActorInputs, torch.Tensor | None, torch.Tensor | None]:
+    """Old / reference log-probs, critic values, advantages (scaled by the filter) and returns of a batch."""
     cfg = s.cfg
     micro = cfg.train.micro_batch_size
     with timed(m, "old_log_prob"):
@@ -163,13 +187,15 @@ def _old_logprobs_and_values(s: Session, batch: RolloutBatch, m: dict) -> tuple[
         with timed(m, "ref"):
             inputs.ref_logprobs, _ = batch_logprobs(s.ref_model, batch.input_ids, batch.attention_mask,
                                                     micro_batch_size=micro, temperature=cfg.train.temperature)
-        m["rollout/ref_log_prob"] = (inputs.ref_logprobs * batch.response_mask).sum().item() / max(
-            batch.response_mask.sum().item(), 1.0)
+        m["rollout/ref_log_prob"] = masked_mean(inputs.ref_logprobs, batch.response_mask).item()
     values = None
     if s.critic is not None:
         with timed(m, "values"):
             values = batch_values(s.critic, batch.input_ids, batch.attention_mask, micro_batch_size=micro)  # [N, L]
-    return inputs, values
+    with timed(m, "adv"):
+        advantages, returns = advantages_and_returns(batch, values, cfg.algo)  # [N, L]
+        inputs.advantages = advantages * loss_scale(kept_ratio, cfg.filter.loss_scaling)  # [N, L]
+    return inputs, values, returns
 
 
 def _log_samples(s: Session, step: int, batch: RolloutBatch) -> None:

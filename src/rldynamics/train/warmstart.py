@@ -27,7 +27,8 @@ DEMO_SEED_BASE = 5_000_000  # disjoint from RAGEN's train (10000+) and validatio
 
 
 def tiny_corpus(env_cfg: EnvConfig, num_seeds: int = 200) -> list[str]:
-    """Texts the tiny tokenizer is trained on: prompts and answers as the agent loop writes them."""
+    """Texts the tiny tokenizer is trained on: prompts and answers as the agent loop writes them, plus every
+    cell coordinate of the room."""
     texts = []
     for seed in range(DEMO_SEED_BASE - num_seeds, DEMO_SEED_BASE):
         env = make_env(env_cfg.name, **env_kwargs(env_cfg))
@@ -38,7 +39,9 @@ def tiny_corpus(env_cfg: EnvConfig, num_seeds: int = 200) -> list[str]:
             result = env.step(action)
             texts.append(f"Reward: {result.reward:g}\n" + result.observation)
             texts.append(f"<answer>{action} || {random.Random(seed).choice(env.actions)}</answer>")
-    return texts
+    rows, cols = env_cfg.dim_room
+    cells = " ".join(f"({r}, {c})" for r in range(rows) for c in range(cols))
+    return texts + [cells] * 50  # every cell coordinate often enough to become one token
 
 
 def solver_policy(tokenizer, cfg: EnvConfig, noise: float, rng: random.Random):

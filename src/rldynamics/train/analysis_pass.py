@@ -1,0 +1,109 @@
+"""The gradient analysis as a stage of the training step: which batch, which passes, what is written.
+
+- Cadence: analysis runs at steps 1, 1+every, 1+2*every, ... after the critic update and before the actor
+  update, on the filtered training batch, or, when `analysis.env_groups` / `analysis.group_size` are set,
+  on a separate batch drawn with its own env seeds and sampling seed (inside a forked RNG, so training is
+  unaffected) and filtered with the same filter settings.
+- `analysis.prefilter` also analyses that separate batch before filtering (prefix `grad_norm_prefilter`).
+- Per analysis step, `analysis/step_<N>/` gets `groups.csv` (bucket, group_id, reward_std), `sketches.safetensors`
+  (count-sketches of every bucket/component gradient, for offline cosines across buckets and steps) and
+  `metrics.json` (the step's analysis metrics).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from rldynamics.analysis.probe import ProbeResult, gradient_probe
+from rldynamics.config import Config
+from rldynamics.rollout.agent import rollout
+from rldynamics.rollout.batch import RolloutBatch
+from rldynamics.train.actor import ActorInputs
+from rldynamics.train.stages import filter_batch, step_seed, train_seeds
+
+ANALYSIS_SEED_OFFSET = 500_000  # separate analysis batches use their own env seeds
+
+
+def analysis_due(cfg: Config, step: int) -> bool:
+    """True at the steps the analysis runs (1, 1+every, ...)."""
+    return cfg.analysis.enabled and (step - 1) % cfg.analysis.every == 0
+
+
+def uses_separate_batch(cfg: Config) -> bool:
+    """Whether the analysis draws its own batch rather than reusing the training batch."""
+    a, t = cfg.analysis, cfg.train
+    return (a.env_groups is not None and a.env_groups != t.env_groups) or (
+        a.group_size is not None and a.group_size != t.group_size)
+
+
+def run_analysis(s, step: int, batch: RolloutBatch | None, inputs: ActorInputs | None,
+                 group_std: dict[int, float] | None, prepare) -> dict[str, float]:
+    """Analyse the training batch (or a separate one) and write the artefacts; returns the metrics.
+
+    `prepare(batch, metrics, kept_ratio) -> (inputs, values, returns)` computes log-probs and advantages for a
+    separate batch exactly as the training step does.
+    """
+    cfg = s.cfg
+    metrics: dict[str, float] = {"grad_analysis/uses_training_batch": float(not uses_separate_batch(cfg))}
+    passes: list[tuple[str, RolloutBatch, ActorInputs, dict[int, float]]] = []
+    if uses_separate_batch(cfg):
+        passes = _separate_batch_passes(s, step, metrics, prepare)
+    elif batch is not None and len(batch) > 0:
+        passes = [("grad_norm", batch, inputs, group_std)]
+    out_dir = s.writer.analysis_dir(step)
+    rows, sketches = [], {}
+    for prefix, b, inp, stds in passes:
+        result = probe(s, b, inp, stds, prefix)
+        metrics.update(result.metrics)
+        rows += [(prefix, *r) for r in result.groups]
+        sketches.update({f"{prefix}/{k}": v.contiguous() for k, v in result.sketches.items()})
+    write_artefacts(out_dir, metrics, rows, sketches)
+    return metrics
+
+
+def probe(s, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, float], prefix: str) -> ProbeResult:
+    """One gradient probe with the run's settings."""
+    cfg = s.cfg
+    return gradient_probe(s.model, batch, inputs, group_std, algo=cfg.algo, micro_batch_size=cfg.train.micro_batch_size,
+                          temperature=cfg.train.temperature, num_buckets=cfg.analysis.num_buckets,
+                          bucket_mode=cfg.analysis.bucket_mode, prefix=prefix, sketch_seed=cfg.seed)
+
+
+def _separate_batch_passes(s, step: int, metrics: dict[str, float], prepare) -> list:
+    """Roll out, filter and prepare the separate analysis batch (and its unfiltered copy if asked)."""
+    cfg = s.cfg
+    groups = cfg.analysis.env_groups or cfg.train.env_groups
+    size = cfg.analysis.group_size or cfg.train.group_size
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(step_seed(cfg.seed, step, stream=3))
+        raw = rollout(s.model, s.tokenizer, train_seeds(cfg.train.seed_base + ANALYSIS_SEED_OFFSET, groups, step),
+                      size, cfg.env, temperature=cfg.train.temperature)
+    metrics.update({"grad_analysis/source_env_groups": float(groups), "grad_analysis/source_group_size": float(size),
+                    "grad_analysis/source_batch_size": float(len(raw))})
+    kept, filter_m, stds = filter_batch(raw, cfg.filter)
+    metrics.update({k.replace("rollout/", "grad_analysis/"): v for k, v in filter_m.items()})
+    metrics["grad_analysis/empty_after_filter"] = float(len(kept) == 0)
+    passes = []
+    if cfg.analysis.prefilter:
+        inputs, _, _ = prepare(raw, {}, 1.0)
+        passes.append(("grad_norm_prefilter", raw, inputs, stds))
+    if len(kept) > 0:
+        inputs, _, _ = prepare(kept, {}, filter_m["rollout/filter_kept_ratio"])
+        passes.append(("grad_norm", kept, inputs, stds))
+    return passes
+
+
+def write_artefacts(out_dir: Path, metrics: dict[str, float], groups: list[tuple], sketches: dict) -> None:
+    """`groups.csv`, `sketches.safetensors` and `metrics.json` of one analysis step."""
+    with open(out_dir / "groups.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["prefix", "bucket", "group_id", "reward_std"])
+        writer.writerows(groups)
+    if sketches:
+        save_file(sketches, str(out_dir / "sketches.safetensors"))
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
