@@ -14,6 +14,7 @@ examples:
   rldyn train train.steps=5 val.env_groups=32 log.name=smoke
   rldyn train log.name=smoke checkpoint.resume=latest train.steps=10
   rldyn train --help-config                         # every config key with its default and meaning
+  rldyn train analysis.enabled=true analysis.every=5  # gradient analysis every 5 steps
 """
 
 
@@ -35,6 +36,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--preset", default="sokoban-tiny", help="preset name (default: sokoban-tiny)")
     train.add_argument("--config", default=None, help="YAML file merged after the preset, before overrides")
     train.add_argument("--help-config", action="store_true", help="list every config key and exit")
+
+    probe = sub.add_parser(
+        "probe", help="gradient analysis of a saved checkpoint (no training)",
+        description="Load a checkpoint, roll out the next step's batch and run one gradient-analysis pass "
+                    "(reward-variance buckets x task/entropy/KL gradient norms); writes a run directory. "
+                    "Defaults: KL k3 0.001 and entropy 0.001 enabled so both are measured.",
+    )
+    probe.add_argument("checkpoint", help="runs/<run>/checkpoints/step_<N>")
+    probe.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="config overrides, e.g. analysis.env_groups=32 analysis.prefilter=true")
+    probe.add_argument("--validate", action="store_true", help="run a validation before the analysis")
 
     sub.add_parser("envs", help="list the registered environments")
     return parser
@@ -62,6 +74,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_probe(args: argparse.Namespace) -> int:
+    from rldynamics.config import ConfigError
+    from rldynamics.train.probe import probe_checkpoint
+
+    try:
+        run_dir = probe_checkpoint(args.checkpoint, args.overrides, validate=args.validate)
+    except ConfigError as e:
+        print(f"rldyn probe: config error: {e}", file=sys.stderr)
+        return 2
+    except (FileExistsError, FileNotFoundError, ValueError, OSError) as e:
+        print(f"rldyn probe: {e}", file=sys.stderr)
+        return 2
+    print(f"run directory: {run_dir}")
+    return 0
+
+
 def cmd_envs(args: argparse.Namespace) -> int:
     from rldynamics.envs import ENVS
 
@@ -76,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return {"train": cmd_train, "envs": cmd_envs}[args.command](args)
+    return {"train": cmd_train, "probe": cmd_probe, "envs": cmd_envs}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -402,6 +402,11 @@ def make_config(preset: str | None = "sokoban-tiny", file: str | Path | None = N
     return validate(cfg)
 
 
+def apply_overrides(cfg: Config, overrides: list[str], source: str = "command-line overrides") -> Config:
+    """A validated copy of `cfg` with `key=value` overrides applied."""
+    return validate(_merge(cfg, parse_overrides(overrides), source)) if overrides else cfg
+
+
 def to_dict(cfg: Config) -> dict[str, Any]:
     """Plain nested dict of a Config."""
     return dataclasses.asdict(cfg)

@@ -15,7 +15,6 @@ Non-finite floats are written as JSON `NaN`/`Infinity` (Python's json reads them
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +61,8 @@ class RunWriter:
 
 
 def _plain(value: Any) -> Any:
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and math.isfinite(value):
-        return round(value, 10)
-    return value
+    """A JSON-ready scalar (tensors and numpy scalars become Python numbers; floats are kept exact)."""
+    return value.item() if hasattr(value, "item") else value
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -78,8 +78,8 @@ def train(cfg: Config, run_dir: Path | None = None) -> Path:
         start = state["step"]
         stopper.load_state_dict(state["early_stop"])
         s.writer.truncate_after(start)
-    elif cfg.val.before_train:
-        s.writer.log(0, validate(s))
+    if cfg.val.before_train and (start == 0 or cfg.analysis.only):
+        s.writer.log(start, validate(s))
     env = cfg.env.name
     with StepConsole(cfg.train.steps, env, enabled=cfg.log.progress) as console:
         s.console = console

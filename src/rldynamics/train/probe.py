@@ -1,0 +1,43 @@
+"""`rldyn probe`: one gradient-analysis pass on a saved checkpoint, written to its own run directory.
+
+The probe resumes the checkpoint's run (same config, same weights, critic and RNG state) at the next step
+with analysis only: the rollout, filter, advantages and analysis of step N+1 are exactly those the training
+run would have analysed at step N+1, and nothing is updated. Defaults follow RAGEN's probe script: KL
+(k3, 0.001) and entropy (0.001) enabled so that both regularisers are measured; any key can be overridden.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rldynamics.config import Config, apply_overrides, load_config, make_config
+from rldynamics.train.trainer import train
+
+PROBE_DEFAULTS = ["algo.kl_coef=0.001", "algo.kl_type=k3", "algo.entropy_coef=0.001"]
+
+
+def probe_config(checkpoint: Path, overrides: list[str], validate: bool = False) -> Config:
+    """The probe's config: the run's saved config, RAGEN's probe defaults, probe mode, then `overrides`."""
+    state = checkpoint / "trainer_state.json"
+    if not state.is_file():
+        raise FileNotFoundError(f"{checkpoint} is not a checkpoint directory (no trainer_state.json); pass a "
+                                "runs/<run>/checkpoints/step_<N> directory written by `rldyn train`")
+    step = json.loads(state.read_text())["step"]
+    saved = checkpoint.parent.parent / "config.yaml"
+    base = load_config(saved) if saved.is_file() else make_config()
+    mode = [f"checkpoint.resume={checkpoint}", f"train.steps={step + 1}", "analysis.enabled=true", "analysis.every=1",
+            "analysis.exit_after=true", "analysis.only=true", f"val.before_train={str(validate).lower()}"]
+    return apply_overrides(base, PROBE_DEFAULTS + mode + overrides)
+
+
+def probe_checkpoint(checkpoint: str | Path, overrides: list[str], validate: bool = False) -> Path:
+    """Run the probe and return its run directory (`<log.run_dir>/probe_<run>_step<N>` unless log.name is set)."""
+    checkpoint = Path(checkpoint).resolve()
+    cfg = probe_config(checkpoint, overrides, validate)
+    name = cfg.log.name if any(o.startswith("log.name=") for o in overrides) else (
+        f"probe_{checkpoint.parent.parent.name}_{checkpoint.name}")
+    run_dir = Path(cfg.log.run_dir) / name
+    if (run_dir / "metrics.jsonl").exists():
+        raise FileExistsError(f"{run_dir} already holds a probe; pass log.name=<new name>")
+    return train(cfg, run_dir)
