@@ -41,6 +41,7 @@ def test_analysis_every_step_leaves_training_bit_identical(fast_overrides):
 
 def test_exit_after_stops_before_any_update(fast_overrides):
     run = train(make_config(overrides=[*fast_overrides, "log.name=exit", *ANALYSIS, "analysis.exit_after=true",
+                                       "algo.adv_estimator=gae",
                                        "checkpoint.save_last=true"]))
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [0, 1]

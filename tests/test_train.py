@@ -20,7 +20,7 @@ def _weights(run_dir, step):
 
 
 def test_run_directory_contents(fast_overrides):
-    run = train(make_config(overrides=[*fast_overrides, "log.name=a"]))
+    run = train(make_config(overrides=[*fast_overrides, "log.name=a", "algo.adv_estimator=gae"]))
     assert (run / "config.yaml").is_file()
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -40,11 +40,10 @@ def test_same_seed_same_metrics(fast_overrides):
 
 
 def test_resume_gives_identical_weights(fast_overrides):
-    straight = train(make_config(overrides=[*fast_overrides, "log.name=straight", "train.steps=4",
-                                            "algo.kl_coef=0.01"]))
-    train(make_config(overrides=[*fast_overrides, "log.name=split", "algo.kl_coef=0.01"]))
-    resumed = train(make_config(overrides=[*fast_overrides, "log.name=split", "train.steps=4", "algo.kl_coef=0.01",
-                                           "checkpoint.resume=latest"]))
+    common = [*fast_overrides, "algo.kl_coef=0.01", "algo.adv_estimator=gae"]  # reference model and critic too
+    straight = train(make_config(overrides=[*common, "log.name=straight", "train.steps=4"]))
+    train(make_config(overrides=[*common, "log.name=split"]))
+    resumed = train(make_config(overrides=[*common, "log.name=split", "train.steps=4", "checkpoint.resume=latest"]))
     a, b = _weights(straight, 4), _weights(resumed, 4)
     assert a.keys() == b.keys()
     assert all((a[k] == b[k]).all() for k in a)

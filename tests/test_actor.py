@@ -1,0 +1,91 @@
+"""Actor update: exact aggregation whatever the micro-batch size, direction of the update, non-finite skip."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rldynamics.config import make_config
+from rldynamics.models.forward import batch_logprobs
+from rldynamics.models.loading import load_model_and_tokenizer
+from rldynamics.models.tiny import ensure_tiny_model
+from rldynamics.rollout.agent import rollout
+from rldynamics.train.actor import ActorInputs, sub_batch_share, update_actor
+from rldynamics.train.early_stop import EarlyStopper
+from rldynamics.train.warmstart import tiny_corpus
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    cfg = make_config(overrides=["env.max_new_tokens=6", "env.max_turns=2"])
+    path = ensure_tiny_model(lambda: tiny_corpus(cfg.env, num_seeds=10), tmp_path_factory.mktemp("cache"),
+                             hidden_size=32, num_layers=1, intermediate_size=64)
+    model, tokenizer = load_model_and_tokenizer(str(path))
+    torch.manual_seed(0)
+    batch = rollout(model, tokenizer, [1, 2], 3, cfg.env, temperature=1.0)
+    old, _ = batch_logprobs(model, batch.input_ids, batch.attention_mask, micro_batch_size=6)
+    advantages = torch.linspace(-1, 1, len(batch))[:, None] * batch.response_mask  # [N, L]
+    return model, batch, ActorInputs(old_logprobs=old, advantages=advantages)
+
+
+def _update(model, batch, inputs, overrides):
+    cfg = make_config(overrides=["train.mini_batch_size=6", "train.lr=1e-2", *overrides])
+    model = copy.deepcopy(model)
+    metrics = update_actor(model, torch.optim.AdamW(model.parameters(), lr=cfg.train.lr), batch, inputs, cfg.algo,
+                           cfg.train)
+    return model, metrics
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_update_does_not_depend_on_micro_batch_size(setup, mode):
+    model, batch, inputs = setup
+    results = [_update(model, batch, inputs, [f"train.micro_batch_size={m}", f"algo.loss_agg_mode={mode}"])
+               for m in (1, 4, 6)]
+    ref = torch.cat([p.flatten() for p in results[-1][0].parameters()])
+    for m, metrics in results[:-1]:
+        flat = torch.cat([p.flatten() for p in m.parameters()])
+        assert torch.allclose(flat, ref, atol=1e-5)
+        assert metrics["actor/grad_norm"] == pytest.approx(results[-1][1]["actor/grad_norm"], rel=1e-4)
+
+
+def test_sub_batch_shares_sum_to_one():
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+        chunks = [torch.tensor([0, 1]), torch.tensor([2]), torch.tensor([3])]
+        shares = [sub_batch_share(mask, c, mode) for c in chunks]
+        assert sum(shares) == pytest.approx(1.0) and shares[1] == 0.0
+    # token-mean: 3 of 7 tokens in rows 0-1
+    assert sub_batch_share(mask, torch.tensor([0, 1]), "token-mean") == pytest.approx(3 / 7)
+
+
+def test_update_follows_the_advantages(setup):
+    model, batch, inputs = setup
+    updated, _ = _update(model, batch, inputs, ["train.micro_batch_size=2", "algo.entropy_coef=0"])
+    new, _ = batch_logprobs(updated, batch.input_ids, batch.attention_mask, micro_batch_size=6)
+    delta = ((new - inputs.old_logprobs) * batch.response_mask).sum(1)  # [N]
+    assert delta[-1] > 0 > delta[0]  # the highest-advantage row gained probability, the lowest lost it
+
+
+def test_non_finite_gradient_skips_the_step(setup):
+    model, batch, inputs = setup
+    bad = ActorInputs(old_logprobs=inputs.old_logprobs, advantages=inputs.advantages.clone())
+    bad.advantages[0, batch.response_mask[0].nonzero()[0]] = float("nan")
+    updated, metrics = _update(model, batch, bad, ["train.micro_batch_size=6"])
+    assert metrics["actor/skipped_steps"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), updated.parameters(), strict=True))
+
+
+def test_early_stopping_rules():
+    cfg = make_config().early_stop
+    rv = EarlyStopper(cfg, empty_stop_steps=3)
+    reasons = [rv.after_rollout(1.0, empty=False) for _ in range(10)]
+    reasons += [rv.after_rollout(0.05, empty=False) for _ in range(10)]
+    assert reasons[:19] == [None] * 19 and reasons[19] == "reward_variance_collapse"  # earliest possible: step 20
+    empty = EarlyStopper(cfg, empty_stop_steps=3)
+    assert [empty.after_rollout(0.0, empty=True) for _ in range(3)] == [None, None, "empty_filtered_steps"]
+    val = EarlyStopper(cfg, empty_stop_steps=3)
+    assert [val.after_validation(0.0) for _ in range(5)][-1] == "low_validation_success"
+    val.load_state_dict(EarlyStopper(cfg, 3).state_dict())
+    assert val.after_validation(0.0) is None  # counter restored to zero

@@ -1,0 +1,247 @@
+"""Plots and report from synthetic run directories written with the real RunWriter (no training, no torch)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from matplotlib.image import imread
+from safetensors.numpy import save_file
+
+from rldynamics.plots import health
+from rldynamics.plots.cli import plot_command, report_command
+from rldynamics.plots.data import analysis_steps, load_run
+from rldynamics.tracking.run_dir import RunWriter
+
+STEP_FILES = ["gradient_analysis_summary_step_{}.png", "gradient_analysis_plots_step_{}.png",
+              "gradient_analysis_loss_plots_step_{}.png", "gradient_analysis_reward_std_step_{}.png",
+              "gradient_analysis_normed_grads_step_{}.png", "gradient_analysis_metrics_step_{}.json",
+              "gradient_analysis_bucket_rv_table_step_{}.csv"]
+BUCKET_RVS = {"bucket_1": [0.0, 0.0], "bucket_2": [0.0, 0.3], "bucket_3": [0.8, 1.1], "bucket_4": [1.9, 2.5, 3.0]}
+
+
+def _bucket_metrics(step: int, rng: np.random.Generator, kl: bool = True) -> dict[str, float]:
+    """RAGEN-named analysis metrics for 4 buckets (+ all); bucket_1 has zero RV hence zero task gradient."""
+    m = {}
+    for b, rvs in {**BUCKET_RVS, "all": sum(BUCKET_RVS.values(), [])}.items():
+        rv = float(np.mean(rvs))
+        task, raw_ent, raw_kl = 0.5 * rv, 2.0 + rng.random(), 0.3 + 0.1 * step
+        count = 8.0 * len(rvs)
+        vals = {"task": task, "entropy": 1e-3 * raw_ent, "raw/entropy": raw_ent, "reward_std_mean": rv,
+                "reward_std_min": min(rvs), "reward_std_max": max(rvs), "sample_count": count,
+                "group_rv_count": float(len(rvs)), "sample_pct": count / 72, "loss/policy": -0.01 * rv,
+                "loss/entropy": -1e-3 * raw_ent, "loss/total": -0.01 * rv - 1e-3 * raw_ent,
+                "per_sample/task": task / count, "per_token/task": task / (count * 30),
+                "per_sample/entropy": 1e-3 * raw_ent / count, "per_token/entropy": 1e-3 * raw_ent / (count * 30),
+                "cos/task_entropy": 0.1 * rng.standard_normal(), "regularizer": 1e-3 * raw_ent,
+                "reg_share": 1e-3 * raw_ent / (task + 1e-3 * raw_ent)}
+        if kl:
+            vals.update({"kl": 1e-3 * raw_kl, "raw/kl": raw_kl, "loss/kl": 1e-4, "per_sample/kl": 1e-3 * raw_kl / count,
+                         "per_token/kl": 1e-3 * raw_kl / (count * 30), "cos/task_kl": -0.05, "cos/entropy_kl": 0.2})
+        m.update({f"grad_norm/{b}/{k}": v for k, v in vals.items()})
+    return m
+
+
+def _write_analysis(writer: RunWriter, step: int, rng: np.random.Generator) -> None:
+    d = writer.analysis_dir(step)
+    with open(d / "groups.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["prefix", "bucket", "group_id", "reward_std"])
+        gid = 0
+        for b, rvs in BUCKET_RVS.items():
+            for rv in rvs:
+                w.writerow(["grad_norm", b, gid, rv])
+                gid += 1
+        w.writerow(["grad_norm_prefilter", "bucket_1", 99, 0.0])  # other prefix: must not reach the CSV table
+    base = rng.standard_normal(1024).astype(np.float32)
+    sketches = {f"grad_norm/{b}/task": (base + k * rng.standard_normal(1024)).astype(np.float32)
+                for k, b in enumerate([*BUCKET_RVS, "all"])}
+    save_file({**sketches, "grad_norm/bucket_1/entropy": base}, str(d / "sketches.safetensors"))
+    (d / "metrics.json").write_text(json.dumps({"grad_analysis/uses_training_batch": 1.0}))
+
+
+def make_run(path: Path, *, steps: int = 6, analysis: tuple[int, ...] = (1, 4), healthy: bool = True,
+             name: str | None = None, kl: bool = True) -> Path:
+    """A synthetic run directory; `healthy=False` plants a NaN grad norm, clipfrac 0.6, falling reward, early stop."""
+    writer = RunWriter(path)
+    cfg = {"env": {"name": "sokoban"}, "train": {"env_groups": 8}, "log": {"name": name or path.name}}
+    (path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    rng = np.random.default_rng(0)
+    writer.log(0, {"val-env/sokoban/success": 0.1})
+    for s in range(1, steps + 1):
+        m = {"critic/score/mean": (0.2 * s if healthy else 2.0 - 0.3 * s), "actor/entropy": 1.0 - 0.02 * s,
+             "actor/grad_norm": 0.3 + 0.01 * s, "actor/pg_clipfrac": 0.2 if healthy else 0.6,
+             "actor/pg_loss": 0.01 * (-1) ** s, "actor/kl_loss": 0.001 * s, "actor/skipped_steps": 0.0,
+             "rollout/filter_kept_ratio": 0.75, "rollout/filter_kept_count": 6.0, "rollout/filter_zero_count": 1.0,
+             "rollout/in_group_reward_std": 1.0, "response_length/mean": 30.0 + s,
+             "train/sokoban/success": 0.1 + 0.05 * s, "train/sokoban/response_length": 7.0}
+        if not healthy and s == 3:
+            m["actor/grad_norm"] = math.nan
+        if not healthy and s == steps:
+            m["early_stopped/reward_variance_collapse"] = 1.0
+        if s % 2 == 0:
+            m["val-env/sokoban/success"] = 0.1 + 0.04 * s
+        if s in analysis:
+            m.update(_bucket_metrics(s, rng, kl=kl))
+            _write_analysis(writer, s, rng)
+        writer.log(s, m)
+    writer.close()
+    return path
+
+
+def _assert_png(path: Path) -> None:
+    img = imread(str(path))
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100, path
+    assert float(img[..., :3].std()) > 0.01, f"{path.name} looks blank"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    return make_run(tmp_path_factory.mktemp("runs") / "synthetic")
+
+
+@pytest.fixture(scope="module")
+def plotted(run, tmp_path_factory) -> Path:
+    """`rldyn plot` output of the synthetic run (rendered once for the module)."""
+    out = tmp_path_factory.mktemp("plots")
+    assert plot_command(run, None, False, out, False, None) == 0
+    return out
+
+
+def test_analysis_steps_need_nonzero_bucket_values(run):
+    assert analysis_steps(load_run(run)) == [1, 4]
+    assert load_run(run).row(1)["grad_analysis/uses_training_batch"] == 1.0  # merged from analysis metrics.json
+
+
+def test_plot_writes_every_file(plotted):
+    out = plotted
+    for step in (1, 4):
+        for pattern in STEP_FILES:
+            assert (out / pattern.format(step)).exists(), pattern.format(step)
+        assert (out / f"analysis_sketch_cosines_step_{step}.png").exists()
+    for name in ("training_curves.png", "analysis_cosines.png", "analysis_reg_share.png"):
+        assert (out / name).exists(), name
+    for png in out.glob("*.png"):
+        _assert_png(png)
+
+
+def test_plot_metrics_json_and_rv_table(plotted):
+    row = json.loads((plotted / "gradient_analysis_metrics_step_4.json").read_text())
+    assert row["step"] == 4 and row["grad_norm/bucket_3/task"] == pytest.approx(0.5 * 0.95)
+    assert list(row) == sorted(row)
+    assert "critic/score/mean" in row and "grad_norm/all/raw/kl" in row
+    with open(plotted / "gradient_analysis_bucket_rv_table_step_1.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["bucket", "reward_std"]
+    expected = [(b, v) for b, vs in BUCKET_RVS.items() for v in vs]
+    assert [(b, float(v)) for b, v in rows[1:]] == expected
+
+
+def test_plot_list_steps_and_errors(run, tmp_path, capsys):
+    assert plot_command(run, None, True, None, False, None) == 0
+    assert capsys.readouterr().out.strip() == "1 4"
+    assert plot_command(run, [2], False, tmp_path, False, None) == 2
+    err = capsys.readouterr().err
+    assert "step(s) 2" in err and "available: 1, 4" in err
+    assert plot_command(tmp_path / "nope", None, False, None, False, None) == 2
+    assert "nope" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_step_filter_single_step_and_missing_kl(tmp_path):
+    path = make_run(tmp_path / "nokl", steps=3, analysis=(1, 3), kl=False)
+    assert plot_command(path, [3], False, None, False, None) == 0
+    for pattern in STEP_FILES[:5]:
+        _assert_png(path / "plots" / pattern.format(3))
+        assert not (path / "plots" / pattern.format(1)).exists()
+
+
+def test_run_without_analysis_and_odd_values(tmp_path, capsys):
+    path = make_run(tmp_path / "plain", steps=1, analysis=())
+    with open(path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "critic/score/mean": NaN, "actor/grad_norm": Infinity}\n{"step": 3, "actor/ent')
+    assert plot_command(path, None, True, None, False, None) == 0
+    captured = capsys.readouterr()
+    assert "No gradient-analysis steps found." in captured.out and "line 4" in captured.err
+    assert plot_command(path, None, False, None, False, None) == 0
+    _assert_png(path / "plots" / "training_curves.png")
+    assert not list((path / "plots").glob("gradient_analysis_*"))
+    assert plot_command(path, [1], False, None, False, None) == 2
+    assert report_command(path, None) == 0
+    assert "No gradient-analysis steps" in (path / "report.html").read_text()
+
+
+def test_paper_grid_from_two_runs(run, tmp_path, capsys):
+    other = make_run(tmp_path / "later", steps=12, analysis=(10,))
+    out = tmp_path / "paper"
+    assert plot_command([run, other], None, False, out, True, [1, 4, 10]) == 0
+    _assert_png(out / "paper_grid.png")
+    assert plot_command([run, other], None, False, out, True, [7]) == 2
+    assert "step 7" in capsys.readouterr().err
+    assert plot_command([run, other], None, False, None, False, None) == 2  # several dirs need --paper
+
+
+def test_report_embeds_figures_and_healthy_run_has_no_issues(run, tmp_path):
+    out = tmp_path / "r" / "report.html"
+    assert report_command(run, out) == 0
+    text = out.read_text()
+    assert text.count("data:image/png;base64,") >= 1 + 2 + 2 * 6
+    assert "No issues found" in text and "Step 4" in text and "<details" in text and "sokoban" in text
+    assert "http://" not in text and "https://" not in text and "<script" not in text
+
+
+def test_report_flags_unhealthy_run(tmp_path):
+    path = make_run(tmp_path / "sick", steps=8, analysis=(), healthy=False)
+    flags = {f.check: f for f in health.health_checks(load_run(path).rows, load_run(path).config)}
+    assert flags["grad_norm_nonfinite"].severity == "error" and "3" in flags["grad_norm_nonfinite"].numbers["steps"]
+    assert flags["clipfrac_high"].numbers["mean over last steps"] == "60.0%"
+    assert float(flags["reward_not_improving"].numbers["slope per step"]) == pytest.approx(-0.3)
+    assert flags["early_stop"].numbers["reason"] == "reward_variance_collapse"
+    assert report_command(path, None) == 0
+    text = (path / "report.html").read_text()
+    for title in ("non-finite actor/grad_norm", "clip fraction 60.0%", "rule of thumb", "not trending up",
+                  "stopped early: reward_variance_collapse"):
+        assert title in text, title
+    assert "No issues found" not in text
+
+
+def test_health_checks_on_rows():
+    rows = [{"step": s, "actor/grad_norm": 1.0, "actor/pg_loss": 0.01, "actor/skipped_steps": 0.0} for s in range(10)]
+    assert health.health_checks(rows) == []
+    rows[8]["actor/grad_norm"] = 9.0
+    rows[5]["actor/pg_loss"] = -250.0
+    rows[6]["actor/skipped_steps"] = 2.0
+    rows[7].update({"rollout/filter_zero_count": 7.0, "rollout/filter_kept_count": 1.0,
+                    "rollout/filter_kept_ratio": 0.125})
+    checks = {f.check: f for f in health.health_checks(rows)}
+    assert set(checks) == {"grad_norm_spike", "loss_swings", "skipped_steps", "zero_variance_groups"}
+    assert "step 8" in checks["grad_norm_spike"].numbers["worst"]
+    assert "step 5" in checks["loss_swings"].numbers["largest |loss|"]
+    assert checks["zero_variance_groups"].numbers["mean share (last steps)"] == "87.5%"
+
+
+def test_report_module_imports_no_torch():
+    code = ("import sys, rldynamics.plots.report, rldynamics.plots.cli; "
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium not installed")
+def test_report_renders_in_headless_chromium(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "check_report.sh"
+    if not script.exists():
+        pytest.skip("scripts/check_report.sh missing")
+    run = make_run(tmp_path / "shown", steps=4, analysis=(), healthy=False)
+    shot = tmp_path / "shot.png"
+    done = subprocess.run(["bash", str(script), str(run), str(shot)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    _assert_png(shot)
