@@ -156,12 +156,30 @@ def test_plot_list_steps_and_errors(run, tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
-def test_step_filter_single_step_and_missing_kl(tmp_path):
+def test_step_filter_single_step_missing_kl_and_odd_values(tmp_path):
     path = make_run(tmp_path / "nokl", steps=3, analysis=(1, 3), kl=False)
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    rows[-1].update({"grad_norm/bucket_2/task": math.nan, "grad_norm/bucket_3/task": math.inf})
+    del rows[-1]["grad_norm/bucket_4/loss/policy"]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name in ("groups.csv", "sketches.safetensors"):
+        (path / "analysis" / "step_3" / name).unlink()
     assert plot_command(path, [3], False, None, False, None) == 0
     for pattern in STEP_FILES[:5]:
         _assert_png(path / "plots" / pattern.format(3))
         assert not (path / "plots" / pattern.format(1)).exists()
+    assert not (path / "plots" / "analysis_sketch_cosines_step_3.png").exists()
+    assert (path / "plots" / "gradient_analysis_bucket_rv_table_step_3.csv").read_text().strip() == "bucket,reward_std"
+    assert math.isinf(json.loads((path / "plots" / "gradient_analysis_metrics_step_3.json").read_text())[
+        "grad_norm/bucket_3/task"])
+
+
+def test_empty_run(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert plot_command(tmp_path, None, False, None, False, None) == 0
+    assert "No gradient-analysis steps found." in capsys.readouterr().out
+    assert report_command(tmp_path, None) == 0
+    assert "nothing to check" in (tmp_path / "report.html").read_text()
 
 
 def test_run_without_analysis_and_odd_values(tmp_path, capsys):

@@ -1,1 +1,5 @@
+"""Figures and the HTML report of a run directory; imports no torch and no training code.
 
+Entry points: `rldynamics.plots.cli.plot_command` / `report_command` (`rldyn plot`, `rldyn report`);
+`rldynamics.plots.report.write_report`; per-step figures in `analysis`, curves in `curves`, checks in `health`.
+"""

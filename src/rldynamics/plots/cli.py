@@ -1,0 +1,113 @@
+"""Argument-parser-free entry points of `rldyn plot` and `rldyn report`: each returns an exit code.
+
+Exit codes: 0 success, 2 bad input (missing run directory, unknown step, no analysis steps for --paper).
+Errors go to stderr as one line naming what was wrong; results are listed on stdout.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rldynamics.plots.analysis import write_paper_grid, write_step
+from rldynamics.plots.curves import write_curves
+from rldynamics.plots.data import RunData, analysis_steps, load_run
+from rldynamics.plots.report import write_report
+
+NO_STEPS = "No gradient-analysis steps found."
+
+
+def _err(cmd: str, message: str) -> int:
+    print(f"rldyn {cmd}: {message}", file=sys.stderr)
+    return 2
+
+
+def _load(cmd: str, run_dir: str | Path) -> RunData:
+    run = load_run(run_dir)
+    for w in run.warnings:
+        print(f"rldyn {cmd}: warning: {run_dir}: {w}", file=sys.stderr)
+    return run
+
+
+def plot_command(run_dir: str | Path | Sequence[str | Path], steps: Sequence[int] | None = None,
+                 list_steps: bool = False, out: str | Path | None = None, paper: bool = False,
+                 paper_steps: Sequence[int] | None = None) -> int:
+    """`rldyn plot`: per-step gradient-analysis figures + training curves, or (`paper`) the multi-step grid.
+
+    Args:
+        run_dir: one run directory, or several with `paper`.
+        steps: analysis steps to plot (default: all); with `paper`, used when `paper_steps` is not given.
+        list_steps: print the analysis steps (one line) and exit.
+        out: output directory (default `<first run dir>/plots`).
+        paper: write `paper_grid.png` (rows = steps, looked up in the run directories in order).
+        paper_steps: the grid's steps (default: every analysis step of the given runs).
+    """
+    dirs = [run_dir] if isinstance(run_dir, (str, Path)) else list(run_dir)
+    if not dirs:
+        return _err("plot", "no run directory given")
+    if len(dirs) > 1 and not paper:
+        return _err("plot", f"{len(dirs)} run directories given; several are only accepted with --paper")
+    try:
+        runs = [_load("plot", d) for d in dirs]
+    except (OSError, ValueError) as e:
+        return _err("plot", str(e))
+    out_dir = Path(out) if out is not None else Path(dirs[0]) / "plots"
+    if list_steps:
+        for run in runs:
+            found = analysis_steps(run)
+            prefix = f"{run.path}: " if len(runs) > 1 else ""
+            print(prefix + (" ".join(map(str, found)) if found else NO_STEPS))
+        return 0
+    if paper:
+        return _paper(runs, list(paper_steps or steps or []), out_dir)
+    return _per_step(runs[0], list(steps) if steps else None, out_dir)
+
+
+def _per_step(run: RunData, steps: list[int] | None, out_dir: Path) -> int:
+    available = analysis_steps(run)
+    if steps is not None:
+        unknown = [s for s in steps if s not in available]
+        if unknown:
+            avail = ", ".join(map(str, available)) if available else "none"
+            return _err("plot", f"step(s) {', '.join(map(str, unknown))} are not gradient-analysis steps of "
+                                f"{run.path} (available: {avail})")
+    chosen = available if steps is None else [s for s in available if s in steps]
+    try:
+        written = write_curves(run, out_dir, steps=chosen)
+        for s in chosen:
+            written += write_step(run, s, out_dir)
+    except OSError as e:
+        return _err("plot", f"could not write to {out_dir}: {e}")
+    if not available:
+        print(f"{NO_STEPS} " + ("Wrote the training curves only." if written else "No known metrics to plot either."))
+    print(f"wrote {len(written)} file(s) to {out_dir}" + (f" for analysis step(s) {', '.join(map(str, chosen))}"
+                                                           if chosen else ""))
+    for p in written:
+        print(f"  {p.name}")
+    return 0
+
+
+def _paper(runs: list[RunData], steps: list[int], out_dir: Path) -> int:
+    if not steps:
+        steps = sorted({s for run in runs for s in analysis_steps(run)})
+    if not steps:
+        return _err("plot", f"--paper: no gradient-analysis steps found in {', '.join(str(r.path) for r in runs)}")
+    try:
+        path = write_paper_grid(runs, steps, out_dir)
+    except ValueError as e:
+        return _err("plot", f"--paper: {e}")
+    except OSError as e:
+        return _err("plot", f"could not write to {out_dir}: {e}")
+    print(f"wrote {path} (steps {', '.join(map(str, steps))})")
+    return 0
+
+
+def report_command(run_dir: str | Path, out: str | Path | None = None) -> int:
+    """`rldyn report`: write the one-page HTML report (default `RUN_DIR/report.html`)."""
+    try:
+        path = write_report(_load("report", run_dir), out)
+    except (OSError, ValueError) as e:
+        return _err("report", str(e))
+    print(f"wrote {path}")
+    return 0

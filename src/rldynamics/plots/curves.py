@@ -1,0 +1,244 @@
+"""Training curves and the across-step analysis views of a run directory.
+
+- `training_curves.png`: one panel per metric family that was logged (reward, success, entropy, KL, grad norm,
+  clip fraction, pg loss, filter kept ratio, in-group reward std, response length); non-finite values are
+  marked on the axis instead of vanishing, early stops are drawn as a vertical line.
+- `analysis_cosines.png` / `analysis_reg_share.png`: per-bucket component cosines and regulariser share
+  over the analysis steps.
+- `analysis_sketch_cosines_step_<N>.png`: bucket × bucket cosine of the task-gradient count-sketches.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from rldynamics.plots.analysis import DPI, auto_scale, new_figure, note, save_png
+from rldynamics.plots.data import (
+    PREFIX,
+    RunData,
+    analysis_steps,
+    bucket_label,
+    bucket_names,
+    env_names,
+    has_key,
+    norm_is_zero,
+    read_sketches,
+    series,
+)
+
+COSINES = ("task_entropy", "task_kl", "entropy_kl")
+
+
+def curve_panels(run: RunData) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(panel title, [(metric key, legend label)]) for every panel whose metrics were logged."""
+    envs = env_names(run)
+    candidates: list[tuple[str, list[tuple[str, str]]]] = [
+        ("reward (critic/score/mean)", [("critic/score/mean", "mean score")]),
+        ("success rate", [(f"{split}/{e}/success", f"{split.split('-')[0]} {e}")
+                          for e in envs for split in ("train", "val-env")]),
+        ("entropy (actor/entropy)", [("actor/entropy", "entropy")]),
+        ("KL loss (actor/kl_loss)", [("actor/kl_loss", "kl_loss")]),
+        ("grad norm (actor/grad_norm, pre-clip)", [("actor/grad_norm", "grad norm")]),
+        ("clip fraction (actor/pg_clipfrac; rule of thumb 10–40 %)", [("actor/pg_clipfrac", "pg_clipfrac")]),
+        ("policy loss (actor/pg_loss)", [("actor/pg_loss", "pg_loss")]),
+        ("filter kept ratio", [("rollout/filter_kept_ratio", "kept ratio")]),
+        ("in-group reward std", [("rollout/in_group_reward_std", "mean group std")]),
+        ("response length", [("response_length/mean", "tokens / response")] if has_key(run, "response_length/mean")
+         else [(f"train/{e}/response_length", e) for e in envs]),
+    ]
+    out = []
+    for title, keys in candidates:
+        present = [(k, label) for k, label in keys if has_key(run, k)]
+        if present:
+            out.append((title, present))
+    return out
+
+
+def _early_stops(run: RunData) -> list[tuple[int, str]]:
+    return [(r["step"], k.split("/", 1)[1]) for r in run.rows for k, v in r.items()
+            if k.startswith("early_stopped/") and v]
+
+
+def _plot_series(ax, x: np.ndarray, y: np.ndarray, label: str) -> bool:
+    """Line (markers for short runs) of the finite values; non-finite ones as red ticks at the bottom."""
+    fin = np.isfinite(y)
+    if fin.any():
+        ax.plot(x[fin], y[fin], "-o" if fin.sum() <= 60 else "-", ms=3, lw=1.2, label=label)
+    if (~fin).any():
+        ax.plot(x[~fin], np.zeros((~fin).sum()), "x", color="#d00", ms=8, mew=2, transform=ax.get_xaxis_transform(),
+                label=f"{label}: non-finite", clip_on=False)
+    return bool(fin.any())
+
+
+def fig_training_curves(run: RunData) -> Figure | None:
+    """Grid of training curves (None when no known metric was logged)."""
+    panels = curve_panels(run)
+    if not panels:
+        return None
+    ncols = 3 if len(panels) > 4 else max(1, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig = new_figure(5 * ncols, 3.3 * nrows + 0.5)
+    axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False).ravel())
+    stops = _early_stops(run)
+    for n, (ax, (title, keys)) in enumerate(zip(axes, panels, strict=False)):
+        values = []
+        for key, label in keys:
+            x, y = series(run, key)
+            _plot_series(ax, x, y, label)
+            values.append(y)
+        ylim = ax.get_ylim()
+        if title.startswith("clip fraction") and ylim[0] < 0.4 and ylim[1] > 0.1:  # band only where it meets the data
+            ax.axhspan(0.1, 0.4, color="#2ca02c", alpha=0.12, label="10–40 % (rule of thumb)")
+            ax.set_ylim(ylim)
+        if title.startswith("grad norm"):
+            auto_scale(ax, np.concatenate(values), decades=2.0)
+        for step, reason in stops:  # labelled in the first panel only
+            ax.axvline(step, color="#d00", ls="--", lw=1, label=f"early stop: {reason}" if n == 0 else None)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if len(ax.get_legend_handles_labels()[0]) > 1 or (n == 0 and stops):
+            ax.legend(fontsize=7)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{run.name}: training curves")
+    return fig
+
+
+def _lines_per_bucket(ax, run: RunData, steps: list[int], metric: str) -> bool:
+    """One line per bucket (and `all`, dashed) of `grad_norm/<bucket>/<metric>` over `steps`.
+
+    A cosine (`cos/a_b`) is left out where the norm of `a` or `b` is 0: the probe logs 0 there, but it is undefined.
+    """
+    comps = metric.split("/", 1)[1].split("_") if metric.startswith("cos/") else []
+    buckets = sorted({b for s in steps for b in bucket_names(run.row(s))}, key=lambda b: int(b.split("_")[1]))
+    drawn = False
+    for b in [*buckets, "all"]:
+        key = f"{PREFIX}/{b}/{metric}"
+        pts = [(s, run.row(s).get(key)) for s in steps if key in run.row(s)
+               and not any(norm_is_zero(run.row(s), b, c) for c in comps)]
+        if not pts:
+            continue
+        x = np.array([p[0] for p in pts], dtype=float)
+        y = np.array([p[1] if isinstance(p[1], (int, float)) else np.nan for p in pts], dtype=float)
+        style = {"color": "k", "ls": "--"} if b == "all" else {"color": f"C{(int(b.split('_')[1]) - 1) % 10}"}
+        fin = np.isfinite(y)
+        ax.plot(x[fin], y[fin], marker="o", ms=4, label=bucket_label(b), **style)
+        drawn = drawn or bool(fin.any())
+    return drawn
+
+
+def fig_cosines(run: RunData, steps: list[int] | None = None) -> Figure | None:
+    """Per-bucket cosines between the task, entropy and KL gradients over the analysis steps (None if not logged)."""
+    steps = analysis_steps(run) if steps is None else steps
+    present = [c for c in COSINES if any(f"/cos/{c}" in k for s in steps for k in run.row(s))]
+    if not present:
+        return None
+    fig = new_figure(5.2 * len(present), 4.2)
+    axes = np.atleast_1d(fig.subplots(1, len(present), squeeze=False).ravel())
+    for ax, c in zip(axes, present, strict=True):
+        a, b = c.split("_")
+        if not _lines_per_bucket(ax, run, steps, f"cos/{c}"):
+            note(ax, "undefined: a gradient norm is 0 at every step" if any(f"/cos/{c}" in k for k in run.row(steps[0]))
+                 else "no finite values")
+        ax.axhline(0.0, color="0.5", lw=0.8)
+        ax.set_title(f"cos(∇{a}, ∇{b})", fontsize=10)
+        _step_axis(ax, "analysis step")
+        ax.set_ylabel("cosine")
+    _shared_legend(fig, axes)
+    fig.suptitle(f"{run.name}: gradient-component cosines per bucket (left out where a norm is 0)")
+    return fig
+
+
+def _step_axis(ax, label: str) -> None:
+    ax.set_xlabel(label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+
+
+def _shared_legend(fig: Figure, axes) -> None:
+    """One legend below the panels, with every bucket that appears in any panel."""
+    seen: dict[str, object] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            seen.setdefault(label, handle)
+    seen = dict(sorted(seen.items(), key=lambda kv: (kv[0] == "all", int(kv[0][1:]) if kv[0][1:].isdigit() else 0)))
+    if seen:
+        fig.legend(list(seen.values()), list(seen), loc="outside lower center", ncols=min(len(seen), 8), fontsize=8)
+
+
+def fig_reg_share(run: RunData, steps: list[int] | None = None) -> Figure | None:
+    """Per-bucket regulariser share reg/(task+reg) over the analysis steps (None if not logged)."""
+    steps = analysis_steps(run) if steps is None else steps
+    if not any(k.endswith("/reg_share") for s in steps for k in run.row(s)):
+        return None
+    fig = new_figure(7.5, 4.5)
+    ax = fig.add_subplot()
+    if not _lines_per_bucket(ax, run, steps, "reg_share"):
+        note(ax, "no finite values")
+    ax.set_title("regulariser share of the gradient  ‖reg‖ / (‖task‖ + ‖reg‖)", fontsize=10)
+    _step_axis(ax, "analysis step")
+    ax.set_ylabel("reg_share")
+    _shared_legend(fig, [ax])
+    fig.suptitle(f"{run.name}: regulariser share per bucket")
+    return fig
+
+
+def sketch_cosine_matrix(sketches: dict[str, np.ndarray], component: str = "task",
+                         prefix: str = PREFIX) -> tuple[list[str], np.ndarray]:
+    """(bucket names, [B, B] cosine matrix) of the `<prefix>/bucket_k/<component>` sketches; nan for zero sketches."""
+    head = f"{prefix}/bucket_"
+    keys = sorted((k for k in sketches if k.startswith(head) and k.endswith(f"/{component}") and k.count("/") == 2),
+                  key=lambda k: int(k.split("/")[1].split("_")[1]))
+    if not keys:
+        return [], np.zeros((0, 0))
+    m = np.stack([sketches[k] for k in keys])  # [B, dim]
+    norms = np.linalg.norm(m, axis=1)  # [B]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cos = (m @ m.T) / np.outer(norms, norms)  # [B, B]
+    cos[~np.isfinite(cos)] = np.nan
+    return [k.split("/")[1] for k in keys], cos
+
+
+def fig_sketch_cosines(run: RunData, step: int, component: str = "task") -> Figure | None:
+    """Annotated heatmap of bucket × bucket cosines of the task-gradient sketches (None without sketches)."""
+    buckets, cos = sketch_cosine_matrix(read_sketches(run.path, step), component)
+    if not buckets:
+        return None
+    n = len(buckets)
+    fig = new_figure(2.2 + 0.7 * n, 1.2 + 0.7 * n)
+    ax = fig.add_subplot()
+    im = ax.imshow(np.ma.masked_invalid(cos), cmap="RdBu_r", vmin=-1, vmax=1)
+    labels = [bucket_label(b) for b in buckets]
+    ax.set_xticks(range(n), labels)
+    ax.set_yticks(range(n), labels)
+    for i in range(n):
+        for j in range(n):
+            v = cos[i, j]
+            ax.text(j, i, "n/a" if np.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=8,
+                    color="w" if np.isfinite(v) and abs(v) > 0.6 else "k")
+    fig.colorbar(im, ax=ax, shrink=0.8, label="cosine (sketch estimate)")
+    ax.set_title(f"{run.name} — step {step}\n{component}-gradient cosine between buckets", fontsize=10)
+    return fig
+
+
+def write_curves(run: RunData, out: str | Path, steps: list[int] | None = None, dpi: int = DPI) -> list[Path]:
+    """Write the training curves, the across-step analysis views and the sketch heatmaps; returns the paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    named = [("training_curves.png", fig_training_curves(run)), ("analysis_cosines.png", fig_cosines(run)),
+             ("analysis_reg_share.png", fig_reg_share(run))]
+    all_steps = analysis_steps(run)
+    for s in all_steps if steps is None else [s for s in all_steps if s in steps]:
+        named.append((f"analysis_sketch_cosines_step_{s}.png", fig_sketch_cosines(run, s)))
+    for name, fig in named:
+        if fig is not None:
+            paths.append(save_png(fig, out / name, dpi))
+    return paths

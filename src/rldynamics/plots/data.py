@@ -1,0 +1,264 @@
+"""Reading a run directory for plots: metrics rows, analysis steps, per-bucket tables, groups and sketches.
+
+Design choices:
+- Only the run directory is read (``tracking.run_dir`` + ``analysis/step_<N>/``), never torch or training code,
+  so figures can be rebuilt on any machine the directory is copied to.
+- A missing metric is ``nan`` ("not logged"), never 0: plots show it as missing instead of as a zero bar.
+- An analysis step is a metrics row with at least one non-zero ``grad_norm/bucket_*`` value (RAGEN's rule;
+  ``nan`` counts as non-zero so a run whose analysis produced non-finite norms still gets its figures).
+- ``analysis/step_<N>/metrics.json`` fills keys missing from the row of step N (the row wins on conflicts).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from rldynamics.tracking.run_dir import read_config, read_metrics
+
+PREFIX = "grad_norm"
+COMPONENTS = ("task", "entropy", "kl")
+_BUCKET_RE = re.compile(r"^bucket_(\d+)$")
+
+
+@dataclass
+class RunData:
+    """One run directory, loaded: merged metrics rows (one per step, sorted) and the resolved config."""
+
+    path: Path
+    rows: list[dict[str, Any]]
+    config: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        """`log.name` from the config, else the directory name."""
+        log = self.config.get("log") if isinstance(self.config.get("log"), dict) else {}
+        return str(log.get("name") or self.path.name)
+
+    def row(self, step: int) -> dict[str, Any]:
+        """The merged metrics row of `step` (KeyError if the step was never logged)."""
+        for r in self.rows:
+            if r["step"] == step:
+                return r
+        raise KeyError(step)
+
+
+def load_run(run_dir: str | Path) -> RunData:
+    """Read `metrics.jsonl` (required), `config.yaml` (optional) and the analysis `metrics.json` files."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory")
+    warnings: list[str] = []
+    by_step: dict[int, dict[str, Any]] = {}
+    for r in _read_rows(path, warnings):
+        if not isinstance(r, dict) or not isinstance(r.get("step"), (int, float)):
+            continue
+        by_step.setdefault(int(r["step"]), {}).update(r, step=int(r["step"]))  # a step logged twice: later values win
+    for step, extra in _analysis_metrics(path).items():
+        row = by_step.setdefault(step, {"step": step})
+        for k, v in extra.items():
+            row.setdefault(k, v)
+    config: dict[str, Any] = {}
+    if (path / "config.yaml").exists():
+        try:
+            loaded = read_config(path)
+        except yaml.YAMLError as e:
+            loaded = None
+            warnings.append(f"config.yaml could not be parsed ({e.__class__.__name__}); config ignored")
+        config = loaded if isinstance(loaded, dict) else {}
+    return RunData(path=path, rows=[by_step[s] for s in sorted(by_step)], config=config, warnings=warnings)
+
+
+def _read_rows(path: Path, warnings: list[str]) -> list[Any]:
+    """`read_metrics`, falling back to skipping undecodable lines (e.g. a half-written last line)."""
+    try:
+        return read_metrics(path)
+    except json.JSONDecodeError:
+        rows = []
+        for i, line in enumerate((path / "metrics.jsonl").read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                warnings.append(f"metrics.jsonl line {i} is not valid JSON; skipped")
+        return rows
+
+
+def _analysis_metrics(path: Path) -> dict[int, dict[str, Any]]:
+    """step -> the `metrics.json` of `analysis/step_<step>/` (unreadable files are skipped)."""
+    out = {}
+    for step, d in analysis_dirs(path).items():
+        file = d / "metrics.json"
+        if file.exists():
+            try:
+                out[step] = json.loads(file.read_text())
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def analysis_dirs(run_dir: str | Path) -> dict[int, Path]:
+    """step -> `analysis/step_<step>/` for every such directory."""
+    root = Path(run_dir) / "analysis"
+    out = {}
+    if root.is_dir():
+        for d in root.iterdir():
+            m = re.fullmatch(r"step_(\d+)", d.name)
+            if m and d.is_dir():
+                out[int(m.group(1))] = d
+    return dict(sorted(out.items()))
+
+
+def as_float(value: Any) -> float:
+    """A metric value as a float; `nan` when missing or not a number."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    return math.nan
+
+
+def is_analysis_row(row: dict[str, Any], prefix: str = PREFIX) -> bool:
+    """True if the row has at least one non-zero numeric `<prefix>/bucket_*` value."""
+    head = f"{prefix}/bucket_"
+    return any(k.startswith(head) and isinstance(v, (int, float)) and v != 0 for k, v in row.items())
+
+
+def analysis_steps(run: RunData, prefix: str = PREFIX) -> list[int]:
+    """Sorted steps whose metrics row is an analysis row."""
+    return [r["step"] for r in run.rows if is_analysis_row(r, prefix)]
+
+
+def bucket_names(row: dict[str, Any], prefix: str = PREFIX) -> list[str]:
+    """`bucket_k` names present in the row, sorted numerically."""
+    found = set()
+    for k in row:
+        parts = k.split("/")
+        if len(parts) >= 3 and parts[0] == prefix and _BUCKET_RE.match(parts[1]):
+            found.add(parts[1])
+    return sorted(found, key=lambda b: int(b.split("_")[1]))
+
+
+def bucket_label(bucket: str) -> str:
+    """`bucket_3` -> `Q3`, `all` -> `all`."""
+    m = _BUCKET_RE.match(bucket)
+    return f"Q{m.group(1)}" if m else bucket
+
+
+def bucket_values(row: dict[str, Any], buckets: list[str], metric: str, prefix: str = PREFIX) -> np.ndarray:
+    """`[len(buckets)]` float array of `<prefix>/<bucket>/<metric>`, nan where not logged."""
+    return np.array([as_float(row.get(f"{prefix}/{b}/{metric}")) for b in buckets], dtype=float)
+
+
+def bucket_metric_names(row: dict[str, Any], prefix: str = PREFIX) -> list[str]:
+    """Every metric name logged for some bucket (e.g. `task`, `raw/kl`, `loss/policy`), in a stable order."""
+    names = set()
+    for k in row:
+        parts = k.split("/", 2)
+        if len(parts) == 3 and parts[0] == prefix and (parts[1] == "all" or _BUCKET_RE.match(parts[1])):
+            names.add(parts[2])
+    return sorted(names, key=_metric_order)
+
+
+_ORDER = ["sample_count", "sample_pct", "group_rv_count", "reward_std_mean", "reward_std_min", "reward_std_max",
+          "task", "entropy", "kl", "raw/entropy", "raw/kl", "regularizer", "reg_share"]
+
+
+def _metric_order(name: str) -> tuple[int, str]:
+    return (_ORDER.index(name), name) if name in _ORDER else (len(_ORDER), name)
+
+
+def norm_is_zero(row: dict[str, Any], bucket: str, comp: str, prefix: str = PREFIX) -> bool:
+    """True when the (raw) gradient norm of `comp` in `bucket` was logged as exactly 0: its cosines are undefined
+    (the probe logs them as 0)."""
+    for key in (f"{prefix}/{bucket}/raw/{comp}", f"{prefix}/{bucket}/{comp}"):
+        if isinstance(row.get(key), (int, float)):
+            return row[key] == 0
+    return False
+
+
+def regularizer_values(row: dict[str, Any], buckets: list[str], prefix: str = PREFIX) -> np.ndarray:
+    """Per-bucket regulariser (entropy + KL) gradient norm: the logged `regularizer` (norm of the summed
+    weighted vector) where present, else the sum of the logged `entropy` and `kl` norms (nan if neither)."""
+    reg = bucket_values(row, buckets, "regularizer", prefix)
+    ent = bucket_values(row, buckets, "entropy", prefix)
+    kl = bucket_values(row, buckets, "kl", prefix)
+    summed = np.where(np.isnan(ent) & np.isnan(kl), np.nan, np.nan_to_num(ent, nan=0.0) + np.nan_to_num(kl, nan=0.0))
+    return np.where(np.isnan(reg), summed, reg)
+
+
+def read_groups(run_dir: str | Path, step: int, prefix: str = PREFIX) -> dict[str, list[float]]:
+    """bucket -> per-group reward stds from `analysis/step_<step>/groups.csv` (only rows of `prefix`).
+
+    Empty when the file is missing. Files without a `prefix` column (older layout) are taken as `grad_norm`.
+    """
+    file = Path(run_dir) / "analysis" / f"step_{step}" / "groups.csv"
+    out: dict[str, list[float]] = {}
+    if not file.exists():
+        return out
+    with open(file, newline="") as f:
+        for r in csv.DictReader(f):
+            if r.get("prefix", PREFIX) != prefix or not r.get("bucket"):
+                continue
+            out.setdefault(r["bucket"], []).append(as_float(_parse_float(r.get("reward_std"))))
+    return dict(sorted(out.items(), key=lambda kv: _bucket_sort_key(kv[0])))
+
+
+def _parse_float(text: str | None) -> float:
+    try:
+        return float(text) if text is not None else math.nan
+    except ValueError:
+        return math.nan
+
+
+def _bucket_sort_key(bucket: str) -> tuple[int, int | str]:
+    m = _BUCKET_RE.match(bucket)
+    return (0, int(m.group(1))) if m else (1, bucket)
+
+
+def read_sketches(run_dir: str | Path, step: int) -> dict[str, np.ndarray]:
+    """`<prefix>/<bucket>/<component>` -> `[dim]` count-sketch from `sketches.safetensors` (empty if missing)."""
+    file = Path(run_dir) / "analysis" / f"step_{step}" / "sketches.safetensors"
+    if not file.exists():
+        return {}
+    from safetensors.numpy import load_file
+
+    return {k: np.asarray(v, dtype=np.float64) for k, v in load_file(str(file)).items()}
+
+
+def env_names(run: RunData) -> list[str]:
+    """Environment names: `env.name` from the config, plus any found in `train/<env>/...` or `val-env/<env>/...`."""
+    names = []
+    env = run.config.get("env")
+    if isinstance(env, dict) and env.get("name"):
+        names.append(str(env["name"]))
+    for r in run.rows:
+        for k in r:
+            parts = k.split("/")
+            if len(parts) == 3 and parts[0] in ("train", "val-env") and parts[2] == "success" and parts[1] not in names:
+                names.append(parts[1])
+    return names
+
+
+def series(run: RunData, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of the rows that have `key`; values may contain nan/inf (as logged)."""
+    pairs = [(r["step"], as_float(r[key])) for r in run.rows if key in r]
+    if not pairs:
+        return np.zeros(0), np.zeros(0)
+    steps, values = zip(*pairs, strict=True)
+    return np.asarray(steps, dtype=float), np.asarray(values, dtype=float)
+
+
+def has_key(run: RunData, key: str) -> bool:
+    """True if any row logged `key`."""
+    return any(key in r for r in run.rows)

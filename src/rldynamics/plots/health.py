@@ -1,0 +1,237 @@
+"""Health checks over a run's metrics rows: what a researcher should watch (seeds/004), as flags with numbers.
+
+Each check is a pure function `rows -> list[Flag]`; `health_checks` runs them all. Thresholds are rules of
+thumb, stated in the flag text, not hard truths:
+- grad norm: non-finite values (error); spikes above 5× the running median of the earlier steps (warning);
+- clip fraction: mean `actor/pg_clipfrac` over the last steps outside 10–40 % (above: warning; below: a note —
+  with one PPO epoch on fresh rollouts low clipping is expected);
+- reward trend: slope of a least-squares line through `critic/score/mean` over steps ≤ 0 (warning);
+- loss swings: std of `actor/pg_loss` above 5× its median magnitude and above 0.1. The policy loss averages ~0
+  with normalised advantages, so "std / |mean|" would flag every run; the median magnitude is the robust scale
+  and the absolute floor ignores wiggles of a loss that stays near 0;
+- zero-variance groups: mean share of groups with zero reward std over the last steps > 50 %, or the mean
+  in-group reward std ≈ 0 / fallen below 10 % of its first steps' level (warning);
+- early stops (`early_stopped/*`) and skipped optimizer steps (`actor/skipped_steps` > 0).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rldynamics.plots.data import as_float
+
+SEVERITIES = ("error", "warning", "note")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One finding: `severity` (error | warning | note), a one-line `title`, an explanation and its numbers."""
+
+    check: str
+    severity: str
+    title: str
+    detail: str
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of the rows holding `key` (values may be nan/inf)."""
+    pairs = [(r["step"], as_float(r[key])) for r in rows if key in r and "step" in r]
+    if not pairs:
+        return np.zeros(0), np.zeros(0)
+    s, v = zip(*pairs, strict=True)
+    return np.asarray(s, dtype=float), np.asarray(v, dtype=float)
+
+
+def _steps_text(steps, limit: int = 10) -> str:
+    steps = [int(s) for s in steps]
+    head = ", ".join(map(str, steps[:limit]))
+    return head + (f", … (+{len(steps) - limit} more)" if len(steps) > limit else "")
+
+
+def _g(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def check_grad_norm(rows: list[dict[str, Any]], key: str = "actor/grad_norm", factor: float = 5.0,
+                    min_history: int = 3) -> list[Flag]:
+    """Non-finite grad norms (error) and spikes above `factor` × the running median of the earlier finite values."""
+    steps, v = _series(rows, key)
+    flags = []
+    bad = ~np.isfinite(v)
+    if bad.any():
+        flags.append(Flag("grad_norm_nonfinite", "error", f"non-finite {key} at {int(bad.sum())} step(s)",
+                          "NaN/inf gradient norms: the update of those steps was skipped or corrupted. Look for "
+                          "exploding losses, bad advantages (all-equal rewards with std normalisation) or too "
+                          "high a lr.",
+                          {"steps": _steps_text(steps[bad]), "values": ", ".join(str(x) for x in v[bad][:10])}))
+    spikes = []
+    for i in range(len(v)):
+        history = v[:i][np.isfinite(v[:i])]
+        if np.isfinite(v[i]) and history.size >= min_history:
+            med = float(np.median(history))
+            if med > 0 and v[i] > factor * med:
+                spikes.append((int(steps[i]), float(v[i]), med))
+    if spikes:
+        worst = max(spikes, key=lambda s: s[1] / s[2])
+        flags.append(Flag("grad_norm_spike", "warning", f"{key} spikes above {factor:g}× the running median "
+                          f"at {len(spikes)} step(s)",
+                          "Isolated spikes are usually harmless with clipping; repeated or growing spikes precede "
+                          "divergence. Absolute grad-norm values are not comparable across setups (seeds/004).",
+                          {"steps": _steps_text(s[0] for s in spikes),
+                           "worst": f"step {worst[0]}: {_g(worst[1])} vs running median {_g(worst[2])} "
+                                    f"({_g(worst[1] / worst[2])}×)"}))
+    return flags
+
+
+def check_clipfrac(rows: list[dict[str, Any]], key: str = "actor/pg_clipfrac", last: int = 10,
+                   low: float = 0.10, high: float = 0.40) -> list[Flag]:
+    """Mean clip fraction over the last `last` steps outside [low, high] (a rule of thumb)."""
+    steps, v = _series(rows, key)
+    fin = v[np.isfinite(v)][-last:]
+    if fin.size == 0:
+        return []
+    mean = float(fin.mean())
+    numbers = {"mean over last steps": f"{mean:.1%}", "steps averaged": int(fin.size),
+               "rule of thumb": f"{low:.0%}–{high:.0%}"}
+    if mean > high:
+        return [Flag("clipfrac_high", "warning", f"clip fraction {mean:.1%} is above {high:.0%}",
+                     "Rule of thumb: 10–40 % of tokens clipped. Much more means the policy moves far from the "
+                     "rollout policy each update (lr, ppo_epochs or mini-batch count too high).", numbers)]
+    if mean < low:
+        return [Flag("clipfrac_low", "note", f"clip fraction {mean:.1%} is below {low:.0%}",
+                     "Rule of thumb: 10–40 %. Low clipping means small policy updates; it is expected with one PPO "
+                     "epoch on fresh rollouts, but with a low lr it can mean learning is slow.", numbers)]
+    return []
+
+
+def check_reward_trend(rows: list[dict[str, Any]], key: str = "critic/score/mean", min_points: int = 3) -> list[Flag]:
+    """Slope of a least-squares line through the reward over steps; ≤ 0 is flagged."""
+    steps, v = _series(rows, key)
+    ok = np.isfinite(v)
+    if ok.sum() < min_points or np.ptp(steps[ok]) == 0:
+        return []
+    slope, intercept = np.polyfit(steps[ok], v[ok], 1)
+    if slope > 0:
+        return []
+    third = max(1, int(ok.sum()) // 3)
+    return [Flag("reward_not_improving", "warning", f"reward is not trending up (slope {_g(slope)} per step)",
+                 f"Linear fit of {key} over {int(ok.sum())} steps. Rewards should increase over time; a flat or "
+                 "falling reward means the updates do not help (check lr, advantages and the filter).",
+                 {"slope per step": _g(float(slope)), "intercept": _g(float(intercept)),
+                  "first value": _g(float(v[ok][0])), "last value": _g(float(v[ok][-1])),
+                  "mean of first third": _g(float(v[ok][:third].mean())),
+                  "mean of last third": _g(float(v[ok][-third:].mean())),
+                  "steps": f"{int(steps[ok][0])}–{int(steps[ok][-1])}"})]
+
+
+def check_loss_swings(rows: list[dict[str, Any]], key: str = "actor/pg_loss", ratio: float = 5.0,
+                      min_std: float = 0.1, min_points: int = 5) -> list[Flag]:
+    """Policy-loss std above `ratio` × its median magnitude and above `min_std` (wild swings); non-finite losses.
+
+    `min_std` keeps tiny absolute wiggles of a loss that sits at ≈ 0 (normalised advantages) from being flagged.
+    """
+    steps, v = _series(rows, key)
+    flags = []
+    if (~np.isfinite(v)).any():
+        flags.append(Flag("loss_nonfinite", "error", f"non-finite {key} at {int((~np.isfinite(v)).sum())} step(s)",
+                          "The loss itself was NaN/inf.", {"steps": _steps_text(steps[~np.isfinite(v)])}))
+    ok = np.isfinite(v)
+    if ok.sum() < min_points:
+        return flags
+    x, s = v[ok], steps[ok]
+    std, scale = float(x.std()), float(np.median(np.abs(x)))
+    if std > min_std and std > ratio * scale:
+        i = int(np.argmax(np.abs(x)))
+        flags.append(Flag("loss_swings", "warning", f"{key} swings: std {_g(std)} vs typical magnitude {_g(scale)}",
+                          f"The loss should not have wild swings. Its std over {x.size} steps is "
+                          f"{_g(std / scale) if scale else 'inf'}× its median |value| (thresholds: {ratio:g}× and "
+                          f"std > {min_std:g}; std/|mean| is not used since the policy loss averages ≈ 0).",
+                          {"mean": _g(float(x.mean())), "std": _g(std), "median |loss|": _g(scale),
+                           "largest |loss|": f"{_g(float(x[i]))} at step {int(s[i])}"}))
+    return flags
+
+
+def check_zero_variance(rows: list[dict[str, Any]], num_groups: int | None = None, last: int = 10,
+                        max_fraction: float = 0.5, std_eps: float = 1e-3, collapse_ratio: float = 0.1) -> list[Flag]:
+    """Share of groups with zero reward std (`rollout/filter_zero_count` / groups) and in-group std collapse."""
+    flags = []
+    fractions = []
+    for r in rows:
+        zero = as_float(r.get("rollout/filter_zero_count"))
+        n = float(num_groups) if num_groups else _groups_of_row(r)
+        if math.isfinite(zero) and n and math.isfinite(n):
+            fractions.append(zero / n)
+    recent = np.asarray(fractions[-last:], dtype=float)
+    if recent.size and recent.mean() > max_fraction:
+        flags.append(Flag("zero_variance_groups", "warning",
+                          f"{recent.mean():.0%} of groups have zero reward variance (last {recent.size} steps)",
+                          "Groups whose samples all get the same reward give no task gradient (GRPO advantage 0); "
+                          "the regularisers then dominate the update. Raise temperature/group size or filter groups.",
+                          {"mean share (last steps)": f"{recent.mean():.1%}", "last step share": f"{recent[-1]:.1%}",
+                           "groups per step": num_groups or "from filter_kept_count / filter_kept_ratio"}))
+    _, std = _series(rows, "rollout/in_group_reward_std")
+    std = std[np.isfinite(std)]
+    if std.size:
+        tail, head = float(std[-last:].mean()), float(std[:last].mean())
+        numbers = {"mean in-group reward std (last steps)": _g(tail), "first steps": _g(head)}
+        if tail <= std_eps:
+            flags.append(Flag("reward_std_zero", "warning", f"in-group reward std ≈ 0 ({_g(tail)})",
+                              "Within-group rewards no longer vary: no learning signal for group-relative "
+                              "advantages (reward-variance collapse).", numbers))
+        elif std.size > last and head > 0 and tail < collapse_ratio * head:
+            flags.append(Flag("reward_std_collapse", "warning",
+                              f"in-group reward std fell to {tail / head:.0%} of its initial level",
+                              f"Below {collapse_ratio:.0%} of the first steps' level: reward-variance collapse "
+                              "(RAGEN's early-stop rule).", numbers))
+    return flags
+
+
+def _groups_of_row(row: dict[str, Any]) -> float:
+    kept, ratio = as_float(row.get("rollout/filter_kept_count")), as_float(row.get("rollout/filter_kept_ratio"))
+    return kept / ratio if math.isfinite(kept) and math.isfinite(ratio) and ratio > 0 else math.nan
+
+
+def check_early_stop(rows: list[dict[str, Any]]) -> list[Flag]:
+    """`early_stopped/<reason>` keys with a true value."""
+    hits = [(r.get("step"), k.split("/", 1)[1]) for r in rows for k, v in r.items()
+            if k.startswith("early_stopped/") and (not isinstance(v, (int, float)) or v != 0)]
+    return [Flag("early_stop", "warning", f"training stopped early: {reason} (step {step})",
+                 "The trainer's early-stop rule fired; later steps were not run.", {"step": step, "reason": reason})
+            for step, reason in hits]
+
+
+def check_skipped_steps(rows: list[dict[str, Any]], key: str = "actor/skipped_steps") -> list[Flag]:
+    """Steps where optimizer updates were skipped (non-finite gradients)."""
+    steps, v = _series(rows, key)
+    hit = np.isfinite(v) & (v > 0)
+    if not hit.any():
+        return []
+    return [Flag("skipped_steps", "warning", f"optimizer updates skipped at {int(hit.sum())} step(s)",
+                 "`actor/skipped_steps` > 0: some mini-batch updates were dropped (non-finite gradients).",
+                 {"steps": _steps_text(steps[hit]), "updates skipped in total": _g(float(v[hit].sum()))})]
+
+
+def health_checks(rows: list[dict[str, Any]], config: dict[str, Any] | None = None) -> list[Flag]:
+    """Every check over the metrics rows, sorted by severity (errors first)."""
+    train = (config or {}).get("train")
+    groups = train.get("env_groups") if isinstance(train, dict) else None
+    flags = [*check_grad_norm(rows), *check_clipfrac(rows), *check_reward_trend(rows), *check_loss_swings(rows),
+             *check_zero_variance(rows, num_groups=groups if isinstance(groups, int) and groups > 0 else None),
+             *check_early_stop(rows), *check_skipped_steps(rows)]
+    return sorted(flags, key=lambda f: SEVERITIES.index(f.severity))
+
+
+def summary_line(flags: list[Flag]) -> str:
+    """One sentence summarising the flags ("No issues found." when there are none)."""
+    if not flags:
+        return "No issues found: none of the health checks fired."
+    counts = {s: sum(f.severity == s for f in flags) for s in SEVERITIES}
+    parts = [f"{n} {s}{'s' if n > 1 else ''}" for s, n in counts.items() if n]
+    if not counts["error"] and not counts["warning"]:
+        return f"No issues found (no errors or warnings); {', '.join(parts)}."
+    return "Found " + ", ".join(parts) + "."

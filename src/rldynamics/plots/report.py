@@ -1,0 +1,172 @@
+"""`rldyn report`: one self-contained HTML page for a run directory.
+
+The page holds the run name and resolved config (collapsible), the health checks, the training curves and,
+for every gradient-analysis step, its figures and a bucket-metrics table. Figures are embedded as base64
+PNG and the style sheet is inline, so the file can be mailed or opened offline; nothing external is loaded.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from datetime import datetime, timezone
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from rldynamics.plots.analysis import STEP_FIGURES, fmt, png_bytes, step_data
+from rldynamics.plots.curves import fig_cosines, fig_reg_share, fig_sketch_cosines, fig_training_curves
+from rldynamics.plots.data import (
+    PREFIX,
+    RunData,
+    analysis_steps,
+    as_float,
+    bucket_label,
+    bucket_metric_names,
+    load_run,
+    norm_is_zero,
+)
+from rldynamics.plots.health import Flag, health_checks, summary_line
+
+REPORT_DPI = 110
+STEP_FIGURE_TITLES = {
+    "summary": "Summary: per-group RV, task and regulariser gradient vs RV",
+    "plots": "Gradient norms per bucket",
+    "loss_plots": "Losses per bucket",
+    "reward_std": "Reward variance per bucket",
+    "normed_grads": "Per-sample and per-token gradient norms",
+}
+
+CSS = """
+body { font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; margin: 0 auto; max-width: 1300px;
+       padding: 1.5em 2em; color: #222; line-height: 1.45; }
+h1 { margin-bottom: 0.2em; } h2 { border-bottom: 2px solid #ddd; padding-bottom: 0.2em; margin-top: 2em; }
+h3 { margin-top: 1.6em; } .meta { color: #666; font-size: 0.9em; }
+nav a { margin-right: 1.2em; } figure { margin: 1em 0; } figcaption { color: #555; font-size: 0.9em; }
+img { max-width: 100%; height: auto; border: 1px solid #eee; }
+pre { background: #f7f7f7; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
+table { border-collapse: collapse; font-size: 0.85em; margin: 0.6em 0; }
+th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: right; }
+th { background: #f3f3f3; } td.name, th.name { text-align: left; font-family: monospace; }
+.flag { border-left: 5px solid #999; background: #fafafa; padding: 0.5em 1em; margin: 0.7em 0; }
+.flag.error { border-color: #c62828; background: #fdecea; }
+.flag.warning { border-color: #ef6c00; background: #fff4e5; }
+.flag.note { border-color: #1565c0; background: #eef4fb; }
+.badge { font-weight: bold; text-transform: uppercase; font-size: 0.75em; margin-right: 0.6em; }
+.ok { border-left: 5px solid #2e7d32; background: #edf7ed; padding: 0.6em 1em; }
+.flag table { margin-top: 0.3em; } .missing { color: #b00; } .undef { color: #888; font-style: italic; }
+"""
+
+
+def _img(fig: Figure | None, caption: str) -> str:
+    if fig is None:
+        return ""
+    data = base64.b64encode(png_bytes(fig, REPORT_DPI)).decode("ascii")
+    return (f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+
+
+def _flag_html(flag: Flag) -> str:
+    rows = "".join(f'<tr><td class="name">{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>'
+                   for k, v in flag.numbers.items())
+    return (f'<div class="flag {flag.severity}"><span class="badge">{flag.severity}</span>'
+            f"<b>{html.escape(flag.title)}</b><br>{html.escape(flag.detail)}"
+            f"{f'<table>{rows}</table>' if rows else ''}</div>")
+
+
+def health_section(run: RunData) -> str:
+    """The Health section: a summary line and one box per flag."""
+    if not run.rows:
+        return '<h2 id="health">Health</h2><p class="meta">No metrics rows were logged: nothing to check.</p>'
+    flags = health_checks(run.rows, run.config)
+    body = "".join(_flag_html(f) for f in flags)
+    summary = html.escape(summary_line(flags))
+    return f'<h2 id="health">Health</h2><p class="{"ok" if not flags else "meta"}">{summary}</p>{body}'
+
+
+def bucket_table(run: RunData, step: int) -> str:
+    """HTML table of every logged bucket metric of `step`: rows = metrics, columns = `all`, Q1, Q2, …"""
+    sd = step_data(run, step)
+    buckets = ["all", *sd.buckets] if any(k.startswith(f"{PREFIX}/all/") for k in sd.row) else sd.buckets
+    head = "".join(f"<th>{html.escape(bucket_label(b))}</th>" for b in buckets)
+    rows, undefined = [], False
+    for name in bucket_metric_names(sd.row):
+        comps = name[4:].split("_") if name.startswith("cos/") else []
+        cells = []
+        for b in buckets:
+            key = f"{PREFIX}/{b}/{name}"
+            if key not in sd.row:
+                cells.append('<td class="missing">—</td>')
+            elif any(norm_is_zero(sd.row, b, c) for c in comps):
+                undefined = True
+                cells.append('<td class="undef">undef.</td>')
+            else:
+                cells.append(f"<td>{html.escape(fmt(as_float(sd.row[key])))}</td>")
+        rows.append(f'<tr><td class="name">{html.escape(name)}</td>{"".join(cells)}</tr>')
+    legend = '<p class="meta">— not logged'
+    legend += "; undef.: cosine with a gradient whose norm is 0 (logged as 0)</p>" if undefined else "</p>"
+    return f'<table><tr><th class="name">metric</th>{head}</tr>{"".join(rows)}</table>{legend}'
+
+
+def analysis_section(run: RunData) -> str:
+    """Across-step views, then per analysis step its table and figures (or a note when there are none)."""
+    steps = analysis_steps(run)
+    out = ['<h2 id="analysis">Gradient analysis</h2>']
+    if not steps:
+        out.append('<p class="meta">No gradient-analysis steps in this run (no non-zero <code>grad_norm/bucket_*</code>'
+                   " metrics); enable it with <code>analysis.enabled=true analysis.every=N</code>.</p>")
+        return "".join(out)
+    out.append(f'<p class="meta">Analysis steps: {", ".join(map(str, steps))}. Buckets Q1…QB go from the lowest '
+               "to the highest within-group reward variance (RV). Norms of entropy and KL are weighted by their "
+               "coefficients unless marked raw.</p>")
+    out.append(_img(fig_cosines(run), "Cosines between the task, entropy and KL gradients per bucket"))
+    out.append(_img(fig_reg_share(run), "Regulariser share of the gradient per bucket"))
+    for step in steps:
+        sd = step_data(run, step)
+        out.append(f'<h3 id="step-{step}">Step {step}</h3>')
+        out.append(f"<details open><summary>bucket metrics</summary>{bucket_table(run, step)}</details>")
+        for name, make in STEP_FIGURES.items():
+            out.append(_img(make(sd), STEP_FIGURE_TITLES[name]))
+        out.append(_img(fig_sketch_cosines(run, step), "Cosine between buckets' task gradients (count-sketch)"))
+    return "".join(out)
+
+
+def _config_section(run: RunData) -> str:
+    file = run.path / "config.yaml"
+    text = file.read_text() if file.exists() else None
+    body = (f"<details><summary>config.yaml (resolved)</summary><pre>{html.escape(text)}</pre></details>" if text
+            else '<p class="meta">No config.yaml in the run directory.</p>')
+    return f'<h2 id="config">Config</h2>{body}'
+
+
+def build_report(run_dir: str | Path | RunData) -> str:
+    """The report of `run_dir` (a path or an already loaded run) as one HTML string."""
+    run = run_dir if isinstance(run_dir, RunData) else load_run(run_dir)
+    steps = [r["step"] for r in run.rows]
+    span = f"steps {steps[0]}–{steps[-1]} ({len(steps)} logged)" if steps else "no metrics rows"
+    curves = fig_training_curves(run)
+    parts = [
+        f"<h1>{html.escape(run.name)}</h1>",
+        f'<p class="meta">run directory <code>{html.escape(str(run.path.resolve()))}</code> · {span} · '
+        f"report generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} by rldynamics</p>",
+        '<nav><a href="#health">Health</a><a href="#config">Config</a><a href="#curves">Training curves</a>'
+        '<a href="#analysis">Gradient analysis</a></nav>',
+        health_section(run),
+        _config_section(run),
+        '<h2 id="curves">Training curves</h2>',
+        _img(curves, "Training curves") if curves else '<p class="meta">No known training metrics were logged.</p>',
+        analysis_section(run),
+    ]
+    title = html.escape(f"rldynamics report — {run.name}")
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
+            f"<style>{CSS}</style></head><body>{''.join(parts)}</body></html>\n")
+
+
+def write_report(run_dir: str | Path | RunData, out: str | Path | None = None) -> Path:
+    """Write the report (default `RUN_DIR/report.html`) and return its path."""
+    base = run_dir.path if isinstance(run_dir, RunData) else Path(run_dir)
+    path = Path(out) if out is not None else base / "report.html"
+    text = build_report(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
