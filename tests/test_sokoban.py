@@ -259,3 +259,9 @@ def test_make_env_builds_registered_env() -> None:
 def test_make_env_unknown_name_suggests_and_lists() -> None:
     with pytest.raises(ValueError, match=r"'sokobn'.*Did you mean 'sokoban'.*Registered envs: sokoban"):
         make_env("sokobn")
+
+
+def test_step_penalty_is_configurable():
+    env = _env(PUSH_OFF, step_penalty=0.0)
+    assert env.step("Down").reward == 0.0  # an ordinary move costs nothing
+    assert _env(PUSH_OFF).step("Down").reward == pytest.approx(-0.1)

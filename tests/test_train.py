@@ -20,7 +20,7 @@ def _weights(run_dir, step):
 
 
 def test_run_directory_contents(fast_overrides):
-    run = train(make_config(overrides=[*fast_overrides, "log.name=a", "algo.adv_estimator=gae"]))
+    run = train(make_config(overrides=[*fast_overrides, "log.name=a", "algo.adv_estimator=gae", "log.report=true"]))
     assert (run / "config.yaml").is_file()
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -29,6 +29,7 @@ def test_run_directory_contents(fast_overrides):
         assert key in rows[1], key
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert samples and "<|im_start|>assistant" in samples[0]["text"]
+    assert (run / "report.html").is_file() and (run / "plots" / "training_curves.png").is_file()
     ckpt = run / "checkpoints" / "step_2"
     assert (ckpt / "actor" / "model.safetensors").is_file() and (ckpt / "critic" / "value_head.safetensors").is_file()
 

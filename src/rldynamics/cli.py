@@ -48,6 +48,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="config overrides, e.g. analysis.env_groups=32 analysis.prefilter=true")
     probe.add_argument("--validate", action="store_true", help="run a validation before the analysis")
 
+    plot = sub.add_parser(
+        "plot", help="figures of a run directory (gradient analysis per step, training curves)",
+        description="Write RAGEN's gradient-analysis figures for every analysis step, the training curves and "
+                    "the analysis views (cosines, regulariser share, sketch cosines) from a run directory. "
+                    "Reads only the run directory: works offline, on runs copied from other machines.",
+    )
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory (several with --paper)")
+    plot.add_argument("--step", type=int, nargs="+", dest="steps", help="analysis steps to plot (default: all)")
+    plot.add_argument("--list-steps", action="store_true", help="print the analysis steps and exit")
+    plot.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots)")
+    plot.add_argument("--paper", action="store_true", help="multi-step grid (one row per step) from 1+ runs")
+    plot.add_argument("--steps", type=int, nargs="+", dest="paper_steps", help="steps of the --paper grid")
+
+    report = sub.add_parser("report", help="one self-contained HTML page: config, curves, analysis, health",
+                            description="Write RUN_DIR/report.html with figures embedded and health checks.")
+    report.add_argument("run_dir", metavar="RUN_DIR")
+    report.add_argument("--out", default=None, help="output file (default: RUN_DIR/report.html)")
+
     sub.add_parser("envs", help="list the registered environments")
     return parser
 
@@ -90,6 +108,22 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from rldynamics.plots.cli import plot_command
+
+    if not args.paper and len(args.run_dirs) > 1:
+        print("rldyn plot: several run directories need --paper", file=sys.stderr)
+        return 2
+    run_dir = args.run_dirs if args.paper else args.run_dirs[0]
+    return plot_command(run_dir, args.steps, args.list_steps, args.out, args.paper, args.paper_steps)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from rldynamics.plots.cli import report_command
+
+    return report_command(args.run_dir, args.out)
+
+
 def cmd_envs(args: argparse.Namespace) -> int:
     from rldynamics.envs import ENVS
 
@@ -104,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return {"train": cmd_train, "probe": cmd_probe, "envs": cmd_envs}[args.command](args)
+    commands = {"train": cmd_train, "probe": cmd_probe, "plot": cmd_plot, "report": cmd_report, "envs": cmd_envs}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

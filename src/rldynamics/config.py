@@ -79,6 +79,8 @@ class EnvConfig:
     """Sokoban: depth of the reverse-play search that scrambles the solved room."""
     observation_format: str = "grid_coord"
     """Sokoban: grid | coord | grid_coord."""
+    step_penalty: float = -0.1
+    """Sokoban: reward of every step (RAGEN: -0.1)."""
 
 
 @dataclass
@@ -247,6 +249,8 @@ class LogConfig:
     """Mirror metrics to TensorBoard event files in the run directory."""
     progress: bool = True
     """Show the rich progress bar and per-step summaries."""
+    report: bool = True
+    """Write plots/ and report.html into the run directory at the end of training."""
 
 
 @dataclass

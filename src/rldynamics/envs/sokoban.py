@@ -369,6 +369,7 @@ class SokobanEnv:
         max_steps: env steps after which the episode is done.
         search_depth: maximum reverse-play moves used to scramble a generated room.
         observation_format: "grid", "coord" or "grid_coord".
+        step_penalty: reward of every step (RAGEN: -0.1).
     """
 
     actions: tuple[str, ...] = ACTIONS
@@ -380,6 +381,7 @@ class SokobanEnv:
         max_steps: int = 100,
         search_depth: int = 300,
         observation_format: str = "grid_coord",
+        step_penalty: float = STEP_PENALTY,
     ) -> None:
         self.dim_room = _dim_room(dim_room)
         self.num_boxes = _int_at_least("num_boxes", num_boxes)
@@ -393,6 +395,7 @@ class SokobanEnv:
         if interior < self.num_boxes + 1:
             raise ValueError(f"dim_room {self.dim_room} has {interior} inner cells, too few for {num_boxes} boxes")
         self.observation_format = observation_format
+        self.step_penalty = float(step_penalty)
         self._state: SokobanState | None = None
 
     def instructions(self) -> str:
@@ -427,7 +430,7 @@ class SokobanEnv:
         player, boxes = _push(state, DELTAS[action])
         self._state = replace(state, player=player, boxes=boxes, num_env_steps=state.num_env_steps + 1)
         before, after = len(state.boxes & state.targets), len(boxes & state.targets)
-        reward = STEP_PENALTY
+        reward = self.step_penalty
         if after > before:
             reward += BOX_ON_TARGET_REWARD
         elif after < before:

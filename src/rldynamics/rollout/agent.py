@@ -34,6 +34,7 @@ def env_kwargs(cfg: EnvConfig) -> dict:
         "max_steps": cfg.max_steps,
         "search_depth": cfg.search_depth,
         "observation_format": cfg.observation_format,
+        "step_penalty": cfg.step_penalty,
     }
 
 

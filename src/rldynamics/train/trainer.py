@@ -109,7 +109,17 @@ def train(cfg: Config, run_dir: Path | None = None) -> Path:
                 console.print(f"[yellow]early stop at step {step}: {stop}")
                 break
     s.writer.close()
+    if cfg.log.report:
+        _write_report(s.run_dir)
     return s.run_dir
+
+
+def _write_report(run_dir: Path) -> None:
+    """Figures and the HTML report of the finished run (plotting reads only the run directory)."""
+    from rldynamics.plots.cli import plot_command, report_command
+
+    plot_command(run_dir)
+    report_command(run_dir)
 
 
 def _checkpoint_due(cfg: Config, step: int, last: bool) -> bool:
