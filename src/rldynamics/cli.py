@@ -70,42 +70,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run_job(command: str, job) -> int:
+    """Run `job()` (which returns a run directory); report bad input as one clear line and exit code 2."""
+    from rldynamics.config import ConfigError
+
+    try:
+        run_dir = job()
+    except ConfigError as e:
+        print(f"rldyn {command}: config error: {e}", file=sys.stderr)
+        return 2
+    except (FileExistsError, FileNotFoundError, ValueError, OSError) as e:
+        print(f"rldyn {command}: {e}", file=sys.stderr)
+        return 2
+    print(f"run directory: {run_dir}")
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    from rldynamics.config import ConfigError, help_text, make_config, preset_names
+    from rldynamics.config import help_text, make_config, preset_names
 
     if args.help_config:
         print(f"presets: {', '.join(preset_names())}\n\nconfig keys (key=default  meaning):\n{help_text()}")
         return 0
-    try:
-        cfg = make_config(args.preset, args.config, args.overrides)
-    except ConfigError as e:
-        print(f"rldyn train: config error: {e}", file=sys.stderr)
-        return 2
-    from rldynamics.train.trainer import train
 
-    try:
-        run_dir = train(cfg)
-    except (FileExistsError, FileNotFoundError, ValueError, OSError) as e:
-        print(f"rldyn train: {e}", file=sys.stderr)
-        return 2
-    print(f"run directory: {run_dir}")
-    return 0
+    def job():
+        cfg = make_config(args.preset, args.config, args.overrides)  # fails before any work on bad config
+        from rldynamics.train.trainer import train
+
+        return train(cfg)
+
+    return _run_job("train", job)
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from rldynamics.config import ConfigError
     from rldynamics.train.probe import probe_checkpoint
 
-    try:
-        run_dir = probe_checkpoint(args.checkpoint, args.overrides, validate=args.validate)
-    except ConfigError as e:
-        print(f"rldyn probe: config error: {e}", file=sys.stderr)
-        return 2
-    except (FileExistsError, FileNotFoundError, ValueError, OSError) as e:
-        print(f"rldyn probe: {e}", file=sys.stderr)
-        return 2
-    print(f"run directory: {run_dir}")
-    return 0
+    return _run_job("probe", lambda: probe_checkpoint(args.checkpoint, args.overrides, validate=args.validate))
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
