@@ -72,8 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_job(command: str, job) -> int:
     """Run `job()` (which returns a run directory); report bad input as one clear line and exit code 2."""
+    from transformers.utils import logging as hf_logging
+
     from rldynamics.config import ConfigError
 
+    hf_logging.disable_progress_bar()  # per-file load/save bars would drown the training progress bar
     try:
         run_dir = job()
     except ConfigError as e:

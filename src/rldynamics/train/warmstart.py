@@ -85,8 +85,8 @@ def ensure_warm_start(base_path: str, cfg: Config, log=print) -> str:
     from rldynamics.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(base_path)
-    log(f"warm start: imitating {cfg.model.warm_start_episodes} noisy solver episodes "
-        f"(noise {cfg.model.warm_start_noise}); cached in {final}")
+    log(f"warm start (once, then cached in {final}): imitating {cfg.model.warm_start_episodes} solver episodes "
+        f"of {cfg.model.warm_start_turns} turn(s), action noise {cfg.model.warm_start_noise}")
     supervised_warm_start(model, tokenizer, cfg)
     tmp = final.with_name(final.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
