@@ -41,13 +41,13 @@ class ModelConfig:
     """Tiny model only: hidden size of the embedded Qwen2-architecture model."""
     tiny_layers: int = 2
     """Tiny model only: transformer layers."""
-    warm_start_episodes: int = 4096
+    warm_start_episodes: int = 8192
     """Tiny model only: solver demonstrations (episodes) for the supervised warm start (0 = none)."""
     warm_start_turns: int = 1
     """Tiny model only: turns per demonstration episode (1 = many cheap single-state examples)."""
-    warm_start_noise: float = 0.0
+    warm_start_noise: float = 0.4
     """Tiny model only: probability that a demonstrated action is replaced by a random one."""
-    warm_start_epochs: int = 5
+    warm_start_epochs: int = 6
     """Tiny model only: passes over the demonstrations in the warm start."""
     warm_start_lr: float = 1e-3
     """Tiny model only: AdamW learning rate of the warm start."""
