@@ -73,7 +73,7 @@ def test_non_finite_gradient_skips_the_step(setup):
     bad = ActorInputs(old_logprobs=inputs.old_logprobs, advantages=inputs.advantages.clone())
     bad.advantages[0, batch.response_mask[0].nonzero()[0]] = float("nan")
     updated, metrics = _update(model, batch, bad, ["train.micro_batch_size=6"])
-    assert metrics["actor/skipped_steps"] == 1.0
+    assert metrics["actor/skipped_steps"] == metrics["actor/num_updates"] >= 1  # every update saw the NaN row
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), updated.parameters(), strict=True))
 
 
