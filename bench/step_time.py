@@ -29,7 +29,8 @@ def main() -> None:
     torch.set_num_threads(torch.get_num_threads())
     with tempfile.TemporaryDirectory() as tmp:
         cfg = make_config(overrides=[f"train.steps={args.steps}", "val.every=0", "val.before_train=false",
-                                     "checkpoint.save_last=false", "log.progress=false", f"log.run_dir={tmp}",
+                                     "checkpoint.save_last=false", "log.progress=false", "log.report=false",
+                                     f"log.run_dir={tmp}",
                                      *args.overrides])
         rows = read_metrics(train(cfg))[1:]  # the first step pays one-off costs
     step = statistics.median(r["timing_s/step"] for r in rows)
