@@ -73,12 +73,6 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
 
 
-def read_samples(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All sample rows of a run (empty if none were written)."""
-    file = Path(run_dir) / "samples.jsonl"
-    return [json.loads(line) for line in file.read_text().splitlines() if line.strip()] if file.exists() else []
-
-
 def read_config(run_dir: str | Path) -> dict[str, Any]:
     """The resolved config of a run as a plain dict."""
     import yaml

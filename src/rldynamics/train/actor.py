@@ -21,8 +21,6 @@ from rldynamics.config import AlgoConfig, TrainConfig
 from rldynamics.models.forward import micro_batches, token_logprobs
 from rldynamics.rollout.batch import RolloutBatch
 
-LOSS_TERMS = ("pg", "entropy", "kl")
-
 
 @dataclass
 class ActorInputs:
