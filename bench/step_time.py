@@ -13,6 +13,7 @@ import statistics
 import tempfile
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from rldynamics.config import make_config
 from rldynamics.tracking.run_dir import read_metrics
@@ -26,7 +27,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
+    hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:
         cfg = make_config(overrides=[f"train.steps={args.steps}", "val.every=0", "val.before_train=false",
                                      "checkpoint.save_last=false", "log.progress=false", "log.report=false",

@@ -12,7 +12,7 @@ from rldynamics.models.forward import batch_logprobs
 from rldynamics.models.loading import load_model_and_tokenizer
 from rldynamics.models.tiny import ensure_tiny_model
 from rldynamics.rollout.agent import rollout
-from rldynamics.train.actor import ActorInputs, sub_batch_share, update_actor
+from rldynamics.train.actor import ActorInputs, sub_batch_share, update_actor, weighted_total
 from rldynamics.train.early_stop import EarlyStopper
 from rldynamics.train.warmstart import tiny_corpus
 
@@ -58,6 +58,26 @@ def test_sub_batch_shares_sum_to_one():
         assert sum(shares) == pytest.approx(1.0) and shares[1] == 0.0
     # token-mean: 3 of 7 tokens in rows 0-1
     assert sub_batch_share(mask, torch.tensor([0, 1]), "token-mean") == pytest.approx(3 / 7)
+
+
+def test_weighted_total_combines_terms_with_their_coefficients():
+    cfg = make_config().algo
+    cfg.entropy_coef, cfg.kl_coef = 0.01, 0.5
+    pg, ent, kl = (torch.tensor(v, requires_grad=True) for v in (2.0, 3.0, 4.0))
+    total = weighted_total({"pg": pg, "entropy": ent, "kl": kl}, cfg)
+    assert total.item() == pytest.approx(2.0 - 0.01 * 3.0 + 0.5 * 4.0)
+    total.backward()
+    assert (pg.grad.item(), ent.grad.item(), kl.grad.item()) == pytest.approx((1.0, -0.01, 0.5))
+
+
+def test_weighted_total_leaves_out_zero_coefficient_terms():
+    cfg = make_config().algo
+    cfg.entropy_coef, cfg.kl_coef = 0.0, 0.0
+    pg = torch.tensor(2.0, requires_grad=True)
+    ent = torch.tensor(float("nan"), requires_grad=True)  # 0 * nan would poison the loss
+    total = weighted_total({"pg": pg, "entropy": ent}, cfg)
+    total.backward()
+    assert total.item() == 2.0 and pg.grad.item() == 1.0 and ent.grad is None
 
 
 def test_update_follows_the_advantages(setup):

@@ -72,9 +72,12 @@ def term_coefs(cfg: AlgoConfig) -> dict[str, float]:
 
 
 def weighted_total(terms: dict[str, torch.Tensor], cfg: AlgoConfig) -> torch.Tensor:
-    """The training loss: pg - entropy_coef * entropy + kl_coef * kl."""
+    """The training loss: pg - entropy_coef * entropy + kl_coef * kl.
+
+    Terms with a zero coefficient are left out, so backward does not run through their graphs.
+    """
     coefs = term_coefs(cfg)
-    return sum(coefs[name] * value for name, value in terms.items())
+    return sum(coefs[name] * value for name, value in terms.items() if coefs[name] != 0.0 or name == "pg")
 
 
 def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, algo: AlgoConfig, train: TrainConfig,
