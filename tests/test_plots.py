@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 
 from rldynamics.plots import health
 from rldynamics.plots.cli import plot_command, report_command
+from rldynamics.plots.curves import trailing_mean
 from rldynamics.plots.data import analysis_steps, load_run
 from rldynamics.tracking.run_dir import RunWriter
 
@@ -263,3 +264,10 @@ def test_report_renders_in_headless_chromium(tmp_path):
     done = subprocess.run(["bash", str(script), str(run), str(shot)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     _assert_png(shot)
+
+
+def test_trailing_mean_by_hand():
+    y = np.array([1.0, 3.0, 5.0, 7.0, 9.0])
+    assert trailing_mean(y, 2).tolist() == [1.0, 2.0, 4.0, 6.0, 8.0]
+    assert trailing_mean(y, 3).tolist() == [1.0, 2.0, 3.0, 5.0, 7.0]
+    assert trailing_mean(y, 1).tolist() == y.tolist()

@@ -64,15 +64,35 @@ def _early_stops(run: RunData) -> list[tuple[int, str]]:
             if k.startswith("early_stopped/") and v]
 
 
+SMOOTH_FROM = 40  # series with at least this many points also get a trailing mean
+
+
+def trailing_mean(y: np.ndarray, window: int) -> np.ndarray:
+    """Mean of the last `window` values at each point (fewer at the start). [n] -> [n]"""
+    csum = np.concatenate([[0.0], np.cumsum(y, dtype=float)])  # [n+1]
+    ends = np.arange(1, len(y) + 1)  # [n]
+    starts = np.maximum(ends - window, 0)  # [n]
+    return (csum[ends] - csum[starts]) / (ends - starts)
+
+
 def _plot_series(ax, x: np.ndarray, y: np.ndarray, label: str) -> bool:
-    """Line (markers for short runs) of the finite values; non-finite ones as red ticks at the bottom."""
+    """Line with markers of the finite values; non-finite ones as red ticks at the bottom.
+
+    Long series are drawn faint with their trailing mean over a tenth of the points on top, so a trend
+    shows through step-to-step noise. Returns whether the series was smoothed.
+    """
     fin = np.isfinite(y)
-    if fin.any():
-        ax.plot(x[fin], y[fin], "-o" if fin.sum() <= 60 else "-", ms=3, lw=1.2, label=label)
+    if fin.sum() >= SMOOTH_FROM:
+        window = int(fin.sum()) // 10
+        (raw,) = ax.plot(x[fin], y[fin], "-", lw=0.8, alpha=0.35)
+        ax.plot(x[fin], trailing_mean(y[fin], window), "-", lw=1.8, color=raw.get_color(),
+                label=f"{label} (mean of last {window})")
+    elif fin.any():
+        ax.plot(x[fin], y[fin], "-o", ms=3, lw=1.2, label=label)
     if (~fin).any():
         ax.plot(x[~fin], np.zeros((~fin).sum()), "x", color="#d00", ms=8, mew=2, transform=ax.get_xaxis_transform(),
                 label=f"{label}: non-finite", clip_on=False)
-    return bool(fin.any())
+    return bool(fin.sum() >= SMOOTH_FROM)
 
 
 def fig_training_curves(run: RunData) -> Figure | None:
@@ -85,11 +105,12 @@ def fig_training_curves(run: RunData) -> Figure | None:
     fig = new_figure(5 * ncols, 3.3 * nrows + 0.5)
     axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False).ravel())
     stops = _early_stops(run)
+    smoothed = False
     for n, (ax, (title, keys)) in enumerate(zip(axes, panels, strict=False)):
         values = []
         for key, label in keys:
             x, y = series(run, key)
-            _plot_series(ax, x, y, label)
+            smoothed |= _plot_series(ax, x, y, label)
             values.append(y)
         ylim = ax.get_ylim()
         if title.startswith("clip fraction") and ylim[0] < 0.4 and ylim[1] > 0.1:  # band only where it meets the data
@@ -107,7 +128,8 @@ def fig_training_curves(run: RunData) -> Figure | None:
             ax.legend(fontsize=7)
     for ax in axes[len(panels):]:
         ax.set_visible(False)
-    fig.suptitle(f"{run.name}: training curves")
+    hint = "  (bold: trailing mean over a tenth of the steps)" if smoothed else ""
+    fig.suptitle(f"{run.name}: training curves{hint}")
     return fig
 
 
