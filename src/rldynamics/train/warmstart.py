@@ -70,9 +70,13 @@ def solver_policy(tokenizer, cfg: EnvConfig, noise: float, rng: random.Random):
 
 
 def warm_start_key(base_path: str, cfg: Config) -> str:
-    """Cache key of a warm-started model: every input that changes its weights."""
+    """Cache key of a warm-started model: every input that changes its weights.
+
+    The base model enters through its directory name (itself a hash of its spec), not its path, so a cache
+    that is moved or shared under another `$RLDYN_CACHE` keeps its warm starts.
+    """
     m = cfg.model
-    blob = json.dumps([base_path, m.warm_start_episodes, m.warm_start_turns, m.warm_start_noise, m.warm_start_epochs,
+    blob = json.dumps([Path(base_path).name, m.warm_start_episodes, m.warm_start_turns, m.warm_start_noise, m.warm_start_epochs,
                        m.warm_start_lr, cfg.seed, cfg.env.__dict__], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
