@@ -13,7 +13,7 @@ class WandbSink:
         try:
             import wandb
         except ImportError as e:
-            raise ImportError("log.wandb=true needs the wandb package: pip install 'rldynamics[wandb]'") from e
+            raise ImportError("log.wandb=true needs the wandb package: pip install wandb") from e
         self.run = wandb.init(project=project, name=name, config=config, dir=str(run_dir))
 
     def log(self, step: int, row: dict[str, Any]) -> None:
@@ -30,7 +30,7 @@ class TensorBoardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
-            raise ImportError("log.tensorboard=true needs tensorboard: pip install 'rldynamics[tensorboard]'") from e
+            raise ImportError("log.tensorboard=true needs the tensorboard package: pip install tensorboard") from e
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
     def log(self, step: int, row: dict[str, Any]) -> None:
