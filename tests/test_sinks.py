@@ -45,3 +45,15 @@ def test_wandb_offline_run_holds_every_numeric_metric(fast_overrides, monkeypatc
     for step, key, value in _numeric(read_metrics(run)):
         text = str(int(value)) if float(value).is_integer() else json.dumps(value)
         assert key.encode() in data and text.encode() in data, (step, key)
+
+
+def test_missing_mirror_package_fails_before_any_work(fast_overrides, tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from rldynamics.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert main(["train", *fast_overrides, "log.name=nowb", "log.wandb=true"]) == 2
+    assert "needs the wandb package: pip install wandb" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "nowb").exists()

@@ -82,7 +82,7 @@ def _run_job(command: str, job) -> int:
     except ConfigError as e:
         print(f"rldyn {command}: config error: {e}", file=sys.stderr)
         return 2
-    except (FileExistsError, FileNotFoundError, ValueError, OSError) as e:
+    except (FileExistsError, FileNotFoundError, ValueError, OSError, ImportError) as e:
         print(f"rldyn {command}: {e}", file=sys.stderr)
         return 2
     print(f"run directory: {run_dir}")

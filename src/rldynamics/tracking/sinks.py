@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
+
+MISSING = {
+    "wandb": "log.wandb=true needs the wandb package: pip install wandb (or set log.wandb=false)",
+    "tensorboard": "log.tensorboard=true needs the tensorboard package: pip install tensorboard "
+                   "(or set log.tensorboard=false)",
+}
+
+
+def check_installed(wandb: bool, tensorboard: bool) -> None:
+    """Raise ImportError, before any work, when an enabled mirror's package is not installed."""
+    for enabled, package in ((wandb, "wandb"), (tensorboard, "tensorboard")):
+        if enabled and importlib.util.find_spec(package) is None:
+            raise ImportError(MISSING[package])
 
 
 class WandbSink:
     """Mirror metrics to Weights & Biases (`WANDB_MODE=offline` works without network)."""
 
     def __init__(self, project: str, name: str, config: dict[str, Any], run_dir: Path):
-        try:
-            import wandb
-        except ImportError as e:
-            raise ImportError("log.wandb=true needs the wandb package: pip install wandb") from e
+        import wandb
+
         self.run = wandb.init(project=project, name=name, config=config, dir=str(run_dir))
 
     def log(self, step: int, row: dict[str, Any]) -> None:
@@ -27,10 +39,8 @@ class TensorBoardSink:
     """Mirror numeric metrics to TensorBoard event files under `<run_dir>/tensorboard`."""
 
     def __init__(self, run_dir: Path):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            raise ImportError("log.tensorboard=true needs the tensorboard package: pip install tensorboard") from e
+        from torch.utils.tensorboard import SummaryWriter
+
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
     def log(self, step: int, row: dict[str, Any]) -> None:

@@ -11,7 +11,7 @@ from rldynamics.config import Config, save_config, to_dict
 from rldynamics.models.loading import load_model_and_tokenizer, load_value_model
 from rldynamics.models.tiny import ensure_tiny_model
 from rldynamics.tracking.run_dir import RunWriter
-from rldynamics.tracking.sinks import TensorBoardSink, WandbSink
+from rldynamics.tracking.sinks import TensorBoardSink, WandbSink, check_installed
 from rldynamics.train.checkpoint import find_checkpoint
 from rldynamics.train.warmstart import ensure_warm_start, tiny_corpus
 
@@ -53,6 +53,7 @@ def make_session(cfg: Config, run_dir: Path | None = None):
     from rldynamics.train.trainer import Session
 
     run_dir = run_dir or resolve_run_dir(cfg)
+    check_installed(cfg.log.wandb, cfg.log.tensorboard)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.model.device)
     base = base_model_path(cfg)
