@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from rldynamics.algo.losses import aggregation_weights
 from rldynamics.analysis.buckets import assign_buckets
+from rldynamics.analysis.shares import bucket_shares, chunk_shares, distributed, global_sum, present_groups
 from rldynamics.analysis.sketch import GradientSketcher
 from rldynamics.config import AlgoConfig
 from rldynamics.models.forward import micro_batches
 from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.train.actor import ActorInputs, loss_terms, sub_batch_share, term_coefs
+from rldynamics.train.actor import ActorInputs, loss_terms, term_coefs
 
 COMPONENT_OF_TERM = {"pg": "task", "entropy": "entropy", "kl": "kl"}
 LOSS_NAME_OF_TERM = {"pg": "policy", "entropy": "entropy", "kl": "kl"}
@@ -95,7 +95,7 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
 def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperature, num_buckets, bucket_mode,
            prefix, sketch_dim, sketch_seed, keep_gradients) -> ProbeResult:
     """Body of :func:`gradient_probe` (runs inside a forked RNG)."""
-    stds = _present_groups(batch, group_std)
+    stds = present_groups(batch, group_std)
     if not stds:
         return ProbeResult(metrics={}, groups=[], sketches={})
     gids = sorted(stds)
@@ -105,8 +105,8 @@ def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperatu
     sketcher = GradientSketcher([p.shape for p in params], sketch_dim, sketch_seed) if sketch_dim > 0 else None
     names = [n for n in ("pg", "entropy", "kl") if n != "kl" or inputs.ref_logprobs is not None]
     bucket_rows = [torch.isin(batch.group_ids, torch.tensor(b)).nonzero().squeeze(1) for b in buckets]  # B x [n_b]
-    shares = _bucket_shares(batch.response_mask, bucket_rows, algo.loss_agg_mode)
-    total_rows = _global_sum([float(len(batch))])[0]
+    shares = bucket_shares(batch.response_mask, bucket_rows, algo.loss_agg_mode)
+    total_rows = global_sum([float(len(batch))])[0]
     all_grads = {n: _zeros(params) for n in names}  # name -> [P]
     all_losses = dict.fromkeys(names, 0.0)
     result = ProbeResult(metrics={}, groups=[], sketches={})
@@ -118,13 +118,13 @@ def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperatu
         for n in names:
             all_grads[n].add_(grads[n], alpha=share)  # [P]
             all_losses[n] += share * losses[n]
-        count, tokens = _global_sum([float(rows.numel()), float(batch.response_mask[rows].sum())])
+        count, tokens = global_sum([float(rows.numel()), float(batch.response_mask[rows].sum())])
         per_bucket[name] = _bucket_metrics(grads, losses, algo, count=count, tokens=tokens, total_rows=total_rows,
                                            stds=[stds[g] for g in groups])
         _record(result, name, grads, sketcher, keep_gradients)
         result.groups.extend((name, g, stds[g]) for g in groups)
         del grads  # free this bucket's vectors before the next bucket allocates its own
-    tokens = _global_sum([float(batch.response_mask.sum())])[0]
+    tokens = global_sum([float(batch.response_mask.sum())])[0]
     all_metrics = _bucket_metrics(all_grads, all_losses, algo, count=total_rows, tokens=tokens,
                                   total_rows=total_rows, stds=[stds[g] for g in gids])
     _record(result, "all", all_grads, sketcher, keep_gradients)
@@ -149,7 +149,7 @@ def _bucket_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: Ac
     losses = torch.zeros(len(names), dtype=torch.float64)  # [K]
     mask = batch.response_mask[rows]  # [n_b, L]
     chunks = micro_batches(torch.arange(rows.numel()), micro_batch_size)
-    for positions, share in zip(chunks, _chunk_shares(mask, chunks, algo.loss_agg_mode), strict=True):
+    for positions, share in zip(chunks, chunk_shares(mask, chunks, algo.loss_agg_mode), strict=True):
         if share == 0.0:  # no response tokens: contributes nothing to the aggregated loss
             continue
         terms, _ = loss_terms(model, batch, rows[positions], inputs, algo, temperature=temperature)
@@ -161,10 +161,10 @@ def _bucket_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: Ac
             for view, part in zip(views[n], parts, strict=True):
                 if part is not None:
                     view.add_(part.float(), alpha=share * signs[n])  # param shape
-    if _distributed():
+    if distributed():
         for n in names:
             dist.all_reduce(grads[n], op=dist.ReduceOp.SUM)  # [P]
-        losses = torch.tensor(_global_sum(losses.tolist()), dtype=torch.float64)  # [K]
+        losses = torch.tensor(global_sum(losses.tolist()), dtype=torch.float64)  # [K]
     return grads, dict(zip(names, losses.tolist(), strict=True))
 
 
@@ -238,86 +238,3 @@ def _param_views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.T
     """Views of ``flat`` shaped like each parameter (writing a view writes ``flat``)."""
     parts = flat.split([p.numel() for p in params])  # one [n_i] view per parameter
     return [part.view(p.shape) for part, p in zip(parts, params, strict=True)]
-
-
-# ---- shares and reductions (single process: plain `sub_batch_share`; distributed: global totals) ----
-
-
-def _distributed() -> bool:
-    """True when running under an initialised ``torch.distributed`` process group."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def _global_sum(values: list[float]) -> list[float]:
-    """Element-wise sum of ``values`` over ranks (identity in one process)."""
-    if not _distributed():
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=_collective_device())  # [K]
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.tolist()
-
-
-def _collective_device() -> torch.device:
-    """The device tensors must live on for collectives of the default backend."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _present_groups(batch: RolloutBatch, group_std: dict[int, float]) -> dict[int, float]:
-    """``group id -> reward std`` for the groups in ``batch`` (on any rank, when distributed)."""
-    present = sorted(set(batch.group_ids.tolist()))
-    missing = [g for g in present if g not in group_std]
-    if missing:
-        raise ValueError(f"group_std has no reward std for group ids {missing[:10]}")
-    local = {g: float(group_std[g]) for g in present}
-    if not _distributed():
-        return local
-    gathered: list[dict[int, float] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    return {g: s for part in gathered for g, s in (part or {}).items()}
-
-
-def _global_row_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """Total aggregation weight of each local row when the rows of ``mask`` on all ranks are aggregated together. [n]
-
-    The weights of a row depend only on its token count and the width (every mode weights tokens uniformly
-    within a row), so the global aggregation is rebuilt from the gathered per-row token counts.
-    """
-    counts = mask.bool().sum(-1).tolist()  # n ints
-    gathered: list[tuple[list[int], int] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (counts, mask.shape[-1]))
-    width = max(w for _, w in gathered)
-    every = torch.tensor([c for cs, _ in gathered for c in cs], dtype=torch.long)  # [N_global]
-    count_mask = torch.arange(width)[None, :] < every[:, None]  # [N_global, width]
-    weights = aggregation_weights(count_mask, mode).sum(-1)  # [N_global]
-    offset = sum(len(cs) for cs, _ in gathered[: dist.get_rank()])
-    return weights[offset : offset + len(counts)]  # [n]
-
-
-def _chunk_shares(mask: torch.Tensor, chunks: list[torch.Tensor], mode: str) -> list[float]:
-    """``sub_batch_share`` of each chunk of local rows of ``mask``, the whole being these rows on every rank."""
-    if not _distributed():
-        return [sub_batch_share(mask, chunk, mode) for chunk in chunks]
-    row_weights = _global_row_weights(mask, mode)  # [n]
-    out = []
-    for chunk in chunks:
-        alone = aggregation_weights(mask[chunk], mode).sum()  # []
-        out.append(float(row_weights[chunk].sum() / alone) if alone > 0 else 0.0)
-    return out
-
-
-def _bucket_shares(mask: torch.Tensor, bucket_rows: list[torch.Tensor], mode: str) -> list[float]:
-    """Share of each bucket in the aggregation of the whole batch: ``g_all = Σ_b share_b · g_b``.
-
-    Distributed: both the bucket's weight within the whole batch and its weight aggregated alone are
-    summed over ranks before the ratio is taken.
-    """
-    if not _distributed():
-        return [sub_batch_share(mask, rows, mode) for rows in bucket_rows]
-    whole_weights = _global_row_weights(mask, mode)  # [N]
-    whole = [float(whole_weights[rows].sum()) for rows in bucket_rows]
-    alone = [float(_global_row_weights(mask[rows], mode).sum()) for rows in bucket_rows]
-    totals = _global_sum(whole + alone)
-    k = len(bucket_rows)
-    return [totals[b] / totals[k + b] if totals[k + b] > 0 else 0.0 for b in range(k)]

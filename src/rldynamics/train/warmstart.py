@@ -76,8 +76,8 @@ def warm_start_key(base_path: str, cfg: Config) -> str:
     that is moved or shared under another `$RLDYN_CACHE` keeps its warm starts.
     """
     m = cfg.model
-    blob = json.dumps([Path(base_path).name, m.warm_start_episodes, m.warm_start_turns, m.warm_start_noise, m.warm_start_epochs,
-                       m.warm_start_lr, cfg.seed, cfg.env.__dict__], sort_keys=True, default=str)
+    blob = json.dumps([Path(base_path).name, m.warm_start_episodes, m.warm_start_turns, m.warm_start_noise,
+                       m.warm_start_epochs, m.warm_start_lr, cfg.seed, cfg.env.__dict__], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
