@@ -44,7 +44,7 @@ def test_wandb_offline_run_holds_every_numeric_metric(fast_overrides, monkeypatc
     data = files[0].read_bytes()
     for step, key, value in _numeric(read_metrics(run)):
         text = str(int(value)) if float(value).is_integer() else json.dumps(value)
-        assert key.encode() in data and text.encode() in data, (step, key)
+        assert key.encode() in data and text.encode() in data, (step, key, value, text)
 
 
 def test_missing_mirror_package_fails_before_any_work(fast_overrides, tmp_path, monkeypatch, capsys):

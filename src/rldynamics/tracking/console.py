@@ -17,6 +17,14 @@ SUMMARY_KEYS = (
 )
 
 
+def progress_bar(enabled: bool, console: Console | None = None) -> Progress:
+    """A rich bar with count, elapsed and remaining time, and a free-text `info` field; inert when disabled."""
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console, disable=not enabled,
+    )
+
+
 class StepConsole:
     """Progress bar plus per-step summary lines; silent when disabled."""
 
@@ -24,11 +32,8 @@ class StepConsole:
         self.env = env
         self.enabled = enabled
         self.console = Console()
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TimeRemainingColumn(), TextColumn("{task.fields[phase]}"), console=self.console, disable=not enabled,
-        )
-        self.task = self.progress.add_task("train", total=total, phase="")
+        self.progress = progress_bar(enabled, self.console)
+        self.task = self.progress.add_task("train", total=total, info="")
 
     def __enter__(self) -> StepConsole:
         self.progress.start()
@@ -39,11 +44,11 @@ class StepConsole:
 
     def phase(self, text: str) -> None:
         """Show what the current step is doing (rollout, update, validation, ...)."""
-        self.progress.update(self.task, phase=text)
+        self.progress.update(self.task, info=text)
 
     def advance(self, step: int, metrics: dict[str, float]) -> None:
         """Advance the bar and print the step's summary line."""
-        self.progress.update(self.task, completed=step, phase="")
+        self.progress.update(self.task, completed=step, info="")
         if self.enabled:
             self.progress.console.print(summary_line(step, metrics, self.env))
 

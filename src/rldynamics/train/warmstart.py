@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -26,6 +27,7 @@ from rldynamics.config import Config, EnvConfig
 from rldynamics.envs import make_env
 from rldynamics.models.forward import token_logprobs
 from rldynamics.rollout.agent import chat_segment, env_kwargs, rollout, state_message, system_message
+from rldynamics.tracking.console import progress_bar
 
 DEMO_SEED_BASE = 5_000_000  # disjoint from RAGEN's train (10000+) and validation (123+) seeds
 
@@ -113,15 +115,19 @@ def supervised_warm_start(model, tokenizer, cfg: Config, batch_size: int = 32) -
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.model.warm_start_lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(cfg.seed)
     losses = []
-    for _ in range(cfg.model.warm_start_epochs):
-        for rows in torch.split(torch.randperm(len(demos), generator=generator), batch_size):
-            logprobs, _ = token_logprobs(model, demos.input_ids[rows], demos.attention_mask[rows])  # [b, L]
-            mask = demos.response_mask[rows]  # [b, L]
-            loss = -(logprobs * mask).sum() / mask.sum()  # []
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            losses.append(loss.item())
+    with progress_bar(cfg.log.progress) as bar:
+        task = bar.add_task("warm start", total=cfg.model.warm_start_epochs * math.ceil(len(demos) / batch_size),
+                            info="")
+        for _ in range(cfg.model.warm_start_epochs):
+            for rows in torch.split(torch.randperm(len(demos), generator=generator), batch_size):
+                logprobs, _ = token_logprobs(model, demos.input_ids[rows], demos.attention_mask[rows])  # [b, L]
+                mask = demos.response_mask[rows]  # [b, L]
+                loss = -(logprobs * mask).sum() / mask.sum()  # []
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                losses.append(loss.item())
+                bar.update(task, advance=1, info=f"NLL {losses[-1]:.3f} nats/token")
     model.eval()
     return losses
