@@ -24,12 +24,12 @@ def global_sum(values: list[float]) -> list[float]:
     """Element-wise sum of ``values`` over ranks (identity in one process)."""
     if not distributed():
         return values
-    t = torch.tensor(values, dtype=torch.float64, device=collective_device())  # [K]
+    t = torch.tensor(values, dtype=torch.float64, device=_collective_device())  # [K]
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
 
 
-def collective_device() -> torch.device:
+def _collective_device() -> torch.device:
     """The device tensors must live on for collectives of the default backend."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -50,7 +50,7 @@ def present_groups(batch: RolloutBatch, group_std: dict[int, float]) -> dict[int
     return {g: s for part in gathered for g, s in (part or {}).items()}
 
 
-def global_row_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
+def _global_row_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
     """Total aggregation weight of each local row when the rows of ``mask`` on all ranks are aggregated together. [n]
 
     The weights of a row depend only on its token count and the width (every mode weights tokens uniformly
@@ -71,7 +71,7 @@ def chunk_shares(mask: torch.Tensor, chunks: list[torch.Tensor], mode: str) -> l
     """``sub_batch_share`` of each chunk of local rows of ``mask``, the whole being these rows on every rank."""
     if not distributed():
         return [sub_batch_share(mask, chunk, mode) for chunk in chunks]
-    row_weights = global_row_weights(mask, mode)  # [n]
+    row_weights = _global_row_weights(mask, mode)  # [n]
     out = []
     for chunk in chunks:
         alone = aggregation_weights(mask[chunk], mode).sum()  # []
@@ -87,9 +87,9 @@ def bucket_shares(mask: torch.Tensor, bucket_rows: list[torch.Tensor], mode: str
     """
     if not distributed():
         return [sub_batch_share(mask, rows, mode) for rows in bucket_rows]
-    whole_weights = global_row_weights(mask, mode)  # [N]
+    whole_weights = _global_row_weights(mask, mode)  # [N]
     whole = [float(whole_weights[rows].sum()) for rows in bucket_rows]
-    alone = [float(global_row_weights(mask[rows], mode).sum()) for rows in bucket_rows]
+    alone = [float(_global_row_weights(mask[rows], mode).sum()) for rows in bucket_rows]
     totals = global_sum(whole + alone)
     k = len(bucket_rows)
     return [totals[b] / totals[k + b] if totals[k + b] > 0 else 0.0 for b in range(k)]

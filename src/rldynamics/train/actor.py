@@ -77,7 +77,7 @@ def weighted_total(terms: dict[str, torch.Tensor], cfg: AlgoConfig) -> torch.Ten
     Terms with a zero coefficient are left out, so backward does not run through their graphs.
     """
     coefs = term_coefs(cfg)
-    return sum(coefs[name] * value for name, value in terms.items() if coefs[name] != 0.0 or name == "pg")
+    return sum(coefs[name] * value for name, value in terms.items() if coefs[name] != 0.0)  # pg always has 1
 
 
 def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, algo: AlgoConfig, train: TrainConfig,
