@@ -213,6 +213,8 @@ class CheckpointConfig:
     """Save every N steps (and at the end when > 0); 0 = only at the end if save_last."""
     save_last: bool = True
     """Save a checkpoint after the last step."""
+    keep_last: int = 0
+    """Keep only the newest N checkpoints, deleting older ones after each save (0 = keep all)."""
     resume: str | None = None
     """Resume from a checkpoint directory, or `latest` (newest in this run's checkpoints/)."""
 
@@ -372,6 +374,8 @@ def validate(cfg: Config) -> Config:
     for key in POSITIVE_INTS:
         if _get(cfg, key) < 1:
             raise ConfigError(f"{key} must be a positive integer, got {_get(cfg, key)}")
+    if cfg.checkpoint.keep_last < 0:
+        raise ConfigError(f"checkpoint.keep_last must be >= 0 (0 = keep all), got {cfg.checkpoint.keep_last}")
     if cfg.train.steps < 0:
         raise ConfigError(f"train.steps must be >= 0, got {cfg.train.steps}")
     if cfg.filter.value < 0:

@@ -101,7 +101,8 @@ def train(cfg: Config, run_dir: Path | None = None) -> Path:
                 console.phase("checkpoint")
                 save_checkpoint(s.run_dir / "checkpoints", step, model=s.model, tokenizer=s.tokenizer,
                                 optimizer=s.optimizer, critic=s.critic, critic_optimizer=s.critic_optimizer,
-                                trainer_state={"early_stop": stopper.state_dict()})
+                                trainer_state={"early_stop": stopper.state_dict()},
+                                keep_last=cfg.checkpoint.keep_last)
             metrics["timing_s/step"] = time.perf_counter() - t0
             s.writer.log(step, metrics)
             console.advance(step, metrics)
