@@ -5,7 +5,7 @@
   devices (`CUDA_VISIBLE_DEVICES`), with the cores split the same way.
 - Each run is its own process group writing stdout and stderr to `<run>/train.log`; a crash is recorded in
   `<run>/sweep.json` with its last log line, and the other runs go on.
-- Ctrl-C (or SIGTERM) interrupts every running run (SIGINT, then SIGKILL after a grace period), records
+- Ctrl-C (or SIGTERM) interrupts every running run (SIGTERM, then SIGKILL after a grace period), records
   them as interrupted and returns; re-running the sweep resumes them from their latest checkpoint.
 - A rich table shows each run's state, step, latest validation success and early-stop reason (on a
   terminal); every state change is also printed as one line, so logs of background sweeps are readable.
@@ -177,13 +177,13 @@ class Launcher:
                            f"  log: {job.plan.path / runs.LOG_FILE}\n" + "\n".join(f"  | {t}" for t in tail[-8:]))
 
     def _interrupt(self) -> None:
-        """Stop every running run: SIGINT to its process group, SIGKILL after the grace period (or at once on a
-        second Ctrl-C), and record each as interrupted."""
+        """Stop every running run: SIGTERM to its process group (a background sweep's children ignore SIGINT),
+        SIGKILL after the grace period (or at once on a second Ctrl-C), and record each as interrupted."""
         running = [j for j in self.jobs if j.proc is not None]
         if running:
             self.console.print(f"[magenta]interrupting {len(running)} run(s)... (Ctrl-C again to kill them now)")
         for job in running:
-            _signal(job.proc, signal.SIGINT)
+            _signal(job.proc, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S
         try:
             while any(j.proc.poll() is None for j in running) and time.monotonic() < deadline:
