@@ -15,6 +15,7 @@ import pytest
 from conftest import FAST
 from rldynamics.cli import main
 from rldynamics.config import ConfigError, make_config, save_config
+from rldynamics.sweep.launch import make_slots
 from rldynamics.sweep.plan import build_plan
 from rldynamics.sweep.protocols import SweepError, expand, split_values
 from rldynamics.sweep.report import FILES, write_summary
@@ -72,6 +73,17 @@ def test_bad_input_fails_before_any_run(tmp_path, capsys, args, message):
     assert main(["sweep", *args, "--out", str(out)]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_slots_split_cores_and_devices():
+    cpu = make_slots(parallel=2, cores=2)
+    assert [(s.name, s.env["OMP_NUM_THREADS"]) for s in cpu] == [("cpu 0", "1"), ("cpu 1", "1")]
+    gpu = make_slots(devices=["0", "1", "2", "3"], devices_per_run=2, cores=16)
+    assert [(s.env["CUDA_VISIBLE_DEVICES"], s.env["OMP_NUM_THREADS"]) for s in gpu] == [("0,1", "8"), ("2,3", "8")]
+    for bad in (dict(devices=["0", "1", "2"], devices_per_run=2), dict(parallel=2, devices=["0"]),
+                dict(devices_per_run=2), dict(parallel=0)):
+        with pytest.raises(SweepError):
+            make_slots(**bad)
 
 
 def _write_run(out, label, seed, val, overrides=(), stop=None, status=None):

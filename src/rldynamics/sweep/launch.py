@@ -66,7 +66,9 @@ def make_slots(parallel: int | None = None, devices: list[str] | None = None, de
         threads = str(max(1, cores // len(groups)))
         return [Slot(f"cuda {','.join(g)}",
                      {"CUDA_VISIBLE_DEVICES": ",".join(g), **dict.fromkeys(THREAD_VARS, threads)}) for g in groups]
-    parallel = parallel or 1
+    if devices_per_run != 1:
+        raise SweepError("--devices-per-run needs --devices (the GPU ids to split between runs)")
+    parallel = 1 if parallel is None else parallel
     if parallel < 1:
         raise SweepError(f"--parallel must be >= 1, got {parallel}")
     threads = str(max(1, cores // parallel))
