@@ -25,12 +25,11 @@ from typing import Any
 
 import yaml
 
-from rldynamics.plots.data import RunData, as_float, load_run
+from rldynamics.plots.data import RunData, as_float, early_stops, load_run
 from rldynamics.tracking.run_dir import read_config
 
 STATUS_FILE = "sweep.json"
 LOG_FILE = "train.log"
-EARLY_STOP = "early_stopped/"
 EXITED = "trainer/exited_after_gradient_analysis"
 FINISHED = ("completed", "early_stopped")
 _SEED_DIR = re.compile(r"seed(\d+)")
@@ -97,15 +96,6 @@ def val_key(run: RunData) -> str:
     return f"val-env/{env.get('name', 'sokoban')}/success"
 
 
-def early_stop_reason(run: RunData) -> str | None:
-    """The `<reason>` of the first `early_stopped/<reason>` flag in the run's metrics, if any."""
-    for row in run.rows:
-        for k, v in row.items():
-            if k.startswith(EARLY_STOP) and v:
-                return k[len(EARLY_STOP):]
-    return None
-
-
 @dataclass
 class Outcome:
     """A run's outcome from its directory: state, detail (early-stop reason or error line), last step."""
@@ -139,9 +129,9 @@ def outcome(path: Path, run: RunData | None = None) -> Outcome:
     last = run.rows[-1]["step"] if run.rows else None
     vals = [as_float(r[val_key(run)]) for r in run.rows if val_key(run) in r]
     found = Outcome("unfinished", step=last, steps=steps, val_success=vals[-1] if vals else float("nan"))
-    reason = early_stop_reason(run)
-    if reason:
-        found.state, found.detail = "early_stopped", reason
+    stops = early_stops(run)
+    if stops:
+        found.state, found.detail = "early_stopped", stops[0][1]
     elif (last is not None and steps is not None and last >= steps) or status.get("returncode") == 0 or (
             run.rows and run.rows[-1].get(EXITED)):
         found.state = "completed"
