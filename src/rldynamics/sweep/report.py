@@ -106,7 +106,7 @@ def fig_value(summary: SweepSummary) -> Figure:
             ax.errorbar(i, 100 * mean, yerr=100 * std if np.isfinite(std) else None, fmt="s", color="k", ms=6,
                         capsize=5, lw=1.5, zorder=3, label=None if "mean" in seen else "mean ± std over seeds")
             seen.add("mean")
-        offsets = np.linspace(-0.15, 0.15, len(p.runs)) if len(p.runs) > 1 else np.zeros(1)
+        offsets = 0.12 + np.linspace(0.0, 0.2, len(p.runs))  # seeds in order, right of the mean
         for off, r in zip(offsets, p.runs, strict=True):
             if not np.isfinite(r.final):
                 continue
