@@ -251,3 +251,26 @@ def test_rollout_passes_the_whole_reply_without_format_penalty():
     assert batch.reward_weights == weights
     expected = [sum(w * v for w, v in zip(weights, row, strict=True)) for row in batch.reward_components.tolist()]
     assert batch.scores.tolist() == pytest.approx(expected)
+
+
+def test_gsm8k_presets_need_a_file_and_carry_the_documented_settings():
+    for preset in ("gsm8k-grpo", "gsm8k-cispo"):
+        with pytest.raises(ConfigError, match=r"env.math.*/path/to/gsm8k/train.jsonl.*does not exist"):
+            make_config(preset)
+    grpo = make_config("gsm8k-grpo", overrides=["env.math.source=sample", "env.math.holdout=8"])
+    assert (grpo.train.env_groups, grpo.train.group_size, grpo.train.lr, grpo.algo.kl_coef) == (32, 8, 1e-6, 0.001)
+    assert grpo.algo.norm_adv_by_std and grpo.env.math.length_target == 800 and grpo.env.math.length_unit == "chars"
+    cispo = make_config("gsm8k-cispo", overrides=["env.math.source=sample", "env.math.holdout=8"])
+    assert (cispo.algo.policy_loss, cispo.algo.clip_high, cispo.train.lr) == ("cispo", 0.28, 1e-5)
+    assert not cispo.algo.norm_adv_by_std and cispo.train.max_grad_norm == 1.0 and cispo.train.temperature == 1.0
+
+
+def test_reasoning_gym_source():
+    pytest.importorskip("reasoning_gym")
+    env = make_env("math", source="reasoning_gym:chain_sum")
+    question = env.reset(5)
+    assert question == make_env("math", source="reasoning_gym:chain_sum").reset(5) != env.reset(6)
+    env.reset(5)
+    assert env.step(f"\\boxed{{{env.problem.answer}}}").reward["correctness"] == 1.0
+    with pytest.raises(ConfigError, match=r"reasoning-gym has no dataset 'no_such_set'"):
+        make_config("math-tiny", overrides=["env.math.source=reasoning_gym:no_such_set"])

@@ -495,6 +495,7 @@ def envs_help() -> str:
         env = cls(**dataclasses.asdict(cls.Config()))
         weights = ", ".join(f"{r} (weight {env.reward_weights.get(r, 1.0):g})" for r in env.reward_names)
         actions = ", ".join(env.actions) if env.actions else "free-form answer text"
+        actions = "the whole reply" if getattr(env, "full_reply", False) else actions
         penalty = ("; graded on the whole reply (no format_penalty)" if getattr(env, "full_reply", False) else
                    f"; plus format_penalty (env.format_penalty={shared.format_penalty:g}) for malformed turns")
         lines = [f"{name}  ({cls.__module__}.{cls.__name__})", f"  reward components: {weights}{penalty}",

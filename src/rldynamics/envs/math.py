@@ -5,7 +5,8 @@ Design choices:
   The env sets `full_reply = True`, so the rollout passes it the whole decoded reply (step indicators and
   `\\boxed{}` live outside `<answer>`) and its length in tokens, and applies no `format_penalty`.
 - Problems come from the seeded synthetic generator (`env.math.source=synthetic`, offline), the shipped
-  sample (`sample`) or a GSM8K- / MATH-500-style JSONL or Parquet file (`math_data`). A file's rows are
+  sample (`sample`), reasoning-gym's offline generators (`reasoning_gym:<dataset>`, optional package) or a
+  GSM8K- / MATH-500-style JSONL or Parquet file (`math_data`). A file's rows are
   reached by seed: seeds below `holdout` pick rows 0..holdout-1 (validation with `val.seed_base=0`),
   larger seeds cycle through the other rows, so training never sees the held-out rows.
 - The answer is the content of the last `\\boxed{...}` (braces matched; a `\\boxed{` that never closes
@@ -29,11 +30,13 @@ from rldynamics.envs.base import StepResult
 from rldynamics.envs.math_data import (
     OPERATORS,
     ORDINALS,
+    REASONING_GYM,
     SAMPLE_NAME,
     Problem,
     apply,
     generate_problem,
     load_problems,
+    reasoning_gym_problem,
 )
 
 SYNTHETIC = "synthetic"
@@ -45,7 +48,7 @@ _BOXED = "\\boxed{"
 @dataclass
 class MathConfig:
     source: str = SYNTHETIC
-    """Problems: synthetic (seeded generator) | sample (the shipped JSONL sample) | path to a .jsonl / .parquet file."""
+    """Problems: synthetic (our generator) | sample (shipped JSONL) | reasoning_gym:<dataset> | a .jsonl / .parquet path."""
     question_key: str = "question"
     """File sources: the question column (MATH-500: problem)."""
     answer_key: str = "answer"
@@ -112,7 +115,11 @@ class MathEnv:
                  verify_timeout: float = 5.0) -> None:
         _check_options(num_ops, max_number, operators, length_unit, length_target, verify_timeout, holdout)
         self.source = source
-        self.problems = None if source == SYNTHETIC else load_problems(source, question_key, answer_key)
+        self.gym = source[len(REASONING_GYM):] if source.startswith(REASONING_GYM) else None
+        if self.gym is not None:
+            reasoning_gym_problem(self.gym, 0)  # fails here on a missing package or an unknown dataset
+        files = source != SYNTHETIC and self.gym is None
+        self.problems = load_problems(source, question_key, answer_key) if files else None
         if self.problems is not None and holdout >= len(self.problems):
             raise ValueError(f"holdout={holdout} leaves no training rows in {source!r} ({len(self.problems)} rows)")
         self.holdout, self.num_ops, self.max_number = holdout, num_ops, max_number
@@ -130,6 +137,8 @@ class MathEnv:
         return self.problem.question
 
     def _problem(self, seed: int) -> Problem:
+        if self.gym is not None:
+            return reasoning_gym_problem(self.gym, seed)
         if self.problems is None:
             return generate_problem(seed, self.num_ops, self.max_number, self.operators, self.word_problems)
         n, h = len(self.problems), self.holdout
@@ -156,7 +165,8 @@ class MathEnv:
         return [f"{steps} The answer is \\boxed{{{self.problem.answer}}}.".strip()]
 
     def random_action(self, rng: random.Random) -> str:
-        """A noisy reply: the worked steps with one slip (an intermediate result off by 1-3, carried through)."""
+        """A noisy reply with a wrong answer: the worked steps with one slip (an intermediate result off by 1-3,
+        carried through), or, half of the time, only the wrong number (no steps, no box: format 0)."""
         if not self.problem.ops:
             return f"The answer is \\boxed{{{1 + int(rng.random() * max(self.max_number, 2))}}}."
         ops, slip = self.problem.ops, int(rng.random() * len(self.problem.ops))
@@ -170,7 +180,7 @@ class MathEnv:
                 result += 1
             lines.append(f"{_ordinal(i)}, {total} {op} {n} = {result}.")
             total = result
-        return f"{' '.join(lines)} The answer is \\boxed{{{total}}}."
+        return str(total) if rng.random() < 0.5 else f"{' '.join(lines)} The answer is \\boxed{{{total}}}."
 
 
 def _ordinal(i: int) -> str:

@@ -15,6 +15,8 @@ Design choices:
   (keyed by path, size and modification time), since each trajectory constructs its own env.
 - `sample` names the small JSONL file shipped in the package (`data/math_sample.jsonl`), written by
   `write_sample` (`python scripts/make_math_sample.py`) from the synthetic generator in GSM8K style.
+- `reasoning_gym:<dataset>` draws from reasoning-gym's offline generators (`pip install
+  rldynamics[reasoning-gym]`), one problem per seed (the dataset built with that seed, size 1).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ NAMES = ("Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jin",
 ITEMS = ("apples", "books", "coins", "cards", "marbles", "pens", "shells", "stamps")
 ORDINALS = ("First", "Second", "Third", "Fourth", "Fifth", "Sixth", "Seventh", "Eighth")
 SAMPLE_NAME = "sample"
+REASONING_GYM = "reasoning_gym:"
 _CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations inside its reasoning
 
 
@@ -180,6 +183,22 @@ def _read_parquet(path: Path) -> list[tuple[str, dict]]:
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
         raise ValueError(f"{path}: not a readable Parquet file ({e})") from e
     return [(f"row {i}", row) for i, row in enumerate(table.to_pylist())]
+
+
+@lru_cache(maxsize=4096)
+def reasoning_gym_problem(dataset: str, seed: int) -> Problem:
+    """Problem `seed` of reasoning-gym's generator `dataset` (e.g. basic_arithmetic, chain_sum, gsm_symbolic)."""
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise ValueError(f"env.math.source={REASONING_GYM}{dataset} needs reasoning-gym: "
+                         "pip install 'rldynamics[reasoning-gym]'") from e
+    try:
+        entry = reasoning_gym.create_dataset(dataset, seed=seed, size=1)[0]
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"reasoning-gym has no dataset {dataset!r} ({e}); e.g. basic_arithmetic, chain_sum, "
+                         "gsm_symbolic") from e
+    return Problem(question=str(entry["question"]), answer=str(entry["answer"]))
 
 
 def write_sample(path: str | Path, count: int = 64, first_seed: int = 900_000) -> None:
