@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 STARTUP_TIMEOUT_S = 120.0
 _INTEGER = re.compile(r"-?\d+")
@@ -74,7 +75,9 @@ class AnswerChecker:
     def _ensure_worker(self) -> queue.Queue:
         if self._proc is not None and self._proc.poll() is None:
             return self._replies
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        root = str(Path(__file__).resolve().parents[2])  # the directory holding the rldynamics package
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         self._proc = subprocess.Popen([sys.executable, "-m", "rldynamics.envs.answer_worker"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True, env=env)
         self._replies = queue.Queue()

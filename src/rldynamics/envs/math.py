@@ -48,7 +48,7 @@ _BOXED = "\\boxed{"
 @dataclass
 class MathConfig:
     source: str = SYNTHETIC
-    """Problems: synthetic (our generator) | sample (shipped JSONL) | reasoning_gym:<dataset> | a .jsonl / .parquet path."""
+    """Problems: synthetic (our generator) | sample (shipped JSONL) | reasoning_gym:<dataset> | .jsonl/.parquet path."""
     question_key: str = "question"
     """File sources: the question column (MATH-500: problem)."""
     answer_key: str = "answer"
