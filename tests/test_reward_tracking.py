@@ -18,6 +18,7 @@ def test_math_tiny_end_to_end(fast_overrides):
     metrics = read_metrics(run)
     assert [r["step"] for r in metrics] == [0, 1, 2]
     assert "val-env/math/success" in metrics[0] and "grad_norm/all/task" in metrics[1]  # analysis on at step 1
+    assert "reward_grad/all/norm/correctness" in metrics[1] and (run / "analysis/step_1/reward_grad.json").is_file()
     rows = read_rewards(run)
     assert [r["step"] for r in rows] == [1] * 4 + [2] * 4  # 2 groups x 2 trajectories per step
     assert [r["traj"] for r in rows[:4]] == [0, 1, 2, 3] and [r["group"] for r in rows[:4]] == [0, 0, 1, 1]
