@@ -129,7 +129,7 @@ class MathEnv:
         self.correct = False
 
     def instructions(self) -> str:
-        return ("Solve the math problem. Let's think step by step and output the final answer in \\boxed{...}.")
+        return "Solve the math problem. Let's think step by step and output the final answer in \\boxed{...}."
 
     def reset(self, seed: int) -> str:
         self.problem = self._problem(seed)

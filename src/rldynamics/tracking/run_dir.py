@@ -96,7 +96,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     file = Path(run_dir) / "metrics.jsonl"
     if not file.exists():
         raise FileNotFoundError(f"{file} not found: is {run_dir} a run directory written by `rldyn train`?")
-    return _read_jsonl(file)
+    return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
 
 
 def read_rewards(run_dir: str | Path) -> list[dict[str, Any]]:
