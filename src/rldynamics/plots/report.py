@@ -154,13 +154,13 @@ def reward_components_section(run: RunData) -> str:
            "group — are undefined and shown as n/a, never as 0.</p>"]
     flags = check_reward_components(run)
     out += [_flag_html(f) for f in flags] or ['<p class="ok">No reward-component warnings.</p>']
-    out.append(_img(fig_component_rewards(run), "Reward components per step (raw means; groups where constant)"))
-    out.append(_img(fig_response_lengths(run), "Response length distribution per step"))
-    out.append(_img(fig_cosines_over_steps(run), "Component gradient cosines per analysis step (all bucket)"))
+    out.append(figure_html(fig_component_rewards(run), "Reward components per step (raw means; groups where constant)"))
+    out.append(figure_html(fig_response_lengths(run), "Response length distribution per step"))
+    out.append(figure_html(fig_cosines_over_steps(run), "Component gradient cosines per analysis step (all bucket)"))
     for step, matrices in read_reward_grad(run).items():
         out.append(f"<h3>Reward components, step {step}</h3>")
-        out.append(_img(fig_cosine_matrix(matrices, step), f"Component gradient cosine matrix, step {step}"))
-        out.append(_img(fig_layer_profile(matrices, step), f"Per-layer-group cosine profile, step {step}"))
+        out.append(figure_html(fig_cosine_matrix(matrices, step), f"Component gradient cosine matrix, step {step}"))
+        out.append(figure_html(fig_layer_profile(matrices, step), f"Per-layer-group cosine profile, step {step}"))
     return "".join(out)
 
 
