@@ -17,6 +17,7 @@ from matplotlib.image import imread
 from safetensors.numpy import save_file
 
 from rldynamics.plots import health
+from rldynamics.plots.analysis import step_data
 from rldynamics.plots.cli import plot_command, report_command
 from rldynamics.plots.curves import trailing_mean
 from rldynamics.plots.data import analysis_steps, load_run
@@ -206,6 +207,34 @@ def test_paper_grid_from_two_runs(run, tmp_path, capsys):
     assert plot_command([run, other], None, False, out, True, [7]) == 2
     assert "step 7" in capsys.readouterr().err
     assert plot_command([run, other], None, False, None, False, None) == 2  # several dirs need --paper
+
+
+def _rename_buckets(path: Path, shift: int) -> None:
+    """Rename `bucket_k` to `bucket_{k + shift}` in metrics.jsonl and groups.csv (fixed_rv with empty low intervals)."""
+    def rename(text: str) -> str:
+        for k in sorted(range(1, 7), reverse=True):
+            text = text.replace(f"bucket_{k}", f"bucket_{k + shift}")
+        return text
+    for file in [path / "metrics.jsonl", *path.glob("analysis/step_*/groups.csv")]:
+        file.write_text(rename(file.read_text()))
+
+
+def test_fixed_rv_buckets_are_labelled_by_interval(tmp_path):
+    path = make_run(tmp_path / "fixed", steps=4, analysis=(4,))
+    config = yaml.safe_load((path / "config.yaml").read_text())
+    (path / "config.yaml").write_text(yaml.safe_dump({**config, "analysis": {"bucket_mode": "fixed_rv"}}))
+    _rename_buckets(path, 2)  # intervals [0,1) and [1,2) were empty: the buckets are bucket_3..bucket_6
+    run = load_run(path)
+    sd = step_data(run, 4)
+    assert sd.buckets == ["bucket_3", "bucket_4", "bucket_5", "bucket_6"]
+    assert sd.labels == ["[2, 3)", "[3, 4)", "[4, 5)", "[5, ∞)"]
+    assert plot_command(path, None, False, None, False, None) == 0
+    _assert_png(path / "plots" / "gradient_analysis_plots_step_4.png")
+    assert report_command(path, None) == 0
+    text = (path / "report.html").read_text()
+    assert "<th>[2, 3)</th>" in text and "<th>Q3</th>" not in text and "fixed intervals" in text
+    quantile = step_data(load_run(make_run(tmp_path / "quantile", steps=1, analysis=(1,))), 1)
+    assert quantile.labels == ["Q1", "Q2", "Q3", "Q4"]
 
 
 def test_report_embeds_figures_and_healthy_run_has_no_issues(run, tmp_path):

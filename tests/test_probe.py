@@ -184,6 +184,23 @@ def test_single_group_buckets(model, data):
     assert sum(result.metrics[f"grad_norm/{b}/sample_count"] for b in names) == len(data[0])
 
 
+def test_fixed_rv_buckets_keep_interval_names(model, data):
+    batch, inputs, _ = data
+    stds = dict(zip((7, 17, 27, 37, 47), (2.5, 2.7, 5.5, 3.1, 2.2), strict=True))  # [0,1) and [1,2) stay empty
+    fixed = gradient_probe(model, batch, inputs, stds, algo=algo_cfg(), micro_batch_size=3, temperature=1.0,
+                           bucket_mode="fixed_rv", sketch_dim=0)
+    names = {k.split("/")[1] for k in fixed.metrics if k.startswith("grad_norm/bucket_")}
+    assert names == {"bucket_3", "bucket_4", "bucket_6"}
+    assert {b: sorted(s for bb, _, s in fixed.groups if bb == b) for b in names} == {
+        "bucket_3": [2.2, 2.5, 2.7], "bucket_4": [3.1], "bucket_6": [5.5]}
+    # the derived `all` does not depend on how the batch was partitioned
+    quantile = gradient_probe(model, batch, inputs, stds, algo=algo_cfg(), micro_batch_size=3, temperature=1.0,
+                              num_buckets=2, sketch_dim=0)
+    for key, value in quantile.metrics.items():
+        if key.startswith("grad_norm/all/") or key.startswith("actor/"):
+            assert fixed.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-8), key
+
+
 def test_one_bucket_equals_all(model, data):
     m = probe(model, data, num_buckets=1).metrics
     for key in ("task", "entropy", "kl", "loss/total", "cos/task_entropy", "regularizer"):

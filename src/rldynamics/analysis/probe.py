@@ -2,7 +2,8 @@
 
 Semantics (``DESIGN.md`` §4.2–4.4, metric names from ``reference/ragen_behaviour.md`` §3.7):
 - Groups are split into reward-variance buckets with ``assign_buckets`` (whole groups, lowest variance
-  first: ``bucket_1..bucket_B``); ``all`` is the whole batch.
+  first: ``bucket_1..bucket_B``; fixed_rv buckets keep their interval's name, empty intervals are left
+  out); ``all`` is the whole batch.
 - The gradient of a bucket and component is the gradient, w.r.t. all trainable parameters, of that
   component's loss aggregated over the bucket exactly as a training mini-batch made of that bucket alone
   (same ``loss_agg_mode``). Each micro-batch is forwarded ONCE through ``train.actor.loss_terms`` and each
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from rldynamics.analysis.bucket_names import bucket_name
 from rldynamics.analysis.buckets import assign_buckets
 from rldynamics.analysis.shares import bucket_shares, chunk_shares, distributed, global_sum, present_groups
 from rldynamics.analysis.sketch import GradientSketcher
@@ -100,7 +102,9 @@ def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperatu
         return ProbeResult(metrics={}, groups=[], sketches={})
     gids = sorted(stds)
     scores = torch.tensor([stds[g] for g in gids], dtype=torch.float64)  # [G]
-    buckets = [[gids[i] for i in idx] for idx in assign_buckets(scores, mode=bucket_mode, num_buckets=num_buckets)]
+    named = [(bucket_name(k), [gids[i] for i in idx])
+             for k, idx in enumerate(assign_buckets(scores, mode=bucket_mode, num_buckets=num_buckets)) if idx]
+    buckets = [groups for _, groups in named]
     params = [p for p in model.parameters() if p.requires_grad]
     sketcher = GradientSketcher([p.shape for p in params], sketch_dim, sketch_seed) if sketch_dim > 0 else None
     names = [n for n in ("pg", "entropy", "kl") if n != "kl" or inputs.ref_logprobs is not None]
@@ -111,8 +115,7 @@ def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperatu
     all_losses = dict.fromkeys(names, 0.0)
     result = ProbeResult(metrics={}, groups=[], sketches={})
     per_bucket: dict[str, dict[str, float]] = {}
-    for k, (groups, rows, share) in enumerate(zip(buckets, bucket_rows, shares, strict=True)):
-        name = f"bucket_{k + 1}"
+    for (name, groups), rows, share in zip(named, bucket_rows, shares, strict=True):
         grads, losses = _bucket_gradients(model, batch, rows, inputs, algo, params, names=names,
                                           micro_batch_size=micro_batch_size, temperature=temperature)
         for n in names:

@@ -154,10 +154,12 @@ class StepData:
     row: dict[str, Any]
     buckets: list[str]
     groups: dict[str, list[float]]
+    mode: str = "quantile"
 
     @property
     def labels(self) -> list[str]:
-        return [bucket_label(b) for b in self.buckets]
+        """Axis labels of the buckets: `Q<k>` for quantile buckets, the interval for fixed_rv buckets."""
+        return [bucket_label(b, self.mode) for b in self.buckets]
 
     def values(self, metric: str) -> np.ndarray:
         return bucket_values(self.row, self.buckets, metric)
@@ -170,7 +172,7 @@ def step_data(run: RunData, step: int) -> StepData:
     """Collect the data of one analysis step of `run`."""
     row = run.row(step)
     return StepData(run_name=run.name, step=step, row=row, buckets=bucket_names(row),
-                    groups=read_groups(run.path, step))
+                    groups=read_groups(run.path, step), mode=run.bucket_mode)
 
 
 def fig_grad_norms(sd: StepData) -> Figure:
@@ -437,7 +439,7 @@ def fig_paper_grid(runs: list[RunData], steps: list[int]) -> Figure:
             hi_x = max(ax.get_xlim()[1] for ax in drawn)
             for ax in drawn:
                 ax.set_xlim(lo_x, hi_x)
-    axes[-1, 0].set_xlabel(f"RV quantile buckets (Q1 → Q{max((len(sd.buckets) for sd in data), default=0)})")
+    axes[-1, 0].set_xlabel(_bucket_axis_caption(data))
     for ax in axes[-1, 1:]:
         ax.set_xlabel(f"bucket RV mean ({ax.get_xscale()} scale)")
     for r in range(len(data) - 1):
@@ -447,6 +449,13 @@ def fig_paper_grid(runs: list[RunData], steps: list[int]) -> Figure:
     axes[0, 1].set_title("(b) task gradient vs RV", fontsize=10)
     axes[0, 2].set_title("(c) regulariser gradient vs RV", fontsize=10)
     return fig
+
+
+def _bucket_axis_caption(data: list[StepData]) -> str:
+    """RAGEN's caption for quantile buckets; fixed_rv buckets are named by their reward-std interval."""
+    if data and all(sd.mode == "fixed_rv" for sd in data):
+        return "fixed reward-std intervals (empty intervals left out)"
+    return f"RV quantile buckets (Q1 → Q{max((len(sd.buckets) for sd in data), default=0)})"
 
 
 def write_paper_grid(runs: list[RunData], steps: list[int], out: str | Path, dpi: int = DPI) -> Path:

@@ -88,7 +88,7 @@ def bucket_table(run: RunData, step: int) -> str:
     """HTML table of every logged bucket metric of `step`: rows = metrics, columns = `all`, Q1, Q2, …"""
     sd = step_data(run, step)
     buckets = ["all", *sd.buckets] if any(k.startswith(f"{PREFIX}/all/") for k in sd.row) else sd.buckets
-    head = "".join(f"<th>{html.escape(bucket_label(b))}</th>" for b in buckets)
+    head = "".join(f"<th>{html.escape(bucket_label(b, run.bucket_mode))}</th>" for b in buckets)
     rows, undefined = [], False
     for name in bucket_metric_names(sd.row):
         comps = name[4:].split("_") if name.startswith("cos/") else []
@@ -116,9 +116,11 @@ def analysis_section(run: RunData) -> str:
         out.append('<p class="meta">No gradient-analysis steps in this run (no non-zero <code>grad_norm/bucket_*</code>'
                    " metrics); enable it with <code>analysis.enabled=true analysis.every=N</code>.</p>")
         return "".join(out)
-    out.append(f'<p class="meta">Analysis steps: {", ".join(map(str, steps))}. Buckets Q1…QB go from the lowest '
-               "to the highest within-group reward variance (RV). Norms of entropy and KL are weighted by their "
-               "coefficients unless marked raw.</p>")
+    buckets = ("Buckets are the fixed intervals of within-group reward std (RV) they are named by; empty intervals "
+               "are left out." if run.bucket_mode == "fixed_rv" else
+               "Buckets Q1…QB go from the lowest to the highest within-group reward variance (RV).")
+    out.append(f'<p class="meta">Analysis steps: {", ".join(map(str, steps))}. {buckets} Norms of entropy and KL '
+               "are weighted by their coefficients unless marked raw.</p>")
     out.append(_img(fig_cosines(run), "Cosines between the task, entropy and KL gradients per bucket"))
     out.append(_img(fig_reg_share(run), "Regulariser share of the gradient per bucket"))
     for step in steps:
