@@ -12,6 +12,11 @@ Semantics (``DESIGN.md`` §4.2–4.4, metric names from ``reference/ragen_behavi
 - Components are signed as they enter the training loss: task = ∇pg, entropy = −∇H (a bonus),
   kl = +∇KL. The reported ``task``/``entropy``/``kl`` norms are coefficient-weighted (RAGEN-compatible,
   i.e. ``entropy_coef·‖∇H‖``); ``raw/*`` are unweighted, so a zero coefficient still shows the direction.
+- A cosine involving a gradient that is exactly the zero vector is undefined and logged as NaN (never 0,
+  which would read as "orthogonal"); ``zero_grad/<component>`` = 1 flags each such gradient. Typical
+  cases: the k3 KL gradient at π = π_ref (the first step, a probe of the initial model) and the GRPO task
+  gradient of zero-variance groups. ``reg_share`` is NaN only when task and regulariser are both zero
+  (0/0); with one of them zero it is a real 0 or 1 (a zero-variance bucket: the regulariser is the update).
 - ``all`` is derived, not recomputed: buckets partition the batch, so
   ``g_all = Σ_b share_b · g_b`` with ``share_b = sub_batch_share(all_mask, rows_b, mode)``; losses of
   ``all`` are combined the same way. Memory stays at three ``all`` vectors plus the current bucket's.
@@ -194,15 +199,17 @@ def _bucket_metrics(grads: dict[str, torch.Tensor], losses: dict[str, float], al
                reward_std_mean=sum(stds) / len(stds), reward_std_min=min(stds), reward_std_max=max(stds),
                group_rv_count=float(len(stds)))
     names = list(grads)
+    for n in names:
+        out[f"zero_grad/{COMPONENT_OF_TERM[n]}"] = float(raw[n] == 0.0)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             dot = float(torch.dot(grads[a], grads[b]))
             out[f"cos/{COMPONENT_OF_TERM[a]}_{COMPONENT_OF_TERM[b]}"] = (
-                dot / (raw[a] * raw[b]) if raw[a] > 0 and raw[b] > 0 else 0.0)
+                dot / (raw[a] * raw[b]) if raw[a] > 0 and raw[b] > 0 else math.nan)  # undefined for a zero vector
     reg = sum(scale[n] * grads[n] for n in names if n != "pg")  # [P]
     out["regularizer"] = float(torch.linalg.vector_norm(reg)) if isinstance(reg, torch.Tensor) else 0.0
     denom = out["task"] + out["regularizer"]
-    out["reg_share"] = out["regularizer"] / denom if denom > 0 else 0.0
+    out["reg_share"] = out["regularizer"] / denom if denom > 0 else math.nan  # 0/0: both gradients are zero
     return out
 
 

@@ -115,8 +115,9 @@ def zero_only(ax, values) -> bool:
 
 
 def bars(ax, labels: list[str], values: np.ndarray, color: str, *, ylabel: str = "", title: str = "",
-         value_labels: bool = True) -> None:
-    """Bar chart with value labels; missing (nan) values are marked 'missing', non-finite as 'inf'/'nan'."""
+         value_labels: bool = True, nan_text: str = "missing") -> None:
+    """Bar chart with value labels; nan values are marked `nan_text` (not logged, unless told otherwise),
+    infinite ones 'inf'."""
     x = np.arange(len(labels))
     finite = np.isfinite(values)
     ax.set_title(title, fontsize=10)
@@ -124,7 +125,8 @@ def bars(ax, labels: list[str], values: np.ndarray, color: str, *, ylabel: str =
     ax.set_xlim(-0.6, len(labels) - 0.4)
     ax.set_ylabel(ylabel)
     if not finite.any():
-        note(ax, "not logged in this run" if np.isnan(values).all() else "non-finite values only")
+        all_nan = "not logged in this run" if nan_text == "missing" else f"{nan_text} in every bucket"
+        note(ax, all_nan if np.isnan(values).all() else "non-finite values only")
         ax.set_yticks([])
     else:
         heights = np.where(finite, values, 0.0)
@@ -138,7 +140,7 @@ def bars(ax, labels: list[str], values: np.ndarray, color: str, *, ylabel: str =
             ax.margins(y=0.15)
     for xi, v, f in zip(x, values, finite, strict=True):
         if not f and finite.any():
-            ax.text(xi, 0.02, "missing" if np.isnan(v) else fmt(v), rotation=90, ha="center", va="bottom",
+            ax.text(xi, 0.02, nan_text if np.isnan(v) else fmt(v), rotation=90, ha="center", va="bottom",
                     fontsize=7, color="#b00", transform=ax.get_xaxis_transform())
 
 
@@ -190,7 +192,8 @@ def fig_grad_norms(sd: StepData) -> Figure:
             bars(fig.add_subplot(gs[1, j]), sd.labels, sd.values(f"raw/{comp}"), COLORS[comp],
                  ylabel="Grad Norm Magnitude", title=f"raw {comp} gradient norm (unweighted)")
         bars(fig.add_subplot(gs[1, 2]), sd.labels, sd.values("reg_share"), COLORS["regularizer"],
-             ylabel="share", title="regulariser share  reg / (task + reg)")
+             ylabel="share", title="regulariser share  reg / (task + reg)",
+             nan_text="undef. (0/0)" if any(f"grad_norm/{b}/reg_share" in sd.row for b in sd.buckets) else "missing")
     for ax in fig.axes:
         ax.set_xlabel("Reward Variance Bucket")
     text_ax = fig.add_subplot(gs[rows - 1, :])

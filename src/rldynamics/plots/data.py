@@ -178,7 +178,8 @@ def bucket_metric_names(row: dict[str, Any], prefix: str = PREFIX) -> list[str]:
 
 
 _ORDER = ["sample_count", "sample_pct", "group_rv_count", "reward_std_mean", "reward_std_min", "reward_std_max",
-          "task", "entropy", "kl", "raw/entropy", "raw/kl", "regularizer", "reg_share"]
+          "task", "entropy", "kl", "raw/entropy", "raw/kl", "regularizer", "reg_share", "zero_grad/task",
+          "zero_grad/entropy", "zero_grad/kl"]
 
 
 def _metric_order(name: str) -> tuple[int, str]:
@@ -186,8 +187,14 @@ def _metric_order(name: str) -> tuple[int, str]:
 
 
 def norm_is_zero(row: dict[str, Any], bucket: str, comp: str, prefix: str = PREFIX) -> bool:
-    """True when the (raw) gradient norm of `comp` in `bucket` was logged as exactly 0: its cosines are undefined
-    (the probe logs them as 0)."""
+    """True when the gradient of `comp` in `bucket` is exactly the zero vector, so its cosines are undefined.
+
+    Read from the probe's `zero_grad/<comp>` flag (its cosines are then NaN); runs written before the flag existed
+    logged those cosines as 0, and a (raw) norm of exactly 0 tells the same.
+    """
+    flag = row.get(f"{prefix}/{bucket}/zero_grad/{comp}")
+    if isinstance(flag, (int, float)):
+        return flag == 1
     for key in (f"{prefix}/{bucket}/raw/{comp}", f"{prefix}/{bucket}/{comp}"):
         if isinstance(row.get(key), (int, float)):
             return row[key] == 0

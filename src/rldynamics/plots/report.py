@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import html
+import math
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -97,14 +98,16 @@ def bucket_table(run: RunData, step: int) -> str:
             key = f"{PREFIX}/{b}/{name}"
             if key not in sd.row:
                 cells.append('<td class="missing">—</td>')
-            elif any(norm_is_zero(sd.row, b, c) for c in comps):
+            elif any(norm_is_zero(sd.row, b, c) for c in comps) or (
+                    name == "reg_share" and math.isnan(as_float(sd.row[key]))):
                 undefined = True
                 cells.append('<td class="undef">undef.</td>')
             else:
                 cells.append(f"<td>{html.escape(fmt(as_float(sd.row[key])))}</td>")
         rows.append(f'<tr><td class="name">{html.escape(name)}</td>{"".join(cells)}</tr>')
     legend = '<p class="meta">— not logged'
-    legend += "; undef.: cosine with a gradient whose norm is 0 (logged as 0)</p>" if undefined else "</p>"
+    legend += ("; undef.: a cosine with a gradient that is exactly zero (flagged by zero_grad/&lt;component&gt; = 1), "
+               "or reg_share with task and regulariser both zero (0/0); logged as NaN</p>" if undefined else "</p>")
     return f'<table><tr><th class="name">metric</th>{head}</tr>{"".join(rows)}</table>{legend}'
 
 
