@@ -42,7 +42,7 @@ def curve_panels(run: RunData) -> list[tuple[str, list[tuple[str, str]]]]:
         ("reward (critic/score/mean)", [("critic/score/mean", "mean score")]),
         ("success rate", [(f"{split}/{e}/success", f"{split.split('-')[0]} {e}")
                           for e in envs for split in ("train", "val-env")]),
-        ("entropy (actor/entropy)", [("actor/entropy", "entropy")]),
+        ("rollout-policy entropy (actor/entropy)", [("actor/entropy", "entropy")]),
         ("KL loss (actor/kl_loss)", [("actor/kl_loss", "kl_loss")]),
         ("grad norm (actor/grad_norm, pre-clip)", [("actor/grad_norm", "grad norm")]),
         ("clip fraction (actor/pg_clipfrac; rule of thumb 10–40 %)", [("actor/pg_clipfrac", "pg_clipfrac")]),

@@ -142,8 +142,9 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     batch, filter_m, group_std = filter_batch(batch, cfg.filter)
     m.update(filter_m)
     stop = stopper.after_rollout(filter_m["rollout/in_group_reward_std"], empty=len(batch) == 0)
+    m["rollout/empty_after_filter"] = float(len(batch) == 0)
+    m["rollout/consecutive_empty_after_filter_steps"] = float(stopper.empty)
     if len(batch) == 0:
-        m["rollout/empty_after_filter"] = 1.0
         return m, _analyse(s, step, m, None, None, None) or stop
     if stop is not None:
         return m, stop
