@@ -1,10 +1,11 @@
-"""The gradient analysis inside training runs: read-only, cadence, exit_after, separate batch, checkpoint probe."""
+"""The gradient analysis inside training runs: read-only, cadence, exit_after, separate batch, checkpoint probes."""
 
 from __future__ import annotations
 
 import csv
 import json
 
+import pytest
 from safetensors.torch import load_file
 
 from rldynamics.config import make_config
@@ -64,16 +65,56 @@ def test_separate_batch_with_prefilter(fast_overrides):
     assert metrics["grad_norm/all/task"] == row["grad_norm/all/task"]
 
 
-def test_probe_on_checkpoint_reproduces_the_step(fast_overrides, tmp_path):
-    run = train(make_config(overrides=[*fast_overrides, "log.name=src", *ANALYSIS[:1], "analysis.every=2",
-                                       "train.steps=3", "checkpoint.every=2", "algo.kl_coef=0.01",
-                                       "algo.entropy_coef=0.01", "analysis.num_buckets=2"]))
-    trained = read_metrics(run)[3]  # step 3 analysed the batch the step-2 weights produced
-    probe = probe_checkpoint(run / "checkpoints" / "step_2", ["algo.kl_coef=0.01", "algo.kl_type=low_var_kl",
-                                                              "algo.entropy_coef=0.01"])
+# A warm start that answers in format often enough for rewards to vary within groups (the FAST one never does),
+# so reward-variance early stopping can fire and the analysed task gradients are not all zero.
+VARIED = ["model.warm_start_epochs=15", "model.warm_start_lr=5e-3", "train.group_size=4", "val.every=0"]
+
+
+def _seeds(run_dir, step, prefix="grad_norm"):
+    rows = csv.DictReader(open(run_dir / "analysis" / f"step_{step}" / "groups.csv"))
+    return sorted(int(r["seed"]) for r in rows if r["prefix"] == prefix)
+
+
+def test_probe_of_a_run_stopped_on_variance_collapse_analyses_its_last_checkpoint(fast_overrides):
+    run = train(make_config(overrides=[*fast_overrides, *VARIED, "log.name=collapsed", "train.steps=4",
+                                       "early_stop.rv_baseline_steps=1", "early_stop.rv_window=1",
+                                       "early_stop.rv_ratio=1000"]))
+    rows = read_metrics(run)
+    assert rows[1]["rollout/in_group_reward_std"] > 0, "the baseline needs reward variance"
+    assert rows[-1]["step"] == 2 and rows[-1]["early_stopped/reward_variance_collapse"] == 1.0
+    probe = probe_checkpoint(run / "checkpoints" / "step_2", [])
+    row = read_metrics(probe)[-1]
+    assert row["step"] == 2  # the checkpoint's step, as RAGEN's probe
+    assert row["grad_norm/all/sample_count"] == 8.0 and row["grad_norm/all/task"] > 0
+    assert row["trainer/exited_after_gradient_analysis"] == 1.0
+    assert not [k for k in row if k.startswith("early_stopped/")]
+    assert not (probe / "checkpoints").exists(), "a probe never writes checkpoints"
+
+
+def test_probes_of_different_checkpoints_analyse_the_same_puzzles(fast_overrides):
+    run = train(make_config(overrides=[*fast_overrides, *VARIED, "log.name=src", "checkpoint.every=1"]))
+    separate = ["analysis.env_groups=3", "analysis.group_size=2"]
+    probes = {step: probe_checkpoint(run / "checkpoints" / f"step_{step}", separate) for step in (1, 2)}
+    for step, probe in probes.items():
+        assert [r["step"] for r in read_metrics(probe)] == [step]
+        assert _seeds(probe, step) == [510000, 510001, 510002]  # step 1's analysis seeds, whatever the checkpoint
+        samples = [json.loads(line)["seed"] for line in (probe / "samples.jsonl").read_text().splitlines()]
+        assert set(samples) <= {10000, 10001}  # the training rollout of step 1 as well
+    a, b = (read_metrics(probes[s])[-1] for s in (1, 2))
+    assert a["grad_norm/all/loss/entropy"] != b["grad_norm/all/loss/entropy"]  # different policies, same puzzles
+
+
+def test_probe_of_unchanged_weights_reproduces_the_first_analysis(fast_overrides):
+    """With lr 0 every checkpoint holds the initial weights; a probe of the last one must analyse exactly what
+    the run analysed at step 1 (same env seeds, same sampling seed, same loss settings)."""
+    probe_losses = ["algo.kl_coef=0.001", "algo.kl_type=k3", "algo.entropy_coef=0.001"]  # the probe's defaults
+    run = train(make_config(overrides=[*fast_overrides, *VARIED, "log.name=still", "train.lr=0", "train.steps=3",
+                                       *ANALYSIS[:1], "analysis.every=10", "analysis.num_buckets=2", *probe_losses]))
+    trained = read_metrics(run)[1]
+    probe = probe_checkpoint(run / "checkpoints" / "step_3", ["analysis.num_buckets=2"])
     probed = read_metrics(probe)[-1]
-    assert probed["step"] == 3
+    assert probed["step"] == 3 and _seeds(probe, 3) == _seeds(run, 1) == [10000, 10001]
     keys = [k for k in trained if k.startswith("grad_norm/")]
-    assert keys
+    assert len(keys) > 50 and trained["grad_norm/all/task"] > 0
     for k in keys:
-        assert abs(probed[k] - trained[k]) <= 1e-6 * max(1.0, abs(trained[k])), k
+        assert probed[k] == pytest.approx(trained[k], rel=1e-6, abs=1e-9, nan_ok=True), k
