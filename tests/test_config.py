@@ -7,9 +7,10 @@ from rldynamics.config import ConfigError, all_keys, help_text, load_config, mak
 
 
 def test_defaults_and_overrides():
-    cfg = make_config(overrides=["train.lr=1e-5", "filter.value=0.9", "algo.clip_c=null", "env.dim_room=[7, 7]"])
+    cfg = make_config(overrides=["train.lr=1e-5", "filter.value=0.9", "algo.clip_c=null",
+                                 "env.sokoban.dim_room=[7, 7]"])
     assert cfg.train.lr == 1e-5 and cfg.filter.value == 0.9 and cfg.algo.clip_c is None
-    assert cfg.env.dim_room == [7, 7] and cfg.model.path == "tiny"
+    assert cfg.env.sokoban.dim_room == [7, 7] and cfg.model.path == "tiny"
 
 
 def test_presets_differ_where_documented():

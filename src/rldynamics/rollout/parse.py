@@ -13,6 +13,7 @@ Design choices (reference/ragen_behaviour.md §7, "Action parsing"):
 - `format_ok` is False when the tags do not match, when an item within the cap was unknown, or when no
   valid action remains. The caller applies the format penalty and the "no valid action" handling.
 - Parsing never raises on any response text; only a bad `valid_actions` / `max_actions` raises ValueError.
+- Free-form envs (no action words) use `parse_answer`: the whole stripped answer is the one action.
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ def _action_lookup(valid_actions: tuple[str, ...]) -> dict[str, str]:
     return lookup
 
 
+def _match(text: str, enable_think: bool) -> tuple[str, str] | None:
+    """(think text, answer text) of the first tag match in `text` (special tokens stripped), or None."""
+    match = (_THINK_ANSWER if enable_think else _ANSWER).search(strip_special_tokens(text))
+    if match is None:
+        return None
+    return (match.group(1).strip() if enable_think else ""), match.groups()[-1]
+
+
 def parse_response(
     text: str, valid_actions: tuple[str, ...], *, max_actions: int, enable_think: bool = False
 ) -> ParsedTurn:
@@ -80,12 +89,24 @@ def parse_response(
     lookup = _action_lookup(tuple(valid_actions))
     if isinstance(max_actions, bool) or not isinstance(max_actions, int) or max_actions < 1:
         raise ValueError(f"max_actions must be an integer >= 1, got {max_actions!r}")
-    match = (_THINK_ANSWER if enable_think else _ANSWER).search(strip_special_tokens(text))
-    if match is None:
+    found = _match(text, enable_think)
+    if found is None:
         return ParsedTurn(actions=[], format_ok=False, think="")
-    think = match.group(1).strip() if enable_think else ""
-    items = [item.strip() for item in match.groups()[-1].split(ACTION_SEPARATOR)]
+    think, answer = found
+    items = [item.strip() for item in answer.split(ACTION_SEPARATOR)]
     items = [item for item in items if item][:max_actions]
     actions = [lookup[item.casefold()] for item in items if item.casefold() in lookup]
     format_ok = bool(actions) and len(actions) == len(items)
     return ParsedTurn(actions=actions, format_ok=format_ok, think=think)
+
+
+def parse_answer(text: str, *, enable_think: bool = False) -> ParsedTurn:
+    """Parse a free-form answer (Countdown, math): the stripped `<answer>` text is the one action.
+
+    `format_ok` is True when the tags match and the answer is not empty; never raises.
+    """
+    found = _match(text, enable_think)
+    if found is None:
+        return ParsedTurn(actions=[], format_ok=False, think="")
+    think, answer = found[0], found[1].strip()
+    return ParsedTurn(actions=[answer] if answer else [], format_ok=bool(answer), think=think)

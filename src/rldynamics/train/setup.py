@@ -62,7 +62,8 @@ def make_session(cfg: Config, run_dir: Path | None = None):
     base = base_model_path(cfg)
     ckpt = find_checkpoint(cfg.checkpoint.resume, run_dir) if cfg.checkpoint.resume else None
     actor_path = str(ckpt / "actor") if ckpt else base
-    model, tokenizer = load_model_and_tokenizer(actor_path, dtype=cfg.model.dtype, device=str(device))
+    model, tokenizer = load_model_and_tokenizer(actor_path, dtype=cfg.model.dtype, device=str(device),
+                                                chat_template=cfg.model.chat_template)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     ref_model = None
     if cfg.algo.kl_coef > 0 or cfg.analysis.enabled:  # the probe measures the KL gradient even at coef 0

@@ -28,6 +28,7 @@ from rldynamics.config import Config
 from rldynamics.models.forward import batch_logprobs, batch_values
 from rldynamics.rollout.agent import env_metric_summary, rollout
 from rldynamics.rollout.batch import RolloutBatch
+from rldynamics.rollout.rewards import reward_component_metrics
 from rldynamics.tracking.console import StepConsole
 from rldynamics.tracking.run_dir import RunWriter
 from rldynamics.train import setup
@@ -152,6 +153,7 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
                         train_seeds(cfg.train.seed_base, cfg.train.env_groups, s.seed_step(step)),
                         cfg.train.group_size, cfg.env, temperature=cfg.train.temperature)
     m.update(env_metric_summary(batch, f"train/{cfg.env.name}", cfg.train.group_size))
+    m.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids))
     _log_samples(s, step, batch)
 
     batch, filter_m, group_std = filter_batch(batch, cfg.filter)
@@ -160,7 +162,7 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     m["rollout/empty_after_filter"] = float(len(batch) == 0)
     m["rollout/consecutive_empty_after_filter_steps"] = float(stopper.empty)
     if len(batch) == 0:
-        return m, _analyse(s, step, m, None, None, None) or stop
+        return m, _analyse(s, step, m, None, None, None, 0.0) or stop
     if stop is not None:
         return m, stop
 
@@ -173,7 +175,7 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
         with timed(m, "update_critic"):
             m.update(update_critic(s.critic, s.critic_optimizer, batch, values, returns, cfg.algo, cfg.critic,
                                    cfg.train))
-    if _analyse(s, step, m, batch, inputs, group_std):
+    if _analyse(s, step, m, batch, inputs, group_std, filter_m["rollout/filter_kept_ratio"]):
         return m, EXITED
     if not cfg.analysis.only:
         s.console.phase("actor")
@@ -183,7 +185,7 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     return m, None
 
 
-def _analyse(s: Session, step: int, m: dict, batch, inputs, group_std) -> str | None:
+def _analyse(s: Session, step: int, m: dict, batch, inputs, group_std, kept_ratio: float) -> str | None:
     """Run the gradient analysis when due; returns EXITED when the run should end right after it."""
     cfg = s.cfg
     m["trainer/gradient_analysis_only"] = float(cfg.analysis.only)
@@ -191,7 +193,7 @@ def _analyse(s: Session, step: int, m: dict, batch, inputs, group_std) -> str | 
         return None
     s.console.phase("analysis")
     with timed(m, "gradient_analysis"):
-        m.update(run_analysis(s, step, batch, inputs, group_std,
+        m.update(run_analysis(s, step, batch, inputs, group_std, kept_ratio,
                               lambda b, metrics, kept: prepare_update(s, b, metrics, kept)))
     if cfg.analysis.exit_after:
         m["trainer/exited_after_gradient_analysis"] = 1.0
