@@ -75,45 +75,42 @@ def _seeds(run_dir, step, prefix="grad_norm"):
     return sorted(int(r["seed"]) for r in rows if r["prefix"] == prefix)
 
 
-def test_probe_of_a_run_stopped_on_variance_collapse_analyses_its_last_checkpoint(fast_overrides):
+def test_probes_of_a_collapsed_run_analyse_its_checkpoints_on_the_same_puzzles(fast_overrides):
     run = train(make_config(overrides=[*fast_overrides, *VARIED, "log.name=collapsed", "train.steps=4",
-                                       "early_stop.rv_baseline_steps=1", "early_stop.rv_window=1",
+                                       "checkpoint.every=1", "early_stop.rv_baseline_steps=1", "early_stop.rv_window=2",
                                        "early_stop.rv_ratio=1000"]))
     rows = read_metrics(run)
     assert rows[1]["rollout/in_group_reward_std"] > 0, "the baseline needs reward variance"
-    assert rows[-1]["step"] == 2 and rows[-1]["early_stopped/reward_variance_collapse"] == 1.0
-    probe = probe_checkpoint(run / "checkpoints" / "step_2", [])
-    row = read_metrics(probe)[-1]
-    assert row["step"] == 2  # the checkpoint's step, as RAGEN's probe
-    assert row["grad_norm/all/sample_count"] == 8.0 and row["grad_norm/all/task"] > 0
-    assert row["trainer/exited_after_gradient_analysis"] == 1.0
-    assert not [k for k in row if k.startswith("early_stopped/")]
-    assert not (probe / "checkpoints").exists(), "a probe never writes checkpoints"
-
-
-def test_probes_of_different_checkpoints_analyse_the_same_puzzles(fast_overrides):
-    run = train(make_config(overrides=[*fast_overrides, *VARIED, "log.name=src", "checkpoint.every=1"]))
-    separate = ["analysis.env_groups=3", "analysis.group_size=2"]
-    probes = {step: probe_checkpoint(run / "checkpoints" / f"step_{step}", separate) for step in (1, 2)}
+    assert rows[-1]["step"] == 3 and rows[-1]["early_stopped/reward_variance_collapse"] == 1.0  # before its update
+    probes = {step: probe_checkpoint(run / "checkpoints" / f"step_{step}", []) for step in (1, 3)}
     for step, probe in probes.items():
-        assert [r["step"] for r in read_metrics(probe)] == [step]
-        assert _seeds(probe, step) == [510000, 510001, 510002]  # step 1's analysis seeds, whatever the checkpoint
+        (row,) = read_metrics(probe)
+        assert row["step"] == step  # the checkpoint's step, as RAGEN's probe
+        assert row["grad_norm/all/sample_count"] == 8.0 and row["trainer/exited_after_gradient_analysis"] == 1.0
+        assert not [k for k in row if k.startswith("early_stopped/")]
+        assert not (probe / "checkpoints").exists(), "a probe never writes checkpoints"
+        assert _seeds(probe, step) == [10000, 10001]  # step 1's puzzles, whatever the checkpoint
         samples = [json.loads(line)["seed"] for line in (probe / "samples.jsonl").read_text().splitlines()]
-        assert set(samples) <= {10000, 10001}  # the training rollout of step 1 as well
-    a, b = (read_metrics(probes[s])[-1] for s in (1, 2))
-    assert a["grad_norm/all/loss/entropy"] != b["grad_norm/all/loss/entropy"]  # different policies, same puzzles
+        assert set(samples) <= {10000, 10001}
+    a, b = (read_metrics(probes[s])[-1] for s in (1, 3))
+    assert a["grad_norm/all/loss/entropy"] != b["grad_norm/all/loss/entropy"]  # step 2 updated: another policy
+    with pytest.raises(ValueError, match="rldyn probe"):  # probe mode never logs into the checkpointed run
+        train(make_config(overrides=[*fast_overrides, f"checkpoint.resume={run / 'checkpoints' / 'step_1'}",
+                                     "analysis.only=true"]))
 
 
 def test_probe_of_unchanged_weights_reproduces_the_first_analysis(fast_overrides):
     """With lr 0 every checkpoint holds the initial weights; a probe of the last one must analyse exactly what
-    the run analysed at step 1 (same env seeds, same sampling seed, same loss settings)."""
+    the run analysed at step 1 (same env seeds, same sampling seeds, same loss settings), here on a separate
+    analysis batch."""
     probe_losses = ["algo.kl_coef=0.001", "algo.kl_type=k3", "algo.entropy_coef=0.001"]  # the probe's defaults
-    run = train(make_config(overrides=[*fast_overrides, *VARIED, "log.name=still", "train.lr=0", "train.steps=3",
-                                       *ANALYSIS[:1], "analysis.every=10", "analysis.num_buckets=2", *probe_losses]))
+    separate = ["analysis.env_groups=3", "analysis.num_buckets=2"]
+    run = train(make_config(overrides=[*fast_overrides, *VARIED, "log.name=still", "train.lr=0", *ANALYSIS[:1],
+                                       "analysis.every=10", *separate, *probe_losses]))
     trained = read_metrics(run)[1]
-    probe = probe_checkpoint(run / "checkpoints" / "step_3", ["analysis.num_buckets=2"])
+    probe = probe_checkpoint(run / "checkpoints" / "step_2", separate)
     probed = read_metrics(probe)[-1]
-    assert probed["step"] == 3 and _seeds(probe, 3) == _seeds(run, 1) == [10000, 10001]
+    assert probed["step"] == 2 and _seeds(probe, 2) == _seeds(run, 1) == [510000, 510001, 510002]
     keys = [k for k in trained if k.startswith("grad_norm/")]
     assert len(keys) > 50 and trained["grad_norm/all/task"] > 0
     for k in keys:

@@ -43,9 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     probe = sub.add_parser(
         "probe", help="gradient analysis of a saved checkpoint (no training)",
-        description="Load a checkpoint, roll out the next step's batch and run one gradient-analysis pass "
-                    "(reward-variance buckets x task/entropy/KL gradient norms); writes a run directory. "
-                    "Defaults: KL k3 0.001 and entropy 0.001 enabled so both are measured.",
+        description="Load a checkpoint, roll out a batch from a fixed seed stream (the env and sampling seeds of "
+                    "a run's step 1, whatever the checkpoint, so probes of different checkpoints see the same "
+                    "puzzles) and run one gradient-analysis pass (reward-variance buckets x task/entropy/KL "
+                    "gradient norms), logged at the checkpoint's step; writes its own run directory, never a "
+                    "checkpoint, and never stops early. Defaults: KL k3 0.001 and entropy 0.001 enabled so both "
+                    "are measured. RAGEN / verl override names are accepted (rldyn train --help-config --ragen).",
     )
     probe.add_argument("checkpoint", help="runs/<run>/checkpoints/step_<N>")
     probe.add_argument("overrides", nargs="*", metavar="key=value",
