@@ -104,14 +104,14 @@ def test_probe_of_unchanged_weights_reproduces_the_first_analysis(fast_overrides
     the run analysed at step 1 (same env seeds, same sampling seeds, same loss settings), here on a separate
     analysis batch."""
     probe_losses = ["algo.kl_coef=0.001", "algo.kl_type=k3", "algo.entropy_coef=0.001"]  # the probe's defaults
-    separate = ["analysis.env_groups=3", "analysis.num_buckets=2"]
-    run = train(make_config(overrides=[*fast_overrides, *VARIED, "log.name=still", "train.lr=0", *ANALYSIS[:1],
+    separate = ["analysis.env_groups=3", "analysis.group_size=2", "analysis.num_buckets=2"]
+    run = train(make_config(overrides=[*fast_overrides, "log.name=still", "train.lr=0", "val.every=0", *ANALYSIS[:1],
                                        "analysis.every=10", *separate, *probe_losses]))
     trained = read_metrics(run)[1]
     probe = probe_checkpoint(run / "checkpoints" / "step_2", separate)
     probed = read_metrics(probe)[-1]
     assert probed["step"] == 2 and _seeds(probe, 2) == _seeds(run, 1) == [510000, 510001, 510002]
     keys = [k for k in trained if k.startswith("grad_norm/")]
-    assert len(keys) > 50 and trained["grad_norm/all/task"] > 0
+    assert len(keys) > 50 and trained["grad_norm/all/raw/entropy"] > 0  # depends on every sampled token
     for k in keys:
         assert probed[k] == pytest.approx(trained[k], rel=1e-6, abs=1e-9, nan_ok=True), k
