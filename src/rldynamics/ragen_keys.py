@@ -201,12 +201,12 @@ RAGEN_KEYS: dict[str, Rule] = {
     # es_manager (env groups)
     "es_manager.train.env_groups": Rule("train.env_groups"),
     "es_manager.train.group_size": Rule("train.group_size"),
-    "es_manager.train.env_configs.n_groups": Rule("", _one_tag_count, "one tag, all groups: nothing to set"),
+    "es_manager.train.env_configs.n_groups": Rule("", _one_tag_count, "one env tag for all groups"),
     "es_manager.train.env_configs.tags": Rule("env.name (+ tag settings)", _tags,
                                               "CoordSokoban, SimpleSokoban, LargerSokoban"),
     "es_manager.val.env_groups": Rule("val.env_groups"),
     "es_manager.val.group_size": Rule("val.group_size"),
-    "es_manager.val.env_configs.n_groups": Rule("", _one_tag_count, "one tag, all groups: nothing to set"),
+    "es_manager.val.env_configs.n_groups": Rule("", _one_tag_count, "one env tag for all groups"),
     "es_manager.val.env_configs.tags": Rule("env.name (+ tag settings)", _tags,
                                             "one env for training and validation: the tag sets both"),
     "es_manager.format_penalty": Rule("env.format_penalty"),
@@ -227,8 +227,8 @@ RAGEN_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.model.path": Rule("model.path"),
     # actor
     "actor_rollout_ref.actor.entropy_coeff": Rule("algo.entropy_coef"),
-    USE_KL_LOSS: Rule("algo.kl_coef", _use_kl_loss, "False -> algo.kl_coef=0 (kl_loss_coef then has no effect); "
-                      "True: the coefficient is kl_loss_coef"),
+    USE_KL_LOSS: Rule("algo.kl_coef", _use_kl_loss, "False -> algo.kl_coef=0 whatever kl_loss_coef says; True: "
+                      "the KL loss is on when algo.kl_coef (kl_loss_coef) > 0"),
     KL_LOSS_COEF: Rule("algo.kl_coef", note="the KL loss is on whenever algo.kl_coef > 0"),
     "actor_rollout_ref.actor.kl_loss_type": Rule("algo.kl_type", _kl_type, "same names; low-var-kl -> low_var_kl"),
     "actor_rollout_ref.actor.loss_agg_mode": Rule("algo.loss_agg_mode"),
@@ -372,7 +372,8 @@ def translate(pairs: list[tuple[str, Any]]) -> Translation:
                                      f"({_show(origin[ours][1])} and {_show(v)}); rldynamics has one {ours}")
             origin[ours] = (key, v)
         out.extend(assigned.items())
-        became = " ".join(f"{k}={_show(v)}" for k, v in assigned.items()) or f"ignored ({rule.note})"
+        became = " ".join(f"{k}={_show(v)}" for k, v in assigned.items()) or (
+            f"ignored ({rule.note})" if rule.convert is None else f"nothing to set ({rule.note or 'our default'})")
         if table_key == KL_LOSS_COEF and not any(k == USE_KL_LOSS for k, _ in pairs):
             became += f" (RAGEN applies it only with {USE_KL_LOSS}=True; here a coefficient > 0 is the switch)"
         lines.append(f"{key}={_show(value)} -> {became}")
