@@ -17,6 +17,8 @@ examples:
   rldyn train --help-config --ragen                 # the RAGEN / verl keys accepted and what they become
   rldyn train actor_rollout_ref.rollout.rollout_filter_value=0.9 es_manager.train.env_groups=8  # RAGEN's names
   rldyn train analysis.enabled=true analysis.every=5  # gradient analysis every 5 steps
+  rldyn train --preset math-tiny                    # math word problems (rldynamic's reward components), CPU
+  rldyn train --preset gsm8k-grpo model.path=/models/Qwen2.5-3B-Instruct env.math.source=/data/gsm8k/train.jsonl
 """
 
 
