@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -78,3 +79,24 @@ def test_trains_another_architecture_from_a_local_path(fast_overrides, tmp_path)
     assert isinstance(actor, Qwen2ForCausalLM)
     before = Qwen2ForCausalLM.from_pretrained(tmp_path / "qwen2").state_dict()
     assert any(not torch.equal(before[k], v) for k, v in actor.state_dict().items())  # it was trained
+
+
+def test_metric_names_mean_what_ragen_means(fast_overrides):
+    run = train(make_config(overrides=[*fast_overrides, "log.name=names", "train.steps=1", "train.ppo_epochs=2",
+                                       "val.every=0", "val.before_train=false",
+                                       "algo.entropy_coef=0.01", "algo.kl_coef=0.02", "analysis.enabled=true",
+                                       "analysis.every=1"]))
+    for row in read_metrics(run):
+        # actor/entropy is the rollout policy's entropy (old-log-prob pass): the analysis, run on the same batch with
+        # the same weights before the update, measures it through its entropy loss term (-coef * H)
+        assert row["actor/entropy"] == pytest.approx(-row["grad_norm/all/loss/entropy"] / 0.01, rel=1e-5)
+        assert row["actor/entropy_loss"] != row["actor/entropy"]  # the update's mean (two epochs) is its own key
+        assert row["actor/kl_coef"] == 0.02
+        assert row["rollout/empty_after_filter"] == 0.0 and row["rollout/consecutive_empty_after_filter_steps"] == 0.0
+    # min_p at 2 x the best score without zero-score groups keeps nothing: every step is empty
+    empty = train(make_config(overrides=[*fast_overrides, "log.name=empty", "train.steps=3", "filter.strategy=min_p",
+                                         "filter.value=2", "filter.include_zero=false", "val.every=0",
+                                         "val.before_train=false"]))
+    rows = read_metrics(empty)
+    assert [r["rollout/empty_after_filter"] for r in rows] == [1.0, 1.0, 1.0]
+    assert [r["rollout/consecutive_empty_after_filter_steps"] for r in rows] == [1.0, 2.0, 3.0]

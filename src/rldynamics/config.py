@@ -24,6 +24,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rldynamics import ragen_keys
 from rldynamics.envs import ENVS
 
 
@@ -354,16 +355,40 @@ def _check_keys(data: dict[str, Any], source: str, prefix: str = "") -> None:
             raise ConfigError(f"unknown config key {dotted!r} in {source}{_suggest(dotted, known)}")
 
 
+def split_override(item: str) -> tuple[str, Any]:
+    """`"train.lr=1e-5"` -> `("train.lr", "1e-5" parsed as YAML)`; Hydra's `+key=` / `++key=` mean `key=`."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if key.startswith("~"):
+        raise ConfigError(f"override {item!r}: Hydra deletions (~key) are not supported; set the key instead")
+    key = key[2:] if key.startswith("++") else key[1:] if key.startswith("+") else key
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-5)")
+    return key, yaml.safe_load(raw) if raw else ""
+
+
+def _translated(overrides: list[str]) -> ragen_keys.Translation:
+    """The overrides as `(our key, value)` pairs, RAGEN / verl keys translated (`rldynamics.ragen_keys`)."""
+    try:
+        return ragen_keys.translate([split_override(item) for item in overrides])
+    except ragen_keys.UnsupportedKey as e:
+        raise ConfigError(str(e)) from e
+
+
+def ragen_translation(overrides: list[str]) -> list[str]:
+    """One line per RAGEN / verl key among `overrides`: what it became (the CLI prints these once)."""
+    return _translated(overrides).lines
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """Turn `["train.lr=1e-5", "filter.value=0.9"]` into a nested dict (values parsed as YAML scalars)."""
+    """Turn `["train.lr=1e-5", "filter.value=0.9"]` into a nested dict (values parsed as YAML scalars).
+
+    RAGEN / verl keys (`actor_rollout_ref.rollout.rollout_filter_value=0.9`, ...) are translated to ours first.
+    """
     nested: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-5)")
-        value = yaml.safe_load(raw) if raw else ""
+    for key, value in _translated(overrides).pairs:
         node = nested
-        *parents, leaf = key.strip().split(".")
+        *parents, leaf = key.split(".")
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = value
