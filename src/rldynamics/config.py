@@ -43,7 +43,7 @@ class ModelConfig:
     device: str = "auto"
     """Device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N."""
     tiny_hidden_size: int = 64
-    """Tiny model only: hidden size of the embedded Llama-architecture model."""
+    """Tiny model only: hidden size of the embedded Qwen2-architecture model."""
     tiny_layers: int = 2
     """Tiny model only: transformer layers."""
     warm_start_episodes: int = 8192
