@@ -15,7 +15,35 @@ examples:
   rldyn train --preset countdown-tiny               # Countdown (arithmetic, one answer) on the tiny model
   rldyn train log.name=smoke checkpoint.resume=latest train.steps=10
   rldyn train --help-config                         # every config key with its default and meaning
+  rldyn train --help-config --ragen                 # the RAGEN / verl keys accepted and what they become
+  rldyn train actor_rollout_ref.rollout.rollout_filter_value=0.9 es_manager.train.env_groups=8  # RAGEN's names
   rldyn train analysis.enabled=true analysis.every=5  # gradient analysis every 5 steps
+  rldyn train --preset math-tiny                    # math word problems (rldynamic's reward components), CPU
+  rldyn train --preset gsm8k-grpo model.path=/models/Qwen2.5-3B-Instruct env.math.source=/data/gsm8k/train.jsonl
+"""
+
+
+SWEEP_EPILOG = """\
+protocols (RAGEN's intervention scripts, as overrides on top of any preset):
+  top_p     filter.value over 1.0,0.98,0.95,0.9,0.8,0.6,0.4,nofilter; top_p softmax largest on reward std,
+            loss scaling none, KL 0.001 (k1), entropy 0.001; `1.0` drops zero-variance groups
+            (include_zero false), `nofilter` is 1.0 keeping them (include_zero true)
+  kl        algo.kl_coef over 0,0.001,0.003,0.01,0.03,0.1; entropy 0, filter off (value 1.0,
+            include_zero true; --exclude-zero sets it false); no reference model at 0
+  entropy   algo.entropy_coef over the same values; KL 0, filter off as in kl
+  custom    any config KEYs, one --values list per key; several keys give the full grid
+
+Each (point, seed) is a run directory OUT/<point>/seed<s>/ written by `rldyn train` (log in train.log).
+Runs checkpoint at every validation unless checkpoint.* is given; re-running the same command skips
+finished runs and resumes the others. An early-stopped run is a failed regime (RAGEN's protocol).
+
+examples:
+  rldyn sweep top_p --values 0.9,nofilter --seeds 0,1,2 --parallel 2
+  rldyn sweep kl --preset sokoban-ppo model.path=/models/Qwen2.5-3B --devices 0,1,2,3,4,5,6,7
+  rldyn sweep entropy --values 0,0.01 --exclude-zero --devices 0,1,2,3 --devices-per-run 2
+  rldyn sweep custom train.lr algo.clip_high --values 1e-4,3e-4 --values 0.2,0.28 --seeds 0,1
+  rldyn sweep top_p --dry-run                       # print every point's overrides and exit
+  rldyn sweep --summarize sweeps/top_p-sokoban-tiny  # rebuild the summary from the run directories
 """
 
 
@@ -37,12 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--preset", default="sokoban-tiny", help="preset name (default: sokoban-tiny)")
     train.add_argument("--config", default=None, help="YAML file merged after the preset, before overrides")
     train.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    train.add_argument("--ragen", action="store_true",
+                       help="with --help-config: list the RAGEN / verl override names accepted and what they become")
 
     probe = sub.add_parser(
         "probe", help="gradient analysis of a saved checkpoint (no training)",
-        description="Load a checkpoint, roll out the next step's batch and run one gradient-analysis pass "
-                    "(reward-variance buckets x task/entropy/KL gradient norms); writes a run directory. "
-                    "Defaults: KL k3 0.001 and entropy 0.001 enabled so both are measured.",
+        description="Load a checkpoint, roll out a batch from a fixed seed stream (the env and sampling seeds of "
+                    "a run's step 1, whatever the checkpoint, so probes of different checkpoints see the same "
+                    "puzzles) and run one gradient-analysis pass (reward-variance buckets x task/entropy/KL "
+                    "gradient norms), logged at the checkpoint's step; writes its own run directory, never a "
+                    "checkpoint, and never stops early. Defaults: KL k3 0.001 and entropy 0.001 enabled so both "
+                    "are measured. RAGEN / verl override names are accepted (rldyn train --help-config --ragen).",
     )
     probe.add_argument("checkpoint", help="runs/<run>/checkpoints/step_<N>")
     probe.add_argument("overrides", nargs="*", metavar="key=value",
@@ -66,6 +99,32 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Write RUN_DIR/report.html with figures embedded and health checks.")
     report.add_argument("run_dir", metavar="RUN_DIR")
     report.add_argument("--out", default=None, help="output file (default: RUN_DIR/report.html)")
+
+    sweep = sub.add_parser(
+        "sweep", help="intervention sweep (top_p / kl / entropy / custom) over points x seeds, in parallel",
+        description="Run every point x seed of a sweep as separate `rldyn train` processes (CPU thread shares or "
+                    "disjoint GPU sets), with a live table, then write summary.{csv,md,html} and figures to OUT.",
+        epilog=SWEEP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sweep.add_argument("name", nargs="?", metavar="NAME", help="top_p | kl | entropy | custom")
+    sweep.add_argument("items", nargs="*", metavar="[KEY ...] key=value",
+                       help="custom: the config keys to sweep; then overrides applied to every run")
+    sweep.add_argument("--values", action="append", metavar="V1,V2,...",
+                       help="the values of the swept key (custom: one --values per KEY, in order)")
+    sweep.add_argument("--seeds", default="0", help="comma-separated seeds, one run per point and seed (default: 0)")
+    sweep.add_argument("--parallel", type=int, default=None,
+                       help="CPU: runs at a time, the cores split between them (default: 1)")
+    sweep.add_argument("--devices", default=None, metavar="0,1,...",
+                       help="GPU ids; each run gets its own --devices-per-run of them (CUDA_VISIBLE_DEVICES)")
+    sweep.add_argument("--devices-per-run", type=int, default=1, metavar="D", help="GPUs per run (default: 1)")
+    sweep.add_argument("--preset", default="sokoban-tiny", help="preset of every run (default: sokoban-tiny)")
+    sweep.add_argument("--config", default=None, help="YAML file merged after the preset, before overrides")
+    sweep.add_argument("--out", default=None, help="sweep directory (default: sweeps/<NAME>-<preset>)")
+    sweep.add_argument("--exclude-zero", action="store_true",
+                       help="kl / entropy: filter.include_zero=false (drop zero-variance groups; RAGEN's filter_zero)")
+    sweep.add_argument("--dry-run", action="store_true", help="print the points' overrides and the runs, then exit")
+    sweep.add_argument("--summarize", metavar="OUT", default=None,
+                       help="only rebuild OUT's summary files from its run directories")
 
     sub.add_parser("envs", help="list the environments with their keys, defaults and reward components",
                    description="Every registered env: its keys (env.<name>.<key>=default  meaning), its reward "
@@ -95,11 +154,19 @@ def _run_job(command: str, job) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from rldynamics.config import help_text, make_config, preset_names
 
+    if args.help_config and args.ragen:
+        from rldynamics.ragen_keys import help_table
+
+        print("RAGEN / verl override names accepted (pasted as they are; +key= and ++key= work too) and what they "
+              f"become:\n{help_table()}\nOther keys under RAGEN's sections are refused by name.")
+        return 0
     if args.help_config:
-        print(f"presets: {', '.join(preset_names())}\n\nconfig keys (key=default  meaning):\n{help_text()}")
+        print(f"presets: {', '.join(preset_names())}\n\nconfig keys (key=default  meaning):\n{help_text()}\n\n"
+              "RAGEN / verl override names are accepted too: rldyn train --help-config --ragen")
         return 0
 
     def job():
+        _print_ragen_translation(args.overrides)
         cfg = make_config(args.preset, args.config, args.overrides)  # fails before any work on bad config
         from rldynamics.train.trainer import train
 
@@ -108,10 +175,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     return _run_job("train", job)
 
 
+def _print_ragen_translation(overrides: list[str]) -> None:
+    """Say once what the RAGEN / verl keys among `overrides` became (nothing when there are none)."""
+    from rldynamics.config import ragen_translation
+
+    lines = ragen_translation(overrides)
+    if lines:
+        print("RAGEN / verl keys translated:\n" + "\n".join(f"  {line}" for line in lines))
+
+
 def cmd_probe(args: argparse.Namespace) -> int:
     from rldynamics.train.probe import probe_checkpoint
 
-    return _run_job("probe", lambda: probe_checkpoint(args.checkpoint, args.overrides, validate=args.validate))
+    def job():
+        _print_ragen_translation(args.overrides)
+        return probe_checkpoint(args.checkpoint, args.overrides, validate=args.validate)
+
+    return _run_job("probe", job)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -130,6 +210,21 @@ def cmd_report(args: argparse.Namespace) -> int:
     return report_command(args.run_dir, args.out)
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from rldynamics.sweep.command import summarize_command, sweep_command
+
+    if args.summarize:
+        if args.name or args.items:
+            print("rldyn sweep: --summarize OUT takes no NAME or overrides", file=sys.stderr)
+            return 2
+        return summarize_command(args.summarize)
+    if not args.name:
+        print("rldyn sweep: give a sweep NAME (top_p, kl, entropy, custom) or --summarize OUT", file=sys.stderr)
+        return 2
+    return sweep_command(args.name, args.items, args.values, args.seeds, args.parallel, args.devices,
+                         args.devices_per_run, args.preset, args.config, args.out, args.exclude_zero, args.dry_run)
+
+
 def cmd_envs(args: argparse.Namespace) -> int:
     from rldynamics.config import envs_help
 
@@ -139,11 +234,16 @@ def cmd_envs(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # `rldyn sweep NAME --values ... key=value`: overrides after options land here
+        if args.command != "sweep" or any(x.startswith("-") for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.items += extra
     if args.command is None:
         parser.print_help()
         return 0
-    commands = {"train": cmd_train, "probe": cmd_probe, "plot": cmd_plot, "report": cmd_report, "envs": cmd_envs}
+    commands = {"train": cmd_train, "probe": cmd_probe, "sweep": cmd_sweep, "plot": cmd_plot, "report": cmd_report,
+                "envs": cmd_envs}
     return commands[args.command](args)
 
 

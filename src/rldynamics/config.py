@@ -24,6 +24,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rldynamics import ragen_keys
 from rldynamics.envs import ENVS
 
 
@@ -42,7 +43,7 @@ class ModelConfig:
     device: str = "auto"
     """Device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N."""
     tiny_hidden_size: int = 64
-    """Tiny model only: hidden size of the embedded Llama-architecture model."""
+    """Tiny model only: hidden size of the embedded Qwen2-architecture model."""
     tiny_layers: int = 2
     """Tiny model only: transformer layers."""
     warm_start_episodes: int = 8192
@@ -220,6 +221,8 @@ class AnalysisConfig:
     """Probe mode: never update critic or actor."""
     prefilter: bool = False
     """Also analyse the separate analysis batch before filtering."""
+    reward_grad: bool = False
+    """Also analyse each named reward component's own gradient (reward_grad/<bucket>/*, reward_grad.json)."""
 
 
 @dataclass
@@ -228,6 +231,8 @@ class CheckpointConfig:
     """Save every N steps (and at the end when > 0); 0 = only at the end if save_last."""
     save_last: bool = True
     """Save a checkpoint after the last step."""
+    keep_last: int = 0
+    """Keep only the newest N checkpoints, deleting older ones after each save (0 = keep all)."""
     resume: str | None = None
     """Resume from a checkpoint directory, or `latest` (newest in this run's checkpoints/)."""
 
@@ -350,16 +355,40 @@ def _check_keys(data: dict[str, Any], source: str, prefix: str = "") -> None:
             raise ConfigError(f"unknown config key {dotted!r} in {source}{_suggest(dotted, known)}")
 
 
+def split_override(item: str) -> tuple[str, Any]:
+    """`"train.lr=1e-5"` -> `("train.lr", "1e-5" parsed as YAML)`; Hydra's `+key=` / `++key=` mean `key=`."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if key.startswith("~"):
+        raise ConfigError(f"override {item!r}: Hydra deletions (~key) are not supported; set the key instead")
+    key = key[2:] if key.startswith("++") else key[1:] if key.startswith("+") else key
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-5)")
+    return key, yaml.safe_load(raw) if raw else ""
+
+
+def _translated(overrides: list[str]) -> ragen_keys.Translation:
+    """The overrides as `(our key, value)` pairs, RAGEN / verl keys translated (`rldynamics.ragen_keys`)."""
+    try:
+        return ragen_keys.translate([split_override(item) for item in overrides])
+    except ragen_keys.UnsupportedKey as e:
+        raise ConfigError(str(e)) from e
+
+
+def ragen_translation(overrides: list[str]) -> list[str]:
+    """One line per RAGEN / verl key among `overrides`: what it became (the CLI prints these once)."""
+    return _translated(overrides).lines
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """Turn `["train.lr=1e-5", "filter.value=0.9"]` into a nested dict (values parsed as YAML scalars)."""
+    """Turn `["train.lr=1e-5", "filter.value=0.9"]` into a nested dict (values parsed as YAML scalars).
+
+    RAGEN / verl keys (`actor_rollout_ref.rollout.rollout_filter_value=0.9`, ...) are translated to ours first.
+    """
     nested: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-5)")
-        value = yaml.safe_load(raw) if raw else ""
+    for key, value in _translated(overrides).pairs:
         node = nested
-        *parents, leaf = key.strip().split(".")
+        *parents, leaf = key.split(".")
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = value
@@ -386,6 +415,8 @@ def validate(cfg: Config) -> Config:
     for key in POSITIVE_INTS:
         if _get(cfg, key) < 1:
             raise ConfigError(f"{key} must be a positive integer, got {_get(cfg, key)}")
+    if cfg.checkpoint.keep_last < 0:
+        raise ConfigError(f"checkpoint.keep_last must be >= 0 (0 = keep all), got {cfg.checkpoint.keep_last}")
     if cfg.train.steps < 0:
         raise ConfigError(f"train.steps must be >= 0, got {cfg.train.steps}")
     if cfg.filter.value < 0:
@@ -415,8 +446,10 @@ def _validate_env(env: EnvConfig) -> None:
 
 
 def reward_names(env, cfg: EnvConfig) -> tuple[str, ...]:
-    """The reward components of a rollout: the env's own, then `format_penalty` when it is non-zero."""
-    return tuple(env.reward_names) + (("format_penalty",) if cfg.format_penalty != 0 else ())
+    """The reward components of a rollout: the env's own, then `format_penalty` when it is non-zero (never for
+    envs that grade the whole reply, `full_reply`: they judge format themselves)."""
+    penalty = cfg.format_penalty != 0 and not getattr(env, "full_reply", False)
+    return tuple(env.reward_names) + (("format_penalty",) if penalty else ())
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -493,8 +526,10 @@ def envs_help() -> str:
         env = cls(**dataclasses.asdict(cls.Config()))
         weights = ", ".join(f"{r} (weight {env.reward_weights.get(r, 1.0):g})" for r in env.reward_names)
         actions = ", ".join(env.actions) if env.actions else "free-form answer text"
-        lines = [f"{name}  ({cls.__module__}.{cls.__name__})", f"  reward components: {weights}; plus "
-                 f"format_penalty (env.format_penalty={shared.format_penalty:g}) for malformed turns",
+        actions = "the whole reply" if getattr(env, "full_reply", False) else actions
+        penalty = ("; graded on the whole reply (no format_penalty)" if getattr(env, "full_reply", False) else
+                   f"; plus format_penalty (env.format_penalty={shared.format_penalty:g}) for malformed turns")
+        lines = [f"{name}  ({cls.__module__}.{cls.__name__})", f"  reward components: {weights}{penalty}",
                  f"  actions: {actions}"]
         keys = documented_keys(cls.Config(), f"env.{name}.")
         lines += [f"  {key}={default!s:<12} {doc}" for key, default, doc in keys]

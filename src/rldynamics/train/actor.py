@@ -44,25 +44,32 @@ def sub_batch_share(mask: torch.Tensor, rows: torch.Tensor, mode: str) -> float:
 
 
 def loss_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, cfg: AlgoConfig, *,
-               temperature: float) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+               temperature: float, component_advantages: dict[str, torch.Tensor] | None = None,
+               ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Unweighted loss terms of the micro-batch `rows`, aggregated with `cfg.loss_agg_mode`.
 
-    Returns ({"pg", "entropy", "kl"(if a reference is given)}, policy metrics).
+    Returns ({"pg", "entropy", "kl"(if a reference is given), "reward/<name>" per entry of
+    `component_advantages` (the pg loss with that component's advantages, [N, L] each)}, policy metrics).
+    All terms come from one forward pass.
     """
     device = next(model.parameters()).device
     logprobs, entropy = token_logprobs(model, batch.input_ids[rows].to(device),
                                        batch.attention_mask[rows].to(device),
                                        temperature=temperature, with_entropy=True)  # [n, L], [n, L]
     mask = batch.response_mask[rows].to(device)  # [n, L]
-    pg, metrics = policy_loss(
-        logprobs, inputs.old_logprobs[rows].to(device), inputs.advantages[rows].to(device), mask,
-        kind=cfg.policy_loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
-        agg=cfg.loss_agg_mode,
-    )
+    old = inputs.old_logprobs[rows].to(device)  # [n, L]
+
+    def pg_loss(advantages: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        return policy_loss(logprobs, old, advantages[rows].to(device), mask, kind=cfg.policy_loss,
+                           clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c, agg=cfg.loss_agg_mode)
+
+    pg, metrics = pg_loss(inputs.advantages)
     terms = {"pg": pg, "entropy": aggregate(entropy, mask, cfg.loss_agg_mode)}
     if inputs.ref_logprobs is not None:
         kl = kl_penalty(logprobs, inputs.ref_logprobs[rows].to(device), cfg.kl_type)  # [n, L]
         terms["kl"] = aggregate(kl, mask, cfg.loss_agg_mode)
+    for name, advantages in (component_advantages or {}).items():
+        terms[f"reward/{name}"] = pg_loss(advantages)[0]
     return terms, metrics
 
 
@@ -82,7 +89,12 @@ def weighted_total(terms: dict[str, torch.Tensor], cfg: AlgoConfig) -> torch.Ten
 
 def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, algo: AlgoConfig, train: TrainConfig,
                  generator: torch.Generator | None = None) -> dict[str, float]:
-    """PPO epochs over mini-batches with gradient accumulation over micro-batches; returns actor metrics."""
+    """PPO epochs over mini-batches with gradient accumulation over micro-batches; returns actor metrics.
+
+    verl's names: `actor/entropy_loss` is the mean over mini-batches of the aggregated entropy during the update
+    (`actor/entropy`, the rollout policy's entropy, is logged by the old-log-prob pass), `actor/kl_coef` the
+    KL coefficient in use.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
     count = 0
@@ -96,6 +108,7 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
     out = {f"actor/{k}": v / max(count, 1) for k, v in sums.items() if k != "skipped_steps"}
     out["actor/skipped_steps"] = sums.get("skipped_steps", 0.0)
     out["actor/lr"] = optimizer.param_groups[0]["lr"]
+    out["actor/kl_coef"] = algo.kl_coef
     out["actor/num_updates"] = float(count)
     return out
 
@@ -103,7 +116,7 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
 def _mini_batch_step(model, optimizer, params, batch, mini, inputs, algo, train) -> dict[str, float]:
     """Accumulate the mini-batch gradient, clip, and step (skipped when the norm is not finite)."""
     optimizer.zero_grad(set_to_none=True)
-    stats = {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0, "pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0,
+    stats = {"pg_loss": 0.0, "entropy_loss": 0.0, "kl_loss": 0.0, "pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0,
              "ppo_kl": 0.0}
     for positions in micro_batches(torch.arange(len(mini)), train.micro_batch_size):
         rows = mini[positions]  # [n]
@@ -113,7 +126,7 @@ def _mini_batch_step(model, optimizer, params, batch, mini, inputs, algo, train)
         terms, metrics = loss_terms(model, batch, rows, inputs, algo, temperature=train.temperature)
         (share * weighted_total(terms, algo)).backward()
         stats["pg_loss"] += share * terms["pg"].item()
-        stats["entropy"] += share * terms["entropy"].item()
+        stats["entropy_loss"] += share * terms["entropy"].item()
         stats["kl_loss"] += share * terms["kl"].item() if "kl" in terms else 0.0
         for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
             stats[k] += share * metrics[k]

@@ -22,8 +22,9 @@ import torch
 
 
 def save_checkpoint(directory: Path, step: int, *, model, tokenizer, optimizer, critic=None, critic_optimizer=None,
-                    trainer_state: dict | None = None) -> Path:
-    """Write `directory/step_<step>` atomically and return its path."""
+                    trainer_state: dict | None = None, keep_last: int = 0) -> Path:
+    """Write `directory/step_<step>` atomically and return its path; then keep only the newest `keep_last`
+    checkpoints (0 = keep all)."""
     final = directory / f"step_{step}"
     tmp = directory / f".tmp_step_{step}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -42,13 +43,21 @@ def save_checkpoint(directory: Path, step: int, *, model, tokenizer, optimizer, 
         final.rename(old)
         shutil.rmtree(old)
     tmp.rename(final)
+    if keep_last > 0:
+        for old_ckpt in _checkpoints(directory)[:-keep_last]:
+            shutil.rmtree(old_ckpt)
     return final
+
+
+def _checkpoints(directory: Path) -> list[Path]:
+    """`step_<N>` directories, oldest first."""
+    return sorted(directory.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
 
 
 def find_checkpoint(resume: str, run_dir: Path) -> Path:
     """Resolve `checkpoint.resume` (a path, or `latest` = newest in `run_dir/checkpoints`)."""
     if resume == "latest":
-        found = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+        found = _checkpoints(run_dir / "checkpoints")
         if not found:
             raise FileNotFoundError(f"checkpoint.resume=latest: no checkpoints in {run_dir / 'checkpoints'} "
                                     "(set log.name to the run to resume, or pass a checkpoint path)")

@@ -6,6 +6,11 @@
 then, in `train`, validation, checkpoint and logging. Every sampling call is seeded from (seed, step),
 so a resumed run replays exactly the steps an uninterrupted run would have taken. The gradient analysis
 (`train/analysis_pass.py`) is read-only: a run with it on ends with the parameters of the run with it off.
+
+Probe mode (`analysis.only`, what `rldyn probe` runs): nothing is updated, early stopping is off, no
+checkpoint is written, a run resumed from a checkpoint keeps the checkpoint's step number (RAGEN's
+probe), and its k-th step draws the env seeds and sampling seed of step k (`stages.seed_step`), so probes
+of different checkpoints analyse the same puzzles.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from rldynamics.config import Config
 from rldynamics.models.forward import batch_logprobs, batch_values
 from rldynamics.rollout.agent import env_metric_summary, rollout
 from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.rollout.rewards import reward_component_metrics
+from rldynamics.rollout.rewards import reward_component_metrics, reward_rows, reward_stats
 from rldynamics.tracking.console import StepConsole
 from rldynamics.tracking.run_dir import RunWriter
 from rldynamics.train import setup
@@ -36,6 +41,7 @@ from rldynamics.train.stages import (
     advantages_and_returns,
     data_metrics,
     filter_batch,
+    seed_step,
     step_seed,
     train_seeds,
     val_seeds,
@@ -58,6 +64,11 @@ class Session:
     critic: torch.nn.Module | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
     console: StepConsole | None = None
+    first_step: int = 1
+
+    def seed_step(self, step: int) -> int:
+        """The step whose env seeds and sampling seed `step` uses (`stages.seed_step`)."""
+        return seed_step(step, self.first_step, self.cfg.analysis.only)
 
 
 @contextmanager
@@ -71,7 +82,7 @@ def timed(metrics: dict[str, float], name: str):
 def train(cfg: Config, run_dir: Path | None = None) -> Path:
     """Run training as configured (into `run_dir` if given); returns the run directory."""
     s = setup.make_session(cfg, run_dir)
-    stopper = EarlyStopper(cfg.early_stop, cfg.filter.empty_stop_steps)
+    stopper = EarlyStopper.for_run(cfg)
     start = 0
     if cfg.checkpoint.resume:
         path = find_checkpoint(cfg.checkpoint.resume, s.run_dir)
@@ -79,13 +90,14 @@ def train(cfg: Config, run_dir: Path | None = None) -> Path:
         start = state["step"]
         stopper.load_state_dict(state["early_stop"])
         s.writer.truncate_after(start)
+    s.first_step = start if cfg.analysis.only and start > 0 else start + 1  # a probe keeps the checkpoint's step
     if cfg.val.before_train and (start == 0 or cfg.analysis.only):
         s.writer.log(start, validate(s))
     env = cfg.env.name
     with StepConsole(cfg.train.steps, env, enabled=cfg.log.progress) as console:
         s.console = console
-        console.advance(start, {})
-        for step in range(start + 1, cfg.train.steps + 1):
+        console.advance(s.first_step - 1, {})
+        for step in range(s.first_step, cfg.train.steps + 1):
             t0 = time.perf_counter()
             metrics, stop = train_step(s, step, stopper)
             if stop == EXITED:
@@ -102,7 +114,8 @@ def train(cfg: Config, run_dir: Path | None = None) -> Path:
                 console.phase("checkpoint")
                 save_checkpoint(s.run_dir / "checkpoints", step, model=s.model, tokenizer=s.tokenizer,
                                 optimizer=s.optimizer, critic=s.critic, critic_optimizer=s.critic_optimizer,
-                                trainer_state={"early_stop": stopper.state_dict()})
+                                trainer_state={"early_stop": stopper.state_dict()},
+                                keep_last=cfg.checkpoint.keep_last)
             metrics["timing_s/step"] = time.perf_counter() - t0
             s.writer.log(step, metrics)
             console.advance(step, metrics)
@@ -124,6 +137,8 @@ def _write_report(run_dir: Path) -> None:
 
 
 def _checkpoint_due(cfg: Config, step: int, last: bool) -> bool:
+    if cfg.analysis.only:  # nothing was updated: a probe never writes checkpoints
+        return False
     every = cfg.checkpoint.every
     final = step == cfg.train.steps or last
     return (every > 0 and step % every == 0) or (final and cfg.checkpoint.save_last)
@@ -134,19 +149,24 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     cfg, m = s.cfg, {}
     s.console.phase("rollout")
     with timed(m, "gen"):
-        torch.manual_seed(step_seed(cfg.seed, step))
-        batch = rollout(s.model, s.tokenizer, train_seeds(cfg.train.seed_base, cfg.train.env_groups, step),
+        torch.manual_seed(step_seed(cfg.seed, s.seed_step(step)))
+        batch = rollout(s.model, s.tokenizer,
+                        train_seeds(cfg.train.seed_base, cfg.train.env_groups, s.seed_step(step)),
                         cfg.train.group_size, cfg.env, temperature=cfg.train.temperature)
     m.update(env_metric_summary(batch, f"train/{cfg.env.name}", cfg.train.group_size))
     m.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids))
+    rows = reward_rows(batch, step, s.tokenizer)
+    s.writer.log_rewards(rows)
+    m.update(reward_stats(rows, batch.reward_names))
     _log_samples(s, step, batch)
 
     batch, filter_m, group_std = filter_batch(batch, cfg.filter)
     m.update(filter_m)
     stop = stopper.after_rollout(filter_m["rollout/in_group_reward_std"], empty=len(batch) == 0)
+    m["rollout/empty_after_filter"] = float(len(batch) == 0)
+    m["rollout/consecutive_empty_after_filter_steps"] = float(stopper.empty)
     if len(batch) == 0:
-        m["rollout/empty_after_filter"] = 1.0
-        return m, _analyse(s, step, m, None, None, None) or stop
+        return m, _analyse(s, step, m, None, None, None, 0.0) or stop
     if stop is not None:
         return m, stop
 
@@ -159,7 +179,7 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
         with timed(m, "update_critic"):
             m.update(update_critic(s.critic, s.critic_optimizer, batch, values, returns, cfg.algo, cfg.critic,
                                    cfg.train))
-    if _analyse(s, step, m, batch, inputs, group_std):
+    if _analyse(s, step, m, batch, inputs, group_std, filter_m["rollout/filter_kept_ratio"]):
         return m, EXITED
     if not cfg.analysis.only:
         s.console.phase("actor")
@@ -169,7 +189,7 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     return m, None
 
 
-def _analyse(s: Session, step: int, m: dict, batch, inputs, group_std) -> str | None:
+def _analyse(s: Session, step: int, m: dict, batch, inputs, group_std, kept_ratio: float) -> str | None:
     """Run the gradient analysis when due; returns EXITED when the run should end right after it."""
     cfg = s.cfg
     m["trainer/gradient_analysis_only"] = float(cfg.analysis.only)
@@ -177,7 +197,7 @@ def _analyse(s: Session, step: int, m: dict, batch, inputs, group_std) -> str | 
         return None
     s.console.phase("analysis")
     with timed(m, "gradient_analysis"):
-        m.update(run_analysis(s, step, batch, inputs, group_std,
+        m.update(run_analysis(s, step, batch, inputs, group_std, kept_ratio,
                               lambda b, metrics, kept: prepare_update(s, b, metrics, kept)))
     if cfg.analysis.exit_after:
         m["trainer/exited_after_gradient_analysis"] = 1.0
