@@ -21,6 +21,7 @@ from rldynamics.config import EnvConfig
 from rldynamics.envs import make_env
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.rollout.parse import parse_response
+from rldynamics.rollout.sampling import sampling_guard
 
 SYSTEM_PREFIX = "You're a helpful assistant. "
 INVALID_NOTE = "No valid action provided previously. Environment state remains the same. Please try again.\n"
@@ -179,8 +180,8 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     device = next(model.parameters()).device
     out = model.generate(
         input_ids=input_ids.to(device), attention_mask=attention.to(device), do_sample=True,
-        temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
-        eos_token_id=eos, pad_token_id=pad,
+        temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+        logits_processor=sampling_guard(temperature),  # applies the temperature; raises NonFiniteLogits
     )  # [B, W + new]
     responses = []
     for row in out[:, width:].tolist():

@@ -1,26 +1,73 @@
-"""Run set-up: run directory, device, models (actor, reference, critic), optimizers, metric sinks."""
+"""Run set-up: run directory, the step to start from, device, models, optimizers, metric sinks.
+
+Everything is checked and loaded before anything is written to the run directory:
+
+    plan_start (read only): which checkpoint a resume continues, verified file by file, and whether the
+        command asks for settings the run was not trained with
+    -> the caller locks the run directory (one writer per run)
+    -> make_session: models and optimizers built, optimizer and RNG state restored and checked
+    -> only then: stale temporary checkpoints removed, rows after the resumed step dropped, config.yaml written.
+
+A start that fails leaves the run directory as it was (a new run's directory holds only its `.lock`).
+
+Resuming (`checkpoint.resume=latest` or a checkpoint path of the same run) continues the run with the settings
+in its `config.yaml`. Only the keys in `RESUME_MAY_CHANGE` (how long the run goes on, when it stops, where and
+how it logs, the device) may differ; any other difference is refused with the list of keys, and nothing is
+written. A run killed before its first checkpoint is restarted from step 0 by `checkpoint.resume=latest`.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from rldynamics.config import Config, save_config, to_dict
+from rldynamics.config import Config, ConfigError, config_diff, load_config, save_config, to_dict
+from rldynamics.envs import make_env
 from rldynamics.models.loading import load_model_and_tokenizer, load_value_model
 from rldynamics.models.tiny import ensure_tiny_model
+from rldynamics.rollout.agent import env_kwargs
 from rldynamics.tracking.run_dir import RunWriter
 from rldynamics.tracking.sinks import TensorBoardSink, WandbSink, check_installed
-from rldynamics.train.checkpoint import find_checkpoint
+from rldynamics.train.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_trainer_state,
+    remove_stale,
+    verify_checkpoint,
+)
 from rldynamics.train.warmstart import ensure_warm_start, tiny_corpus
+
+RESUME_MAY_CHANGE = ("train.steps", "checkpoint.", "log.", "early_stop.", "filter.empty_stop_steps", "model.device")
+
+
+@dataclass
+class Start:
+    """Where a run starts: the checkpoint it resumes (None: step 0) and that checkpoint's trainer state."""
+
+    checkpoint: Path | None = None
+    state: dict | None = None
+    in_place: bool = False  # continues the run in its own directory (rather than a probe of another run)
+
+    @property
+    def step(self) -> int:
+        """The last step already done (0 when starting from scratch)."""
+        return self.state["step"] if self.state else 0
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` = cuda when available, else cpu."""
+    """`auto` = cuda when available, else cpu; a device this machine does not have is a ConfigError."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise ConfigError(f"model.device={name}: no such CUDA device on this machine "
+                          f"({torch.cuda.device_count()} visible); use model.device=auto or cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("model.device=mps: MPS is not available on this machine; use model.device=auto or cpu")
+    return device
 
 
 def base_model_path(cfg: Config) -> str:
@@ -34,32 +81,83 @@ def base_model_path(cfg: Config) -> str:
 
 
 def resolve_run_dir(cfg: Config) -> Path:
-    """The run directory; refuses to write over an existing run unless resuming it."""
+    """The run directory: `log.run_dir/log.name` (a new name when unset), or the run of a resumed checkpoint."""
     resume = cfg.checkpoint.resume
     if resume and resume != "latest":
         return Path(resume).resolve().parent.parent
     if resume == "latest" and not cfg.log.name:
-        raise ValueError("checkpoint.resume=latest needs log.name=<run name> to know which run to resume")
+        raise ConfigError("checkpoint.resume=latest needs log.name=<run name> to know which run to resume")
     name = cfg.log.name or f"{cfg.env.name}_{Path(cfg.model.path).name}_{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(cfg.log.run_dir) / name
-    if not resume and (run_dir / "metrics.jsonl").exists():
-        raise FileExistsError(f"run directory {run_dir} already holds a run; choose another log.name or pass "
-                              "checkpoint.resume=latest to continue it")
-    return run_dir
+    return Path(cfg.log.run_dir) / name
 
 
-def make_session(cfg: Config, run_dir: Path | None = None):
-    """Build the training session (models on device, optimizers, writer) for `cfg`."""
+def resume_base(cfg: Config) -> Config:
+    """The saved config of the run that `cfg.checkpoint.resume` continues: what a resumed run starts from."""
+    resume = cfg.checkpoint.resume
+    if resume != "latest" and not Path(resume).is_dir():
+        verify_checkpoint(resume)  # names the problem: missing, or a file
+    file = resolve_run_dir(cfg) / "config.yaml"
+    if not file.is_file():
+        raise ConfigError(f"checkpoint.resume={resume}: {file} not found, so there is no run to resume "
+                          "(check log.name and log.run_dir)")
+    return load_config(file)
+
+
+def plan_start(cfg: Config, run_dir: Path) -> Start:
+    """Check what can be checked without writing (packages, device, env settings, the checkpoint and settings
+    of a resume) and decide where the run starts; raise before any work if it cannot start."""
+    check_installed(cfg.log.wandb, cfg.log.tensorboard)
+    resolve_device(cfg.model.device)
+    check_env(cfg)
+    resume = cfg.checkpoint.resume
+    if not resume:
+        return Start()
+    path = latest_checkpoint(run_dir) if resume == "latest" else Path(resume)
+    in_place = resume == "latest" or run_dir.resolve() == Path(resume).resolve().parent.parent
+    if in_place:
+        check_resume_settings(cfg, run_dir)
+    if path is None:  # killed before its first checkpoint: start again from step 0
+        return Start(in_place=True)
+    state = verify_checkpoint(path, needs_critic=cfg.algo.adv_estimator == "gae")
+    return Start(checkpoint=path, state=state, in_place=in_place)
+
+
+def check_resume_settings(cfg: Config, run_dir: Path) -> None:
+    """Refuse to continue a run with settings other than its own (except `RESUME_MAY_CHANGE`)."""
+    file = run_dir / "config.yaml"
+    if not file.is_file():
+        raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume}: {file} not found, so there is no run to "
+                          "resume (check log.name and log.run_dir)")
+    differ = [f"{key} (run: {old!r}, given: {new!r})" for key, old, new in config_diff(load_config(file), cfg)
+              if not (key.startswith(RESUME_MAY_CHANGE) or key in RESUME_MAY_CHANGE)]
+    if differ:
+        raise ConfigError(f"cannot resume {run_dir} with other settings: {'; '.join(differ)}. A resumed run keeps "
+                          "its config.yaml (only train.steps, checkpoint.*, log.*, early_stop.*, "
+                          "filter.empty_stop_steps and model.device may change); to go on with other settings "
+                          "start a new run from the weights: model.path=<checkpoint>/actor")
+
+
+def check_env(cfg: Config) -> None:
+    """Build one env with the configured settings, so a bad env setting fails before any work."""
+    try:
+        make_env(cfg.env.name, **env_kwargs(cfg.env))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"env settings: {e}") from None
+
+
+def make_session(cfg: Config, run_dir: Path, start: Start):
+    """Build the training session for `cfg` in the (locked) `run_dir`, resuming `start`; see the module doc."""
     from rldynamics.train.trainer import Session
 
-    run_dir = run_dir or resolve_run_dir(cfg)
-    check_installed(cfg.log.wandb, cfg.log.tensorboard)
-    torch.manual_seed(cfg.seed)
+    if not start.in_place and (run_dir / "metrics.jsonl").exists():
+        raise FileExistsError(f"run directory {run_dir} already holds a run; choose another log.name or pass "
+                              "checkpoint.resume=latest to continue it (from step 0 if it has no checkpoint yet)")
     device = resolve_device(cfg.model.device)
+    torch.manual_seed(cfg.seed)
     base = base_model_path(cfg)
-    ckpt = find_checkpoint(cfg.checkpoint.resume, run_dir) if cfg.checkpoint.resume else None
-    actor_path = str(ckpt / "actor") if ckpt else base
-    model, tokenizer = load_model_and_tokenizer(actor_path, dtype=cfg.model.dtype, device=str(device))
+    ckpt = start.checkpoint
+    model, tokenizer = load_model_and_tokenizer(str(ckpt / "actor") if ckpt else base, dtype=cfg.model.dtype,
+                                                device=str(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     ref_model = None
     if cfg.algo.kl_coef > 0 or cfg.analysis.enabled:  # the probe measures the KL gradient even at coef 0
@@ -69,11 +167,25 @@ def make_session(cfg: Config, run_dir: Path | None = None):
     if cfg.algo.adv_estimator == "gae":
         critic = load_value_model(str(ckpt / "critic") if ckpt else base, dtype=cfg.model.dtype, device=str(device))
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic.lr, weight_decay=0.0)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    if ckpt is not None:
+        load_trainer_state(ckpt, optimizer=optimizer, critic_optimizer=critic_optimizer)
+    # Nothing has been written so far; from here on the run directory changes.
+    remove_stale(run_dir / "checkpoints")
     writer = RunWriter(run_dir, sinks=_sinks(cfg, run_dir))
+    writer.truncate_after(start.step if ckpt is not None else -1)
+    save_config(cfg, run_dir / "config.yaml")
     return Session(cfg=cfg, run_dir=run_dir, writer=writer, model=model, tokenizer=tokenizer, optimizer=optimizer,
                    ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer)
+
+
+def load_early_stop(stopper, start: Start) -> None:
+    """Restore the early-stop state of a resumed checkpoint (CheckpointError naming the file if it is foreign)."""
+    if start.state is None:
+        return
+    try:
+        stopper.load_state_dict(start.state["early_stop"])
+    except ValueError as e:
+        raise CheckpointError(f"{start.checkpoint / 'trainer_state.json'}: {e}") from None
 
 
 def _sinks(cfg: Config, run_dir: Path) -> list:
