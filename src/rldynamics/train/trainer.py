@@ -137,11 +137,18 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
 
 
 def _write_report(run_dir: Path) -> None:
-    """Figures and the HTML report of the finished run (plotting reads only the run directory)."""
+    """Figures and the HTML report of the finished run (plotting reads only the run directory).
+
+    The run is complete before this; a figure that cannot be drawn is reported in one line and never fails it."""
     from rldynamics.plots.cli import plot_command, report_command
 
-    plot_command(run_dir)
-    report_command(run_dir)
+    try:
+        plot_command(run_dir)
+        report_command(run_dir)
+    except Exception as e:  # noqa: BLE001 (the training result must not be lost to a plotting problem)
+        print(f"warning: the figures or report of {run_dir} could not be written ({e.__class__.__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}); the run directory is complete, retry with "
+              f"`rldyn report {run_dir}`")
 
 
 def _checkpoint_due(cfg: Config, step: int, last: bool) -> bool:
