@@ -50,16 +50,14 @@ class RunLock:
         self.stale: str | None = None
         self._fd: int | None = None
 
+    def check(self) -> None:
+        """Raise RunInUse now if a live process holds the lock; creates nothing (for checks before any work)."""
+        if self.path.is_file():
+            os.close(self._take(os.open(self.path, os.O_RDONLY)))
+
     def __enter__(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _describe(os.read(fd, 4096))
-            os.close(fd)
-            raise RunInUse(f"run directory {self.path.parent} is in use by {holder}; wait for it to finish "
-                           "or choose another log.name") from None
+        fd = self._take(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644))
         previous = os.read(fd, 4096)
         self.stale = _describe(previous) if previous.strip() else None
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -67,6 +65,16 @@ class RunLock:
         os.pwrite(fd, json.dumps(holder).encode(), 0)
         self._fd = fd
         return self
+
+    def _take(self, fd: int) -> int:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe(os.read(fd, 4096))
+            os.close(fd)
+            raise RunInUse(f"run directory {self.path.parent} is in use by {holder}; wait for it to finish "
+                           "or choose another log.name") from None
+        return fd
 
     def __exit__(self, *exc) -> None:
         if self._fd is not None:

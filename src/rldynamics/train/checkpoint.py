@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import signal
+import warnings
 from pathlib import Path
 
 import torch
@@ -101,12 +102,7 @@ def verify_checkpoint(path: str | Path, needs_critic: bool = False) -> dict:
     malformed manifest, a missing, empty, truncated or grown file, a malformed `trainer_state.json` or
     safetensors header, a checksum mismatch, or no `critic/` when one is needed.
     """
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} is a file; pass a checkpoint directory "
-                              "(runs/<run>/checkpoints/step_<N>)")
+    path = _checkpoint_dir(path)
     files = _manifest_files(path)
     for rel in (*REQUIRED, *(["critic/config.json"] if needs_critic else [])):
         if rel not in files:
@@ -124,6 +120,21 @@ def verify_checkpoint(path: str | Path, needs_critic: bool = False) -> dict:
             raise CheckpointError(f"{path / rel}: checksum mismatch (the file changed or was corrupted after the "
                                   "checkpoint was written)")
     return state
+
+
+def read_trainer_state(path: str | Path) -> dict:
+    """The trainer state (with `step`) of a checkpoint, checked for shape only (`verify_checkpoint` checks all)."""
+    return _trainer_state(_checkpoint_dir(path) / "trainer_state.json")
+
+
+def _checkpoint_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a file; pass a checkpoint directory "
+                              "(runs/<run>/checkpoints/step_<N>)")
+    return path
 
 
 def load_trainer_state(path: Path, *, optimizer, critic_optimizer=None) -> dict:
@@ -184,6 +195,8 @@ def _check_size(file: Path, size: int) -> None:
 
 
 def _trainer_state(file: Path) -> dict:
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing; not a checkpoint written by `rldyn train`")
     try:
         state = json.loads(file.read_bytes())
     except ValueError as e:
@@ -217,7 +230,9 @@ def _check_structure(file: Path) -> None:
 
 def _torch_load(file: Path):
     try:
-        return torch.load(file, weights_only=True, map_location="cpu")
+        with warnings.catch_warnings():  # a foreign pickle's protocol warning: the error below says it all
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(file, weights_only=True, map_location="cpu")
     except Exception as e:  # truncated zip, foreign pickle, ...: torch raises several unrelated types
         raise CheckpointError(f"{file}: cannot be read as tensors ({e.__class__.__name__}: "
                               f"{str(e).splitlines()[0][:100] if str(e) else 'no detail'})") from None

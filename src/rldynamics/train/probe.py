@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rldynamics.config import Config, apply_overrides, load_config, make_config
-from rldynamics.train.checkpoint import verify_checkpoint
+from rldynamics.train.checkpoint import read_trainer_state
 from rldynamics.train.trainer import train
 
 PROBE_DEFAULTS = ["algo.kl_coef=0.001", "algo.kl_type=k3", "algo.entropy_coef=0.001"]
@@ -20,8 +20,9 @@ PROBE_DEFAULTS = ["algo.kl_coef=0.001", "algo.kl_type=k3", "algo.entropy_coef=0.
 def probe_config(checkpoint: Path, overrides: list[str], validate: bool = False) -> Config:
     """The probe's config: the run's saved config, RAGEN's probe defaults, probe mode, then `overrides`.
 
-    The checkpoint is verified first (CheckpointError naming the file and the problem)."""
-    step = verify_checkpoint(checkpoint)["step"]
+    A checkpoint that is missing or has no usable trainer state is a CheckpointError naming the file; the
+    training start verifies every file of it before any work."""
+    step = read_trainer_state(checkpoint)["step"]
     saved = checkpoint.parent.parent / "config.yaml"
     base = load_config(saved) if saved.is_file() else make_config()
     mode = [f"checkpoint.resume={checkpoint}", f"train.steps={step + 1}", "analysis.enabled=true", "analysis.every=1",

@@ -2,13 +2,14 @@
 
 Everything is checked and loaded before anything is written to the run directory:
 
-    plan_start (read only): which checkpoint a resume continues, verified file by file, and whether the
-        command asks for settings the run was not trained with
-    -> the caller locks the run directory (one writer per run)
-    -> make_session: models and optimizers built, optimizer and RNG state restored and checked
-    -> only then: stale temporary checkpoints removed, rows after the resumed step dropped, config.yaml written.
+    plan_start (read only): the run directory is not in use and not another run's; for a resume, which
+        checkpoint it continues, verified file by file, and whether the command asks for settings the
+        run was not trained with
+    -> make_session (writes nothing): models and optimizers built, optimizer and RNG state restored and checked
+    -> the caller locks the run directory (one writer per run), then open_run: stale temporary checkpoints
+       removed, rows after the resumed step dropped, config.yaml written.
 
-A start that fails leaves the run directory as it was (a new run's directory holds only its `.lock`).
+A start that fails leaves the run directory as it was (or absent).
 
 Resuming (`checkpoint.resume=latest` or a checkpoint path of the same run) continues the run with the settings
 in its `config.yaml`. Only the keys in `RESUME_MAY_CHANGE` (how long the run goes on, when it stops, where and
@@ -29,12 +30,13 @@ from rldynamics.envs import make_env
 from rldynamics.models.loading import load_model_and_tokenizer, load_value_model
 from rldynamics.models.tiny import ensure_tiny_model
 from rldynamics.rollout.agent import env_kwargs
-from rldynamics.tracking.run_dir import RunWriter
+from rldynamics.tracking.run_dir import RunLock, RunWriter
 from rldynamics.tracking.sinks import TensorBoardSink, WandbSink, check_installed
 from rldynamics.train.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_trainer_state,
+    read_trainer_state,
     remove_stale,
     verify_checkpoint,
 )
@@ -94,8 +96,8 @@ def resolve_run_dir(cfg: Config) -> Path:
 def resume_base(cfg: Config) -> Config:
     """The saved config of the run that `cfg.checkpoint.resume` continues: what a resumed run starts from."""
     resume = cfg.checkpoint.resume
-    if resume != "latest" and not Path(resume).is_dir():
-        verify_checkpoint(resume)  # names the problem: missing, or a file
+    if resume != "latest":
+        read_trainer_state(resume)  # a missing path, a file or no trainer state: named before anything else
     file = resolve_run_dir(cfg) / "config.yaml"
     if not file.is_file():
         raise ConfigError(f"checkpoint.resume={resume}: {file} not found, so there is no run to resume "
@@ -109,17 +111,24 @@ def plan_start(cfg: Config, run_dir: Path) -> Start:
     check_installed(cfg.log.wandb, cfg.log.tensorboard)
     resolve_device(cfg.model.device)
     check_env(cfg)
+    RunLock(run_dir).check()  # a second process fails here, at once
     resume = cfg.checkpoint.resume
-    if not resume:
-        return Start()
-    path = latest_checkpoint(run_dir) if resume == "latest" else Path(resume)
-    in_place = resume == "latest" or run_dir.resolve() == Path(resume).resolve().parent.parent
+    path = None if not resume else latest_checkpoint(run_dir) if resume == "latest" else Path(resume)
+    in_place = resume == "latest" or (bool(resume) and run_dir.resolve() == Path(resume).resolve().parent.parent)
+    check_new_run(run_dir, in_place)
     if in_place:
         check_resume_settings(cfg, run_dir)
-    if path is None:  # killed before its first checkpoint: start again from step 0
-        return Start(in_place=True)
+    if path is None:  # a new run, or one killed before its first checkpoint: start from step 0
+        return Start(in_place=in_place)
     state = verify_checkpoint(path, needs_critic=cfg.algo.adv_estimator == "gae")
     return Start(checkpoint=path, state=state, in_place=in_place)
+
+
+def check_new_run(run_dir: Path, in_place: bool) -> None:
+    """Refuse to write a new run (or a probe) into a directory that already holds one."""
+    if not in_place and (run_dir / "metrics.jsonl").exists():
+        raise FileExistsError(f"run directory {run_dir} already holds a run; choose another log.name or pass "
+                              "checkpoint.resume=latest to continue it (from step 0 if it has no checkpoint yet)")
 
 
 def check_resume_settings(cfg: Config, run_dir: Path) -> None:
@@ -146,12 +155,9 @@ def check_env(cfg: Config) -> None:
 
 
 def make_session(cfg: Config, run_dir: Path, start: Start):
-    """Build the training session for `cfg` in the (locked) `run_dir`, resuming `start`; see the module doc."""
+    """Build the training session for `cfg`, resuming `start`; writes nothing (`open_run` does, under the lock)."""
     from rldynamics.train.trainer import Session
 
-    if not start.in_place and (run_dir / "metrics.jsonl").exists():
-        raise FileExistsError(f"run directory {run_dir} already holds a run; choose another log.name or pass "
-                              "checkpoint.resume=latest to continue it (from step 0 if it has no checkpoint yet)")
     device = resolve_device(cfg.model.device)
     torch.manual_seed(cfg.seed)
     base = base_model_path(cfg)
@@ -169,13 +175,18 @@ def make_session(cfg: Config, run_dir: Path, start: Start):
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic.lr, weight_decay=0.0)
     if ckpt is not None:
         load_trainer_state(ckpt, optimizer=optimizer, critic_optimizer=critic_optimizer)
-    # Nothing has been written so far; from here on the run directory changes.
-    remove_stale(run_dir / "checkpoints")
-    writer = RunWriter(run_dir, sinks=_sinks(cfg, run_dir))
-    writer.truncate_after(start.step if ckpt is not None else -1)
-    save_config(cfg, run_dir / "config.yaml")
-    return Session(cfg=cfg, run_dir=run_dir, writer=writer, model=model, tokenizer=tokenizer, optimizer=optimizer,
+    return Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=optimizer,
                    ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer)
+
+
+def open_run(s, start: Start) -> None:
+    """The first writes (run directory locked): stale temporary checkpoints removed, what was written after the
+    resumed step dropped (everything when starting from step 0), config.yaml written, metric writer opened."""
+    check_new_run(s.run_dir, start.in_place)  # again under the lock: another start may have won the race
+    remove_stale(s.run_dir / "checkpoints")
+    s.writer = RunWriter(s.run_dir, sinks=_sinks(s.cfg, s.run_dir))
+    s.writer.truncate_after(start.step if start.checkpoint is not None else -1)
+    save_config(s.cfg, s.run_dir / "config.yaml")
 
 
 def load_early_stop(stopper, start: Start) -> None:

@@ -61,7 +61,7 @@ class Session:
 
     cfg: Config
     run_dir: Path
-    writer: RunWriter
+    writer: RunWriter | None  # opened once the run directory is locked
     model: torch.nn.Module
     tokenizer: object
     optimizer: torch.optim.Optimizer
@@ -85,8 +85,9 @@ def train(cfg: Config, run_dir: Path | None = None) -> Path:
     start = setup.plan_start(cfg, run_dir)  # reads only; raises before any work
     stopper = EarlyStopper(cfg.early_stop, cfg.filter.empty_stop_steps)
     setup.load_early_stop(stopper, start)
+    s = setup.make_session(cfg, run_dir, start)  # writes nothing
     with RunLock(run_dir) as lock:
-        s = setup.make_session(cfg, run_dir, start)
+        setup.open_run(s, start)
         if lock.stale:
             print(f"note: {run_dir} was last opened by {lock.stale}, which ended without closing it")
         if start.in_place and start.checkpoint is None:
