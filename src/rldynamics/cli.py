@@ -8,6 +8,11 @@ import sys
 from rldynamics import __version__
 
 DEFAULT_PRESET = "sokoban-tiny"
+VALUE_RULES = """\
+values: text keys keep the text as typed (log.name=no is "no"); whole numbers are decimal (010 is 10);
+numbers must be finite; switches take true/false, yes/no or on/off; null (or nothing) unsets a key whose
+default is null; lists are YAML lists ([6, 6]). A resumed run keeps its config.yaml: only train.steps,
+checkpoint.*, log.*, early_stop.*, filter.empty_stop_steps and model.device may change."""
 
 TRAIN_EPILOG = """\
 examples:
@@ -103,7 +108,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rldynamics.config import help_text, make_config, preset_names
 
     if args.help_config:
-        print(f"presets: {', '.join(preset_names())}\n\nconfig keys (key=default  meaning):\n{help_text()}")
+        print(f"presets: {', '.join(preset_names())}\n\n{VALUE_RULES}\n\nconfig keys (key=default  meaning):\n"
+              f"{help_text()}")
         return 0
 
     def job():

@@ -43,7 +43,7 @@ class ModelConfig:
     dtype: str = "float32"
     """Parameter dtype: float32 | bfloat16 | float16 | auto."""
     device: str = "auto"
-    """Device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N."""
+    """Device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N | mps."""
     tiny_hidden_size: int = 64
     """Tiny model only: hidden size of the embedded Qwen2-architecture model."""
     tiny_layers: int = 2
