@@ -1,4 +1,5 @@
 import math
+import re
 import subprocess
 import sys
 import typing
@@ -21,9 +22,10 @@ from rldynamics.config import (
 
 
 def test_defaults_and_overrides():
-    cfg = make_config(overrides=["train.lr=1e-5", "filter.value=0.9", "algo.clip_c=null", "env.dim_room=[7, 7]"])
+    cfg = make_config(overrides=["train.lr=1e-5", "filter.value=0.9", "algo.clip_c=null",
+                                 "env.sokoban.dim_room=[7, 7]"])
     assert cfg.train.lr == 1e-5 and cfg.filter.value == 0.9 and cfg.algo.clip_c is None
-    assert cfg.env.dim_room == [7, 7] and cfg.model.path == "tiny"
+    assert cfg.env.sokoban.dim_room == [7, 7] and cfg.model.path == "tiny"
 
 
 def test_presets_differ_where_documented():
@@ -131,10 +133,14 @@ def test_values_mean_what_was_typed(override, key, expected):
         (["seed=-1"], "seed"),
         (["model.device=gpu"], "model.device"),
         (["model.path="], "model.path"),
-        (["env.dim_room=[2, 6]"], "env.dim_room"),
-        (["env.dim_room=[6, 6"], "env.dim_room"),  # invalid YAML in a list value
+        (["env.sokoban.dim_room=[2, 6]"], "env.sokoban"),  # checked by the env itself
+        (["env.sokoban.dim_room=[6, 6"], "env.sokoban.dim_room"),  # invalid YAML in a list value
+        (["env.reward_weights.box=x"], "env.reward_weights.box"),
+        (["env.reward_weights.nosuch=1"], "nosuch"),
+        (["env.reward_weights=[1]"], "env.reward_weights"),
         (["train.lr.x=1"], "train.lr"),  # a nested key into a scalar
         (["train.lr=1", "train.lr.x=2"], "train.lr"),
+        (["train.lr.x=2", "train.lr=1"], "train.lr"),
         (["train=3"], "train"),
         (["train..lr=1"], "train..lr"),  # an empty key part
         (["=1"], "key=value"),
@@ -201,16 +207,20 @@ def test_cli_bad_values_fail_before_any_work(tmp_path, monkeypatch, argv):
 
 # ---------------------------------------------------------------- fuzzing: a one-line ConfigError or the meant value
 
-FIELD_TYPES = {}
-for _key in all_keys():
-    _section, _, _name = _key.rpartition(".")
-    _cls = type(getattr(Config(), _section)) if _section else Config
-    FIELD_TYPES[_key] = typing.get_type_hints(_cls)[_name]
+def _field_type(key: str):
+    owner = Config()
+    *sections, name = key.split(".")
+    for part in sections:
+        owner = getattr(owner, part)
+    return typing.get_type_hints(type(owner))[name]
+
+
+FIELD_TYPES = {key: _field_type(key) for key in all_keys()}
 _SPECIAL = ["", " ", "0", "1", "-1", "010", "0x10", "1e3", "1.5", "-0", "+3", "nan", "NaN", "inf", "-inf", "1e308",
             "1e309", "1e-400", "true", "False", "yes", "no", "on", "off", "y", "n", "null", "~", "None", "[1, 2]",
             "[6, 6]", "[3, 3]", "{a: 1}", "[", "]", "{", "'x'", '"y"', "${x}", "!!python/object:os.system", "a\x00b",
             "\udcff", "é", "١٢", "1_000", " 5 ", "auto", "cpu", "cuda:0", "grpo", "top_p", "2**8",
-            "99999999999999999999"]
+            "99999999999999999999", "{}", "{box: 2}", "{success: 0.5}", "{nosuch: 1}"]
 _VALUES = st.one_of(st.sampled_from(_SPECIAL), st.text(max_size=12), st.integers(-10**20, 10**20).map(str),
                     st.floats(allow_nan=True, allow_infinity=True).map(repr))
 _KEYS = st.one_of(st.sampled_from(all_keys()), st.sampled_from(all_keys()).map(lambda k: k + ".x"),
@@ -243,6 +253,10 @@ def _meant(raw: str, hint) -> object:
         except ValueError:
             return INVALID
         return number if math.isfinite(number) else INVALID
+    if typing.get_origin(hint) is dict:  # a mapping of at most one name here
+        m = re.fullmatch(r"\{\s*(?:(\w+)\s*:\s*([^,{}\s]+)\s*)?\}", text)
+        weight = _meant(m.group(2), float) if m and m.group(1) else None
+        return INVALID if not m or weight is INVALID else ({m.group(1): weight} if m.group(1) else {})
     if typing.get_origin(hint) is list:
         try:
             items = [x.strip() for x in text.removeprefix("[").removesuffix("]").split(",")]
@@ -266,7 +280,7 @@ def test_fuzzed_overrides_give_a_config_error_or_the_meant_value(items):
         assert "\n" not in str(e) and str(e)
         return
     last = {}
-    for k, v in items:  # a later override of the same key wins
+    for k, v in items:  # a later override of the same key wins (before any value is read)
         last[k.strip()] = v
     for key, raw in last.items():
         assert key in FIELD_TYPES, f"unknown key {key!r} was accepted"

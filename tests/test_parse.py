@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rldynamics.rollout.parse import ParsedTurn, parse_response, strip_special_tokens
+from rldynamics.rollout.parse import ParsedTurn, parse_answer, parse_response, strip_special_tokens
 
 ACTIONS = ("Up", "Down", "Left", "Right")
 
@@ -181,3 +181,24 @@ def test_megabyte_responses_parse_in_linear_time(case: str) -> None:
         pytest.fail(f"parsing the 1 MB response {case!r} did not finish in 120 s")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == repr(expected)
+
+
+@pytest.mark.parametrize(
+    ("text", "enable_think", "expected"),
+    [
+        ("<answer> (3 + 5) * 2 </answer>", False, ParsedTurn(actions=["(3 + 5) * 2"], format_ok=True)),
+        ("<answer>  </answer>", False, ParsedTurn()),
+        ("no tags", False, ParsedTurn()),
+        ("<think>add</think><answer>7 - 2</answer>", True, ParsedTurn(actions=["7 - 2"], format_ok=True, think="add")),
+        ("<answer>7 - 2</answer>", True, ParsedTurn()),  # think required
+    ],
+)
+def test_free_form_answers(text: str, enable_think: bool, expected: ParsedTurn) -> None:
+    assert parse_answer(text, enable_think=enable_think) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=_TEXT, enable_think=st.booleans())
+def test_free_form_parser_never_raises(text: str, enable_think: bool) -> None:
+    parsed = parse_answer(text, enable_think=enable_think)
+    assert parsed.format_ok == bool(parsed.actions) and len(parsed.actions) <= 1

@@ -46,19 +46,19 @@ def _env(grid: str, **kwargs: object) -> SokobanEnv:
 def test_push_onto_target_then_solve_rewards() -> None:
     env = _env(TWO_BOXES)
     first = env.step("Right")
-    assert first.reward == pytest.approx(-0.1 + 1.0)
+    assert first.reward == {"step": -0.1, "box": 1.0, "solved": 0.0}
     assert not first.done and first.info == {"action_is_effective": 1.0, "action_is_valid": 1.0, "success": 0.0}
     assert first.observation == "######\n#_P√_#\n#_XO_#\n######"
-    assert [env.step(a).reward for a in ("Left", "Down")] == pytest.approx([-0.1, -0.1])
+    assert [sum(env.step(a).reward.values()) for a in ("Left", "Down")] == pytest.approx([-0.1, -0.1])
     last = env.step("Right")
-    assert last.reward == pytest.approx(-0.1 + 1.0 + 10.0)
+    assert last.reward == {"step": -0.1, "box": 1.0, "solved": 10.0}
     assert last.done and last.info["success"] == 1.0 and env.success()
 
 
 def test_push_off_target_is_penalised_and_player_shows_on_target() -> None:
     env = _env(PUSH_OFF)
     result = env.step("Right")
-    assert result.reward == pytest.approx(-0.1 - 1.0)
+    assert result.reward == {"step": -0.1, "box": -1.0, "solved": 0.0}
     assert result.observation == "######\n#_SXO#\n#__X_#\n######"
     assert not result.done and result.info["action_is_effective"] == 1.0
 
@@ -72,7 +72,7 @@ def test_blocked_moves_are_ineffective(grid: str, action: str) -> None:
     env = _env(grid)
     before = env.get_state()
     result = env.step(action)
-    assert result.reward == pytest.approx(-0.1)
+    assert result.reward == {"step": -0.1, "box": 0.0, "solved": 0.0}
     assert result.info["action_is_effective"] == 0.0 and result.info["action_is_valid"] == 1.0
     assert (env.get_state().player, env.get_state().boxes) == (before.player, before.boxes)
     assert env.get_state().num_env_steps == 1
@@ -224,7 +224,7 @@ def test_solver_solutions_solve_generated_puzzles(dim_room: tuple[int, int], num
         plan = env.solve()
         results = [env.step(action) for action in plan]
         assert plan and env.success(), f"seed {seed}"
-        assert results[-1].done and results[-1].reward == pytest.approx(-0.1 + 1.0 + 10.0)
+        assert results[-1].done and sum(results[-1].reward.values()) == pytest.approx(-0.1 + 1.0 + 10.0)
         assert not any(r.done for r in results[:-1])
 
 
@@ -263,5 +263,5 @@ def test_make_env_unknown_name_suggests_and_lists() -> None:
 
 def test_step_penalty_is_configurable():
     env = _env(PUSH_OFF, step_penalty=0.0)
-    assert env.step("Down").reward == 0.0  # an ordinary move costs nothing
-    assert _env(PUSH_OFF).step("Down").reward == pytest.approx(-0.1)
+    assert sum(env.step("Down").reward.values()) == 0.0  # an ordinary move costs nothing
+    assert _env(PUSH_OFF).step("Down").reward["step"] == pytest.approx(-0.1)

@@ -55,28 +55,28 @@ def test_resume_gives_identical_weights(fast_overrides):
 
 
 def test_trains_another_architecture_from_a_local_path(fast_overrides, tmp_path):
-    """`model.path=DIR` takes any causal LM saved with save_pretrained: here a Llama, with critic and reference."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    """`model.path=DIR` takes any causal LM saved with save_pretrained: here a Qwen2, with critic and reference."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from rldynamics.models.loading import load_model_and_tokenizer
     from rldynamics.train.setup import base_model_path
 
     _, tokenizer = load_model_and_tokenizer(base_model_path(make_config(overrides=fast_overrides)))
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
-    tokenizer.save_pretrained(tmp_path / "llama")
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen2")
+    tokenizer.save_pretrained(tmp_path / "qwen2")
 
-    run = train(make_config(overrides=[*fast_overrides, "log.name=llama", f"model.path={tmp_path / 'llama'}",
+    run = train(make_config(overrides=[*fast_overrides, "log.name=qwen2", f"model.path={tmp_path / 'qwen2'}",
                                        "algo.adv_estimator=gae", "algo.kl_coef=0.01"]))
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(math.isfinite(rows[-1][k]) for k in ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss"))
     actor = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_2" / "actor")
-    assert isinstance(actor, LlamaForCausalLM)
-    before = LlamaForCausalLM.from_pretrained(tmp_path / "llama").state_dict()
+    assert isinstance(actor, Qwen2ForCausalLM)
+    before = Qwen2ForCausalLM.from_pretrained(tmp_path / "qwen2").state_dict()
     assert any(not torch.equal(before[k], v) for k, v in actor.state_dict().items())  # it was trained
 
 

@@ -16,6 +16,7 @@ def test_warm_start_key_changes_with_every_input():
     base = "/a/tiny/0123abcd"
     keys = {warm_start_key(base, make_config(overrides=ov)) for ov in (
         [], ["model.warm_start_noise=0.3"], ["model.warm_start_episodes=16"], ["model.warm_start_epochs=2"],
-        ["model.warm_start_lr=1e-4"], ["model.warm_start_turns=2"], ["seed=1"], ["env.observation_format=coord"],
+        ["model.warm_start_lr=1e-4"], ["model.warm_start_turns=2"], ["seed=1"],
+        ["env.sokoban.observation_format=coord"],
     )}
     assert len(keys) == 8

@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", metavar="RUN_DIR")
     report.add_argument("--out", default=None, help="output file (default: RUN_DIR/report.html)")
 
-    sub.add_parser("envs", help="list the registered environments")
+    sub.add_parser("envs", help="list the environments with their keys, defaults and reward components",
+                   description="Every registered env: its keys (env.<name>.<key>=default  meaning), its reward "
+                               "components with their default weights, and its action words.")
     return parser
 
 
@@ -147,10 +149,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_envs(args: argparse.Namespace) -> int:
-    from rldynamics.envs import ENVS
+    from rldynamics.config import envs_help
 
-    for name, cls in ENVS.items():
-        print(f"{name:12s} {cls.__module__}.{cls.__name__}")
+    print(envs_help())
     return 0
 
 

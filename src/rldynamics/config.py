@@ -31,6 +31,8 @@ from typing import Any
 
 import yaml
 
+from rldynamics.envs import ENVS
+
 
 class ConfigError(ValueError):
     """A bad config key or value; the message names it and says how to fix it."""
@@ -42,10 +44,12 @@ class ModelConfig:
     """HF model id or local directory; `tiny` = the embedded default model built locally."""
     dtype: str = "float32"
     """Parameter dtype: float32 | bfloat16 | float16 | auto."""
+    chat_template: str | None = None
+    """Prompt format: null = the tokenizer's own chat template | chatml | path to a Jinja template file."""
     device: str = "auto"
-    """Device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N | mps."""
+    """Device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N."""
     tiny_hidden_size: int = 64
-    """Tiny model only: hidden size of the embedded Qwen2-architecture model."""
+    """Tiny model only: hidden size of the embedded Llama-architecture model."""
     tiny_layers: int = 2
     """Tiny model only: transformer layers."""
     warm_start_episodes: int = 8192
@@ -62,8 +66,10 @@ class ModelConfig:
 
 @dataclass
 class EnvConfig:
+    """Keys every env shares; each registered env adds its own section `env.<name>.*` (see `env_config_type`)."""
+
     name: str = "sokoban"
-    """Environment name in `rldynamics.envs.ENVS`."""
+    """Environment name in `rldynamics.envs.ENVS` (`rldyn envs` lists them with their keys)."""
     max_turns: int = 5
     """Turns per episode (one model response per turn)."""
     max_actions_per_turn: int = 2
@@ -73,21 +79,30 @@ class EnvConfig:
     max_new_tokens: int = 24
     """Tokens the model may generate per turn."""
     enable_think: bool = False
-    """Require `<think>...</think>` before `<answer>...</answer>`."""
+    """Require `<think>...</think>` before `<answer>...</answer>` (the prompt opens the `<think>`)."""
     format_penalty: float = -0.1
-    """Reward added once per turn when the response is malformed or has no valid action."""
-    dim_room: list[int] = field(default_factory=lambda: [6, 6])
-    """Sokoban: room size (rows, cols)."""
-    num_boxes: int = 1
-    """Sokoban: number of boxes."""
-    max_steps: int = 100
-    """Sokoban: env steps before the env itself ends the episode."""
-    search_depth: int = 300
-    """Sokoban: depth of the reverse-play search that scrambles the solved room."""
-    observation_format: str = "grid_coord"
-    """Sokoban: grid | coord | grid_coord."""
-    step_penalty: float = -0.1
-    """Sokoban: reward of every step (RAGEN: -0.1)."""
+    """Reward component `format_penalty`, added once per malformed turn (0 = no such component)."""
+    reward_weights: dict[str, float] = field(default_factory=dict)
+    """Weight of a reward component in the trained score, e.g. env.reward_weights.box=2 (unset: the env's default)."""
+
+    def options(self) -> dict[str, Any]:
+        """The selected env's own keys as constructor keyword arguments."""
+        return dataclasses.asdict(getattr(self, self.name))
+
+
+def env_config_type() -> type:
+    """`EnvConfig` with one section per registered env (`env.sokoban`, `env.frozenlake`, ...).
+
+    Built from the registry each time, so an env registered at run time gets its keys too.
+    """
+    sections = tuple((name, cls.Config) for name, cls in ENVS.items())
+    if sections not in _ENV_TYPES:
+        fields = [(name, config, field(default_factory=config)) for name, config in sections]
+        _ENV_TYPES[sections] = dataclasses.make_dataclass("EnvConfig", fields, bases=(EnvConfig,))
+    return _ENV_TYPES[sections]
+
+
+_ENV_TYPES: dict[tuple, type] = {}
 
 
 @dataclass
@@ -212,6 +227,8 @@ class AnalysisConfig:
     """Probe mode: never update critic or actor."""
     prefilter: bool = False
     """Also analyse the separate analysis batch before filtering."""
+    reward_grad: bool = False
+    """Also analyse each named reward component's own gradient (reward_grad/<bucket>/*, reward_grad.json)."""
 
 
 @dataclass
@@ -265,7 +282,7 @@ class Config:
     seed: int = 0
     """Seed of model init, sampling and shuffling."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    env: EnvConfig = field(default_factory=EnvConfig)
+    env: EnvConfig = field(default_factory=lambda: env_config_type()())
     train: TrainConfig = field(default_factory=TrainConfig)
     val: ValConfig = field(default_factory=ValConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -279,7 +296,6 @@ class Config:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16", "auto"),
-    "env.observation_format": ("grid", "coord", "grid_coord"),
     "algo.adv_estimator": ("gae", "grpo", "rloo", "reinforce_pp"),
     "algo.policy_loss": ("ppo", "cispo"),
     "algo.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
@@ -296,8 +312,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
 # key -> (lowest allowed, lowest is allowed itself, highest allowed or None); null optional values are not checked.
 RANGES: dict[str, tuple[float, bool, float | None]] = {
     **dict.fromkeys((
-        "env.max_turns", "env.max_actions_per_turn", "env.max_actions_per_traj", "env.max_new_tokens", "env.num_boxes",
-        "env.max_steps", "env.search_depth", "train.env_groups", "train.group_size", "train.ppo_epochs",
+        "env.max_turns", "env.max_actions_per_turn", "env.max_actions_per_traj", "env.max_new_tokens",
+        "train.env_groups", "train.group_size", "train.ppo_epochs",
         "train.mini_batch_size", "train.micro_batch_size", "val.env_groups", "val.group_size", "analysis.every",
         "analysis.num_buckets", "analysis.env_groups", "analysis.group_size", "model.tiny_hidden_size",
         "model.tiny_layers", "model.warm_start_turns", "model.warm_start_epochs", "early_stop.rv_baseline_steps",
@@ -411,6 +427,9 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             if not isinstance(node, dict):
                 scalar = ".".join(parts[: depth + 1])
                 raise ConfigError(f"{key}: {scalar} is a value, not a section; set {scalar}=... instead")
+        if isinstance(node.get(parts[-1]), dict):
+            sub = next(iter(node[parts[-1]]), "")
+            raise ConfigError(f"{key} is given both a value and sub-keys ({key}.{sub}=...); give one of them")
         node[parts[-1]] = raw
     return nested
 
@@ -524,9 +543,29 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"{key} must be {what}{f' and <= {high}' if high is not None else ''}, got {value}")
     if not DEVICE.fullmatch(cfg.model.device):
         raise ConfigError(f"model.device={cfg.model.device!r} is not a device; use auto, cpu, cuda, cuda:N or mps")
-    if len(cfg.env.dim_room) != 2 or min(cfg.env.dim_room) < 3:
-        raise ConfigError(f"env.dim_room must be [rows, cols], each >= 3 (walls included), got {cfg.env.dim_room}")
+    _validate_env(cfg.env)
     return cfg
+
+
+def _validate_env(env: EnvConfig) -> None:
+    """The env name, its own keys (checked by constructing the env) and the reward weights."""
+    if env.name not in ENVS:
+        raise ConfigError(f"env.name={env.name!r} is not a registered env; choose one of: {', '.join(ENVS)}"
+                          f"{_suggest(env.name, list(ENVS))}")
+    try:
+        instance = ENVS[env.name](**env.options())
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"bad value in env.{env.name}: {e}") from e
+    names = reward_names(instance, env)
+    unknown = sorted(set(env.reward_weights) - set(names))
+    if unknown:
+        raise ConfigError(f"env.reward_weights names unknown reward components {unknown}; env {env.name!r} has "
+                          f"{', '.join(names)}")
+
+
+def reward_names(env, cfg: EnvConfig) -> tuple[str, ...]:
+    """The reward components of a rollout: the env's own, then `format_penalty` when it is non-zero."""
+    return tuple(env.reward_names) + (("format_penalty",) if cfg.format_penalty != 0 else ())
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -542,11 +581,25 @@ def make_config(preset: str | None = "sokoban-tiny", file: str | Path | None = N
     cfg = base or Config()
     if preset:
         cfg = _merge(cfg, _preset_dict(preset), f"preset {preset!r}")
+    user: list[tuple[dict[str, Any], str]] = []
     if file:
-        cfg = _merge(cfg, read_config_file(file), str(file))
+        user.append((read_config_file(file), str(file)))
     if overrides:
-        cfg = _merge(cfg, parse_overrides(overrides), "command-line overrides")
+        user.append((parse_overrides(overrides), "command-line overrides"))
+    for data, source in user:
+        cfg = _merge(cfg, data, source)
+    for data, source in user:
+        _check_env_sections(data, cfg.env.name, source)
     return validate(cfg)
+
+
+def _check_env_sections(data: dict[str, Any], name: str, source: str) -> None:
+    """Keys of an env other than the selected one are an error (they would silently do nothing)."""
+    for other, keys in (data.get("env") or {}).items():
+        if other in ENVS and other != name and isinstance(keys, dict):
+            key = f"env.{other}.{next(iter(keys), '')}"
+            raise ConfigError(f"{key} in {source} is a key of env {other!r}, but env.name={name!r}; "
+                              f"set env.name={other} or use env.{name}.* keys (`rldyn envs` lists them)")
 
 
 def read_config_file(file: str | Path) -> Any:
@@ -568,8 +621,12 @@ def apply_overrides(cfg: Config, overrides: list[str], source: str = "command-li
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
-    """Plain nested dict of a Config."""
-    return dataclasses.asdict(cfg)
+    """Plain nested dict of a Config; of the env sections only the selected env's is kept."""
+    data = dataclasses.asdict(cfg)
+    for other in ENVS:
+        if other != cfg.env.name:
+            data["env"].pop(other, None)
+    return data
 
 
 def config_diff(a: Config, b: Config) -> list[tuple[str, Any, Any]]:
@@ -589,26 +646,58 @@ def load_config(path: str | Path) -> Config:
 
 def help_text() -> str:
     """Every key with its default and docstring, for `rldyn train --help-config`."""
+    return "\n".join(f"  {key}={default!s:<12} {doc}" for key, default, doc in documented_keys(Config()))
+
+
+def envs_help() -> str:
+    """`rldyn envs`: each env's keys with defaults and meanings, reward components and actions."""
+    blocks = []
+    shared = EnvConfig()
+    for name, cls in ENVS.items():
+        env = cls(**dataclasses.asdict(cls.Config()))
+        weights = ", ".join(f"{r} (weight {env.reward_weights.get(r, 1.0):g})" for r in env.reward_names)
+        actions = ", ".join(env.actions) if env.actions else "free-form answer text"
+        lines = [f"{name}  ({cls.__module__}.{cls.__name__})", f"  reward components: {weights}; plus "
+                 f"format_penalty (env.format_penalty={shared.format_penalty:g}) for malformed turns",
+                 f"  actions: {actions}"]
+        keys = documented_keys(cls.Config(), f"env.{name}.")
+        lines += [f"  {key}={default!s:<12} {doc}" for key, default, doc in keys]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n\nshared keys: env.name, env.max_turns, env.max_actions_per_turn, " \
+        "env.max_actions_per_traj, env.max_new_tokens, env.enable_think, env.format_penalty, env.reward_weights " \
+        "(`rldyn train --help-config`)."
+
+
+def documented_keys(obj: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(dotted key, default, docstring) of every field of a config dataclass instance, sections recursively."""
+    docs: dict[str, str] = {}
+    for cls in reversed(type(obj).__mro__):
+        if dataclasses.is_dataclass(cls):
+            docs.update(field_docs(cls))
+    out = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out += documented_keys(value, f"{prefix}{f.name}.")
+        else:
+            out.append((f"{prefix}{f.name}", value, docs.get(f.name, "")))
+    return out
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass, read from its source."""
     import ast
     import inspect
+    import textwrap
 
-    lines = []
-    for section in [Config, *(type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)
-                              if dataclasses.is_dataclass(getattr(Config(), f.name)))]:
-        tree = ast.parse(inspect.getsource(section))
-        body = tree.body[0].body  # type: ignore[attr-defined]
-        prefix = "" if section is Config else _section_name(section) + "."
-        for node, nxt in zip(body, body[1:] + [None], strict=True):
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                doc = nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) else ""
-                if doc:
-                    default = _get(Config(), prefix + node.target.id)
-                    lines.append(f"  {prefix}{node.target.id}={default!s:<12} {doc}")
-    return "\n".join(lines)
-
-
-def _section_name(section: type) -> str:
-    for f in dataclasses.fields(Config):
-        if type(getattr(Config(), f.name)) is section:
-            return f.name
-    raise KeyError(section)
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):  # built at run time (the env section type) or defined without a source file
+        return {}
+    body = ast.parse(textwrap.dedent(source)).body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:] + [None], strict=True):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = nxt.value.value
+    return docs

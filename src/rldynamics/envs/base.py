@@ -3,16 +3,23 @@
 Design choices:
 - Envs speak text. `reset` and `step` return observation strings; the rollout loop owns prompts, chat
   templates and action parsing (`rldynamics.rollout.parse`), so an env never sees raw model output.
-- `step` takes exactly one action word that the caller has already checked against `actions`. Turns with
-  several actions are the rollout loop's business: it calls `step` once per action.
-- Rewards come back as one float per step plus an `info` dict of floats (0/1 flags and counters), so
-  metrics can be averaged without type juggling.
+- Two kinds of action: envs with action *words* (`actions = ("Up", "Down", ...)`) receive one checked
+  word per `step` call (a turn with several actions is several calls); free-form envs (`actions = ()`,
+  e.g. Countdown) receive the whole stripped `<answer>` text as one action.
+- Rewards are named components: `step` returns `dict[str, float]` over the env's `reward_names`
+  (a missing name counts 0). They stay separate until the rollout forms the trained score, their weighted
+  sum (weights: `reward_weights`, overridable with `env.reward_weights`). `info` holds float diagnostics.
+- Each env declares its own config dataclass (`Config`, one docstring per field); its fields are the
+  constructor's keyword arguments and the user's `env.<name>.<field>` keys.
 - `reset(seed)` is deterministic: the same seed gives the same initial state in every process and on
   every machine. Envs in a group share a seed and therefore a starting state.
+- `solve`, `random_action` and `corpus_extras` serve the embedded tiny model only (its tokenizer corpus
+  and supervised warm start); an env used with a real model may leave them out.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -23,30 +30,35 @@ class StepResult:
 
     Attributes:
         observation: text rendering of the state after the action.
-        reward: scalar reward for this single action.
-        done: True when the episode is over (solved, or out of env steps).
+        reward: named reward components of this action (names from the env's `reward_names`).
+        done: True when the episode is over (solved, failed, or out of env steps).
         info: float-valued diagnostics; at least `action_is_effective` (1.0 if the action changed the
-            state), `action_is_valid` (1.0 if the action was a legal word) and `success` (1.0 if solved).
+            state), `action_is_valid` (1.0 if the action was legal) and `success` (1.0 if solved).
     """
 
     observation: str
-    reward: float
+    reward: dict[str, float]
     done: bool
     info: dict[str, float] = field(default_factory=dict)
 
 
 @runtime_checkable
 class Env(Protocol):
-    """A text environment driven one action word at a time.
+    """A text environment driven one action at a time.
 
     Attributes:
-        actions: the valid action words, spelled as the model should write them (e.g. "Up").
+        actions: the valid action words, spelled as the model should write them (e.g. "Up"); an empty
+            tuple means the whole answer text is the action (free-form answers).
+        reward_names: the names of the reward components `step` reports.
+        reward_weights: default weight of each component in the trained score (missing names: 1.0).
     """
 
     actions: tuple[str, ...]
+    reward_names: tuple[str, ...]
+    reward_weights: dict[str, float]
 
     def instructions(self) -> str:
-        """Task description for the system prompt: rules, symbol legend and available actions."""
+        """Task description for the system prompt: rules, symbols and the available actions."""
         ...
 
     def reset(self, seed: int) -> str:
@@ -54,9 +66,15 @@ class Env(Protocol):
         ...
 
     def step(self, action: str) -> StepResult:
-        """Execute one action word (already validated to be in `actions`) and return the outcome."""
+        """Execute one action (a word in `actions`, or the answer text of a free-form env)."""
         ...
 
     def success(self) -> bool:
         """True when the current state counts as solved."""
         ...
+
+
+def random_action(env: Env, rng: random.Random) -> str:
+    """A random action for noisy demonstrations: the env's own `random_action`, else a random action word."""
+    own = getattr(env, "random_action", None)
+    return own(rng) if own is not None else rng.choice(env.actions)

@@ -2,7 +2,8 @@
 
 Design choices:
 - Behaviour follows RAGEN's Sokoban (reference/ragen_behaviour.md §7): push dynamics; −0.1 per step,
-  +1 / −1 when the number of boxes on targets goes up / down, +10 when every box is on a target; `done`
+  +1 / −1 when the number of boxes on targets goes up / down, +10 when every box is on a target, reported
+  as the named reward components `step`, `box` and `solved` (their sum is RAGEN's reward); `done`
   when solved or after `max_steps` env steps; the grid / coord / grid_coord renderings. Defaults mirror
   RAGEN's CoordSokoban tag (6×6, 1 box, 100 steps, grid_coord).
 - The generator is ours. Topology: a random walk that carves 3×3 floor masks inside a wall border. Boxes
@@ -28,7 +29,7 @@ import numbers
 import random
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from rldynamics.envs.base import StepResult
 
@@ -360,19 +361,34 @@ def _dim_room(value: object) -> tuple[int, int]:
     return _int_at_least("dim_room[0]", value[0], 3), _int_at_least("dim_room[1]", value[1], 3)
 
 
+@dataclass
+class SokobanConfig:
+    """Sokoban's keys (`env.sokoban.<key>`); defaults are RAGEN's CoordSokoban tag."""
+
+    dim_room: list[int] = field(default_factory=lambda: [6, 6])
+    """Room size [rows, cols], border included."""
+    num_boxes: int = 1
+    """Boxes (and targets) per room."""
+    max_steps: int = 100
+    """Env steps before the env itself ends the episode."""
+    search_depth: int = 300
+    """Depth of the reverse-play search that scrambles the solved room."""
+    observation_format: str = "grid_coord"
+    """grid | coord | grid_coord."""
+    step_penalty: float = STEP_PENALTY
+    """Reward component `step` of every action (RAGEN: -0.1)."""
+
+
 class SokobanEnv:
     """Sokoban with RAGEN's rewards and text renderings; see the module docstring for the generator.
 
-    Args:
-        dim_room: (rows, cols) of generated rooms, border included (list or tuple).
-        num_boxes: boxes (and targets) per generated room.
-        max_steps: env steps after which the episode is done.
-        search_depth: maximum reverse-play moves used to scramble a generated room.
-        observation_format: "grid", "coord" or "grid_coord".
-        step_penalty: reward of every step (RAGEN: -0.1).
+    Args: the fields of `SokobanConfig`.
     """
 
+    Config = SokobanConfig
     actions: tuple[str, ...] = ACTIONS
+    reward_names: tuple[str, ...] = ("step", "box", "solved")
+    reward_weights: dict[str, float] = {}
 
     def __init__(
         self,
@@ -430,13 +446,8 @@ class SokobanEnv:
         player, boxes = _push(state, DELTAS[action])
         self._state = replace(state, player=player, boxes=boxes, num_env_steps=state.num_env_steps + 1)
         before, after = len(state.boxes & state.targets), len(boxes & state.targets)
-        reward = self.step_penalty
-        if after > before:
-            reward += BOX_ON_TARGET_REWARD
-        elif after < before:
-            reward += BOX_OFF_TARGET_PENALTY
-        if self.success():
-            reward += SOLVED_REWARD
+        box = BOX_ON_TARGET_REWARD if after > before else BOX_OFF_TARGET_PENALTY if after < before else 0.0
+        reward = {"step": self.step_penalty, "box": box, "solved": SOLVED_REWARD if self.success() else 0.0}
         info = {"action_is_effective": float(player != state.player), "action_is_valid": 1.0}
         info["success"] = float(self.success())
         return StepResult(observation=self.render(), reward=reward, done=self.done(), info=info)
@@ -457,6 +468,11 @@ class SokobanEnv:
     def solve(self) -> list[str]:
         """Shortest action sequence from the current state (see `solve`)."""
         return solve(self.get_state())
+
+    def corpus_extras(self) -> list[str]:
+        """Extra tokenizer-corpus texts: every cell coordinate, often enough to become one token each."""
+        rows, cols = self.dim_room
+        return [" ".join(f"({r}, {c})" for r in range(rows) for c in range(cols))] * 50
 
     def get_state(self) -> SokobanState:
         """The current (immutable) state; pass it to `set_state` to restore it later."""

@@ -37,7 +37,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from rldynamics.models.tiny import ensure_tiny_model
+from rldynamics.models.tiny import CHATML_TEMPLATE, ensure_tiny_model
 
 DTYPES: dict[str, torch.dtype | str] = {
     "float32": torch.float32,
@@ -57,7 +57,8 @@ def resolve_model_path(path: str, corpus_fn: Callable[[], Iterable[str]], cache_
 
 
 def load_model_and_tokenizer(
-    path: str, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False
+    path: str, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False,
+    chat_template: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a local directory or a hub name.
 
@@ -66,6 +67,8 @@ def load_model_and_tokenizer(
         dtype: one of ``float32``, ``bfloat16``, ``float16``, ``auto`` (the checkpoint's dtype).
         device: torch device the model is moved to.
         trust_remote_code: forwarded to ``from_pretrained``.
+        chat_template: ``None`` keeps the tokenizer's own template; ``"chatml"`` sets a plain ChatML template;
+            anything else is the path of a Jinja template file.
 
     Returns:
         ``(model, tokenizer)``; the model is in eval mode, the tokenizer pads on the left and has a pad token.
@@ -83,6 +86,8 @@ def load_model_and_tokenizer(
             raise
         raise OSError(_not_found_message(path) + f" Underlying error: {err}") from err
     _prepare_tokenizer(tokenizer, path)
+    if chat_template is not None:
+        tokenizer.chat_template = _read_chat_template(chat_template)
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.to(device).eval(), tokenizer
@@ -148,6 +153,16 @@ class ValueModel(nn.Module):
         if head_file.is_file():
             model.head.load_state_dict(load_file(str(head_file)))
         return model.to(device)
+
+
+def _read_chat_template(spec: str) -> str:
+    """``chatml`` or the text of a Jinja template file."""
+    if spec == "chatml":
+        return CHATML_TEMPLATE
+    file = Path(spec).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"model.chat_template={spec!r}: no such template file (or use chatml)")
+    return file.read_text()
 
 
 def _parse_dtype(dtype: str) -> torch.dtype | str:

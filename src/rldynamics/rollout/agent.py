@@ -1,11 +1,13 @@
 """The multi-turn agent loop: envs in groups, batched generation, action parsing, one sequence per trajectory.
 
 Design choices:
-- Token ids are built incrementally, ChatML segment by segment, and the model's sampled ids are appended
-  as they are: the tokens trained on are the tokens sampled (no re-tokenisation of reformatted text).
-- A group's envs share one seed (same initial state). Turn reward = sum of env step rewards plus the
-  format penalty when the response is malformed; trajectory reward = sum of turn rewards, placed on the
-  last sampled token (`RolloutBatch.token_rewards`).
+- Prompts come from the tokenizer's chat template, rendered turn by turn (`rollout.chat`), and the
+  model's sampled ids are appended as they are: the tokens trained on are the tokens sampled (no
+  re-tokenisation of reformatted text).
+- A group's envs share one seed (same initial state). Rewards stay named components until the end: each
+  env step reports its components, a malformed turn adds `format_penalty` (when non-zero); the trajectory's
+  components are summed over turns, and the trained score is their weighted sum
+  (`rollout.rewards.weighted_sum`), placed on the last sampled token (`RolloutBatch.token_rewards`).
 - Generation uses the HF `generate` API (any causal LM); sampling is seeded by the caller through
   `torch.manual_seed`, so a rollout is a pure function of (model, seeds, sampling seed).
 """
@@ -17,26 +19,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rldynamics.config import EnvConfig
+from rldynamics.config import EnvConfig, reward_names
 from rldynamics.envs import make_env
 from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.rollout.parse import parse_response
+from rldynamics.rollout.chat import ChatPrompts, Conversation
+from rldynamics.rollout.parse import parse_answer, parse_response
+from rldynamics.rollout.rewards import resolve_weights, weighted_sum
 from rldynamics.rollout.sampling import sampling_guard
 
 SYSTEM_PREFIX = "You're a helpful assistant. "
 INVALID_NOTE = "No valid action provided previously. Environment state remains the same. Please try again.\n"
-
-
-def env_kwargs(cfg: EnvConfig) -> dict:
-    """The env-specific constructor arguments of `cfg` (Sokoban's keys for now)."""
-    return {
-        "dim_room": tuple(cfg.dim_room),
-        "num_boxes": cfg.num_boxes,
-        "max_steps": cfg.max_steps,
-        "search_depth": cfg.search_depth,
-        "observation_format": cfg.observation_format,
-        "step_penalty": cfg.step_penalty,
-    }
 
 
 def format_hint(cfg: EnvConfig) -> str:
@@ -47,25 +39,16 @@ def format_hint(cfg: EnvConfig) -> str:
     return f"Always output: {body} with no extra text. Max response length: {cfg.max_new_tokens} tokens."
 
 
-def system_message(instructions: str, cfg: EnvConfig) -> str:
-    """The system prompt: the env's instructions, the action budget and the output format."""
-    return (f"{SYSTEM_PREFIX}{instructions}\nUp to {cfg.max_actions_per_turn} actions per turn, separated by "
-            f"\" || \". {format_hint(cfg)}")
+def system_message(env, cfg: EnvConfig) -> str:
+    """The system prompt: the env's instructions, the action budget (action-word envs) and the output format."""
+    budget = (f"Up to {cfg.max_actions_per_turn} actions per turn, separated by \" || \". " if env.actions else "")
+    return f"{SYSTEM_PREFIX}{env.instructions()}\n{budget}{format_hint(cfg)}"
 
 
-def state_message(turn: int, observation: str, actions_left: int) -> str:
+def state_message(env, turn: int, observation: str, actions_left: int) -> str:
     """The user message that shows the state at the start of a turn."""
-    return f"Turn {turn}:\nState:\n{observation}\nYou have {actions_left} actions left."
-
-
-def chat_segment(role: str, content: str) -> str:
-    """One complete ChatML message."""
-    return f"<|im_start|>{role}\n{content}<|im_end|>\n"
-
-
-def assistant_header(cfg: EnvConfig) -> str:
-    """The generation prompt that opens the assistant's turn."""
-    return "<|im_start|>assistant\n" + ("<think>" if cfg.enable_think else "")
+    text = f"Turn {turn}:\nState:\n{observation}"
+    return text + (f"\nYou have {actions_left} actions left." if env.actions else "")
 
 
 @dataclass
@@ -75,9 +58,10 @@ class Trajectory:
     env: object
     seed: int
     group_id: int
+    conversation: Conversation
+    rewards: dict[str, float]
     ids: list[int] = field(default_factory=list)
     sampled: list[bool] = field(default_factory=list)
-    reward: float = 0.0
     done: bool = False
     num_actions: int = 0
     turns: int = 0
@@ -91,86 +75,112 @@ class Trajectory:
         self.sampled += [sampled] * len(ids)
 
 
+@dataclass
+class RolloutContext:
+    """What every turn of a rollout needs besides the trajectory: config, prompts, encoder, reward weights."""
+
+    cfg: EnvConfig
+    chat: ChatPrompts
+    tokenizer: object
+    weights: dict[str, float]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def rollout(model, tokenizer, seeds: list[int], group_size: int, cfg: EnvConfig, *, temperature: float = 1.0,
             respond: Callable[[list[Trajectory]], list[list[int]]] | None = None) -> RolloutBatch:
     """Run `len(seeds)` groups of `group_size` envs for up to `cfg.max_turns` turns; return their batch.
 
     Args:
         model: an HF causal LM (in eval mode for generation).
-        tokenizer: its tokenizer; must know `<|im_start|>` / `<|im_end|>` (ChatML).
+        tokenizer: its tokenizer, with a chat template.
         seeds: one env seed per group.
         temperature: sampling temperature.
         respond: optional policy replacing the model: maps the active trajectories to response token ids
-            (each ending with `<|im_end|>`); used for scripted demonstrations.
+            (each ending with a stop token); used for scripted demonstrations.
     """
-    encode = _encoder(tokenizer)
-    trajs = []
-    for g, seed in enumerate(seeds):
-        for _ in range(group_size):
-            env = make_env(cfg.name, **env_kwargs(cfg))
-            traj = Trajectory(env=env, seed=seed, group_id=g)
-            observation = traj.observation = env.reset(seed)
-            system = chat_segment("system", system_message(env.instructions(), cfg))
-            user = chat_segment("user", state_message(1, observation, cfg.max_actions_per_traj))
-            traj.add(encode(system + user + assistant_header(cfg)), sampled=False)
-            trajs.append(traj)
+    chat = ChatPrompts(tokenizer, enable_think=cfg.enable_think, model=model)
+    probe_env = make_env(cfg.name, **cfg.options())
+    names = reward_names(probe_env, cfg)
+    ctx = RolloutContext(cfg=cfg, chat=chat, tokenizer=tokenizer, weights=resolve_weights(probe_env, cfg, names))
+    trajs = [_start(ctx, seed, g, names) for g, seed in enumerate(seeds) for _ in range(group_size)]
     for turn in range(1, cfg.max_turns + 1):
         active = [t for t in trajs if not t.done]
         if not active:
             break
         if respond is None:
-            responses = generate(model, tokenizer, [t.ids for t in active], cfg.max_new_tokens, temperature)
+            responses = generate(model, tokenizer, [t.ids for t in active], cfg.max_new_tokens, temperature,
+                                 chat.stop_ids)
         else:
             responses = respond(active)
         for traj, response in zip(active, responses, strict=True):
-            _play_turn(traj, response, turn, tokenizer, encode, cfg)
-    return _to_batch(trajs, tokenizer)
+            _play_turn(ctx, traj, response, turn)
+    return _to_batch(trajs, tokenizer, names, ctx.weights)
 
 
-def _encoder(tokenizer):
-    def encode(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+def _start(ctx: RolloutContext, seed: int, group_id: int, names: tuple[str, ...]) -> Trajectory:
+    """A fresh env reset to `seed` and the token ids of its first prompt."""
+    env = make_env(ctx.cfg.name, **ctx.cfg.options())
+    observation = env.reset(seed)
+    conversation, prompt = ctx.chat.start(system_message(env, ctx.cfg),
+                                          state_message(env, 1, observation, ctx.cfg.max_actions_per_traj))
+    traj = Trajectory(env=env, seed=seed, group_id=group_id, conversation=conversation,
+                      rewards=dict.fromkeys(names, 0.0), observation=observation)
+    traj.add(ctx.encode(prompt), sampled=False)
+    return traj
 
-    return encode
 
-
-def _play_turn(traj: Trajectory, response: list[int], turn: int, tokenizer, encode, cfg: EnvConfig) -> None:
-    """Append the sampled response, execute its actions, append the next user message (or close)."""
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+def _play_turn(ctx: RolloutContext, traj: Trajectory, response: list[int], turn: int) -> None:
+    """Append the sampled response, execute its actions, append the next user message (or close the turn)."""
+    cfg, chat = ctx.cfg, ctx.chat
     traj.add(response, sampled=True)
     traj.response_tokens += len(response)
-    if not response or response[-1] != eos:
-        traj.add([eos], sampled=False)  # close a truncated message; not trained
-    text = tokenizer.decode(response, skip_special_tokens=True)
-    parsed = parse_response(text, traj.env.actions, max_actions=cfg.max_actions_per_turn,
-                            enable_think=cfg.enable_think)
-    turn_reward = 0.0 if parsed.format_ok else cfg.format_penalty
+    stopped = bool(response) and response[-1] in chat.stop_ids
+    text = chat.think_prefix + ctx.tokenizer.decode(response, skip_special_tokens=True)
+    env = traj.env
+    if env.actions:
+        parsed = parse_response(text, env.actions, max_actions=cfg.max_actions_per_turn, enable_think=cfg.enable_think)
+    else:
+        parsed = parse_answer(text, enable_think=cfg.enable_think)
+    turn_rewards = dict.fromkeys(traj.rewards, 0.0)
+    if not parsed.format_ok and "format_penalty" in turn_rewards:
+        turn_rewards["format_penalty"] = cfg.format_penalty
     traj.turns += 1
     traj.valid_turns += int(bool(parsed.actions))
     for action in parsed.actions[: cfg.max_actions_per_traj - traj.num_actions]:
-        result = traj.env.step(action)
+        result = env.step(action)
         traj.num_actions += 1
         traj.effective_actions += int(result.info.get("action_is_effective", 0))
-        turn_reward += result.reward
+        for name, value in result.reward.items():
+            turn_rewards[name] += value
         traj.observation = result.observation
         if result.done:
             traj.done = True
             break
-    traj.reward += turn_reward
-    if traj.num_actions >= cfg.max_actions_per_traj or turn == cfg.max_turns or traj.env.success():
+    for name, value in turn_rewards.items():
+        traj.rewards[name] += value
+    if traj.num_actions >= cfg.max_actions_per_traj or turn == cfg.max_turns or env.success():
         traj.done = True
-    if not traj.done:
-        note = "" if parsed.actions else INVALID_NOTE
-        actions_left = cfg.max_actions_per_traj - traj.num_actions
-        user = f"Reward: {turn_reward:g}\n{note}" + state_message(turn + 1, traj.observation, actions_left)
-        traj.add(encode("\n" + chat_segment("user", user) + assistant_header(cfg)), sampled=False)
+    if traj.done:
+        if not stopped:
+            traj.add(chat.closing_ids(), sampled=False)  # close a truncated reply; not trained
+        return
+    note = "" if parsed.actions else INVALID_NOTE
+    user = (f"Reward: {weighted_sum(turn_rewards, ctx.weights):g}\n{note}"
+            + state_message(env, turn + 1, traj.observation, cfg.max_actions_per_traj - traj.num_actions))
+    following = chat.next_turn(traj.conversation, user)
+    closing = chat.end_of_turn.rstrip()
+    if stopped and following.startswith(closing) and ctx.tokenizer.decode(response[-1:]) == closing:
+        following = following[len(closing):]  # the sampled stop token already closed the turn
+    traj.add(ctx.encode(following), sampled=False)
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> list[list[int]]:
-    """Sample one response per prompt (left-padded batch); each response ends at its first `<|im_end|>`."""
+def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+             stop_ids: list[int]) -> list[list[int]]:
+    """Sample one response per prompt (left-padded batch); each response ends at its first stop id (kept)."""
     pad = tokenizer.pad_token_id
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)  # [B, W]
     attention = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, W]
@@ -180,18 +190,19 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     device = next(model.parameters()).device
     out = model.generate(
         input_ids=input_ids.to(device), attention_mask=attention.to(device), do_sample=True,
-        temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
-        logits_processor=sampling_guard(temperature),  # applies the temperature; raises NonFiniteLogits
+        temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
+        pad_token_id=pad, logits_processor=sampling_guard(temperature),  # the guard applies the temperature
     )  # [B, W + new]
+    stops = set(stop_ids)
     responses = []
     for row in out[:, width:].tolist():
-        cut = row.index(eos) + 1 if eos in row else len(row)
+        cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
         responses.append(row[:cut])
     return responses
 
 
-def _to_batch(trajs: list[Trajectory], tokenizer) -> RolloutBatch:
-    """Right-pad the trajectories into a RolloutBatch with per-trajectory env metrics."""
+def _to_batch(trajs: list[Trajectory], tokenizer, names: tuple[str, ...], weights: dict[str, float]) -> RolloutBatch:
+    """Right-pad the trajectories into a RolloutBatch with reward components and per-trajectory env metrics."""
     width = max(len(t.ids) for t in trajs)
     n = len(trajs)
     input_ids = torch.full((n, width), tokenizer.pad_token_id, dtype=torch.long)  # [N, L]
@@ -205,15 +216,18 @@ def _to_batch(trajs: list[Trajectory], tokenizer) -> RolloutBatch:
         input_ids=input_ids,
         attention_mask=attention,
         response_mask=response_mask,
-        scores=torch.tensor([t.reward for t in trajs], dtype=torch.float32),  # [N]
+        scores=torch.tensor([weighted_sum(t.rewards, weights) for t in trajs], dtype=torch.float32),  # [N]
         group_ids=torch.tensor([t.group_id for t in trajs], dtype=torch.long),  # [N]
-        env_metrics=[_metrics(t) for t in trajs],
+        reward_components=torch.tensor([[t.rewards[k] for k in names] for t in trajs], dtype=torch.float32),  # [N, K]
+        reward_names=names,
+        reward_weights=tuple(weights[k] for k in names),
+        env_metrics=[_metrics(t, weights) for t in trajs],
         texts=[tokenizer.decode(t.ids, skip_special_tokens=False) for t in trajs],
         seeds=[t.seed for t in trajs],
     )
 
 
-def _metrics(t: Trajectory) -> dict[str, float]:
+def _metrics(t: Trajectory, weights: dict[str, float]) -> dict[str, float]:
     return {
         "success": float(t.env.success()),
         "num_actions": float(t.num_actions),
@@ -222,7 +236,7 @@ def _metrics(t: Trajectory) -> dict[str, float]:
         "manager_invalid_action": 1.0 - t.valid_turns / max(t.turns, 1),
         "response_length": t.response_tokens / max(t.turns, 1),
         "num_turns": float(t.turns),
-        "reward": t.reward,
+        "reward": weighted_sum(t.rewards, weights),
     }
 
 

@@ -7,6 +7,9 @@ Conventions (one place for shapes):
   tokens are exactly the sampled tokens; chat-template and observation tokens have mask 0.
 - Rows are right-padded with the tokenizer's pad id (attention 0); trajectories of a group are
   contiguous and share `group_ids`.
+- Rewards are named: `reward_components[i, k]` is the raw value of component `reward_names[k]` summed
+  over trajectory `i`'s turns; `scores` is the trained reward, Σ_k reward_weights[k] · component k
+  (formed once, in `rollout.rewards.weighted_sum`).
 """
 
 from __future__ import annotations
@@ -21,8 +24,11 @@ class RolloutBatch:
     input_ids: torch.Tensor  # [N, L] long, right-padded
     attention_mask: torch.Tensor  # [N, L] long
     response_mask: torch.Tensor  # [N, L] float {0,1}: token sampled by the model
-    scores: torch.Tensor  # [N] float: trajectory reward (env rewards + format penalties)
+    scores: torch.Tensor  # [N] float: trained trajectory reward (weighted sum of the components)
     group_ids: torch.Tensor  # [N] long: trajectories of a group share an initial state
+    reward_components: torch.Tensor | None = None  # [N, K] float: raw reward components per trajectory
+    reward_names: tuple[str, ...] = ()  # K component names (batch-level, not per row)
+    reward_weights: tuple[float, ...] = ()  # K weights of the trained score (batch-level)
     env_metrics: list[dict[str, float]] = field(default_factory=list)  # one dict per trajectory
     texts: list[str] = field(default_factory=list)  # decoded conversation per trajectory
     seeds: list[int] = field(default_factory=list)  # env seed per trajectory
@@ -33,13 +39,17 @@ class RolloutBatch:
     @property
     def token_rewards(self) -> torch.Tensor:
         """The trajectory reward placed on the last sampled token of each row, zero elsewhere. [N, L]"""
+        return self.last_token(self.scores)
+
+    def last_token(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-row `values` [N] placed on the last sampled token of each row, zero elsewhere. [N, L]"""
         n, length = self.response_mask.shape
         positions = torch.arange(length).expand(n, length)  # [N, L]
         last = torch.where(self.response_mask > 0, positions, -1).amax(dim=1)  # [N]
-        rewards = torch.zeros(n, length, dtype=torch.float32)  # [N, L]
+        out = torch.zeros(n, length, dtype=torch.float32)  # [N, L]
         has = last >= 0  # [N]
-        rewards[has.nonzero().squeeze(1), last[has]] = self.scores[has].float()
-        return rewards
+        out[has.nonzero().squeeze(1), last[has]] = values[has].float()
+        return out
 
     def select(self, rows: torch.Tensor | list[int]) -> RolloutBatch:
         """A new batch holding `rows` (in the given order); per-token tensors keep their width L."""
@@ -49,7 +59,7 @@ class RolloutBatch:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 picked[f.name] = value[rows]
-            else:
+            elif isinstance(value, list):
                 picked[f.name] = [value[i] for i in rows.tolist()] if value else []
         return replace(self, **picked)
 

@@ -13,6 +13,7 @@ Design choices (reference/ragen_behaviour.md §7, "Action parsing"):
 - `format_ok` is False when the tags do not match, when an item within the cap was unknown, or when no
   valid action remains. The caller applies the format penalty and the "no valid action" handling.
 - Parsing never raises on any response text; only a bad `valid_actions` / `max_actions` raises ValueError.
+- Free-form envs (no action words) use `parse_answer`: the whole stripped answer is the one action.
 - Tags are located with `str.find`, never with a lazy regex over the whole text, so parsing is linear in the
   length of the text whatever it contains (a lazy `<answer>(.*?)</answer>` search is quadratic on a response
   of repeated `<answer>` tags and worse with the think pattern).
@@ -69,30 +70,11 @@ def _action_lookup(valid_actions: tuple[str, ...]) -> dict[str, str]:
     return lookup
 
 
-def parse_response(
-    text: str, valid_actions: tuple[str, ...], *, max_actions: int, enable_think: bool = False
-) -> ParsedTurn:
-    """Parse one response into at most `max_actions` canonical action words (see the module docstring).
-
-    Args:
-        text: the decoded model response (prefix it with the prompt's trailing `<think>` if any).
-        valid_actions: the env's action words, e.g. ("Up", "Down", "Left", "Right").
-        max_actions: the cap on actions per turn (>= 1); extra items are ignored without penalty.
-        enable_think: require `<think>...</think>` before the answer and return its text.
-    """
-    lookup = _action_lookup(tuple(valid_actions))
-    if isinstance(max_actions, bool) or not isinstance(max_actions, int) or max_actions < 1:
-        raise ValueError(f"max_actions must be an integer >= 1, got {max_actions!r}")
+def _match(text: str, enable_think: bool) -> tuple[str, str] | None:
+    """(think text, answer text) of the first tag match in `text` (special tokens stripped), or None."""
     text = strip_special_tokens(text)
-    match = _find_think_answer(text) if enable_think else _find_answer(text)
-    if match is None:
-        return ParsedTurn(actions=[], format_ok=False, think="")
-    think, answer = match
-    items = [item.strip() for item in answer.split(ACTION_SEPARATOR)]
-    items = [item for item in items if item][:max_actions]
-    actions = [lookup[item.casefold()] for item in items if item.casefold() in lookup]
-    format_ok = bool(actions) and len(actions) == len(items)
-    return ParsedTurn(actions=actions, format_ok=format_ok, think=think.strip())
+    found = _find_think_answer(text) if enable_think else _find_answer(text)
+    return None if found is None else (found[0].strip(), found[1])
 
 
 def _find_answer(text: str, start: int = 0) -> tuple[str, str] | None:
@@ -128,3 +110,40 @@ def _find_think_answer(text: str) -> tuple[str, str] | None:
             return None if found is None else (text[body:end], found[1])
         end = text.find(THINK_END, end + len(THINK_END))
     return None
+
+
+def parse_response(
+    text: str, valid_actions: tuple[str, ...], *, max_actions: int, enable_think: bool = False
+) -> ParsedTurn:
+    """Parse one response into at most `max_actions` canonical action words (see the module docstring).
+
+    Args:
+        text: the decoded model response (prefix it with the prompt's trailing `<think>` if any).
+        valid_actions: the env's action words, e.g. ("Up", "Down", "Left", "Right").
+        max_actions: the cap on actions per turn (>= 1); extra items are ignored without penalty.
+        enable_think: require `<think>...</think>` before the answer and return its text.
+    """
+    lookup = _action_lookup(tuple(valid_actions))
+    if isinstance(max_actions, bool) or not isinstance(max_actions, int) or max_actions < 1:
+        raise ValueError(f"max_actions must be an integer >= 1, got {max_actions!r}")
+    found = _match(text, enable_think)
+    if found is None:
+        return ParsedTurn(actions=[], format_ok=False, think="")
+    think, answer = found
+    items = [item.strip() for item in answer.split(ACTION_SEPARATOR)]
+    items = [item for item in items if item][:max_actions]
+    actions = [lookup[item.casefold()] for item in items if item.casefold() in lookup]
+    format_ok = bool(actions) and len(actions) == len(items)
+    return ParsedTurn(actions=actions, format_ok=format_ok, think=think)
+
+
+def parse_answer(text: str, *, enable_think: bool = False) -> ParsedTurn:
+    """Parse a free-form answer (Countdown, math): the stripped `<answer>` text is the one action.
+
+    `format_ok` is True when the tags match and the answer is not empty; never raises.
+    """
+    found = _match(text, enable_think)
+    if found is None:
+        return ParsedTurn(actions=[], format_ok=False, think="")
+    think, answer = found[0], found[1].strip()
+    return ParsedTurn(actions=[answer] if answer else [], format_ok=bool(answer), think=think)

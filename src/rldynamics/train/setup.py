@@ -26,10 +26,8 @@ from pathlib import Path
 import torch
 
 from rldynamics.config import Config, ConfigError, config_diff, load_config, save_config, to_dict
-from rldynamics.envs import make_env
 from rldynamics.models.loading import load_model_and_tokenizer, load_value_model
 from rldynamics.models.tiny import ensure_tiny_model
-from rldynamics.rollout.agent import env_kwargs
 from rldynamics.tracking.run_dir import RunLock, RunWriter
 from rldynamics.tracking.sinks import TensorBoardSink, WandbSink, check_installed
 from rldynamics.train.checkpoint import (
@@ -106,11 +104,11 @@ def resume_base(cfg: Config) -> Config:
 
 
 def plan_start(cfg: Config, run_dir: Path) -> Start:
-    """Check what can be checked without writing (packages, device, env settings, the checkpoint and settings
-    of a resume) and decide where the run starts; raise before any work if it cannot start."""
+    """Check what can be checked without writing (packages, device, the lock, the checkpoint and settings of a
+    resume) and decide where the run starts; raise before any work if it cannot start. (`validate` has already
+    built one env with the configured settings.)"""
     check_installed(cfg.log.wandb, cfg.log.tensorboard)
     resolve_device(cfg.model.device)
-    check_env(cfg)
     RunLock(run_dir).check()  # a second process fails here, at once
     resume = cfg.checkpoint.resume
     path = None if not resume else latest_checkpoint(run_dir) if resume == "latest" else Path(resume)
@@ -146,14 +144,6 @@ def check_resume_settings(cfg: Config, run_dir: Path) -> None:
                           "start a new run from the weights: model.path=<checkpoint>/actor")
 
 
-def check_env(cfg: Config) -> None:
-    """Build one env with the configured settings, so a bad env setting fails before any work."""
-    try:
-        make_env(cfg.env.name, **env_kwargs(cfg.env))
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"env settings: {e}") from None
-
-
 def make_session(cfg: Config, run_dir: Path, start: Start):
     """Build the training session for `cfg`, resuming `start`; writes nothing (`open_run` does, under the lock)."""
     from rldynamics.train.trainer import Session
@@ -163,7 +153,7 @@ def make_session(cfg: Config, run_dir: Path, start: Start):
     base = base_model_path(cfg)
     ckpt = start.checkpoint
     model, tokenizer = load_model_and_tokenizer(str(ckpt / "actor") if ckpt else base, dtype=cfg.model.dtype,
-                                                device=str(device))
+                                                device=str(device), chat_template=cfg.model.chat_template)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     ref_model = None
     if cfg.algo.kl_coef > 0 or cfg.analysis.enabled:  # the probe measures the KL gradient even at coef 0

@@ -32,6 +32,7 @@ from rldynamics.config import Config
 from rldynamics.models.forward import batch_logprobs, batch_values
 from rldynamics.rollout.agent import env_metric_summary, rollout
 from rldynamics.rollout.batch import RolloutBatch
+from rldynamics.rollout.rewards import reward_component_metrics
 from rldynamics.rollout.sampling import NonFiniteLogits
 from rldynamics.tracking.console import StepConsole
 from rldynamics.tracking.run_dir import RunLock, RunWriter
@@ -167,6 +168,7 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
         batch = rollout(s.model, s.tokenizer, train_seeds(cfg.train.seed_base, cfg.train.env_groups, step),
                         cfg.train.group_size, cfg.env, temperature=cfg.train.temperature)
     m.update(env_metric_summary(batch, f"train/{cfg.env.name}", cfg.train.group_size))
+    m.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids))
     _log_samples(s, step, batch)
     crash_point("samples", step)
 
@@ -175,7 +177,7 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     stop = stopper.after_rollout(filter_m["rollout/in_group_reward_std"], empty=len(batch) == 0)
     if len(batch) == 0:
         m["rollout/empty_after_filter"] = 1.0
-        return m, _analyse(s, step, m, None, None, None) or stop
+        return m, _analyse(s, step, m, None, None, None, 0.0) or stop
     if stop is not None:
         return m, stop
 
@@ -188,7 +190,7 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
         with timed(m, "update_critic"):
             m.update(update_critic(s.critic, s.critic_optimizer, batch, values, returns, cfg.algo, cfg.critic,
                                    cfg.train))
-    if _analyse(s, step, m, batch, inputs, group_std):
+    if _analyse(s, step, m, batch, inputs, group_std, filter_m["rollout/filter_kept_ratio"]):
         return m, EXITED
     if not cfg.analysis.only:
         s.console.phase("actor")
@@ -207,7 +209,7 @@ def _all_finite(*models) -> bool:
     return bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
 
 
-def _analyse(s: Session, step: int, m: dict, batch, inputs, group_std) -> str | None:
+def _analyse(s: Session, step: int, m: dict, batch, inputs, group_std, kept_ratio: float) -> str | None:
     """Run the gradient analysis when due; returns EXITED when the run should end right after it."""
     cfg = s.cfg
     m["trainer/gradient_analysis_only"] = float(cfg.analysis.only)
@@ -215,7 +217,7 @@ def _analyse(s: Session, step: int, m: dict, batch, inputs, group_std) -> str | 
         return None
     s.console.phase("analysis")
     with timed(m, "gradient_analysis"):
-        m.update(run_analysis(s, step, batch, inputs, group_std,
+        m.update(run_analysis(s, step, batch, inputs, group_std, kept_ratio,
                               lambda b, metrics, kept: prepare_update(s, b, metrics, kept)))
     crash_point("analysis", step)
     if cfg.analysis.exit_after:

@@ -23,49 +23,60 @@ from pathlib import Path
 
 import torch
 
-from rldynamics.config import Config, EnvConfig
+from rldynamics.config import Config, EnvConfig, to_dict
 from rldynamics.envs import make_env
+from rldynamics.envs.base import random_action
 from rldynamics.models.forward import token_logprobs
-from rldynamics.rollout.agent import chat_segment, env_kwargs, rollout, state_message, system_message
+from rldynamics.rollout.agent import rollout, state_message, system_message
+from rldynamics.rollout.chat import ChatPrompts
 from rldynamics.tracking.console import progress_bar
 
 DEMO_SEED_BASE = 5_000_000  # disjoint from RAGEN's train (10000+) and validation (123+) seeds
 
 
 def tiny_corpus(env_cfg: EnvConfig, num_seeds: int = 200) -> list[str]:
-    """Texts the tiny tokenizer is trained on: prompts and answers as the agent loop writes them, plus every
-    cell coordinate of the room."""
+    """Texts the tiny tokenizer is trained on: prompts and solver answers as the agent loop writes them (in
+    ChatML, the tiny tokenizer's template), plus the env's own extras (Sokoban: every cell coordinate)."""
     texts = []
     for seed in range(DEMO_SEED_BASE - num_seeds, DEMO_SEED_BASE):
-        env = make_env(env_cfg.name, **env_kwargs(env_cfg))
+        env = make_env(env_cfg.name, **env_cfg.options())
         observation = env.reset(seed)
-        texts.append(chat_segment("system", system_message(env.instructions(), env_cfg)))
-        texts.append(chat_segment("user", state_message(1, observation, env_cfg.max_actions_per_traj)))
-        for action in env.solve():
+        texts.append(_chatml("system", system_message(env, env_cfg)))
+        texts.append(_chatml("user", state_message(env, 1, observation, env_cfg.max_actions_per_traj)))
+        for action in env.solve() if hasattr(env, "solve") else []:
             result = env.step(action)
-            texts.append(f"Reward: {result.reward:g}\n" + result.observation)
-            texts.append(f"<answer>{action} || {random.Random(seed).choice(env.actions)}</answer>")
-    rows, cols = env_cfg.dim_room
-    cells = " ".join(f"({r}, {c})" for r in range(rows) for c in range(cols))
-    return texts + [cells] * 50  # every cell coordinate often enough to become one token
+            texts.append(f"Reward: {sum(result.reward.values()):g}\n" + result.observation)
+            second = f" || {random_action(env, random.Random(seed))}" if env.actions else ""
+            texts.append(f"<answer>{action}{second}</answer>")
+            if result.done:
+                break
+    env = make_env(env_cfg.name, **env_cfg.options())
+    return texts + (env.corpus_extras() if hasattr(env, "corpus_extras") else [])
+
+
+def _chatml(role: str, content: str) -> str:
+    """One complete ChatML message (the tiny tokenizer's chat format; its corpus is written before it exists)."""
+    return f"<|im_start|>{role}\n{content}<|im_end|>\n"
 
 
 def solver_policy(tokenizer, cfg: EnvConfig, noise: float, rng: random.Random):
     """A `respond` function for `rollout`: the env's optimal plan, each action randomised with prob `noise`."""
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    closing = ChatPrompts(tokenizer).closing_ids()
 
     def respond(trajs) -> list[list[int]]:
         out = []
         for traj in trajs:
+            env = traj.env
+            width = cfg.max_actions_per_turn if env.actions else 1
             try:
-                plan = traj.env.solve()[: cfg.max_actions_per_turn]
-            except ValueError:  # a noisy push made the room unsolvable: act at random
-                plan = [rng.choice(traj.env.actions) for _ in range(cfg.max_actions_per_turn)]
-            actions = [rng.choice(traj.env.actions) if rng.random() < noise else a for a in plan]
+                plan = env.solve()[:width]
+            except (ValueError, AttributeError):  # unsolvable after a noisy push, or no solver: act at random
+                plan = [random_action(env, rng) for _ in range(width)]
+            actions = [random_action(env, rng) if rng.random() < noise else a for a in plan]
             text = f"<answer>{' || '.join(actions)}</answer>"
             if cfg.enable_think:
-                text = "I move the player toward the box and push it onto the target.</think>" + text
-            out.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])
+                text = "I work out the answer step by step.</think>" + text
+            out.append(tokenizer(text, add_special_tokens=False)["input_ids"] + closing)
         return out
 
     return respond
@@ -78,8 +89,9 @@ def warm_start_key(base_path: str, cfg: Config) -> str:
     that is moved or shared under another `$RLDYN_CACHE` keeps its warm starts.
     """
     m = cfg.model
-    blob = json.dumps([Path(base_path).name, m.warm_start_episodes, m.warm_start_turns, m.warm_start_noise,
-                       m.warm_start_epochs, m.warm_start_lr, cfg.seed, cfg.env.__dict__], sort_keys=True, default=str)
+    inputs = [Path(base_path).name, m.warm_start_episodes, m.warm_start_turns, m.warm_start_noise,
+              m.warm_start_epochs, m.warm_start_lr, cfg.seed, to_dict(cfg)["env"]]
+    blob = json.dumps(inputs, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
