@@ -1,4 +1,5 @@
 import math
+import os
 import re
 import subprocess
 import sys
@@ -270,7 +271,8 @@ def _meant(raw: str, hint) -> object:
 INVALID = object()
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("RLDYN_FUZZ_EXAMPLES", "600")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])  # the fault drill sets RLDYN_FUZZ_EXAMPLES higher
 @given(items=st.lists(st.tuples(_KEYS, _VALUES), min_size=1, max_size=3))
 def test_fuzzed_overrides_give_a_config_error_or_the_meant_value(items):
     overrides = [f"{k}={v}" for k, v in items]

@@ -635,8 +635,11 @@ def config_diff(a: Config, b: Config) -> list[tuple[str, Any, Any]]:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config as YAML."""
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """Write the resolved config as YAML (to a temporary file renamed over the old one: a kill keeps one whole)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(path)
 
 
 def load_config(path: str | Path) -> Config:

@@ -96,10 +96,14 @@ def resume_base(cfg: Config) -> Config:
     resume = cfg.checkpoint.resume
     if resume != "latest":
         read_trainer_state(resume)  # a missing path, a file or no trainer state: named before anything else
-    file = resolve_run_dir(cfg) / "config.yaml"
+    return _saved_config(cfg, resolve_run_dir(cfg))
+
+
+def _saved_config(cfg: Config, run_dir: Path) -> Config:
+    file = run_dir / "config.yaml"
     if not file.is_file():
-        raise ConfigError(f"checkpoint.resume={resume}: {file} not found, so there is no run to resume "
-                          "(check log.name and log.run_dir)")
+        raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume}: {file} not found, so there is no run to "
+                          "resume (check log.name and log.run_dir)")
     return load_config(file)
 
 
@@ -131,17 +135,13 @@ def check_new_run(run_dir: Path, in_place: bool) -> None:
 
 def check_resume_settings(cfg: Config, run_dir: Path) -> None:
     """Refuse to continue a run with settings other than its own (except `RESUME_MAY_CHANGE`)."""
-    file = run_dir / "config.yaml"
-    if not file.is_file():
-        raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume}: {file} not found, so there is no run to "
-                          "resume (check log.name and log.run_dir)")
-    differ = [f"{key} (run: {old!r}, given: {new!r})" for key, old, new in config_diff(load_config(file), cfg)
-              if not (key.startswith(RESUME_MAY_CHANGE) or key in RESUME_MAY_CHANGE)]
+    differ = [f"{key} (run: {old!r}, given: {new!r})" for key, old, new in config_diff(_saved_config(cfg, run_dir), cfg)
+              if not key.startswith(RESUME_MAY_CHANGE)]
     if differ:
+        may = ", ".join(k + "*" if k.endswith(".") else k for k in RESUME_MAY_CHANGE)
         raise ConfigError(f"cannot resume {run_dir} with other settings: {'; '.join(differ)}. A resumed run keeps "
-                          "its config.yaml (only train.steps, checkpoint.*, log.*, early_stop.*, "
-                          "filter.empty_stop_steps and model.device may change); to go on with other settings "
-                          "start a new run from the weights: model.path=<checkpoint>/actor")
+                          f"its config.yaml (only {may} may change); to go on with other settings start a new run "
+                          "from the weights: model.path=<checkpoint>/actor")
 
 
 def make_session(cfg: Config, run_dir: Path, start: Start):
