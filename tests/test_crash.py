@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from rldynamics.cli import main
 from rldynamics.config import make_config
-from rldynamics.tracking.run_dir import RunInUse, RunLock, read_metrics
+from rldynamics.tracking.run_dir import RunInUse, RunLock, RunWriter, read_metrics
 from rldynamics.train.trainer import train
 
 # Each resume starts where the previous process was killed: before the first checkpoint (restart from step 0),
@@ -103,3 +103,22 @@ def test_lock_is_exclusive_within_one_process_too(tmp_path):
             pass
     with RunLock(tmp_path / "run") as again:  # released cleanly: not stale
         assert again.stale is None
+
+
+def test_resume_truncation_keeps_steps_up_to_the_checkpoint(tmp_path):
+    writer = RunWriter(tmp_path)
+    for step in range(4):
+        writer.log(step, {"x": float(step)})
+        writer.log_samples(step, [{"text": "t", "reward": 0.0}])
+        writer.analysis_dir(step)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "x": 1.')  # a row cut by a kill
+    writer.truncate_after(1)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+    assert [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()] == [0, 1]
+    assert sorted(p.name for p in (tmp_path / "analysis").iterdir()) == ["step_0", "step_1"]
+    damaged = (tmp_path / "metrics.jsonl").read_bytes().replace(b'{"step": 0', b'{"stop": 0')
+    (tmp_path / "metrics.jsonl").write_bytes(damaged + b'{"step": 1, "x": 2.0}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl: line 1 is not a JSON row with a step"):
+        writer.truncate_after(0)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == damaged + b'{"step": 1, "x": 2.0}\n'  # unchanged

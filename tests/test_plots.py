@@ -299,6 +299,9 @@ ODD = {
     "corrupted sketches": lambda p: [f.write_bytes(f.read_bytes()[:99]) for f in p.glob("analysis/*/sketches.*")],
     "non-UTF-8 bytes in groups.csv": lambda p: [f.write_bytes(f.read_bytes() + b"grad_norm,bucket_\xff,7,\xfe\n")
                                                 for f in p.glob("analysis/*/groups.csv")],
+    "odd rewards.jsonl": lambda p: (p / "rewards.jsonl").write_bytes(
+        b'{"step": 1, "response_chars": 5, "response_tokens": 2}\n{"step": Infinity, "response_chars": 1e308, '
+        b'"response_tokens": 1}\n{"step": 2, "response_chars": "x"}\n'),
     "non-UTF-8 bytes in metrics.jsonl": lambda p: open(p / "metrics.jsonl", "ab").write(b'{"step": 9, "x": "\xff"}\n'),
     "non-UTF-8 bytes in config.yaml": lambda p: (p / "config.yaml").write_bytes(b"log:\n  name: \xff\n"),
     "non-UTF-8 analysis metrics.json": lambda p: [f.write_bytes(b'{"grad_norm/bucket_1/task": Infinity, "\xff": 1}')

@@ -157,8 +157,8 @@ def test_training_run_logs_component_gradients(fast_overrides):
     from rldynamics.plots.cli import plot_command, report_command
 
     assert plot_command(run) == 0 and report_command(run) == 0
-    for name in ("reward_components.png", "reward_grad_cosines.png", "reward_grad_matrix_step_1.png",
-                 "reward_grad_layers_step_1.png"):
+    for name in ("reward_components.png", "response_lengths.png", "reward_grad_cosines.png",
+                 "reward_grad_matrix_step_1.png", "reward_grad_layers_step_1.png"):
         assert (run / "plots" / name).stat().st_size > 5000, name
     page = (run / "report.html").read_text()
     assert 'id="reward-components"' in page and "constant within every group" in page  # step is always 0

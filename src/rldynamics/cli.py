@@ -22,6 +22,8 @@ examples:
   rldyn train log.name=smoke checkpoint.resume=latest train.steps=10   # continue run "smoke" to step 10
   rldyn train --help-config                         # every config key with its default and meaning
   rldyn train analysis.enabled=true analysis.every=5  # gradient analysis every 5 steps
+  rldyn train --preset math-tiny                    # math word problems (rldynamic's reward components), CPU
+  rldyn train --preset gsm8k-grpo model.path=/models/Qwen2.5-3B-Instruct env.math.source=/data/gsm8k/train.jsonl
 """
 
 

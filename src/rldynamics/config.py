@@ -564,8 +564,10 @@ def _validate_env(env: EnvConfig) -> None:
 
 
 def reward_names(env, cfg: EnvConfig) -> tuple[str, ...]:
-    """The reward components of a rollout: the env's own, then `format_penalty` when it is non-zero."""
-    return tuple(env.reward_names) + (("format_penalty",) if cfg.format_penalty != 0 else ())
+    """The reward components of a rollout: the env's own, then `format_penalty` when it is non-zero (never for
+    envs that grade the whole reply, `full_reply`: they judge format themselves)."""
+    penalty = cfg.format_penalty != 0 and not getattr(env, "full_reply", False)
+    return tuple(env.reward_names) + (("format_penalty",) if penalty else ())
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -660,8 +662,10 @@ def envs_help() -> str:
         env = cls(**dataclasses.asdict(cls.Config()))
         weights = ", ".join(f"{r} (weight {env.reward_weights.get(r, 1.0):g})" for r in env.reward_names)
         actions = ", ".join(env.actions) if env.actions else "free-form answer text"
-        lines = [f"{name}  ({cls.__module__}.{cls.__name__})", f"  reward components: {weights}; plus "
-                 f"format_penalty (env.format_penalty={shared.format_penalty:g}) for malformed turns",
+        actions = "the whole reply" if getattr(env, "full_reply", False) else actions
+        penalty = ("; graded on the whole reply (no format_penalty)" if getattr(env, "full_reply", False) else
+                   f"; plus format_penalty (env.format_penalty={shared.format_penalty:g}) for malformed turns")
+        lines = [f"{name}  ({cls.__module__}.{cls.__name__})", f"  reward components: {weights}{penalty}",
                  f"  actions: {actions}"]
         keys = documented_keys(cls.Config(), f"env.{name}.")
         lines += [f"  {key}={default!s:<12} {doc}" for key, default, doc in keys]

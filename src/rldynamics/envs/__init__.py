@@ -18,9 +18,10 @@ from __future__ import annotations
 import difflib
 
 from rldynamics.envs.base import Env, StepResult
+from rldynamics.envs.math import MathEnv
 from rldynamics.envs.sokoban import SokobanEnv
 
-ENVS: dict[str, type] = {"sokoban": SokobanEnv}
+ENVS: dict[str, type] = {"sokoban": SokobanEnv, "math": MathEnv}
 
 
 def make_env(name: str, **kwargs: object) -> Env:
@@ -32,4 +33,4 @@ def make_env(name: str, **kwargs: object) -> Env:
     return ENVS[name](**kwargs)
 
 
-__all__ = ["ENVS", "Env", "SokobanEnv", "StepResult", "make_env"]
+__all__ = ["ENVS", "Env", "MathEnv", "SokobanEnv", "StepResult", "make_env"]

@@ -34,6 +34,7 @@ from rldynamics.plots.reward_components import (
     fig_cosine_matrix,
     fig_cosines_over_steps,
     fig_layer_profile,
+    fig_response_lengths,
     read_reward_grad,
 )
 
@@ -152,6 +153,7 @@ def reward_components_section(run: RunData) -> str:
     flags = check_reward_components(run)
     out += [_flag_html(f) for f in flags] or ['<p class="ok">No reward-component warnings.</p>']
     out.append(_img(fig_component_rewards(run), "Reward components per step (raw means; groups where constant)"))
+    out.append(_img(fig_response_lengths(run), "Response length distribution per step"))
     out.append(_img(fig_cosines_over_steps(run), "Component gradient cosines per analysis step (all bucket)"))
     for step, matrices in read_reward_grad(run).items():
         out.append(f"<h3>Reward components, step {step}</h3>")

@@ -5,16 +5,20 @@ Layout:
     config.yaml                resolved config
     metrics.jsonl              one JSON object per logged step, always with "step"
     samples.jsonl              a few decoded trajectories per step
+    rewards.jsonl              one row per training trajectory and step: reward components (raw and weighted),
+                               total, response length, correct flag (`read_rewards`)
     analysis/step_<N>/         gradient-analysis tables and sketches
     checkpoints/step_<N>/      model weights (safetensors) + trainer state
     plots/, report.html        written by `rldyn plot` / `rldyn report`
 
 This module imports no torch, so readers work on any machine with the run directory copied over.
 Non-finite floats are written as JSON `NaN`/`Infinity` (Python's json reads them back).
+The JSONL files are only ever appended to (one write per call, then closed), so they can be read while a run
+is going; a line cut short by a crash is the last line of its file, and readers and resumes ignore it.
 
-Crash safety: rows are appended one `write` per row; a resumed run drops every row (and analysis directory)
-after the step it resumes from, and a half-written last line, by rewriting the file to a temporary name and
-renaming it over the old one, so a kill during the rewrite loses nothing either.
+Crash safety: a resumed run drops every row (and analysis directory) after the step it resumes from, and a
+line cut by a kill, by rewriting the file to a temporary name renamed over the old one, so a kill during the
+rewrite loses nothing either; a damaged line elsewhere stops the resume (one line naming file and line).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 LOCK_FILE = ".lock"
+REWARDS_FILE = "rewards.jsonl"
 
 
 class RunInUse(OSError):
@@ -111,6 +116,10 @@ class RunWriter:
         """Append decoded trajectories (dicts with at least `text` and `reward`)."""
         _append(self.path / "samples.jsonl", [{"step": step, **s} for s in samples])
 
+    def log_rewards(self, rows: list[dict[str, Any]]) -> None:
+        """Append reward-tracking rows (one per trajectory, see `rollout.rewards.reward_rows`)."""
+        _append(self.path / REWARDS_FILE, rows)
+
     def analysis_dir(self, step: int) -> Path:
         """The directory for the analysis artefacts of `step` (created)."""
         d = self.path / "analysis" / f"step_{step}"
@@ -118,21 +127,30 @@ class RunWriter:
         return d
 
     def truncate_after(self, step: int) -> None:
-        """Drop what was written for steps after `step`: rows of metrics.jsonl and samples.jsonl (and lines that
-        are not complete JSON rows, i.e. a row cut by a kill) and `analysis/step_<N>/` with N > step.
+        """Drop what was written for steps after `step`: rows of metrics.jsonl, samples.jsonl and rewards.jsonl
+        (and a last line cut by a kill) and `analysis/step_<N>/` with N > step.
 
         A resumed run calls this with the step of its checkpoint (-1 to restart from scratch) and then writes
-        those steps again, so every step ends up in the run directory exactly once.
+        those steps again, so every step ends up in the run directory exactly once. Any other line that is not a
+        JSON row with a step raises ValueError before anything is changed.
         """
-        for name in ("metrics.jsonl", "samples.jsonl"):
+        kept = {}
+        for name in ("metrics.jsonl", "samples.jsonl", REWARDS_FILE):
             file = self.path / name
             if file.exists():
                 lines = file.read_bytes().splitlines()
-                kept = [line for line in lines if (n := _row_step(line)) is not None and n <= step]
-                if len(kept) != len(lines):
-                    tmp = file.with_name(f".{name}.tmp")
-                    tmp.write_bytes(b"".join(line + b"\n" for line in kept))
-                    os.replace(tmp, file)
+                steps = [_row_step(line) for line in lines]
+                damaged = [i + 1 for i, n in enumerate(steps[:-1]) if n is None and lines[i].strip()]
+                if damaged:
+                    raise ValueError(f"{file}: line {damaged[0]} is not a JSON row with a step; repair or remove it "
+                                     "before resuming")
+                kept[file] = [line for line, n in zip(lines, steps, strict=True) if n is not None and n <= step]
+                if len(kept[file]) == len(lines):
+                    del kept[file]
+        for file, lines in kept.items():
+            tmp = file.with_name(f".{file.name}.tmp")
+            tmp.write_bytes(b"".join(line + b"\n" for line in lines))
+            os.replace(tmp, file)
         for d in sorted((self.path / "analysis").glob("step_*")):
             if d.name[5:].isdigit() and int(d.name[5:]) > step:
                 shutil.rmtree(d)
@@ -162,12 +180,38 @@ def _plain(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else value
 
 
+def _read_jsonl(file: Path) -> list[dict[str, Any]]:
+    """The rows of a JSONL file; an unparsable *last* line (cut short by a crash) is skipped, others raise."""
+    lines = [line for line in file.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number == len(lines):
+                break
+            raise ValueError(f"{file}: line {number} is not valid JSON ({e.msg})") from e
+    return rows
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """All metrics rows of a run, in file order."""
     file = Path(run_dir) / "metrics.jsonl"
     if not file.exists():
         raise FileNotFoundError(f"{file} not found: is {run_dir} a run directory written by `rldyn train`?")
     return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+
+
+def read_rewards(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All reward-tracking rows of a run (one per training trajectory and step), in file order.
+
+    Each row: `step`, `traj`, `group`, `prompt` (env seed), `reward` and `weighted` (component name -> value),
+    `total`, `response_tokens`, `response_chars`, `correct`. Safe to call while the run is writing.
+    """
+    file = Path(run_dir) / REWARDS_FILE
+    if not file.exists():
+        raise FileNotFoundError(f"{file} not found: is {run_dir} a run directory written by `rldyn train`?")
+    return _read_jsonl(file)
 
 
 def read_config(run_dir: str | Path) -> dict[str, Any]:

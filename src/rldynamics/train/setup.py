@@ -170,12 +170,14 @@ def make_session(cfg: Config, run_dir: Path, start: Start):
 
 
 def open_run(s, start: Start) -> None:
-    """The first writes (run directory locked): stale temporary checkpoints removed, what was written after the
-    resumed step dropped (everything when starting from step 0), config.yaml written, metric writer opened."""
+    """The first writes (run directory locked): what was written after the resumed step dropped (everything when
+    starting from step 0; a damaged log line stops here, before any change), stale temporary checkpoints
+    removed, metric mirrors opened, config.yaml written."""
     check_new_run(s.run_dir, start.in_place)  # again under the lock: another start may have won the race
-    remove_stale(s.run_dir / "checkpoints")
-    s.writer = RunWriter(s.run_dir, sinks=_sinks(s.cfg, s.run_dir))
+    s.writer = RunWriter(s.run_dir)
     s.writer.truncate_after(start.step if start.checkpoint is not None else -1)
+    remove_stale(s.run_dir / "checkpoints")
+    s.writer.sinks = _sinks(s.cfg, s.run_dir)
     save_config(s.cfg, s.run_dir / "config.yaml")
 
 

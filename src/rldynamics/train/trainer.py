@@ -32,7 +32,7 @@ from rldynamics.config import Config
 from rldynamics.models.forward import batch_logprobs, batch_values
 from rldynamics.rollout.agent import env_metric_summary, rollout
 from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.rollout.rewards import reward_component_metrics
+from rldynamics.rollout.rewards import reward_component_metrics, reward_rows, reward_stats
 from rldynamics.rollout.sampling import NonFiniteLogits
 from rldynamics.tracking.console import StepConsole
 from rldynamics.tracking.run_dir import RunLock, RunWriter
@@ -169,6 +169,9 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
                         cfg.train.group_size, cfg.env, temperature=cfg.train.temperature)
     m.update(env_metric_summary(batch, f"train/{cfg.env.name}", cfg.train.group_size))
     m.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids))
+    rows = reward_rows(batch, step, s.tokenizer)
+    s.writer.log_rewards(rows)
+    m.update(reward_stats(rows, batch.reward_names))
     _log_samples(s, step, batch)
     crash_point("samples", step)
 
