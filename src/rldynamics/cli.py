@@ -27,6 +27,30 @@ examples:
 """
 
 
+SWEEP_EPILOG = """\
+protocols (RAGEN's intervention scripts, as overrides on top of any preset):
+  top_p     filter.value over 1.0,0.98,0.95,0.9,0.8,0.6,0.4,nofilter; top_p softmax largest on reward std,
+            loss scaling none, KL 0.001 (k1), entropy 0.001; `1.0` drops zero-variance groups
+            (include_zero false), `nofilter` is 1.0 keeping them (include_zero true)
+  kl        algo.kl_coef over 0,0.001,0.003,0.01,0.03,0.1; entropy 0, filter off (value 1.0,
+            include_zero true; --exclude-zero sets it false); no reference model at 0
+  entropy   algo.entropy_coef over the same values; KL 0, filter off as in kl
+  custom    any config KEYs, one --values list per key; several keys give the full grid
+
+Each (point, seed) is a run directory OUT/<point>/seed<s>/ written by `rldyn train` (log in train.log).
+Runs checkpoint at every validation unless checkpoint.* is given; re-running the same command skips
+finished runs and resumes the others. An early-stopped run is a failed regime (RAGEN's protocol).
+
+examples:
+  rldyn sweep top_p --values 0.9,nofilter --seeds 0,1,2 --parallel 2
+  rldyn sweep kl --preset sokoban-ppo model.path=/models/Qwen2.5-3B --devices 0,1,2,3,4,5,6,7
+  rldyn sweep entropy --values 0,0.01 --exclude-zero --devices 0,1,2,3 --devices-per-run 2
+  rldyn sweep custom train.lr algo.clip_high --values 1e-4,3e-4 --values 0.2,0.28 --seeds 0,1
+  rldyn sweep top_p --dry-run                       # print every point's overrides and exit
+  rldyn sweep --summarize sweeps/top_p-sokoban-tiny  # rebuild the summary from the run directories
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rldyn",
@@ -78,6 +102,32 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Write RUN_DIR/report.html with figures embedded and health checks.")
     report.add_argument("run_dir", metavar="RUN_DIR")
     report.add_argument("--out", default=None, help="output file (default: RUN_DIR/report.html)")
+
+    sweep = sub.add_parser(
+        "sweep", help="intervention sweep (top_p / kl / entropy / custom) over points x seeds, in parallel",
+        description="Run every point x seed of a sweep as separate `rldyn train` processes (CPU thread shares or "
+                    "disjoint GPU sets), with a live table, then write summary.{csv,md,html} and figures to OUT.",
+        epilog=SWEEP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sweep.add_argument("name", nargs="?", metavar="NAME", help="top_p | kl | entropy | custom")
+    sweep.add_argument("items", nargs="*", metavar="[KEY ...] key=value",
+                       help="custom: the config keys to sweep; then overrides applied to every run")
+    sweep.add_argument("--values", action="append", metavar="V1,V2,...",
+                       help="the values of the swept key (custom: one --values per KEY, in order)")
+    sweep.add_argument("--seeds", default="0", help="comma-separated seeds, one run per point and seed (default: 0)")
+    sweep.add_argument("--parallel", type=int, default=None,
+                       help="CPU: runs at a time, the cores split between them (default: 1)")
+    sweep.add_argument("--devices", default=None, metavar="0,1,...",
+                       help="GPU ids; each run gets its own --devices-per-run of them (CUDA_VISIBLE_DEVICES)")
+    sweep.add_argument("--devices-per-run", type=int, default=1, metavar="D", help="GPUs per run (default: 1)")
+    sweep.add_argument("--preset", default="sokoban-tiny", help="preset of every run (default: sokoban-tiny)")
+    sweep.add_argument("--config", default=None, help="YAML file merged after the preset, before overrides")
+    sweep.add_argument("--out", default=None, help="sweep directory (default: sweeps/<NAME>-<preset>)")
+    sweep.add_argument("--exclude-zero", action="store_true",
+                       help="kl / entropy: filter.include_zero=false (drop zero-variance groups; RAGEN's filter_zero)")
+    sweep.add_argument("--dry-run", action="store_true", help="print the points' overrides and the runs, then exit")
+    sweep.add_argument("--summarize", metavar="OUT", default=None,
+                       help="only rebuild OUT's summary files from its run directories")
 
     sub.add_parser("envs", help="list the environments with their keys, defaults and reward components",
                    description="Every registered env: its keys (env.<name>.<key>=default  meaning), its reward "
@@ -150,6 +200,21 @@ def cmd_report(args: argparse.Namespace) -> int:
     return report_command(args.run_dir, args.out)
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from rldynamics.sweep.command import summarize_command, sweep_command
+
+    if args.summarize:
+        if args.name or args.items:
+            print("rldyn sweep: --summarize OUT takes no NAME or overrides", file=sys.stderr)
+            return 2
+        return summarize_command(args.summarize)
+    if not args.name:
+        print("rldyn sweep: give a sweep NAME (top_p, kl, entropy, custom) or --summarize OUT", file=sys.stderr)
+        return 2
+    return sweep_command(args.name, args.items, args.values, args.seeds, args.parallel, args.devices,
+                         args.devices_per_run, args.preset, args.config, args.out, args.exclude_zero, args.dry_run)
+
+
 def cmd_envs(args: argparse.Namespace) -> int:
     from rldynamics.config import envs_help
 
@@ -160,16 +225,18 @@ def cmd_envs(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    # argparse takes one run of positionals: `key=value` items after an option (`--config F a=1`) come back here
-    overrides = [a for a in extra if "=" in a and not a.startswith("-")]
-    if len(overrides) < len(extra) or (extra and not hasattr(args, "overrides")):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    # argparse takes one run of positionals: items after an option (`--config F a=1`, `sweep NAME --values V a=1`)
+    # come back here; train and probe take them as key=value overrides, sweep as its items
     if extra:
-        args.overrides = [*args.overrides, *overrides]
+        field = "items" if args.command == "sweep" else "overrides"
+        if not hasattr(args, field) or any(x.startswith("-") or (field == "overrides" and "=" not in x) for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        setattr(args, field, [*getattr(args, field), *extra])
     if args.command is None:
         parser.print_help()
         return 0
-    commands = {"train": cmd_train, "probe": cmd_probe, "plot": cmd_plot, "report": cmd_report, "envs": cmd_envs}
+    commands = {"train": cmd_train, "probe": cmd_probe, "sweep": cmd_sweep, "plot": cmd_plot, "report": cmd_report,
+                "envs": cmd_envs}
     return commands[args.command](args)
 
 

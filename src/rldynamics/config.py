@@ -237,6 +237,8 @@ class CheckpointConfig:
     """Save every N steps (and at the end when > 0); 0 = only at the end if save_last."""
     save_last: bool = True
     """Save a checkpoint after the last step."""
+    keep_last: int = 0
+    """Keep only the newest N checkpoints, deleting older ones after each save (0 = keep all)."""
     resume: str | None = None
     """Resume from a checkpoint directory, or `latest` (newest in this run's checkpoints/)."""
 
@@ -319,7 +321,7 @@ RANGES: dict[str, tuple[float, bool, float | None]] = {
         "model.tiny_layers", "model.warm_start_turns", "model.warm_start_epochs", "early_stop.rv_baseline_steps",
         "early_stop.rv_window", "early_stop.val_patience"), (1, True, None)),
     **dict.fromkeys(("seed", "train.steps", "train.seed_base", "val.every", "val.seed_base", "checkpoint.every",
-                     "log.samples_per_step", "model.warm_start_episodes"), (0, True, None)),
+                     "checkpoint.keep_last", "log.samples_per_step", "model.warm_start_episodes"), (0, True, None)),
     **dict.fromkeys(("train.lr", "train.max_grad_norm", "train.temperature", "val.temperature", "critic.lr",
                      "critic.max_grad_norm", "critic.clip_range", "model.warm_start_lr"), (0, False, None)),
     **dict.fromkeys(("train.weight_decay", "algo.clip_high", "algo.kl_coef", "filter.value", "early_stop.rv_ratio"),

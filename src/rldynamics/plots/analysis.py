@@ -51,10 +51,13 @@ def new_figure(width: float, height: float, **kwargs: Any) -> Figure:
     return fig
 
 
+PNG_METADATA = {"Software": None}  # no matplotlib version in the file: the same figure gives the same bytes
+
+
 def save_png(fig: Figure, path: str | Path, dpi: int = DPI) -> Path:
     """Write `fig` as PNG and return the path."""
     literal_text(fig)
-    fig.savefig(path, dpi=dpi, format="png", facecolor="white")
+    fig.savefig(path, dpi=dpi, format="png", facecolor="white", metadata=PNG_METADATA)
     return Path(path)
 
 
@@ -62,7 +65,7 @@ def png_bytes(fig: Figure, dpi: int = DPI) -> bytes:
     """`fig` encoded as PNG bytes."""
     literal_text(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, dpi=dpi, format="png", facecolor="white")
+    fig.savefig(buf, dpi=dpi, format="png", facecolor="white", metadata=PNG_METADATA)
     return buf.getvalue()
 
 

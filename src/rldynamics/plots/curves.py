@@ -25,6 +25,7 @@ from rldynamics.plots.data import (
     as_float,
     bucket_label,
     bucket_names,
+    early_stops,
     env_names,
     has_key,
     norm_is_zero,
@@ -58,11 +59,6 @@ def curve_panels(run: RunData) -> list[tuple[str, list[tuple[str, str]]]]:
         if present:
             out.append((title, present))
     return out
-
-
-def _early_stops(run: RunData) -> list[tuple[int, str]]:
-    return [(r["step"], k.split("/", 1)[1]) for r in run.rows for k, v in r.items()
-            if k.startswith("early_stopped/") and v]
 
 
 SMOOTH_FROM = 40  # series with at least this many points also get a trailing mean
@@ -105,7 +101,7 @@ def fig_training_curves(run: RunData) -> Figure | None:
     nrows = math.ceil(len(panels) / ncols)
     fig = new_figure(5 * ncols, 3.3 * nrows + 0.5)
     axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False).ravel())
-    stops = _early_stops(run)
+    stops = early_stops(run)
     smoothed = False
     for n, (ax, (title, keys)) in enumerate(zip(axes, panels, strict=False)):
         values = []

@@ -285,6 +285,12 @@ def series(run: RunData, key: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(steps, dtype=float), np.asarray(values, dtype=float)
 
 
+def early_stops(run: RunData) -> list[tuple[int, str]]:
+    """(step, reason) of every `early_stopped/<reason>` flag the run logged."""
+    return [(r["step"], k.split("/", 1)[1]) for r in run.rows for k, v in r.items()
+            if k.startswith("early_stopped/") and v]
+
+
 def has_key(run: RunData, key: str) -> bool:
     """True if any row logged `key`."""
     return any(key in r for r in run.rows)

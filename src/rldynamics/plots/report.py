@@ -68,7 +68,8 @@ th { background: #f3f3f3; } td.name, th.name { text-align: left; font-family: mo
 """
 
 
-def _img(fig: Figure | None, caption: str) -> str:
+def figure_html(fig: Figure | None, caption: str) -> str:
+    """`<figure>` with `fig` embedded as a base64 PNG (empty for None)."""
     if fig is None:
         return ""
     data = base64.b64encode(png_bytes(fig, REPORT_DPI)).decode("ascii")
@@ -129,15 +130,16 @@ def analysis_section(run: RunData) -> str:
     out.append(f'<p class="meta">Analysis steps: {", ".join(map(str, steps))}. Buckets Q1…QB go from the lowest '
                "to the highest within-group reward variance (RV). Norms of entropy and KL are weighted by their "
                "coefficients unless marked raw.</p>")
-    out.append(_img(fig_cosines(run), "Cosines between the task, entropy and KL gradients per bucket"))
-    out.append(_img(fig_reg_share(run), "Regulariser share of the gradient per bucket"))
+    out.append(figure_html(fig_cosines(run), "Cosines between the task, entropy and KL gradients per bucket"))
+    out.append(figure_html(fig_reg_share(run), "Regulariser share of the gradient per bucket"))
     for step in steps:
         sd = step_data(run, step)
         out.append(f'<h3 id="step-{step}">Step {step}</h3>')
         out.append(f"<details open><summary>bucket metrics</summary>{bucket_table(run, step)}</details>")
         for name, make in STEP_FIGURES.items():
-            out.append(_img(make(sd), STEP_FIGURE_TITLES[name]))
-        out.append(_img(fig_sketch_cosines(run, step), "Cosine between buckets' task gradients (count-sketch)"))
+            out.append(figure_html(make(sd), STEP_FIGURE_TITLES[name]))
+        out.append(figure_html(fig_sketch_cosines(run, step),
+                               "Cosine between buckets' task gradients (count-sketch)"))
     return "".join(out)
 
 
@@ -152,13 +154,13 @@ def reward_components_section(run: RunData) -> str:
            "group — are undefined and shown as n/a, never as 0.</p>"]
     flags = check_reward_components(run)
     out += [_flag_html(f) for f in flags] or ['<p class="ok">No reward-component warnings.</p>']
-    out.append(_img(fig_component_rewards(run), "Reward components per step (raw means; groups where constant)"))
-    out.append(_img(fig_response_lengths(run), "Response length distribution per step"))
-    out.append(_img(fig_cosines_over_steps(run), "Component gradient cosines per analysis step (all bucket)"))
+    out.append(figure_html(fig_component_rewards(run), "Reward components per step (raw means; groups where constant)"))
+    out.append(figure_html(fig_response_lengths(run), "Response length distribution per step"))
+    out.append(figure_html(fig_cosines_over_steps(run), "Component gradient cosines per analysis step (all bucket)"))
     for step, matrices in read_reward_grad(run).items():
         out.append(f"<h3>Reward components, step {step}</h3>")
-        out.append(_img(fig_cosine_matrix(matrices, step), f"Component gradient cosine matrix, step {step}"))
-        out.append(_img(fig_layer_profile(matrices, step), f"Per-layer-group cosine profile, step {step}"))
+        out.append(figure_html(fig_cosine_matrix(matrices, step), f"Component gradient cosine matrix, step {step}"))
+        out.append(figure_html(fig_layer_profile(matrices, step), f"Per-layer-group cosine profile, step {step}"))
     return "".join(out)
 
 
@@ -185,7 +187,8 @@ def build_report(run_dir: str | Path | RunData) -> str:
         health_section(run),
         _config_section(run),
         '<h2 id="curves">Training curves</h2>',
-        _img(curves, "Training curves") if curves else '<p class="meta">No known training metrics were logged.</p>',
+        figure_html(curves, "Training curves") if curves
+        else '<p class="meta">No known training metrics were logged.</p>',
         analysis_section(run),
         reward_components_section(run),
     ]

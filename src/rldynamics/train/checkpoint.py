@@ -51,8 +51,9 @@ def crash_point(point: str, step: int) -> None:
 
 
 def save_checkpoint(directory: Path, step: int, *, model, tokenizer, optimizer, critic=None, critic_optimizer=None,
-                    trainer_state: dict | None = None) -> Path:
-    """Write `directory/step_<step>` atomically (manifest last, then a rename) and return its path."""
+                    trainer_state: dict | None = None, keep_last: int = 0) -> Path:
+    """Write `directory/step_<step>` atomically (manifest last, then a rename) and return its path; then keep
+    only the newest `keep_last` checkpoints (0 = keep all)."""
     final = directory / f"step_{step}"
     tmp = directory / f".tmp_step_{step}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -74,11 +75,19 @@ def save_checkpoint(directory: Path, step: int, *, model, tokenizer, optimizer, 
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     crash_point("checkpoint_manifest", step)
     if final.exists():
-        old = directory / f".old_step_{step}_{os.getpid()}"
-        final.rename(old)
-        shutil.rmtree(old)
+        _remove(final)
     tmp.rename(final)
+    if keep_last > 0:
+        for old in checkpoints(directory.parent)[:-keep_last]:
+            _remove(old)
     return final
+
+
+def _remove(checkpoint: Path) -> None:
+    """Delete a published checkpoint: renamed away first, so a kill never leaves a half-deleted `step_<N>`."""
+    old = checkpoint.with_name(f".old_{checkpoint.name}_{os.getpid()}")
+    checkpoint.rename(old)
+    shutil.rmtree(old)
 
 
 def remove_stale(directory: Path) -> list[Path]:
@@ -89,10 +98,16 @@ def remove_stale(directory: Path) -> list[Path]:
     return stale
 
 
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The published checkpoints (`checkpoints/step_<N>`) of `run_dir`, oldest first."""
+    found = [p for p in (run_dir / "checkpoints").glob("step_*") if _STEP_DIR.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The published checkpoint of `run_dir` with the highest step, or None."""
-    found = [p for p in (run_dir / "checkpoints").glob("step_*") if _STEP_DIR.fullmatch(p.name)]
-    return max(found, key=lambda p: int(p.name[5:]), default=None)
+    found = checkpoints(run_dir)
+    return found[-1] if found else None
 
 
 def verify_checkpoint(path: str | Path, needs_critic: bool = False) -> dict:
