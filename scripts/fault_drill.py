@@ -42,13 +42,14 @@ def rldyn_train(args: list[str], crash_at: str | None = None) -> int:
 
 
 def content(run: Path) -> dict[str, object]:
-    """What must match between runs: rows without timings, samples, analysis files, final weights."""
+    """What must match between runs: rows without timings, samples, reward rows, analysis files, final weights."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     files = {str(p.relative_to(run)): p.read_bytes() for p in sorted((run / "analysis").rglob("*")) if p.is_file()}
     last = max((p for p in (run / "checkpoints").glob("step_*")), key=lambda p: int(p.name[5:]))
     weights = {str(p.relative_to(last)): p.read_bytes() for p in sorted(last.rglob("*.safetensors"))}
     return {"rows": [{k: v for k, v in r.items() if not k.startswith("timing_s/")} for r in rows],
-            "samples": (run / "samples.jsonl").read_text(), "analysis": files, "weights": weights,
+            "samples": (run / "samples.jsonl").read_text(), "rewards": (run / "rewards.jsonl").read_text(),
+            "analysis": files, "weights": weights,
             "checkpoints": sorted(p.name for p in (run / "checkpoints").iterdir())}
 
 

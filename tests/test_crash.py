@@ -62,6 +62,7 @@ def test_killed_at_write_boundaries_then_resumed(fast_overrides):
     assert _without_timing(read_metrics(run)) == _without_timing(read_metrics(straight))
     assert _lines(run / "samples.jsonl") == _lines(straight / "samples.jsonl")
     assert [s["step"] for s in _lines(run / "samples.jsonl")] == [1, 2, 3]
+    assert _lines(run / "rewards.jsonl") == _lines(straight / "rewards.jsonl")
     assert sorted(p.name for p in (run / "analysis").iterdir()) == ["step_1", "step_3"]
     for step in (1, 3):
         assert (run / f"analysis/step_{step}/groups.csv").read_bytes() == \
