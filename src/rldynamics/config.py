@@ -403,7 +403,7 @@ def _check_text(text: str, what: str) -> None:
     """Reject control characters and unpaired surrogates (undecodable bytes) in keys and values."""
     bad = next((c for c in text if unicodedata.category(c) in ("Cc", "Cs")), None)
     if bad is not None:
-        raise ConfigError(f"{what} contains the control character {bad!r}; remove it")
+        raise ConfigError(f"{what} contains {bad!r} (a control character or an undecodable byte); remove it")
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
