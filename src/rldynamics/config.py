@@ -223,6 +223,8 @@ class AnalysisConfig:
     """Also analyse the separate analysis batch before filtering."""
     reward_grad: bool = False
     """Also analyse each named reward component's own gradient (reward_grad/<bucket>/*, reward_grad.json)."""
+    terms: list[str] = field(default_factory=lambda: ["task", "entropy", "kl"])
+    """Loss terms the probe differentiates: any of task, entropy, kl ([] with reward_grad: components only)."""
 
 
 @dataclass
@@ -425,6 +427,11 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"algo.clip_c must be > 1 (or null to disable dual clip), got {cfg.algo.clip_c}")
     if cfg.train.temperature <= 0 or cfg.val.temperature <= 0:
         raise ConfigError("train.temperature and val.temperature must be > 0")
+    unknown = sorted(set(cfg.analysis.terms) - {"task", "entropy", "kl"})
+    if unknown:
+        raise ConfigError(f"analysis.terms has unknown terms {unknown}; choose from task, entropy, kl")
+    if not cfg.analysis.terms and not cfg.analysis.reward_grad:
+        raise ConfigError("analysis.terms=[] leaves nothing to analyse; list terms or set analysis.reward_grad=true")
     _validate_env(cfg.env)
     return cfg
 
