@@ -17,6 +17,7 @@ from matplotlib.image import imread
 from safetensors.numpy import save_file
 
 from rldynamics.plots import health
+from rldynamics.plots.analysis import step_data
 from rldynamics.plots.cli import plot_command, report_command
 from rldynamics.plots.curves import trailing_mean
 from rldynamics.plots.data import analysis_steps, load_run
@@ -206,6 +207,63 @@ def test_paper_grid_from_two_runs(run, tmp_path, capsys):
     assert plot_command([run, other], None, False, out, True, [7]) == 2
     assert "step 7" in capsys.readouterr().err
     assert plot_command([run, other], None, False, None, False, None) == 2  # several dirs need --paper
+
+
+def _rename_buckets(path: Path, shift: int) -> None:
+    """Rename `bucket_k` to `bucket_{k + shift}` in metrics.jsonl and groups.csv (fixed_rv with empty low intervals)."""
+    def rename(text: str) -> str:
+        for k in sorted(range(1, 7), reverse=True):
+            text = text.replace(f"bucket_{k}", f"bucket_{k + shift}")
+        return text
+    for file in [path / "metrics.jsonl", *path.glob("analysis/step_*/groups.csv")]:
+        file.write_text(rename(file.read_text()))
+
+
+def test_fixed_rv_buckets_are_labelled_by_interval(tmp_path):
+    path = make_run(tmp_path / "fixed", steps=4, analysis=(4,))
+    config = yaml.safe_load((path / "config.yaml").read_text())
+    (path / "config.yaml").write_text(yaml.safe_dump({**config, "analysis": {"bucket_mode": "fixed_rv"}}))
+    _rename_buckets(path, 2)  # intervals [0,1) and [1,2) were empty: the buckets are bucket_3..bucket_6
+    run = load_run(path)
+    sd = step_data(run, 4)
+    assert sd.buckets == ["bucket_3", "bucket_4", "bucket_5", "bucket_6"]
+    assert sd.labels == ["[2, 3)", "[3, 4)", "[4, 5)", "[5, ∞)"]
+    assert plot_command(path, None, False, None, False, None) == 0
+    _assert_png(path / "plots" / "gradient_analysis_plots_step_4.png")
+    assert report_command(path, None) == 0
+    text = (path / "report.html").read_text()
+    assert "<th>[2, 3)</th>" in text and "<th>Q3</th>" not in text and "fixed intervals" in text
+    quantile = step_data(load_run(make_run(tmp_path / "quantile", steps=1, analysis=(1,))), 1)
+    assert quantile.labels == ["Q1", "Q2", "Q3", "Q4"]
+
+
+def test_zero_gradients_nan_cosines_in_figures_report_and_health(tmp_path):
+    """A probe of the initial model with k3 KL: zero KL gradient, NaN cosines (and a 0/0 reg_share) with flags."""
+    path = make_run(tmp_path / "zero", steps=2, analysis=(1,))
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    for b in ("all", "bucket_1", "bucket_2", "bucket_3", "bucket_4"):
+        key = f"grad_norm/{b}"
+        rows[1].update({f"{key}/raw/kl": 0.0, f"{key}/kl": 0.0, f"{key}/zero_grad/kl": 1.0,
+                        f"{key}/zero_grad/task": float(b == "bucket_1"), f"{key}/zero_grad/entropy": 0.0,
+                        f"{key}/cos/task_kl": math.nan, f"{key}/cos/entropy_kl": math.nan})
+    rows[1].update({"grad_norm/bucket_1/task": 0.0, "grad_norm/bucket_1/cos/task_entropy": math.nan,
+                    "grad_norm/bucket_1/regularizer": 0.0, "grad_norm/bucket_1/reg_share": math.nan})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flags = {f.check: f for f in health.health_checks(load_run(path).rows)}
+    assert flags["zero_gradient_kl"].severity == "note" and flags["zero_gradient_kl"].numbers["steps"] == "1"
+    assert "reference" in flags["zero_gradient_kl"].detail
+    assert flags["zero_gradient_task"].numbers["buckets"] == "bucket_1"
+    assert plot_command(path, None, False, None, False, None) == 0
+    for name in ("gradient_analysis_plots_step_1.png", "analysis_cosines.png", "analysis_reg_share.png"):
+        _assert_png(path / "plots" / name)
+    assert report_command(path, None) == 0
+    text = (path / "report.html").read_text()
+    table = text[text.index("<summary>bucket metrics"):]
+    cos_kl = table[table.index(">cos/task_kl<"):].split("</tr>")[0]
+    reg_share = table[table.index(">reg_share<"):].split("</tr>")[0]
+    assert cos_kl.count("undef.") == 5 and "n/a" not in cos_kl  # every bucket: the KL gradient is zero
+    assert reg_share.count("undef.") == 1 and "n/a" not in reg_share  # bucket_1: 0/0
+    assert "the kl gradient is exactly zero" in text
 
 
 def test_report_embeds_figures_and_healthy_run_has_no_issues(run, tmp_path):

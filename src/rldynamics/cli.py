@@ -21,6 +21,8 @@ examples:
   rldyn train train.steps=5 val.env_groups=32 log.name=smoke
   rldyn train log.name=smoke checkpoint.resume=latest train.steps=10   # continue run "smoke" to step 10
   rldyn train --help-config                         # every config key with its default and meaning
+  rldyn train --help-config --ragen                 # the RAGEN / verl keys accepted and what they become
+  rldyn train actor_rollout_ref.rollout.rollout_filter_value=0.9 es_manager.train.env_groups=8  # RAGEN's names
   rldyn train analysis.enabled=true analysis.every=5  # gradient analysis every 5 steps
   rldyn train --preset math-tiny                    # math word problems (rldynamic's reward components), CPU
   rldyn train --preset gsm8k-grpo model.path=/models/Qwen2.5-3B-Instruct env.math.source=/data/gsm8k/train.jsonl
@@ -73,12 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default=None, help="YAML file merged after the preset, before overrides "
                                                       "(overrides may come before or after it)")
     train.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    train.add_argument("--ragen", action="store_true",
+                       help="with --help-config: list the RAGEN / verl override names accepted and what they become")
 
     probe = sub.add_parser(
         "probe", help="gradient analysis of a saved checkpoint (no training)",
-        description="Load a checkpoint, roll out the next step's batch and run one gradient-analysis pass "
-                    "(reward-variance buckets x task/entropy/KL gradient norms); writes a run directory. "
-                    "Defaults: KL k3 0.001 and entropy 0.001 enabled so both are measured.",
+        description="Load a checkpoint, roll out a batch from a fixed seed stream (the env and sampling seeds of "
+                    "a run's step 1, whatever the checkpoint, so probes of different checkpoints see the same "
+                    "puzzles) and run one gradient-analysis pass (reward-variance buckets x task/entropy/KL "
+                    "gradient norms), logged at the checkpoint's step; writes its own run directory, never a "
+                    "checkpoint, and never stops early. Defaults: KL k3 0.001 and entropy 0.001 enabled so both "
+                    "are measured. RAGEN / verl override names are accepted (rldyn train --help-config --ragen).",
     )
     probe.add_argument("checkpoint", help="runs/<run>/checkpoints/step_<N>")
     probe.add_argument("overrides", nargs="*", metavar="key=value",
@@ -161,12 +168,19 @@ def _one_line(error: Exception) -> str:
 def cmd_train(args: argparse.Namespace) -> int:
     from rldynamics.config import help_text, make_config, preset_names
 
+    if args.help_config and args.ragen:
+        from rldynamics.ragen_keys import help_table
+
+        print("RAGEN / verl override names accepted (pasted as they are; +key= and ++key= work too) and what they "
+              f"become:\n{help_table()}\nOther keys under RAGEN's sections are refused by name.")
+        return 0
     if args.help_config:
         print(f"presets: {', '.join(preset_names())}\n\n{VALUE_RULES}\n\nconfig keys (key=default  meaning):\n"
-              f"{help_text()}")
+              f"{help_text()}\n\nRAGEN / verl override names are accepted too: rldyn train --help-config --ragen")
         return 0
 
     def job():
+        _print_ragen_translation(args.overrides)
         cfg = make_config(args.preset or DEFAULT_PRESET, args.config, args.overrides)  # fails before any work
         from rldynamics.train.setup import resume_base
         from rldynamics.train.trainer import train
@@ -178,10 +192,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     return _run_job("train", job)
 
 
+def _print_ragen_translation(overrides: list[str]) -> None:
+    """Say once what the RAGEN / verl keys among `overrides` became (nothing when there are none)."""
+    from rldynamics.config import ragen_translation
+
+    lines = ragen_translation(overrides)
+    if lines:
+        print("RAGEN / verl keys translated:\n" + "\n".join(f"  {line}" for line in lines))
+
+
 def cmd_probe(args: argparse.Namespace) -> int:
     from rldynamics.train.probe import probe_checkpoint
 
-    return _run_job("probe", lambda: probe_checkpoint(args.checkpoint, args.overrides, validate=args.validate))
+    def job():
+        _print_ragen_translation(args.overrides)
+        return probe_checkpoint(args.checkpoint, args.overrides, validate=args.validate)
+
+    return _run_job("probe", job)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

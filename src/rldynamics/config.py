@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from rldynamics import ragen_keys
 from rldynamics.envs import ENVS
 
 
@@ -49,7 +50,7 @@ class ModelConfig:
     device: str = "auto"
     """Device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N."""
     tiny_hidden_size: int = 64
-    """Tiny model only: hidden size of the embedded Llama-architecture model."""
+    """Tiny model only: hidden size of the embedded Qwen2-architecture model."""
     tiny_layers: int = 2
     """Tiny model only: transformer layers."""
     warm_start_episodes: int = 8192
@@ -229,6 +230,8 @@ class AnalysisConfig:
     """Also analyse the separate analysis batch before filtering."""
     reward_grad: bool = False
     """Also analyse each named reward component's own gradient (reward_grad/<bucket>/*, reward_grad.json)."""
+    terms: list[str] = field(default_factory=lambda: ["task", "entropy", "kl"])
+    """Loss terms the probe differentiates: any of task, entropy, kl ([] with reward_grad: components only)."""
 
 
 @dataclass
@@ -406,23 +409,52 @@ def _check_text(text: str, what: str) -> None:
         raise ConfigError(f"{what} contains {bad!r} (a control character or an undecodable byte); remove it")
 
 
+def split_override(item: str) -> tuple[str, str]:
+    """`"train.lr=1e-5"` -> `("train.lr", "1e-5")`, the value as typed; Hydra's `+key=` / `++key=` mean `key=`."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if key.startswith("~"):
+        raise ConfigError(f"override {item!r}: Hydra deletions (~key) are not supported; set the key instead")
+    key = key[2:] if key.startswith("++") else key[1:] if key.startswith("+") else key
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-5)")
+    _check_text(key, f"override key {key!r}")
+    _check_text(raw, f"value of {key}")
+    if "" in key.split("."):
+        raise ConfigError(f"override key {key!r} has an empty part; write section.key=value (e.g. train.lr=1e-5)")
+    return key, raw
+
+
+def _translated(overrides: list[str]) -> ragen_keys.Translation:
+    """The overrides as `(our key, value)` pairs, RAGEN / verl keys translated (`rldynamics.ragen_keys`).
+
+    Our own keys keep the raw text; a RAGEN key's value is read as YAML first, as Hydra would read it.
+    """
+    pairs = []
+    for item in overrides:
+        key, raw = split_override(item)
+        pairs.append((key, _read_yaml(raw, f"value of {key}") if raw and ragen_keys.lookup(key) else raw))
+    try:
+        return ragen_keys.translate(pairs)
+    except ragen_keys.UnsupportedKey as e:
+        raise ConfigError(str(e)) from e
+
+
+def ragen_translation(overrides: list[str]) -> list[str]:
+    """One line per RAGEN / verl key among `overrides`: what it became (the CLI prints these once)."""
+    return _translated(overrides).lines
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """Turn `["train.lr=1e-5", "log.name=no"]` into a nested dict of the raw value strings.
 
     Values are not interpreted here: each is converted by the type of its config field when merged, so a
-    string field keeps exactly what was typed. A later override of the same key wins.
+    string field keeps exactly what was typed. A later override of the same key wins. RAGEN / verl keys
+    (`actor_rollout_ref.rollout.rollout_filter_value=0.9`, ...) are translated to ours first.
     """
     nested: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-5)")
-        _check_text(key, f"override key {key!r}")
-        _check_text(raw, f"value of {key}")
+    for key, raw in _translated(overrides).pairs:
         parts = key.split(".")
-        if "" in parts:
-            raise ConfigError(f"override key {key!r} has an empty part; write section.key=value (e.g. train.lr=1e-5)")
         node = nested
         for depth, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
@@ -545,6 +577,11 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"{key} must be {what}{f' and <= {high}' if high is not None else ''}, got {value}")
     if not DEVICE.fullmatch(cfg.model.device):
         raise ConfigError(f"model.device={cfg.model.device!r} is not a device; use auto, cpu, cuda, cuda:N or mps")
+    unknown = sorted(set(cfg.analysis.terms) - {"task", "entropy", "kl"})
+    if unknown:
+        raise ConfigError(f"analysis.terms has unknown terms {unknown}; choose from task, entropy, kl")
+    if not cfg.analysis.terms and not cfg.analysis.reward_grad:
+        raise ConfigError("analysis.terms=[] leaves nothing to analyse; list terms or set analysis.reward_grad=true")
     _validate_env(cfg.env)
     return cfg
 

@@ -11,6 +11,8 @@ Design choices:
   by a kill), unreadable ``metrics.json`` / ``config.yaml`` / sketch files are skipped (with a warning where the
   run has one), and values beyond ±1e300 count as overflowed (drawn like inf: matplotlib cannot place ticks on
   an axis that wide).
+- Buckets are labelled by the run's ``analysis.bucket_mode`` (``Q3`` for quantile buckets, ``[2, 3)`` for
+  fixed_rv buckets, whose names always denote the same interval; ``rldynamics.analysis.bucket_names``).
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ from typing import Any
 import numpy as np
 import yaml
 
+from rldynamics.analysis import bucket_names as naming
 from rldynamics.tracking.run_dir import read_config, read_metrics
 
 PREFIX = "grad_norm"
 COMPONENTS = ("task", "entropy", "kl")
-_BUCKET_RE = re.compile(r"^bucket_(\d+)$")
 PLOT_LIMIT = 1e300  # larger magnitudes are treated as overflowed (inf)
 MAX_STEP = 2**63 - 1
 
@@ -49,6 +51,12 @@ class RunData:
         """`log.name` from the config, else the directory name."""
         log = self.config.get("log") if isinstance(self.config.get("log"), dict) else {}
         return str(log.get("name") or self.path.name)
+
+    @property
+    def bucket_mode(self) -> str:
+        """`analysis.bucket_mode` from the config (quantile when not recorded)."""
+        analysis = self.config.get("analysis") if isinstance(self.config.get("analysis"), dict) else {}
+        return str(analysis.get("bucket_mode") or "quantile")
 
     def row(self, step: int) -> dict[str, Any]:
         """The merged metrics row of `step` (KeyError if the step was never logged)."""
@@ -162,15 +170,14 @@ def bucket_names(row: dict[str, Any], prefix: str = PREFIX) -> list[str]:
     found = set()
     for k in row:
         parts = k.split("/")
-        if len(parts) >= 3 and parts[0] == prefix and _BUCKET_RE.match(parts[1]):
+        if len(parts) >= 3 and parts[0] == prefix and naming.bucket_number(parts[1]) is not None:
             found.add(parts[1])
-    return sorted(found, key=lambda b: int(b.split("_")[1]))
+    return sorted(found, key=naming.bucket_number)
 
 
-def bucket_label(bucket: str) -> str:
-    """`bucket_3` -> `Q3`, `all` -> `all`."""
-    m = _BUCKET_RE.match(bucket)
-    return f"Q{m.group(1)}" if m else bucket
+def bucket_label(bucket: str, mode: str = "quantile") -> str:
+    """`bucket_3` -> `Q3` (quantile) or `[2, 3)` (fixed_rv); `all` -> `all`."""
+    return naming.bucket_label(bucket, mode)
 
 
 def bucket_values(row: dict[str, Any], buckets: list[str], metric: str, prefix: str = PREFIX) -> np.ndarray:
@@ -183,13 +190,14 @@ def bucket_metric_names(row: dict[str, Any], prefix: str = PREFIX) -> list[str]:
     names = set()
     for k in row:
         parts = k.split("/", 2)
-        if len(parts) == 3 and parts[0] == prefix and (parts[1] == "all" or _BUCKET_RE.match(parts[1])):
+        if len(parts) == 3 and parts[0] == prefix and (parts[1] == "all" or naming.bucket_number(parts[1])):
             names.add(parts[2])
     return sorted(names, key=_metric_order)
 
 
 _ORDER = ["sample_count", "sample_pct", "group_rv_count", "reward_std_mean", "reward_std_min", "reward_std_max",
-          "task", "entropy", "kl", "raw/entropy", "raw/kl", "regularizer", "reg_share"]
+          "task", "entropy", "kl", "raw/entropy", "raw/kl", "regularizer", "reg_share", "zero_grad/task",
+          "zero_grad/entropy", "zero_grad/kl"]
 
 
 def _metric_order(name: str) -> tuple[int, str]:
@@ -197,8 +205,14 @@ def _metric_order(name: str) -> tuple[int, str]:
 
 
 def norm_is_zero(row: dict[str, Any], bucket: str, comp: str, prefix: str = PREFIX) -> bool:
-    """True when the (raw) gradient norm of `comp` in `bucket` was logged as exactly 0: its cosines are undefined
-    (the probe logs them as 0)."""
+    """True when the gradient of `comp` in `bucket` is exactly the zero vector, so its cosines are undefined.
+
+    Read from the probe's `zero_grad/<comp>` flag (its cosines are then NaN); runs written before the flag existed
+    logged those cosines as 0, and a (raw) norm of exactly 0 tells the same.
+    """
+    flag = row.get(f"{prefix}/{bucket}/zero_grad/{comp}")
+    if isinstance(flag, (int, float)):
+        return flag == 1
     for key in (f"{prefix}/{bucket}/raw/{comp}", f"{prefix}/{bucket}/{comp}"):
         if isinstance(row.get(key), (int, float)):
             return row[key] == 0
@@ -234,7 +248,7 @@ def read_groups(run_dir: str | Path, step: int, prefix: str = PREFIX) -> dict[st
                 out.setdefault(r["bucket"], []).append(as_float(_parse_float(r.get("reward_std"))))
         except csv.Error:
             pass  # the rows read so far are kept
-    return dict(sorted(out.items(), key=lambda kv: _bucket_sort_key(kv[0])))
+    return dict(sorted(out.items(), key=lambda kv: bucket_sort_key(kv[0])))
 
 
 def _parse_float(text: str | None) -> float:
@@ -244,9 +258,10 @@ def _parse_float(text: str | None) -> float:
         return math.nan
 
 
-def _bucket_sort_key(bucket: str) -> tuple[int, int | str]:
-    m = _BUCKET_RE.match(bucket)
-    return (0, int(m.group(1))) if m else (1, bucket)
+def bucket_sort_key(bucket: str) -> tuple[int, int | str]:
+    """Sort key: `bucket_1`, `bucket_2`, ... by number, then other names (`all`)."""
+    k = naming.bucket_number(bucket)
+    return (0, k) if k is not None else (1, bucket)
 
 
 def read_sketches(run_dir: str | Path, step: int) -> dict[str, np.ndarray]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import html
+import math
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -99,7 +100,7 @@ def bucket_table(run: RunData, step: int) -> str:
     """HTML table of every logged bucket metric of `step`: rows = metrics, columns = `all`, Q1, Q2, …"""
     sd = step_data(run, step)
     buckets = ["all", *sd.buckets] if any(k.startswith(f"{PREFIX}/all/") for k in sd.row) else sd.buckets
-    head = "".join(f"<th>{html.escape(bucket_label(b))}</th>" for b in buckets)
+    head = "".join(f"<th>{html.escape(bucket_label(b, run.bucket_mode))}</th>" for b in buckets)
     rows, undefined = [], False
     for name in bucket_metric_names(sd.row):
         comps = name[4:].split("_") if name.startswith("cos/") else []
@@ -108,14 +109,16 @@ def bucket_table(run: RunData, step: int) -> str:
             key = f"{PREFIX}/{b}/{name}"
             if key not in sd.row:
                 cells.append('<td class="missing">—</td>')
-            elif any(norm_is_zero(sd.row, b, c) for c in comps):
+            elif any(norm_is_zero(sd.row, b, c) for c in comps) or (
+                    name == "reg_share" and math.isnan(as_float(sd.row[key]))):
                 undefined = True
                 cells.append('<td class="undef">undef.</td>')
             else:
                 cells.append(f"<td>{html.escape(fmt(as_float(sd.row[key])))}</td>")
         rows.append(f'<tr><td class="name">{html.escape(name)}</td>{"".join(cells)}</tr>')
     legend = '<p class="meta">— not logged'
-    legend += "; undef.: cosine with a gradient whose norm is 0 (logged as 0)</p>" if undefined else "</p>"
+    legend += ("; undef.: a cosine with a gradient that is exactly zero (flagged by zero_grad/&lt;component&gt; = 1), "
+               "or reg_share with task and regulariser both zero (0/0); logged as NaN</p>" if undefined else "</p>")
     return f'<table><tr><th class="name">metric</th>{head}</tr>{"".join(rows)}</table>{legend}'
 
 
@@ -127,9 +130,11 @@ def analysis_section(run: RunData) -> str:
         out.append('<p class="meta">No gradient-analysis steps in this run (no non-zero <code>grad_norm/bucket_*</code>'
                    " metrics); enable it with <code>analysis.enabled=true analysis.every=N</code>.</p>")
         return "".join(out)
-    out.append(f'<p class="meta">Analysis steps: {", ".join(map(str, steps))}. Buckets Q1…QB go from the lowest '
-               "to the highest within-group reward variance (RV). Norms of entropy and KL are weighted by their "
-               "coefficients unless marked raw.</p>")
+    buckets = ("Buckets are the fixed intervals of within-group reward std (RV) they are named by; empty intervals "
+               "are left out." if run.bucket_mode == "fixed_rv" else
+               "Buckets Q1…QB go from the lowest to the highest within-group reward variance (RV).")
+    out.append(f'<p class="meta">Analysis steps: {", ".join(map(str, steps))}. {buckets} Norms of entropy and KL '
+               "are weighted by their coefficients unless marked raw.</p>")
     out.append(figure_html(fig_cosines(run), "Cosines between the task, entropy and KL gradients per bucket"))
     out.append(figure_html(fig_reg_share(run), "Regulariser share of the gradient per bucket"))
     for step in steps:

@@ -1,9 +1,14 @@
 """`rldyn probe`: one gradient-analysis pass on a saved checkpoint, written to its own run directory.
 
-The probe resumes the checkpoint's run (same config, same weights, critic and RNG state) at the next step
-with analysis only: the rollout, filter, advantages and analysis of step N+1 are exactly those the training
-run would have analysed at step N+1, and nothing is updated. Defaults follow RAGEN's probe script: KL
-(k3, 0.001) and entropy (0.001) enabled so that both regularisers are measured; any key can be overridden.
+The probe loads the checkpoint's run (same config, same weights and critic) in probe mode (`analysis.only`):
+nothing is updated, early stopping is off (the probe of the last checkpoint of a run that stopped early
+still analyses) and no checkpoint is written. As in RAGEN's probe, the metrics are logged at the
+checkpoint's step N, and the analysed batch is drawn from a fixed seed stream: the env seeds and sampling
+seed of step 1 (`train.seed_base + g` for group g; a separate analysis batch: `train.seed_base + 500000 + g`),
+whatever N is. Probes of the checkpoints of one run therefore compare policies on the same puzzles, and a
+probe of weights equal to the initial ones reproduces the run's step-1 analysis. Defaults follow RAGEN's
+probe script: KL (k3, 0.001) and entropy (0.001) enabled so that both regularisers are measured; any key
+can be overridden.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ def probe_config(checkpoint: Path, overrides: list[str], validate: bool = False)
     step = read_trainer_state(checkpoint)["step"]
     saved = checkpoint.parent.parent / "config.yaml"
     base = load_config(saved) if saved.is_file() else make_config()
-    mode = [f"checkpoint.resume={checkpoint}", f"train.steps={step + 1}", "analysis.enabled=true", "analysis.every=1",
+    mode = [f"checkpoint.resume={checkpoint}", f"train.steps={step}", "analysis.enabled=true", "analysis.every=1",
             "analysis.exit_after=true", "analysis.only=true", f"val.before_train={str(validate).lower()}"]
     return apply_overrides(base, PROBE_DEFAULTS + mode + overrides)
 

@@ -83,6 +83,9 @@ def base_model_path(cfg: Config) -> str:
 def resolve_run_dir(cfg: Config) -> Path:
     """The run directory: `log.run_dir/log.name` (a new name when unset), or the run of a resumed checkpoint."""
     resume = cfg.checkpoint.resume
+    if resume and cfg.analysis.only:
+        raise ValueError("analysis.only=true with checkpoint.resume would log into the checkpointed run itself; use "
+                         "`rldyn probe <checkpoint>`, which writes its own run directory")
     if resume and resume != "latest":
         return Path(resume).resolve().parent.parent
     if resume == "latest" and not cfg.log.name:

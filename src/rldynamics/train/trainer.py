@@ -15,6 +15,11 @@ Exploding training: a non-finite gradient skips the optimizer step (`actor/skipp
 sampling scores (`rollout/non_finite_logits`) or parameters after an update (`actor/non_finite_parameters`)
 end the run early with that reason, without saving the broken state as a checkpoint. A validation whose
 scores are non-finite is logged as `val-env/<env>/non_finite_logits` and skipped.
+
+Probe mode (`analysis.only`, what `rldyn probe` runs): nothing is updated, early stopping is off, no
+checkpoint is written, a run resumed from a checkpoint keeps the checkpoint's step number (RAGEN's
+probe), and its k-th step draws the env seeds and sampling seed of step k (`stages.seed_step`), so probes
+of different checkpoints analyse the same puzzles.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from rldynamics.train.stages import (
     advantages_and_returns,
     data_metrics,
     filter_batch,
+    seed_step,
     step_seed,
     train_seeds,
     val_seeds,
@@ -70,6 +76,11 @@ class Session:
     critic: torch.nn.Module | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
     console: StepConsole | None = None
+    first_step: int = 1
+
+    def seed_step(self, step: int) -> int:
+        """The step whose env seeds and sampling seed `step` uses (`stages.seed_step`)."""
+        return seed_step(step, self.first_step, self.cfg.analysis.only)
 
 
 @contextmanager
@@ -84,7 +95,7 @@ def train(cfg: Config, run_dir: Path | None = None) -> Path:
     """Run training as configured (into `run_dir` if given); returns the run directory."""
     run_dir = run_dir or setup.resolve_run_dir(cfg)
     start = setup.plan_start(cfg, run_dir)  # reads only; raises before any work
-    stopper = EarlyStopper(cfg.early_stop, cfg.filter.empty_stop_steps)
+    stopper = EarlyStopper.for_run(cfg)
     setup.load_early_stop(stopper, start)
     s = setup.make_session(cfg, run_dir, start)  # writes nothing
     with RunLock(run_dir) as lock:
@@ -103,12 +114,13 @@ def train(cfg: Config, run_dir: Path | None = None) -> Path:
 def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
     """Validation before training, then the steps after `start`, each logged before its checkpoint is saved."""
     cfg, env = s.cfg, s.cfg.env.name
+    s.first_step = start if cfg.analysis.only and start > 0 else start + 1  # a probe keeps the checkpoint's step
     if cfg.val.before_train and (start == 0 or cfg.analysis.only):
         s.writer.log(start, validate(s))
     with StepConsole(cfg.train.steps, env, enabled=cfg.log.progress) as console:
         s.console = console
-        console.advance(start, {})
-        for step in range(start + 1, cfg.train.steps + 1):
+        console.advance(s.first_step - 1, {})
+        for step in range(s.first_step, cfg.train.steps + 1):
             t0 = time.perf_counter()
             try:
                 metrics, stop = train_step(s, step, stopper)
@@ -155,6 +167,8 @@ def _write_report(run_dir: Path) -> None:
 
 
 def _checkpoint_due(cfg: Config, step: int, last: bool) -> bool:
+    if cfg.analysis.only:  # nothing was updated: a probe never writes checkpoints
+        return False
     every = cfg.checkpoint.every
     final = step == cfg.train.steps or last
     return (every > 0 and step % every == 0) or (final and cfg.checkpoint.save_last)
@@ -165,8 +179,9 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     cfg, m = s.cfg, {}
     s.console.phase("rollout")
     with timed(m, "gen"):
-        torch.manual_seed(step_seed(cfg.seed, step))
-        batch = rollout(s.model, s.tokenizer, train_seeds(cfg.train.seed_base, cfg.train.env_groups, step),
+        torch.manual_seed(step_seed(cfg.seed, s.seed_step(step)))
+        batch = rollout(s.model, s.tokenizer,
+                        train_seeds(cfg.train.seed_base, cfg.train.env_groups, s.seed_step(step)),
                         cfg.train.group_size, cfg.env, temperature=cfg.train.temperature)
     m.update(env_metric_summary(batch, f"train/{cfg.env.name}", cfg.train.group_size))
     m.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids))
@@ -179,8 +194,9 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     batch, filter_m, group_std = filter_batch(batch, cfg.filter)
     m.update(filter_m)
     stop = stopper.after_rollout(filter_m["rollout/in_group_reward_std"], empty=len(batch) == 0)
+    m["rollout/empty_after_filter"] = float(len(batch) == 0)
+    m["rollout/consecutive_empty_after_filter_steps"] = float(stopper.empty)
     if len(batch) == 0:
-        m["rollout/empty_after_filter"] = 1.0
         return m, _analyse(s, step, m, None, None, None, 0.0) or stop
     if stop is not None:
         return m, stop
