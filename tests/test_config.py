@@ -119,7 +119,7 @@ def test_values_mean_what_was_typed(override, key, expected):
         (["train.lr=nan"], "train.lr"),
         (["train.lr=inf"], "train.lr"),
         (["filter.value=1e309"], "filter.value"),
-        (["train.lr=0"], "train.lr"),
+        (["train.lr=-1e-5"], "train.lr"),
         (["train.max_grad_norm=0"], "train.max_grad_norm"),
         (["critic.max_grad_norm=-1"], "critic.max_grad_norm"),
         (["early_stop.val_patience=0"], "early_stop.val_patience"),

@@ -325,9 +325,10 @@ RANGES: dict[str, tuple[float, bool, float | None]] = {
         "early_stop.rv_window", "early_stop.val_patience"), (1, True, None)),
     **dict.fromkeys(("seed", "train.steps", "train.seed_base", "val.every", "val.seed_base", "checkpoint.every",
                      "checkpoint.keep_last", "log.samples_per_step", "model.warm_start_episodes"), (0, True, None)),
-    **dict.fromkeys(("train.lr", "train.max_grad_norm", "train.temperature", "val.temperature", "critic.lr",
+    **dict.fromkeys(("train.max_grad_norm", "train.temperature", "val.temperature",
                      "critic.max_grad_norm", "critic.clip_range", "model.warm_start_lr"), (0, False, None)),
-    **dict.fromkeys(("train.weight_decay", "algo.clip_high", "algo.kl_coef", "filter.value", "early_stop.rv_ratio"),
+    **dict.fromkeys(("train.lr", "critic.lr", "train.weight_decay", "algo.clip_high", "algo.kl_coef", "filter.value",
+                     "early_stop.rv_ratio"),
                     (0, True, None)),
     **dict.fromkeys(("model.warm_start_noise", "algo.clip_low", "algo.gamma", "algo.lam",
                      "early_stop.val_success_threshold"), (0, True, 1)),
@@ -428,16 +429,20 @@ def split_override(item: str) -> tuple[str, str]:
 def _translated(overrides: list[str]) -> ragen_keys.Translation:
     """The overrides as `(our key, value)` pairs, RAGEN / verl keys translated (`rldynamics.ragen_keys`).
 
-    Our own keys keep the raw text; a RAGEN key's value is read as YAML first, as Hydra would read it.
+    Our own keys keep the raw text; a RAGEN key's value is read as YAML first, as Hydra reads it.
     """
-    pairs = []
-    for item in overrides:
-        key, raw = split_override(item)
-        pairs.append((key, _read_yaml(raw, f"value of {key}") if raw and ragen_keys.lookup(key) else raw))
+    pairs = [split_override(item) for item in overrides]
     try:
-        return ragen_keys.translate(pairs)
+        return ragen_keys.translate([(key, _ragen_value(raw) if ragen_keys.lookup(key) else raw) for key, raw in pairs])
     except ragen_keys.UnsupportedKey as e:
         raise ConfigError(str(e)) from e
+
+
+def _ragen_value(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        return raw  # the rule that reads it names the bad value
 
 
 def ragen_translation(overrides: list[str]) -> list[str]:

@@ -150,7 +150,7 @@ def as_float(value: Any) -> float:
     if isinstance(value, bool):
         return float(value)
     if isinstance(value, (int, float)):
-        return float(value) if abs(value) <= PLOT_LIMIT else math.copysign(math.inf, value)
+        return float(value) if not abs(value) > PLOT_LIMIT else math.copysign(math.inf, value)  # nan stays nan
     return math.nan
 
 
