@@ -79,7 +79,8 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
                    bucket_mode: str = "quantile", prefix: str = "grad_norm", sketch_dim: int = 1024,
                    sketch_seed: int = 0, keep_gradients: bool = False,
                    component_advantages: dict[str, torch.Tensor] | None = None,
-                   component_weights: dict[str, float] | None = None) -> ProbeResult:
+                   component_weights: dict[str, float] | None = None,
+                   terms: tuple[str, ...] = ("task", "entropy", "kl")) -> ProbeResult:
     """Per-bucket gradient norms, cosines, losses and sketches of the loss components, without training.
 
     Args:
@@ -97,6 +98,8 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
         component_advantages: reward component name -> ``[N, L]`` advantages of that component alone; adds the
             ``reward_grad`` metrics (prefix ``grad_norm`` -> ``reward_grad``).
         component_weights: weight of each component in the trained reward (default 1).
+        terms: which of the loss terms task / entropy / kl to differentiate (kl needs reference log-probs);
+            without ``task`` there are no RAGEN norms of it and no ``reward_grad`` cosines with the total.
 
     Returns:
         A :class:`ProbeResult`; empty when the batch has no rows.
@@ -108,11 +111,11 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
         return _probe(model, batch, inputs, group_std, algo=algo, micro_batch_size=micro_batch_size,
                       temperature=temperature, num_buckets=num_buckets, bucket_mode=bucket_mode, prefix=prefix,
                       sketch_dim=sketch_dim, sketch_seed=sketch_seed, keep_gradients=keep_gradients,
-                      components=component_advantages or {}, weights=component_weights or {})
+                      components=component_advantages or {}, weights=component_weights or {}, terms=terms)
 
 
 def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperature, num_buckets, bucket_mode,
-           prefix, sketch_dim, sketch_seed, keep_gradients, components, weights) -> ProbeResult:
+           prefix, sketch_dim, sketch_seed, keep_gradients, components, weights, terms) -> ProbeResult:
     """Body of :func:`gradient_probe` (runs inside a forked RNG)."""
     stds = present_groups(batch, group_std)
     if not stds:
@@ -124,7 +127,7 @@ def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperatu
     buckets = [groups for _, groups in named]
     params = [p for p in model.parameters() if p.requires_grad]
     sketcher = GradientSketcher([p.shape for p in params], sketch_dim, sketch_seed) if sketch_dim > 0 else None
-    names = [n for n in ("pg", "entropy", "kl") if n != "kl" or inputs.ref_logprobs is not None]
+    names = [n for n, c in COMPONENT_OF_TERM.items() if c in terms and (n != "kl" or inputs.ref_logprobs is not None)]
     names += [f"reward/{k}" for k in components]
     groups_of_params = layer_groups([n for n, p in model.named_parameters() if p.requires_grad],
                                     [p.numel() for p in params])
@@ -229,10 +232,11 @@ def _bucket_metrics(grads: dict[str, torch.Tensor], losses: dict[str, float], al
             dot = float(torch.dot(grads[a], grads[b]))
             out[f"cos/{COMPONENT_OF_TERM[a]}_{COMPONENT_OF_TERM[b]}"] = (
                 dot / (raw[a] * raw[b]) if raw[a] > 0 and raw[b] > 0 else math.nan)  # undefined for a zero vector
-    reg = sum(scale[n] * grads[n] for n in names if n != "pg")  # [P]
-    out["regularizer"] = float(torch.linalg.vector_norm(reg)) if isinstance(reg, torch.Tensor) else 0.0
-    denom = out["task"] + out["regularizer"]
-    out["reg_share"] = out["regularizer"] / denom if denom > 0 else math.nan  # 0/0: both gradients are zero
+    if "pg" in grads:
+        reg = sum(scale[n] * grads[n] for n in names if n != "pg")  # [P]
+        out["regularizer"] = float(torch.linalg.vector_norm(reg)) if isinstance(reg, torch.Tensor) else 0.0
+        denom = out["task"] + out["regularizer"]
+        out["reg_share"] = out["regularizer"] / denom if denom > 0 else math.nan  # 0/0: both gradients are zero
     return out
 
 
@@ -244,7 +248,7 @@ def _reward_grad(result: ProbeResult, metrics: dict[str, dict[str, float]], buck
         return
     comp = {k: grads[f"reward/{k}"] for k in components}
     metrics[bucket], result.reward_grad[bucket] = reward_grad_metrics(
-        comp, grads["pg"], {k: weights.get(k, 1.0) for k in components}, groups)
+        comp, grads.get("pg"), {k: weights.get(k, 1.0) for k in components}, groups)
 
 
 def _actor_mirror(all_metrics: dict[str, float]) -> dict[str, float]:

@@ -25,6 +25,7 @@ from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.rollout.chat import ChatPrompts, Conversation
 from rldynamics.rollout.parse import ParsedTurn, parse_answer, parse_response
 from rldynamics.rollout.rewards import resolve_weights, weighted_sum
+from rldynamics.rollout.sampling import sampling_guard
 
 SYSTEM_PREFIX = "You're a helpful assistant. "
 INVALID_NOTE = "No valid action provided previously. Environment state remains the same. Please try again.\n"
@@ -192,8 +193,8 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     device = next(model.parameters()).device
     out = model.generate(
         input_ids=input_ids.to(device), attention_mask=attention.to(device), do_sample=True,
-        temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
-        eos_token_id=stop_ids, pad_token_id=pad,
+        temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
+        pad_token_id=pad, logits_processor=sampling_guard(temperature),  # the guard applies the temperature
     )  # [B, W + new]
     stops = set(stop_ids)
     responses = []

@@ -88,7 +88,8 @@ def probe(s, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, floa
     return gradient_probe(s.model, batch, inputs, group_std, algo=cfg.algo, micro_batch_size=cfg.train.micro_batch_size,
                           temperature=cfg.train.temperature, num_buckets=cfg.analysis.num_buckets,
                           bucket_mode=cfg.analysis.bucket_mode, prefix=prefix, sketch_seed=cfg.seed,
-                          component_advantages=components, component_weights=weights)
+                          component_advantages=components, component_weights=weights,
+                          terms=tuple(cfg.analysis.terms))
 
 
 def _separate_batch_passes(s, step: int, metrics: dict[str, float], prepare) -> list:
