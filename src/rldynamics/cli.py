@@ -19,6 +19,7 @@ examples:
   rldyn train                                       # embedded default: tiny model, Sokoban, CPU, minutes
   rldyn train --preset sokoban-ppo model.path=/models/Qwen2.5-3B filter.value=0.9
   rldyn train train.steps=5 val.env_groups=32 log.name=smoke
+  rldyn train --preset countdown-tiny               # Countdown (arithmetic, one answer) on the tiny model
   rldyn train log.name=smoke checkpoint.resume=latest train.steps=10   # continue run "smoke" to step 10
   rldyn train --help-config                         # every config key with its default and meaning
   rldyn train --help-config --ragen                 # the RAGEN / verl keys accepted and what they become
