@@ -232,6 +232,10 @@ class AnalysisConfig:
     """Also analyse each named reward component's own gradient (reward_grad/<bucket>/*, reward_grad.json)."""
     terms: list[str] = field(default_factory=lambda: ["task", "entropy", "kl"])
     """Loss terms the probe differentiates: any of task, entropy, kl ([] with reward_grad: components only)."""
+    dump_gradients: bool = False
+    """Write every analysed gradient in full, per parameter, to analysis/step_<N>/gradients.npz (float32; big)."""
+    dump_max_pending: int = 2
+    """Gradient dumps held in memory while a background thread writes them (the step waits beyond this)."""
 
 
 @dataclass
@@ -320,7 +324,8 @@ RANGES: dict[str, tuple[float, bool, float | None]] = {
         "env.max_turns", "env.max_actions_per_turn", "env.max_actions_per_traj", "env.max_new_tokens",
         "train.env_groups", "train.group_size", "train.ppo_epochs",
         "train.mini_batch_size", "train.micro_batch_size", "val.env_groups", "val.group_size", "analysis.every",
-        "analysis.num_buckets", "analysis.env_groups", "analysis.group_size", "model.tiny_hidden_size",
+        "analysis.num_buckets", "analysis.dump_max_pending", "analysis.env_groups", "analysis.group_size",
+        "model.tiny_hidden_size",
         "model.tiny_layers", "model.warm_start_turns", "model.warm_start_epochs", "early_stop.rv_baseline_steps",
         "early_stop.rv_window", "early_stop.val_patience"), (1, True, None)),
     **dict.fromkeys(("seed", "train.steps", "train.seed_base", "val.every", "val.seed_base", "checkpoint.every",

@@ -40,6 +40,7 @@ from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.rollout.rewards import reward_component_metrics, reward_rows, reward_stats
 from rldynamics.rollout.sampling import NonFiniteLogits
 from rldynamics.tracking.console import StepConsole
+from rldynamics.tracking.grad_dump import GradientDumper
 from rldynamics.tracking.run_dir import RunLock, RunWriter
 from rldynamics.train import setup
 from rldynamics.train.actor import ActorInputs, update_actor
@@ -77,6 +78,7 @@ class Session:
     critic_optimizer: torch.optim.Optimizer | None = None
     console: StepConsole | None = None
     first_step: int = 1
+    dumper: GradientDumper | None = None  # analysis.dump_gradients: started by the first dump
 
     def seed_step(self, step: int) -> int:
         """The step whose env seeds and sampling seed `step` uses (`stages.seed_step`)."""
@@ -104,7 +106,11 @@ def train(cfg: Config, run_dir: Path | None = None) -> Path:
             print(f"note: {run_dir} was last opened by {lock.stale}, which ended without closing it")
         if start.in_place and start.checkpoint is None:
             print(f"note: {run_dir} has no checkpoint yet; training it again from step 0")
-        run_steps(s, start.step, stopper)
+        try:
+            run_steps(s, start.step, stopper)
+        finally:
+            if s.dumper is not None:
+                s.dumper.close()  # every queued gradient dump is on disk (or its error raised) before the run ends
         s.writer.close()
         if cfg.log.report:
             _write_report(s.run_dir)
