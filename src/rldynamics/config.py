@@ -717,7 +717,8 @@ def envs_help() -> str:
         lines = [f"{name}  ({cls.__module__}.{cls.__name__})", f"  reward components: {weights}{penalty}",
                  f"  actions: {actions}"]
         keys = documented_keys(cls.Config(), f"env.{name}.")
-        lines += [f"  {key}={default!s:<12} {doc}" for key, default, doc in keys]
+        width = max((len(f"{key}={default!s}") for key, default, _ in keys), default=0)
+        lines += [f"  {f'{key}={default!s}':<{width}}  {doc}" for key, default, doc in keys]
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks) + "\n\nshared keys: env.name, env.max_turns, env.max_actions_per_turn, " \
         "env.max_actions_per_traj, env.max_new_tokens, env.enable_think, env.format_penalty, env.reward_weights " \
