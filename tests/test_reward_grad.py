@@ -172,3 +172,17 @@ def test_components_alone_skip_the_loss_terms(model):
     for key in ("reward_grad/all/norm/format", "reward_grad/bucket_1/cos/correctness__length"):
         assert alone.metrics[key] == pytest.approx(full.metrics[key], rel=1e-6)
     assert alone.reward_grad["all"]["cos_total"] is None
+
+
+def test_conflict_flags_from_cosines_with_the_total(tmp_path):
+    from rldynamics.plots.data import RunData
+    from rldynamics.plots.reward_components import check_reward_components
+
+    key = "reward_grad/all/cos_total/"
+    rows = [{"step": s, f"{key}length": c, f"{key}format": f, f"{key}correctness": 0.9}
+            for s, c, f in [(1, 0.5, -0.2), (26, 0.4, -0.3), (51, -0.4, 0.1)]]
+    flags = {f.check: f for f in check_reward_components(RunData(tmp_path, rows))}
+    assert flags["reward_component_conflict"].title.startswith("The format gradient opposes")  # median < 0
+    latest = flags["reward_component_conflict_latest"]
+    assert "length" in latest.title and "step 51" in latest.detail
+    assert len(flags) == 2  # correctness never opposes the total

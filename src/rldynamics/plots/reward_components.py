@@ -178,7 +178,8 @@ def _keys(run: RunData, prefix: str) -> list[str]:
 
 
 def check_reward_components(run: RunData, last: int = 10) -> list[Flag]:
-    """Flags: a component whose gradient opposes the total's; a component constant in every group."""
+    """Flags: a component whose gradient opposes the total's (warning: at most analysis steps; note: at the latest
+    one only); a component constant in every group."""
     flags = []
     for key in _keys(run, f"{RG}/all/cos_total/"):
         x, y = series(run, key)
@@ -190,6 +191,14 @@ def check_reward_components(run: RunData, last: int = 10) -> list[Flag]:
                               f"cos(g_{name}, g_total) is negative at {int((finite < 0).sum())} of {len(finite)} "
                               "analysis steps: improving the trained reward works against this component.",
                               {"median cosine": fmt(float(np.median(finite))), "steps": len(finite)}))
+        elif len(finite) and finite[-1] < 0:
+            name = key.rsplit("/", 1)[1]
+            flags.append(Flag("reward_component_conflict_latest", "note",
+                              f"The {name} gradient opposed the total reward's at the latest analysis step",
+                              f"cos(g_{name}, g_total) = {fmt(float(finite[-1]))} at step {int(x[np.isfinite(y)][-1])} "
+                              "(non-negative at most earlier steps): watch whether the conflict persists.",
+                              {"latest cosine": fmt(float(finite[-1])),
+                               "median cosine": fmt(float(np.median(finite)))}))
     for name in component_names(run):
         x, y = series(run, f"reward/{name}/zero_std_group_frac")
         recent = y[-last:][np.isfinite(y[-last:])]
