@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import difflib
 
+from rldynamics.envs.bandit import BanditEnv
 from rldynamics.envs.base import Env, StepResult
+from rldynamics.envs.frozenlake import FrozenLakeEnv
 from rldynamics.envs.sokoban import SokobanEnv
 
-ENVS: dict[str, type] = {"sokoban": SokobanEnv}
+ENVS: dict[str, type] = {"sokoban": SokobanEnv, "frozenlake": FrozenLakeEnv, "bandit": BanditEnv}
 
 
 def make_env(name: str, **kwargs: object) -> Env:
@@ -32,4 +34,4 @@ def make_env(name: str, **kwargs: object) -> Env:
     return ENVS[name](**kwargs)
 
 
-__all__ = ["ENVS", "Env", "SokobanEnv", "StepResult", "make_env"]
+__all__ = ["ENVS", "BanditEnv", "Env", "FrozenLakeEnv", "SokobanEnv", "StepResult", "make_env"]
