@@ -153,7 +153,7 @@ def test_rollout_never_raises_on_arbitrary_replies(tokenizer, reply: str, seed: 
 def test_bandit_tiny_preset_trains(fast_overrides) -> None:
     from rldynamics.train.trainer import train
 
-    cfg = make_config("bandit-tiny", overrides=[*fast_overrides, "log.name=bandit"])
+    cfg = make_config("bandit-tiny", overrides=[*fast_overrides, "env.max_turns=1", "log.name=bandit"])
     run = train(cfg)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]

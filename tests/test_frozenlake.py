@@ -221,8 +221,9 @@ def test_coord_lists_player_in_hole_and_on_goal_once() -> None:
 
 def test_instructions_describe_slips_symbols_and_actions() -> None:
     slippery = FrozenLakeEnv(success_rate=0.8).instructions()
-    assert "probability 0.8" in slippery and "O: hole" in slippery and "Left, Down, Right, Up" in slippery
-    assert "Every move goes where intended" in FrozenLakeEnv(success_rate=1.0).instructions()
+    assert "slips sideways with probability 0.2" in slippery and "O: hole" in slippery
+    assert "Left, Down, Right, Up" in slippery and "Coordinates are (row, col)" in slippery
+    assert "Moves never slip" in FrozenLakeEnv(success_rate=1.0, observation_format="grid").instructions()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ DELTAS: dict[str, Cell] = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up
 MAP_LETTERS = frozenset("SFHG")  # gymnasium's map letters: start, frozen, hole, goal
 MAX_ATTEMPTS = 1000
 
-_SYMBOL_LEGEND = "P: player, _: frozen ice, O: hole, G: goal, X: player in a hole, √: player on the goal"
+_SYMBOL_LEGEND = "P: player, _: ice, O: hole, G: goal, X: player in hole, √: player on goal"
 
 
 @dataclass(frozen=True)
@@ -271,15 +271,12 @@ class FrozenLakeEnv:
         self._seed = 0
 
     def instructions(self) -> str:
-        """Rules, slip rule, symbol legend and actions, for the system prompt."""
-        if self.success_rate == 1.0:
-            slips = "Every move goes where intended."
-        else:
-            slips = (f"The ice is slippery: a move goes where intended with probability {self.success_rate:g}, "
-                     f"else to one of the two sides.")
-        text = ("You are solving FrozenLake. Walk the player to the goal without stepping into a hole; "
-                f"a hole ends the episode. {slips} A move off the board leaves the player in place.\n"
-                f"Symbols: {_SYMBOL_LEGEND}.\n")
+        """Rules, slip rule, symbol legend and actions, for the system prompt (kept short: it is in every
+        sequence)."""
+        slips = "Moves never slip." if self.success_rate == 1.0 else (
+            f"The ice is slippery: a move slips sideways with probability {1 - self.success_rate:.2g}.")
+        text = (f"You are solving FrozenLake. Reach the goal; a hole ends the episode. {slips} "
+                f"Moving off the board does nothing.\nSymbols: {_SYMBOL_LEGEND}.\n")
         if "coord" in self.observation_format:
             text += "Coordinates are (row, col); Up decreases the row.\n"
         return text + f"Actions: {', '.join(self.actions)}."
