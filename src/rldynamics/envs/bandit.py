@@ -15,8 +15,9 @@ Design choices:
   members of a group share the draw (their seed), so members that pull the same arm get the same payoff
   and a group's reward spread comes from its choices alone. A consequence worth knowing: per seed the
   risky arm either beats the safe one for everybody (25 %) or loses for everybody (75 %), so an estimator
-  that standardises rewards within a group (GRPO with `algo.norm_adv_by_std=true`) pushes toward the
-  safe arm, while RLOO, Dr.GRPO and GAE follow the expected payoff (toward the risky arm).
+  that standardises rewards within a group (GRPO with `algo.norm_adv_by_std=true`) gives both cases
+  advantages of equal size and pushes toward the safe arm, while RLOO weights them by the payoff gap and
+  follows the expected payoff (README: measured with the tiny model).
 """
 
 from __future__ import annotations
