@@ -220,6 +220,8 @@ class AnalysisConfig:
     """Probe mode: never update critic or actor."""
     prefilter: bool = False
     """Also analyse the separate analysis batch before filtering."""
+    reward_grad: bool = False
+    """Also analyse each named reward component's own gradient (reward_grad/<bucket>/*, reward_grad.json)."""
 
 
 @dataclass

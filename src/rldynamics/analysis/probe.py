@@ -14,6 +14,9 @@ Semantics (``DESIGN.md`` §4.2–4.4, metric names from ``reference/ragen_behavi
 - ``all`` is derived, not recomputed: buckets partition the batch, so
   ``g_all = Σ_b share_b · g_b`` with ``share_b = sub_batch_share(all_mask, rows_b, mode)``; losses of
   ``all`` are combined the same way. Memory stays at three ``all`` vectors plus the current bucket's.
+- Reward components (optional): with ``component_advantages`` the task loss is also differentiated with each
+  named reward component's own advantages on the same forward pass (``reward/<name>`` terms), and
+  ``analysis.reward_grad`` turns them into ``reward_grad/<bucket>/*`` metrics and matrices.
 - Read-only: ``.grad`` is never touched, nothing is stepped, and every RNG stream is restored.
 - Distributed (``torch.distributed`` initialised): each rank holds a shard of the batch; buckets are
   assigned over the union of all ranks' groups, shares use globally summed aggregation weights and the
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from rldynamics.analysis.buckets import assign_buckets
+from rldynamics.analysis.reward_grad import layer_groups, reward_grad_metrics
 from rldynamics.analysis.shares import bucket_shares, chunk_shares, distributed, global_sum, present_groups
 from rldynamics.analysis.sketch import GradientSketcher
 from rldynamics.config import AlgoConfig
@@ -52,19 +56,23 @@ class ProbeResult:
         sketches: ``"<bucket>/<component>"`` -> ``[sketch_dim]`` float32 count-sketch of the signed,
             unweighted component gradient.
         gradients: ``"<bucket>/<component>"`` -> ``[P]`` float32 signed unweighted gradient; filled only
-            with ``keep_gradients=True`` (memory O(buckets × P)).
+            with ``keep_gradients=True`` (memory O(buckets × P)). Component gradients are ``<bucket>/reward/<name>``.
+        reward_grad: bucket -> JSON-ready matrices of the reward-component gradients (see ``reward_grad``).
     """
 
     metrics: dict[str, float]
     groups: list[tuple[str, int, float]]
     sketches: dict[str, torch.Tensor]
     gradients: dict[str, torch.Tensor] = field(default_factory=dict)
+    reward_grad: dict[str, dict] = field(default_factory=dict)
 
 
 def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, float], *,
                    algo: AlgoConfig, micro_batch_size: int, temperature: float, num_buckets: int = 6,
                    bucket_mode: str = "quantile", prefix: str = "grad_norm", sketch_dim: int = 1024,
-                   sketch_seed: int = 0, keep_gradients: bool = False) -> ProbeResult:
+                   sketch_seed: int = 0, keep_gradients: bool = False,
+                   component_advantages: dict[str, torch.Tensor] | None = None,
+                   component_weights: dict[str, float] | None = None) -> ProbeResult:
     """Per-bucket gradient norms, cosines, losses and sketches of the loss components, without training.
 
     Args:
@@ -79,6 +87,9 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
         prefix: metric namespace; ``"grad_norm"`` also mirrors ``all`` to ``actor/grad_norm/*``, ``actor/loss/*``.
         sketch_dim: count-sketch size (0 = no sketches); sketch_seed: its projection seed.
         keep_gradients: also return the full flat gradients (for tests and offline cosines).
+        component_advantages: reward component name -> ``[N, L]`` advantages of that component alone; adds the
+            ``reward_grad`` metrics (prefix ``grad_norm`` -> ``reward_grad``).
+        component_weights: weight of each component in the trained reward (default 1).
 
     Returns:
         A :class:`ProbeResult`; empty when the batch has no rows.
@@ -89,11 +100,12 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
     with torch.random.fork_rng(devices=devices, device_type="cuda"):  # dropout draws are undone on return
         return _probe(model, batch, inputs, group_std, algo=algo, micro_batch_size=micro_batch_size,
                       temperature=temperature, num_buckets=num_buckets, bucket_mode=bucket_mode, prefix=prefix,
-                      sketch_dim=sketch_dim, sketch_seed=sketch_seed, keep_gradients=keep_gradients)
+                      sketch_dim=sketch_dim, sketch_seed=sketch_seed, keep_gradients=keep_gradients,
+                      components=component_advantages or {}, weights=component_weights or {})
 
 
 def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperature, num_buckets, bucket_mode,
-           prefix, sketch_dim, sketch_seed, keep_gradients) -> ProbeResult:
+           prefix, sketch_dim, sketch_seed, keep_gradients, components, weights) -> ProbeResult:
     """Body of :func:`gradient_probe` (runs inside a forked RNG)."""
     stds = present_groups(batch, group_std)
     if not stds:
@@ -104,6 +116,9 @@ def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperatu
     params = [p for p in model.parameters() if p.requires_grad]
     sketcher = GradientSketcher([p.shape for p in params], sketch_dim, sketch_seed) if sketch_dim > 0 else None
     names = [n for n in ("pg", "entropy", "kl") if n != "kl" or inputs.ref_logprobs is not None]
+    names += [f"reward/{k}" for k in components]
+    groups_of_params = layer_groups([n for n, p in model.named_parameters() if p.requires_grad],
+                                    [p.numel() for p in params])
     bucket_rows = [torch.isin(batch.group_ids, torch.tensor(b)).nonzero().squeeze(1) for b in buckets]  # B x [n_b]
     shares = bucket_shares(batch.response_mask, bucket_rows, algo.loss_agg_mode)
     total_rows = global_sum([float(len(batch))])[0]
@@ -111,9 +126,10 @@ def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperatu
     all_losses = dict.fromkeys(names, 0.0)
     result = ProbeResult(metrics={}, groups=[], sketches={})
     per_bucket: dict[str, dict[str, float]] = {}
+    per_bucket_rg: dict[str, dict[str, float]] = {}
     for k, (groups, rows, share) in enumerate(zip(buckets, bucket_rows, shares, strict=True)):
         name = f"bucket_{k + 1}"
-        grads, losses = _bucket_gradients(model, batch, rows, inputs, algo, params, names=names,
+        grads, losses = _bucket_gradients(model, batch, rows, inputs, algo, params, names=names, components=components,
                                           micro_batch_size=micro_batch_size, temperature=temperature)
         for n in names:
             all_grads[n].add_(grads[n], alpha=share)  # [P]
@@ -121,6 +137,7 @@ def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperatu
         count, tokens = global_sum([float(rows.numel()), float(batch.response_mask[rows].sum())])
         per_bucket[name] = _bucket_metrics(grads, losses, algo, count=count, tokens=tokens, total_rows=total_rows,
                                            stds=[stds[g] for g in groups])
+        _reward_grad(result, per_bucket_rg, name, grads, components, weights, groups_of_params)
         _record(result, name, grads, sketcher, keep_gradients)
         result.groups.extend((name, g, stds[g]) for g in groups)
         del grads  # free this bucket's vectors before the next bucket allocates its own
@@ -128,16 +145,20 @@ def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperatu
     all_metrics = _bucket_metrics(all_grads, all_losses, algo, count=total_rows, tokens=tokens,
                                   total_rows=total_rows, stds=[stds[g] for g in gids])
     _record(result, "all", all_grads, sketcher, keep_gradients)
+    _reward_grad(result, per_bucket_rg, "all", all_grads, components, weights, groups_of_params)
     for bucket, values in {"all": all_metrics, **per_bucket}.items():
         result.metrics.update({f"{prefix}/{bucket}/{key}": v for key, v in values.items()})
+    rg_prefix = prefix.replace("grad_norm", "reward_grad")
+    for bucket in ("all", *per_bucket):
+        result.metrics.update({f"{rg_prefix}/{bucket}/{key}": v for key, v in per_bucket_rg.get(bucket, {}).items()})
     if prefix == "grad_norm":
         result.metrics.update(_actor_mirror(all_metrics))
     return result
 
 
 def _bucket_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, algo: AlgoConfig,
-                      params: list[torch.Tensor], *, names: list[str], micro_batch_size: int,
-                      temperature: float) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+                      params: list[torch.Tensor], *, names: list[str], components: dict[str, torch.Tensor],
+                      micro_batch_size: int, temperature: float) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Signed, unweighted gradient ``[P]`` and unweighted loss value of each term over the bucket ``rows``.
 
     One forward per micro-batch; every term is differentiated from the same graph and scaled by the
@@ -152,7 +173,8 @@ def _bucket_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: Ac
     for positions, share in zip(chunks, chunk_shares(mask, chunks, algo.loss_agg_mode), strict=True):
         if share == 0.0:  # no response tokens: contributes nothing to the aggregated loss
             continue
-        terms, _ = loss_terms(model, batch, rows[positions], inputs, algo, temperature=temperature)
+        terms, _ = loss_terms(model, batch, rows[positions], inputs, algo, temperature=temperature,
+                              component_advantages=components)
         for i, n in enumerate(names):
             losses[i] += share * terms[n].item()
             if not terms[n].requires_grad:
@@ -160,7 +182,7 @@ def _bucket_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: Ac
             parts = torch.autograd.grad(terms[n], params, retain_graph=i < len(names) - 1, allow_unused=True)
             for view, part in zip(views[n], parts, strict=True):
                 if part is not None:
-                    view.add_(part.float(), alpha=share * signs[n])  # param shape
+                    view.add_(part.float(), alpha=share * signs.get(n, 1.0))  # param shape (reward/*: +1)
     if distributed():
         for n in names:
             dist.all_reduce(grads[n], op=dist.ReduceOp.SUM)  # [P]
@@ -171,6 +193,7 @@ def _bucket_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: Ac
 def _bucket_metrics(grads: dict[str, torch.Tensor], losses: dict[str, float], algo: AlgoConfig, *, count: float,
                     tokens: float, total_rows: float, stds: list[float]) -> dict[str, float]:
     """RAGEN-named metrics of one bucket from its signed raw gradients ``[P]`` and unweighted losses."""
+    grads = {n: g for n, g in grads.items() if n in COMPONENT_OF_TERM}  # the reward components are reported apart
     coefs = term_coefs(algo)
     signs = _term_signs(algo)
     scale = {n: coefs[n] * signs[n] for n in grads}  # the configured coefficient: 1, entropy_coef, kl_coef
@@ -203,6 +226,17 @@ def _bucket_metrics(grads: dict[str, torch.Tensor], losses: dict[str, float], al
     return out
 
 
+def _reward_grad(result: ProbeResult, metrics: dict[str, dict[str, float]], bucket: str,
+                 grads: dict[str, torch.Tensor], components: dict[str, torch.Tensor], weights: dict[str, float],
+                 groups: dict[str, list[tuple[int, int]]]) -> None:
+    """The reward-component metrics and matrices of one bucket (nothing without components)."""
+    if not components:
+        return
+    comp = {k: grads[f"reward/{k}"] for k in components}
+    metrics[bucket], result.reward_grad[bucket] = reward_grad_metrics(
+        comp, grads["pg"], {k: weights.get(k, 1.0) for k in components}, groups)
+
+
 def _actor_mirror(all_metrics: dict[str, float]) -> dict[str, float]:
     """RAGEN's root copies of the ``all`` bucket: ``actor/grad_norm/*`` and ``actor/loss/*``."""
     keys = [k for k in ("task", "entropy", "kl") if k in all_metrics]
@@ -215,7 +249,7 @@ def _record(result: ProbeResult, bucket: str, grads: dict[str, torch.Tensor], sk
             keep_gradients: bool) -> None:
     """Store the sketches (and, if asked, copies) of one bucket's component gradients."""
     for n, g in grads.items():
-        key = f"{bucket}/{COMPONENT_OF_TERM[n]}"
+        key = f"{bucket}/{COMPONENT_OF_TERM.get(n, n)}"
         if sketcher is not None:
             result.sketches[key] = sketcher.sketch(g).cpu()  # [dim]
         if keep_gradients:

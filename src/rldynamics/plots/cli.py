@@ -10,10 +10,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rldynamics.plots.analysis import write_paper_grid, write_step
+from rldynamics.plots.analysis import save_png, write_paper_grid, write_step
 from rldynamics.plots.curves import write_curves
 from rldynamics.plots.data import RunData, analysis_steps, load_run
 from rldynamics.plots.report import write_report
+from rldynamics.plots.reward_components import write_reward_component_figures
 
 NO_STEPS = "No gradient-analysis steps found."
 
@@ -77,6 +78,7 @@ def _per_step(run: RunData, steps: list[int] | None, out_dir: Path) -> int:
         written = write_curves(run, out_dir, steps=chosen)
         for s in chosen:
             written += write_step(run, s, out_dir)
+        written += write_reward_component_figures(run, out_dir, save_png)
     except OSError as e:
         return _err("plot", f"could not write to {out_dir}: {e}")
     if not available:

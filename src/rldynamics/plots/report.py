@@ -27,6 +27,15 @@ from rldynamics.plots.data import (
     norm_is_zero,
 )
 from rldynamics.plots.health import Flag, health_checks, summary_line
+from rldynamics.plots.reward_components import (
+    check_reward_components,
+    component_names,
+    fig_component_rewards,
+    fig_cosine_matrix,
+    fig_cosines_over_steps,
+    fig_layer_profile,
+    read_reward_grad,
+)
 
 REPORT_DPI = 110
 STEP_FIGURE_TITLES = {
@@ -131,6 +140,26 @@ def analysis_section(run: RunData) -> str:
     return "".join(out)
 
 
+def reward_components_section(run: RunData) -> str:
+    """Reward components: health flags, component curves, gradient cosines over steps, per-step matrices."""
+    names = component_names(run)
+    if not names:
+        return ""
+    out = ['<h2 id="reward-components">Reward components</h2>',
+           f'<p class="meta">Components: {", ".join(html.escape(n) for n in names)}. Gradient cosines '
+           "(<code>analysis.reward_grad=true</code>) with a zero gradient — a component constant within every "
+           "group — are undefined and shown as n/a, never as 0.</p>"]
+    flags = check_reward_components(run)
+    out += [_flag_html(f) for f in flags] or ['<p class="ok">No reward-component warnings.</p>']
+    out.append(_img(fig_component_rewards(run), "Reward components per step (raw means; groups where constant)"))
+    out.append(_img(fig_cosines_over_steps(run), "Component gradient cosines per analysis step (all bucket)"))
+    for step, matrices in read_reward_grad(run).items():
+        out.append(f"<h3>Reward components, step {step}</h3>")
+        out.append(_img(fig_cosine_matrix(matrices, step), f"Component gradient cosine matrix, step {step}"))
+        out.append(_img(fig_layer_profile(matrices, step), f"Per-layer-group cosine profile, step {step}"))
+    return "".join(out)
+
+
 def _config_section(run: RunData) -> str:
     file = run.path / "config.yaml"
     text = file.read_text() if file.exists() else None
@@ -150,12 +179,13 @@ def build_report(run_dir: str | Path | RunData) -> str:
         f'<p class="meta">run directory <code>{html.escape(str(run.path.resolve()))}</code> · {span} · '
         f"report generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} by rldynamics</p>",
         '<nav><a href="#health">Health</a><a href="#config">Config</a><a href="#curves">Training curves</a>'
-        '<a href="#analysis">Gradient analysis</a></nav>',
+        '<a href="#analysis">Gradient analysis</a><a href="#reward-components">Reward components</a></nav>',
         health_section(run),
         _config_section(run),
         '<h2 id="curves">Training curves</h2>',
         _img(curves, "Training curves") if curves else '<p class="meta">No known training metrics were logged.</p>',
         analysis_section(run),
+        reward_components_section(run),
     ]
     title = html.escape(f"rldynamics report — {run.name}")
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'

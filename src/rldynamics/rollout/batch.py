@@ -39,13 +39,17 @@ class RolloutBatch:
     @property
     def token_rewards(self) -> torch.Tensor:
         """The trajectory reward placed on the last sampled token of each row, zero elsewhere. [N, L]"""
+        return self.last_token(self.scores)
+
+    def last_token(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-row `values` [N] placed on the last sampled token of each row, zero elsewhere. [N, L]"""
         n, length = self.response_mask.shape
         positions = torch.arange(length).expand(n, length)  # [N, L]
         last = torch.where(self.response_mask > 0, positions, -1).amax(dim=1)  # [N]
-        rewards = torch.zeros(n, length, dtype=torch.float32)  # [N, L]
+        out = torch.zeros(n, length, dtype=torch.float32)  # [N, L]
         has = last >= 0  # [N]
-        rewards[has.nonzero().squeeze(1), last[has]] = self.scores[has].float()
-        return rewards
+        out[has.nonzero().squeeze(1), last[has]] = values[has].float()
+        return out
 
     def select(self, rows: torch.Tensor | list[int]) -> RolloutBatch:
         """A new batch holding `rows` (in the given order); per-token tensors keep their width L."""

@@ -44,25 +44,32 @@ def sub_batch_share(mask: torch.Tensor, rows: torch.Tensor, mode: str) -> float:
 
 
 def loss_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, cfg: AlgoConfig, *,
-               temperature: float) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+               temperature: float, component_advantages: dict[str, torch.Tensor] | None = None,
+               ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Unweighted loss terms of the micro-batch `rows`, aggregated with `cfg.loss_agg_mode`.
 
-    Returns ({"pg", "entropy", "kl"(if a reference is given)}, policy metrics).
+    Returns ({"pg", "entropy", "kl"(if a reference is given), "reward/<name>" per entry of
+    `component_advantages` (the pg loss with that component's advantages, [N, L] each)}, policy metrics).
+    All terms come from one forward pass.
     """
     device = next(model.parameters()).device
     logprobs, entropy = token_logprobs(model, batch.input_ids[rows].to(device),
                                        batch.attention_mask[rows].to(device),
                                        temperature=temperature, with_entropy=True)  # [n, L], [n, L]
     mask = batch.response_mask[rows].to(device)  # [n, L]
-    pg, metrics = policy_loss(
-        logprobs, inputs.old_logprobs[rows].to(device), inputs.advantages[rows].to(device), mask,
-        kind=cfg.policy_loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
-        agg=cfg.loss_agg_mode,
-    )
+    old = inputs.old_logprobs[rows].to(device)  # [n, L]
+
+    def pg_loss(advantages: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        return policy_loss(logprobs, old, advantages[rows].to(device), mask, kind=cfg.policy_loss,
+                           clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c, agg=cfg.loss_agg_mode)
+
+    pg, metrics = pg_loss(inputs.advantages)
     terms = {"pg": pg, "entropy": aggregate(entropy, mask, cfg.loss_agg_mode)}
     if inputs.ref_logprobs is not None:
         kl = kl_penalty(logprobs, inputs.ref_logprobs[rows].to(device), cfg.kl_type)  # [n, L]
         terms["kl"] = aggregate(kl, mask, cfg.loss_agg_mode)
+    for name, advantages in (component_advantages or {}).items():
+        terms[f"reward/{name}"] = pg_loss(advantages)[0]
     return terms, metrics
 
 

@@ -5,9 +5,13 @@
   on a separate batch drawn with its own env seeds and sampling seed (inside a forked RNG, so training is
   unaffected) and filtered with the same filter settings.
 - `analysis.prefilter` also analyses that separate batch before filtering (prefix `grad_norm_prefilter`).
+- `analysis.reward_grad` also differentiates the task loss with each named reward component's own advantages
+  (`train.stages.component_advantages`, scaled like the trained advantages by the filter's loss scaling) and
+  logs `reward_grad/<bucket>/*` (analysis/reward_grad.py).
 - Per analysis step, `analysis/step_<N>/` gets `groups.csv` (bucket, group_id, reward_std), `sketches.safetensors`
-  (count-sketches of every bucket/component gradient, for offline cosines across buckets and steps) and
-  `metrics.json` (the step's analysis metrics).
+  (count-sketches of every bucket/component gradient, for offline cosines across buckets and steps),
+  `metrics.json` (the step's analysis metrics) and, with reward components, `reward_grad.json` (per bucket: the
+  component cosine matrix, cosines with the total, norms and per-layer-group cosine profiles).
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from rldynamics.algo.filter import loss_scale
 from rldynamics.analysis.probe import ProbeResult, gradient_probe
 from rldynamics.config import Config
 from rldynamics.rollout.agent import rollout
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.train.actor import ActorInputs
-from rldynamics.train.stages import filter_batch, step_seed, train_seeds
+from rldynamics.train.stages import component_advantages, filter_batch, step_seed, train_seeds
 
 ANALYSIS_SEED_OFFSET = 500_000  # separate analysis batches use their own env seeds
 
@@ -42,7 +47,7 @@ def uses_separate_batch(cfg: Config) -> bool:
 
 
 def run_analysis(s, step: int, batch: RolloutBatch | None, inputs: ActorInputs | None,
-                 group_std: dict[int, float] | None, prepare) -> dict[str, float]:
+                 group_std: dict[int, float] | None, kept_ratio: float, prepare) -> dict[str, float]:
     """Analyse the training batch (or a separate one) and write the artefacts; returns the metrics.
 
     `prepare(batch, metrics, kept_ratio) -> (inputs, values, returns)` computes log-probs and advantages for a
@@ -50,28 +55,37 @@ def run_analysis(s, step: int, batch: RolloutBatch | None, inputs: ActorInputs |
     """
     cfg = s.cfg
     metrics: dict[str, float] = {"grad_analysis/uses_training_batch": float(not uses_separate_batch(cfg))}
-    passes: list[tuple[str, RolloutBatch, ActorInputs, dict[int, float]]] = []
+    passes: list[tuple[str, RolloutBatch, ActorInputs, dict[int, float], float]] = []
     if uses_separate_batch(cfg):
         passes = _separate_batch_passes(s, step, metrics, prepare)
     elif batch is not None and len(batch) > 0:
-        passes = [("grad_norm", batch, inputs, group_std)]
+        passes = [("grad_norm", batch, inputs, group_std, kept_ratio)]
     out_dir = s.writer.analysis_dir(step)
-    rows, sketches = [], {}
-    for prefix, b, inp, stds in passes:
-        result = probe(s, b, inp, stds, prefix)
+    rows, sketches, reward_grad = [], {}, {}
+    for prefix, b, inp, stds, kept in passes:
+        result = probe(s, b, inp, stds, prefix, kept)
         metrics.update(result.metrics)
         rows += [(prefix, *r) for r in result.groups]
         sketches.update({f"{prefix}/{k}": v.contiguous() for k, v in result.sketches.items()})
-    write_artefacts(out_dir, metrics, rows, sketches)
+        if result.reward_grad:
+            reward_grad[prefix] = result.reward_grad
+    write_artefacts(out_dir, metrics, rows, sketches, reward_grad)
     return metrics
 
 
-def probe(s, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, float], prefix: str) -> ProbeResult:
-    """One gradient probe with the run's settings."""
+def probe(s, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, float], prefix: str,
+          kept_ratio: float) -> ProbeResult:
+    """One gradient probe with the run's settings (and the reward components, when `analysis.reward_grad`)."""
     cfg = s.cfg
+    components = weights = None
+    if cfg.analysis.reward_grad and batch.reward_names:
+        scale = loss_scale(kept_ratio, cfg.filter.loss_scaling)
+        components = {k: a * scale for k, a in component_advantages(batch, cfg.algo).items()}  # name -> [N, L]
+        weights = dict(zip(batch.reward_names, batch.reward_weights, strict=True))
     return gradient_probe(s.model, batch, inputs, group_std, algo=cfg.algo, micro_batch_size=cfg.train.micro_batch_size,
                           temperature=cfg.train.temperature, num_buckets=cfg.analysis.num_buckets,
-                          bucket_mode=cfg.analysis.bucket_mode, prefix=prefix, sketch_seed=cfg.seed)
+                          bucket_mode=cfg.analysis.bucket_mode, prefix=prefix, sketch_seed=cfg.seed,
+                          component_advantages=components, component_weights=weights)
 
 
 def _separate_batch_passes(s, step: int, metrics: dict[str, float], prepare) -> list:
@@ -91,15 +105,17 @@ def _separate_batch_passes(s, step: int, metrics: dict[str, float], prepare) -> 
     passes = []
     if cfg.analysis.prefilter:
         inputs, _, _ = prepare(raw, {}, 1.0)
-        passes.append(("grad_norm_prefilter", raw, inputs, stds))
+        passes.append(("grad_norm_prefilter", raw, inputs, stds, 1.0))
     if len(kept) > 0:
-        inputs, _, _ = prepare(kept, {}, filter_m["rollout/filter_kept_ratio"])
-        passes.append(("grad_norm", kept, inputs, stds))
+        kept_ratio = filter_m["rollout/filter_kept_ratio"]
+        inputs, _, _ = prepare(kept, {}, kept_ratio)
+        passes.append(("grad_norm", kept, inputs, stds, kept_ratio))
     return passes
 
 
-def write_artefacts(out_dir: Path, metrics: dict[str, float], groups: list[tuple], sketches: dict) -> None:
-    """`groups.csv`, `sketches.safetensors` and `metrics.json` of one analysis step."""
+def write_artefacts(out_dir: Path, metrics: dict[str, float], groups: list[tuple], sketches: dict,
+                    reward_grad: dict | None = None) -> None:
+    """`groups.csv`, `sketches.safetensors`, `metrics.json` (and `reward_grad.json`) of one analysis step."""
     with open(out_dir / "groups.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["prefix", "bucket", "group_id", "reward_std"])
@@ -107,3 +123,5 @@ def write_artefacts(out_dir: Path, metrics: dict[str, float], groups: list[tuple
     if sketches:
         save_file(sketches, str(out_dir / "sketches.safetensors"))
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+    if reward_grad:
+        (out_dir / "reward_grad.json").write_text(json.dumps(reward_grad, indent=1, allow_nan=False))

@@ -67,6 +67,24 @@ def advantages_and_returns(batch: RolloutBatch, values: torch.Tensor | None,
     return reinforce_pp_advantages(batch.token_rewards, mask, gamma=cfg.gamma), None
 
 
+def component_advantages(batch: RolloutBatch, cfg: AlgoConfig) -> dict[str, torch.Tensor]:
+    """The advantages of each raw reward component alone, by the training estimator. name -> [N, L]
+
+    GRPO / RLOO / REINFORCE++ use the component's own scores and group statistics. GAE has no per-component
+    critic, so each component gets the GRPO group-relative advantage (`algo.norm_adv_by_std` as set).
+    """
+    out = {}
+    for k, name in enumerate(batch.reward_names):
+        scores = batch.reward_components[:, k]  # [N]
+        if cfg.adv_estimator == "rloo":
+            out[name] = rloo_advantages(scores, batch.group_ids, batch.response_mask)
+        elif cfg.adv_estimator == "reinforce_pp":
+            out[name] = reinforce_pp_advantages(batch.last_token(scores), batch.response_mask, gamma=cfg.gamma)
+        else:
+            out[name] = grpo_advantages(scores, batch.group_ids, batch.response_mask, norm_by_std=cfg.norm_adv_by_std)
+    return out
+
+
 def data_metrics(batch: RolloutBatch, advantages: torch.Tensor, returns: torch.Tensor | None,
                  values: torch.Tensor | None) -> dict[str, float]:
     """Batch summaries with verl's names."""

@@ -146,7 +146,7 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     stop = stopper.after_rollout(filter_m["rollout/in_group_reward_std"], empty=len(batch) == 0)
     if len(batch) == 0:
         m["rollout/empty_after_filter"] = 1.0
-        return m, _analyse(s, step, m, None, None, None) or stop
+        return m, _analyse(s, step, m, None, None, None, 0.0) or stop
     if stop is not None:
         return m, stop
 
@@ -159,7 +159,7 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
         with timed(m, "update_critic"):
             m.update(update_critic(s.critic, s.critic_optimizer, batch, values, returns, cfg.algo, cfg.critic,
                                    cfg.train))
-    if _analyse(s, step, m, batch, inputs, group_std):
+    if _analyse(s, step, m, batch, inputs, group_std, filter_m["rollout/filter_kept_ratio"]):
         return m, EXITED
     if not cfg.analysis.only:
         s.console.phase("actor")
@@ -169,7 +169,7 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     return m, None
 
 
-def _analyse(s: Session, step: int, m: dict, batch, inputs, group_std) -> str | None:
+def _analyse(s: Session, step: int, m: dict, batch, inputs, group_std, kept_ratio: float) -> str | None:
     """Run the gradient analysis when due; returns EXITED when the run should end right after it."""
     cfg = s.cfg
     m["trainer/gradient_analysis_only"] = float(cfg.analysis.only)
@@ -177,7 +177,7 @@ def _analyse(s: Session, step: int, m: dict, batch, inputs, group_std) -> str | 
         return None
     s.console.phase("analysis")
     with timed(m, "gradient_analysis"):
-        m.update(run_analysis(s, step, batch, inputs, group_std,
+        m.update(run_analysis(s, step, batch, inputs, group_std, kept_ratio,
                               lambda b, metrics, kept: prepare_update(s, b, metrics, kept)))
     if cfg.analysis.exit_after:
         m["trainer/exited_after_gradient_analysis"] = 1.0
