@@ -202,7 +202,7 @@ def test_step_rewards_and_ends_like_gymnasium() -> None:
 # Rendering
 # ---------------------------------------------------------------------------------------------------
 
-COORD = "Board size: 3 rows x 3 cols (zero-indexed).\nGoal: (2, 2)\nPlayer: (0, 0)\nHoles: (1, 1)"
+COORD = "Board size: 3 rows x 3 cols (zero-indexed).\nHoles: (1, 1)\nGoal: (2, 2)\nPlayer: (0, 0)"
 
 
 @pytest.mark.parametrize(
@@ -216,7 +216,7 @@ def test_render_formats(fmt: str, expected: str) -> None:
 def test_coord_lists_player_in_hole_and_on_goal_once() -> None:
     size = "Board size: 3 rows x 3 cols (zero-indexed).\n"
     assert render(FrozenLakeState(tuple(SMALL), (1, 1)), "coord") == size + "Goal: (2, 2)\nPlayer in hole: (1, 1)"
-    assert render(FrozenLakeState(tuple(SMALL), (2, 2)), "coord") == size + "Player on goal: (2, 2)\nHoles: (1, 1)"
+    assert render(FrozenLakeState(tuple(SMALL), (2, 2)), "coord") == size + "Holes: (1, 1)\nPlayer on goal: (2, 2)"
 
 
 def test_instructions_describe_slips_symbols_and_actions() -> None:

@@ -25,8 +25,9 @@ Design choices:
   on the same cells.
 - Renderings (RAGEN's symbols): P player, _ frozen (the start cell too), O hole, G goal, X player in a hole,
   √ player on the goal. The coord rendering lists each shown cell under exactly one heading, mirroring the
-  grid: Goal, Player / Player on goal / Player in hole, Holes (RAGEN also lists the start cell; the grid
-  does not show it, so neither do we).
+  grid: Holes, Goal, Player / Player on goal / Player in hole. RAGEN lists Start, Goal, Player, Holes; we
+  leave out the start (the grid does not show it either) and put the holes first, so that goal and player
+  sit at fixed offsets from the end of the text.
 - `solve` is a breadth-first shortest path to the goal that ignores slips (the optimal plan at success
   rate 1; a plan that replanning after every move keeps on track otherwise), for the tiny model's warm start.
 """
@@ -120,14 +121,17 @@ def render_grid(state: FrozenLakeState) -> str:
 
 
 def render_coord(state: FrozenLakeState) -> str:
-    """Board size line, then Goal, Player (or Player on goal / Player in hole) and Holes coordinates."""
+    """Board size line, then Holes, Goal and Player (or Player on goal / Player in hole) coordinates.
+
+    Goal and player come last, so they sit at the same token offsets from the end of the observation
+    whatever the number of holes (a small model finds them there far sooner)."""
     player, letter = {state.player}, state.letter(state.player)
     categories = (
+        ("Holes", set(state.cells("H")) - player),
         ("Goal", set(state.cells("G")) - player),
         ("Player", player if letter in "SF" else set()),
         ("Player on goal", player if letter == "G" else set()),
         ("Player in hole", player if letter == "H" else set()),
-        ("Holes", set(state.cells("H")) - player),
     )
     return coord_text(state.shape, categories)
 
