@@ -10,9 +10,14 @@ interleaved in every repeat:
   (b) `gradient_probe`: 6 buckets + derived `all`, 3 components (entropy and KL coefficients non-zero);
   (c) a naive reference following RAGEN's protocol (reference/ragen_behaviour.md §3.5–3.6): `all`
       recomputed as its own bucket, and for each bucket and each component a fresh forward + backward
-      per micro-batch into `.grad`, then the global norm.
+      per micro-batch into `.grad`, then the global norm;
+  (d) the three-reward-component analysis (`analysis.terms=[] analysis.reward_grad=true`): per-component
+      advantages of correctness / format / length, one forward and three backward passes per micro-batch,
+      6 buckets + `all`, cosine matrices and per-layer profiles;
+  (e) the probe of (b) and the components of (d) together (the default terms with `analysis.reward_grad`).
 
-Prints the medians, the ratios b/a (target ≤ 2.6) and c/b (target ≥ 2), and the peak memory of each
+Prints the medians, the ratios b/a (target ≤ 2.6), c/b (target ≥ 2), d/a (target ≤ 2.6) and e/a, and the
+peak memory of each
 phase above the resident memory before it (CPU: VmHWM after resetting it through /proc/self/clear_refs,
 falling back to ru_maxrss; CUDA: torch.cuda.max_memory_allocated).
 """
@@ -35,6 +40,7 @@ from rldynamics.models.forward import batch_logprobs, micro_batches
 from rldynamics.models.tiny import build_tiny_model, build_tiny_tokenizer
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.train.actor import ActorInputs, loss_terms, sub_batch_share, term_coefs, update_actor
+from rldynamics.train.stages import component_advantages
 
 GRID = "######\n#_OX√#\n#_P__#\n#S___#\n######"
 RAGEN_COMPONENT = {"task": "pg", "entropy": "entropy", "kl": "kl"}
@@ -74,8 +80,10 @@ def make_batch(model, *, groups: int, group_size: int, length: int, seed: int):
             response_mask[i, s : s + int(torch.randint(6, 11, (1,), generator=gen))] = 1.0
     group_ids = torch.arange(groups).repeat_interleave(group_size)  # [N]
     scores = torch.rand(n, generator=gen) * torch.rand(groups, generator=gen).repeat_interleave(group_size) * 4  # [N]
+    components = torch.stack([(scores > 2).float(), (scores * 4).round() / 16, (scores / 4).clamp(max=1)], 1)  # [N, 3]
     batch = RolloutBatch(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
-                         scores=scores, group_ids=group_ids)
+                         scores=scores, group_ids=group_ids, reward_components=components,
+                         reward_names=("correctness", "format", "length"), reward_weights=(0.34, 0.33, 0.33))
     by_group = scores.view(groups, group_size)  # [G, n]
     norm = ((by_group - by_group.mean(1, keepdim=True)) / (by_group.std(1, keepdim=True) + 1e-6)).view(n)  # [N]
     own, _ = batch_logprobs(model, input_ids.to(model.device), attention_mask.to(model.device), micro_batch_size=16)
@@ -161,6 +169,9 @@ def main() -> None:
     trained = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-6)
     probe_kw = dict(algo=algo, micro_batch_size=train.micro_batch_size, temperature=1.0, num_buckets=6)
+    comps = component_advantages(batch, AlgoConfig(adv_estimator="grpo"))  # name -> [N, L]
+    weights = dict(zip(batch.reward_names, batch.reward_weights, strict=True))
+    comp_kw = dict(probe_kw, component_advantages=comps, component_weights=weights)
     result = gradient_probe(model, batch, inputs, group_std, **probe_kw)
     buckets = {"all": torch.arange(len(batch))}
     for name in sorted({b for b, _, _ in result.groups}, key=lambda b: int(b.split("_")[1])):
@@ -173,6 +184,8 @@ def main() -> None:
         "b: gradient_probe": lambda: gradient_probe(model, batch, inputs, group_std, **probe_kw),
         "c: naive (RAGEN protocol)": lambda: naive_probe(model, batch, inputs, buckets, algo,
                                                          micro_batch_size=train.micro_batch_size, temperature=1.0),
+        "d: 3 reward components": lambda: gradient_probe(model, batch, inputs, group_std, terms=(), **comp_kw),
+        "e: probe + 3 components": lambda: gradient_probe(model, batch, inputs, group_std, **comp_kw),
     }
     times: dict[str, list[float]] = {k: [] for k in phases}
     peaks: dict[str, float] = dict.fromkeys(phases, 0.0)
@@ -191,9 +204,11 @@ def main() -> None:
     for name in phases:
         med[name] = statistics.median(times[name])
         print(f"{name:28s} {med[name]:9.3f} {min(times[name]):8.3f} {max(times[name]):8.3f} {peaks[name]:9.1f}")
-    a, b, c = (med[k] for k in phases)
+    a, b, c, d, e = (med[k] for k in phases)
     print(f"b/a = {b / a:.2f}  (target <= 2.6)")
     print(f"c/b = {c / b:.2f}  (target >= 2)")
+    print(f"d/a = {d / a:.2f}  (target <= 2.6: one forward and three backward passes)")
+    print(f"e/a = {e / a:.2f}")
 
 
 if __name__ == "__main__":

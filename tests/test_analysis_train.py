@@ -1,10 +1,11 @@
-"""The gradient analysis inside training runs: read-only, cadence, exit_after, separate batch, checkpoint probe."""
+"""The gradient analysis inside training runs: read-only, cadence, exit_after, separate batch, checkpoint probes."""
 
 from __future__ import annotations
 
 import csv
 import json
 
+import pytest
 from safetensors.torch import load_file
 
 from rldynamics.config import make_config
@@ -64,16 +65,53 @@ def test_separate_batch_with_prefilter(fast_overrides):
     assert metrics["grad_norm/all/task"] == row["grad_norm/all/task"]
 
 
-def test_probe_on_checkpoint_reproduces_the_step(fast_overrides, tmp_path):
-    run = train(make_config(overrides=[*fast_overrides, "log.name=src", *ANALYSIS[:1], "analysis.every=2",
-                                       "train.steps=3", "checkpoint.every=2", "algo.kl_coef=0.01",
-                                       "algo.entropy_coef=0.01", "analysis.num_buckets=2"]))
-    trained = read_metrics(run)[3]  # step 3 analysed the batch the step-2 weights produced
-    probe = probe_checkpoint(run / "checkpoints" / "step_2", ["algo.kl_coef=0.01", "algo.kl_type=low_var_kl",
-                                                              "algo.entropy_coef=0.01"])
+# A warm start that answers in format often enough for rewards to vary within groups (the FAST one never does),
+# so reward-variance early stopping can fire and the analysed task gradients are not all zero.
+VARIED = ["model.warm_start_epochs=15", "model.warm_start_lr=5e-3", "train.group_size=4", "val.every=0"]
+
+
+def _seeds(run_dir, step, prefix="grad_norm"):
+    rows = csv.DictReader(open(run_dir / "analysis" / f"step_{step}" / "groups.csv"))
+    return sorted(int(r["seed"]) for r in rows if r["prefix"] == prefix)
+
+
+def test_probes_of_a_collapsed_run_analyse_its_checkpoints_on_the_same_puzzles(fast_overrides):
+    run = train(make_config(overrides=[*fast_overrides, *VARIED, "log.name=collapsed", "train.steps=4",
+                                       "checkpoint.every=1", "early_stop.rv_baseline_steps=1", "early_stop.rv_window=2",
+                                       "early_stop.rv_ratio=1000"]))
+    rows = read_metrics(run)
+    assert rows[1]["rollout/in_group_reward_std"] > 0, "the baseline needs reward variance"
+    assert rows[-1]["step"] == 3 and rows[-1]["early_stopped/reward_variance_collapse"] == 1.0  # before its update
+    probes = {step: probe_checkpoint(run / "checkpoints" / f"step_{step}", []) for step in (1, 3)}
+    for step, probe in probes.items():
+        (row,) = read_metrics(probe)
+        assert row["step"] == step  # the checkpoint's step, as RAGEN's probe
+        assert row["grad_norm/all/sample_count"] == 8.0 and row["trainer/exited_after_gradient_analysis"] == 1.0
+        assert not [k for k in row if k.startswith("early_stopped/")]
+        assert not (probe / "checkpoints").exists(), "a probe never writes checkpoints"
+        assert _seeds(probe, step) == [10000, 10001]  # step 1's puzzles, whatever the checkpoint
+        samples = [json.loads(line)["seed"] for line in (probe / "samples.jsonl").read_text().splitlines()]
+        assert set(samples) <= {10000, 10001}
+    a, b = (read_metrics(probes[s])[-1] for s in (1, 3))
+    assert a["grad_norm/all/loss/entropy"] != b["grad_norm/all/loss/entropy"]  # step 2 updated: another policy
+    with pytest.raises(ValueError, match="rldyn probe"):  # probe mode never logs into the checkpointed run
+        train(make_config(overrides=[*fast_overrides, f"checkpoint.resume={run / 'checkpoints' / 'step_1'}",
+                                     "analysis.only=true"]))
+
+
+def test_probe_of_unchanged_weights_reproduces_the_first_analysis(fast_overrides):
+    """With lr 0 every checkpoint holds the initial weights; a probe of the last one must analyse exactly what
+    the run analysed at step 1 (same env seeds, same sampling seeds, same loss settings), here on a separate
+    analysis batch."""
+    probe_losses = ["algo.kl_coef=0.001", "algo.kl_type=k3", "algo.entropy_coef=0.001"]  # the probe's defaults
+    separate = ["analysis.env_groups=3", "analysis.group_size=2", "analysis.num_buckets=2"]
+    run = train(make_config(overrides=[*fast_overrides, "log.name=still", "train.lr=0", "val.every=0", *ANALYSIS[:1],
+                                       "analysis.every=10", *separate, *probe_losses]))
+    trained = read_metrics(run)[1]
+    probe = probe_checkpoint(run / "checkpoints" / "step_2", separate)
     probed = read_metrics(probe)[-1]
-    assert probed["step"] == 3
+    assert probed["step"] == 2 and _seeds(probe, 2) == _seeds(run, 1) == [510000, 510001, 510002]
     keys = [k for k in trained if k.startswith("grad_norm/")]
-    assert keys
+    assert len(keys) > 50 and trained["grad_norm/all/raw/entropy"] > 0  # depends on every sampled token
     for k in keys:
-        assert abs(probed[k] - trained[k]) <= 1e-6 * max(1.0, abs(trained[k])), k
+        assert probed[k] == pytest.approx(trained[k], rel=1e-6, abs=1e-9, nan_ok=True), k

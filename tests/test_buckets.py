@@ -1,10 +1,13 @@
 """Reward-variance bucketing (ragen_behaviour.md §3.4)."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rldynamics.analysis.bucket_names import bucket_label, bucket_name, fixed_rv_interval
 from rldynamics.analysis.buckets import assign_buckets
 
 
@@ -31,9 +34,19 @@ def test_quantile_ties_break_by_lower_index():
 
 def test_fixed_rv_edges():
     scores = [0.0, 0.999, 1.0, 2.5, 4.99, 5.0, 7.3]
-    # [0,1) -> {0, 1}; [1,2) -> {2}; [2,3) -> {3}; [3,4) empty and omitted; [4,5) -> {4}; [5, inf) -> {5, 6}
-    assert buckets(scores, mode="fixed_rv") == [[0, 1], [2], [3], [4], [5, 6]]
-    assert buckets([7.3, 1.0], mode="fixed_rv", num_buckets=2) == [[1], [0]]  # num_buckets is ignored
+    # [0,1) -> {0, 1}; [1,2) -> {2}; [2,3) -> {3}; [3,4) empty but kept in place; [4,5) -> {4}; [5, inf) -> {5, 6}
+    assert buckets(scores, mode="fixed_rv") == [[0, 1], [2], [3], [], [4], [5, 6]]
+    assert buckets([7.3, 1.0], mode="fixed_rv", num_buckets=2) == [[], [1], [], [], [], [0]]  # num_buckets ignored
+
+
+def test_fixed_rv_positions_name_intervals_when_lower_ones_are_empty():
+    out = buckets([2.5, 2.0, 5.1], mode="fixed_rv")
+    assert out == [[], [], [0, 1], [], [], [2]]  # position 2 (bucket_3) is [2, 3) although [0,1), [1,2) are empty
+    assert [bucket_name(k) for k, b in enumerate(out) if b] == ["bucket_3", "bucket_6"]
+    assert fixed_rv_interval("bucket_3") == (2.0, 3.0) and fixed_rv_interval("bucket_6") == (5.0, math.inf)
+    assert fixed_rv_interval("bucket_7") is None and fixed_rv_interval("all") is None
+    assert bucket_label("bucket_3", "fixed_rv") == "[2, 3)" and bucket_label("bucket_6", "fixed_rv") == "[5, ∞)"
+    assert bucket_label("bucket_3", "quantile") == "Q3" and bucket_label("all", "fixed_rv") == "all"
 
 
 def test_bad_arguments():
@@ -58,9 +71,14 @@ def test_buckets_partition_and_order(scores, mode, num_buckets):
     out = buckets(scores, mode=mode, num_buckets=num_buckets)
     flat = [g for bucket in out for g in bucket]
     assert sorted(flat) == list(range(len(scores)))  # a partition of the groups
-    assert all(bucket and bucket == sorted(bucket) for bucket in out)
-    scored = [[torch.tensor(scores[g], dtype=torch.float32).item() for g in bucket] for bucket in out]
+    assert all((bucket or mode == "fixed_rv") and bucket == sorted(bucket) for bucket in out)
+    scored = [[torch.tensor(scores[g], dtype=torch.float32).item() for g in bucket] for bucket in out if bucket]
     assert all(max(lo) <= min(hi) for lo, hi in zip(scored, scored[1:], strict=False))  # lowest scores first
+    if mode == "fixed_rv" and scores:
+        assert len(out) == 6
+        for k, bucket in enumerate(out):
+            low, high = fixed_rv_interval(bucket_name(k))
+            assert all(low <= torch.tensor(scores[g], dtype=torch.float32).item() < high for g in bucket)
     if mode == "quantile" and scores:
         num_b = min(num_buckets, len(scores))
         size = len(scores) // num_b

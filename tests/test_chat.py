@@ -169,12 +169,18 @@ def test_chatml_fallback_and_template_file(tmp_path, tiny_cache_dir):
         load_model_and_tokenizer(str(tiny_cache_dir), chat_template=str(tmp_path / "missing.jinja"))
 
 
-def test_tiny_checkpoint_gives_identical_ids_through_bare_auto_tokenizer(tiny_cache_dir):
+def test_tiny_checkpoint_tokenizer_reloads_with_identical_ids(tiny_cache_dir):
+    """Our loader and transformers' generic fast tokenizer give the saved ids; bare AutoTokenizer does not (it
+    rebuilds every qwen2 checkpoint's tokenizer as Qwen2Tokenizer), which the README warns about."""
     _, ours = load_model_and_tokenizer(str(tiny_cache_dir))
-    bare = AutoTokenizer.from_pretrained(str(tiny_cache_dir))
+    generic = PreTrainedTokenizerFast.from_pretrained(str(tiny_cache_dir))
     text = ours.apply_chat_template([{"role": "user", "content": "Turn 1:\nState:\n#_OX√#\n(1, 2) Up || Left"}],
                                     tokenize=False, add_generation_prompt=True) + "<answer>Up</answer><|im_end|>"
-    assert bare(text, add_special_tokens=False)["input_ids"] == ours(text, add_special_tokens=False)["input_ids"]
+    ids = ours(text, add_special_tokens=False)["input_ids"]
+    assert generic(text, add_special_tokens=False)["input_ids"] == ids
+    assert ours.decode(ids) == text
+    bare = AutoTokenizer.from_pretrained(str(tiny_cache_dir))
+    assert type(bare).__name__ == "Qwen2Tokenizer"  # if transformers stops forcing this, the README note can go
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -103,6 +104,20 @@ def test_top_p_softmax_smallest_exact():
     assert kept(scores, value=0.95, **args) == [1, 2, 3]
 
 
+def test_top_p_exact_mass_boundaries_use_ragens_float32_arithmetic():
+    # softmax: 10 equal scores give p = float32(0.1) each; the float32 mass of 9 groups is 0.90000004 >= 0.9
+    # (RAGEN keeps 9), whereas float64 arithmetic (0.8999999999999999) would need all 10
+    mass32 = np.cumsum(np.full(10, np.float32(0.1)), dtype=np.float32)
+    assert mass32[8] >= np.float32(0.9) and sum([0.1] * 9) < 0.9
+    assert len(kept([1.0] * 10, strategy="top_p", value=0.9, prob_mode="softmax")) == 9
+    assert len(kept([1.0] * 10, strategy="top_p", value=0.9, prob_mode="softmax", keep="smallest")) == 9
+    # linear: threshold 0.7 * (3 x 0.1f) - 0.01 is float32(0.2), which the running sum of two groups reaches in
+    # float32; in float64 (0.2000000031 vs 0.2000000030) a third group would be added
+    f32 = [float(np.float32(0.1))] * 3
+    assert f32[0] + f32[1] < 0.7 * sum(f32) - 0.01
+    assert kept([0.1] * 3, strategy="top_p", value=0.7) == [0, 1]
+
+
 # --- top_k / top_k_abs / min_p ---------------------------------------------------------------
 
 
@@ -159,6 +174,7 @@ def test_select_groups_bad_arguments(kwargs, name):
 def test_selection_properties(scores, strategy, value, keep, prob_mode, include_zero):
     if strategy == "top_k_abs":
         value *= 10
+    scores = torch.tensor(scores, dtype=torch.float32).tolist()  # compare in the float32 the filter works in
     args = dict(strategy=strategy, value=value, keep=keep, prob_mode=prob_mode, include_zero=include_zero)
     out = kept(scores, **args)
     assert out == sorted(set(out)) and all(0 <= g < len(scores) for g in out)

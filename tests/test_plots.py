@@ -17,6 +17,7 @@ from matplotlib.image import imread
 from safetensors.numpy import save_file
 
 from rldynamics.plots import health
+from rldynamics.plots.analysis import step_data
 from rldynamics.plots.cli import plot_command, report_command
 from rldynamics.plots.curves import trailing_mean
 from rldynamics.plots.data import analysis_steps, load_run
@@ -208,6 +209,63 @@ def test_paper_grid_from_two_runs(run, tmp_path, capsys):
     assert plot_command([run, other], None, False, None, False, None) == 2  # several dirs need --paper
 
 
+def _rename_buckets(path: Path, shift: int) -> None:
+    """Rename `bucket_k` to `bucket_{k + shift}` in metrics.jsonl and groups.csv (fixed_rv with empty low intervals)."""
+    def rename(text: str) -> str:
+        for k in sorted(range(1, 7), reverse=True):
+            text = text.replace(f"bucket_{k}", f"bucket_{k + shift}")
+        return text
+    for file in [path / "metrics.jsonl", *path.glob("analysis/step_*/groups.csv")]:
+        file.write_text(rename(file.read_text()))
+
+
+def test_fixed_rv_buckets_are_labelled_by_interval(tmp_path):
+    path = make_run(tmp_path / "fixed", steps=4, analysis=(4,))
+    config = yaml.safe_load((path / "config.yaml").read_text())
+    (path / "config.yaml").write_text(yaml.safe_dump({**config, "analysis": {"bucket_mode": "fixed_rv"}}))
+    _rename_buckets(path, 2)  # intervals [0,1) and [1,2) were empty: the buckets are bucket_3..bucket_6
+    run = load_run(path)
+    sd = step_data(run, 4)
+    assert sd.buckets == ["bucket_3", "bucket_4", "bucket_5", "bucket_6"]
+    assert sd.labels == ["[2, 3)", "[3, 4)", "[4, 5)", "[5, ∞)"]
+    assert plot_command(path, None, False, None, False, None) == 0
+    _assert_png(path / "plots" / "gradient_analysis_plots_step_4.png")
+    assert report_command(path, None) == 0
+    text = (path / "report.html").read_text()
+    assert "<th>[2, 3)</th>" in text and "<th>Q3</th>" not in text and "fixed intervals" in text
+    quantile = step_data(load_run(make_run(tmp_path / "quantile", steps=1, analysis=(1,))), 1)
+    assert quantile.labels == ["Q1", "Q2", "Q3", "Q4"]
+
+
+def test_zero_gradients_nan_cosines_in_figures_report_and_health(tmp_path):
+    """A probe of the initial model with k3 KL: zero KL gradient, NaN cosines (and a 0/0 reg_share) with flags."""
+    path = make_run(tmp_path / "zero", steps=2, analysis=(1,))
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    for b in ("all", "bucket_1", "bucket_2", "bucket_3", "bucket_4"):
+        key = f"grad_norm/{b}"
+        rows[1].update({f"{key}/raw/kl": 0.0, f"{key}/kl": 0.0, f"{key}/zero_grad/kl": 1.0,
+                        f"{key}/zero_grad/task": float(b == "bucket_1"), f"{key}/zero_grad/entropy": 0.0,
+                        f"{key}/cos/task_kl": math.nan, f"{key}/cos/entropy_kl": math.nan})
+    rows[1].update({"grad_norm/bucket_1/task": 0.0, "grad_norm/bucket_1/cos/task_entropy": math.nan,
+                    "grad_norm/bucket_1/regularizer": 0.0, "grad_norm/bucket_1/reg_share": math.nan})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flags = {f.check: f for f in health.health_checks(load_run(path).rows)}
+    assert flags["zero_gradient_kl"].severity == "note" and flags["zero_gradient_kl"].numbers["steps"] == "1"
+    assert "reference" in flags["zero_gradient_kl"].detail
+    assert flags["zero_gradient_task"].numbers["buckets"] == "bucket_1"
+    assert plot_command(path, None, False, None, False, None) == 0
+    for name in ("gradient_analysis_plots_step_1.png", "analysis_cosines.png", "analysis_reg_share.png"):
+        _assert_png(path / "plots" / name)
+    assert report_command(path, None) == 0
+    text = (path / "report.html").read_text()
+    table = text[text.index("<summary>bucket metrics"):]
+    cos_kl = table[table.index(">cos/task_kl<"):].split("</tr>")[0]
+    reg_share = table[table.index(">reg_share<"):].split("</tr>")[0]
+    assert cos_kl.count("undef.") == 5 and "n/a" not in cos_kl  # every bucket: the KL gradient is zero
+    assert reg_share.count("undef.") == 1 and "n/a" not in reg_share  # bucket_1: 0/0
+    assert "the kl gradient is exactly zero" in text
+
+
 def test_report_embeds_figures_and_healthy_run_has_no_issues(run, tmp_path):
     out = tmp_path / "r" / "report.html"
     assert report_command(run, out) == 0
@@ -271,3 +329,54 @@ def test_trailing_mean_by_hand():
     assert trailing_mean(y, 2).tolist() == [1.0, 2.0, 4.0, 6.0, 8.0]
     assert trailing_mean(y, 3).tolist() == [1.0, 2.0, 3.0, 5.0, 7.0]
     assert trailing_mean(y, 1).tolist() == y.tolist()
+
+
+# ---------------------------------------------------------------- odd data: the figures are drawn, bad points marked
+
+
+def _edit_rows(path: Path, edit) -> None:
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in edit(rows)))
+
+
+def _huge_values(rows):
+    for r in rows:
+        for k in r:
+            if k.startswith(("actor/", "grad_norm/")):
+                r[k] = 1e308 if r["step"] % 2 else -1e308
+    return rows
+
+
+ODD = {
+    "mathtext in names": lambda p: (
+        (p / "config.yaml").write_text(yaml.safe_dump({"log": {"name": r"$\frac{a$ run $x^$"}, "env": {"name": "$"}})),
+        _edit_rows(p, lambda rows: [{**r, "train/$x^_{$/success": 0.5} for r in rows])),
+    "values of 1e308": lambda p: _edit_rows(p, _huge_values),
+    "step Infinity, NaN, 1e300, true": lambda p: _edit_rows(p, lambda rows: [
+        *rows, {"step": math.inf, "actor/grad_norm": 1.0}, {"step": math.nan}, {"step": 1e300}, {"step": True}]),
+    "corrupted sketches": lambda p: [f.write_bytes(f.read_bytes()[:99]) for f in p.glob("analysis/*/sketches.*")],
+    "non-UTF-8 bytes in groups.csv": lambda p: [f.write_bytes(f.read_bytes() + b"grad_norm,bucket_\xff,7,\xfe\n")
+                                                for f in p.glob("analysis/*/groups.csv")],
+    "odd rewards.jsonl": lambda p: (p / "rewards.jsonl").write_bytes(
+        b'{"step": 1, "response_chars": 5, "response_tokens": 2}\n{"step": Infinity, "response_chars": 1e308, '
+        b'"response_tokens": 1}\n{"step": 2, "response_chars": "x"}\n'),
+    "non-UTF-8 bytes in metrics.jsonl": lambda p: open(p / "metrics.jsonl", "ab").write(b'{"step": 9, "x": "\xff"}\n'),
+    "non-UTF-8 bytes in config.yaml": lambda p: (p / "config.yaml").write_bytes(b"log:\n  name: \xff\n"),
+    "non-UTF-8 analysis metrics.json": lambda p: [f.write_bytes(b'{"grad_norm/bucket_1/task": Infinity, "\xff": 1}')
+                                                  for f in p.glob("analysis/*/metrics.json")],
+}
+
+
+@pytest.mark.parametrize("cases", [[c for c in ODD if c != "non-UTF-8 bytes in config.yaml"],  # bad bytes last
+                                   ["non-UTF-8 bytes in config.yaml"]])
+def test_odd_data_is_drawn_not_crashed_on(tmp_path, cases):
+    """Every kind of odd data at once (each of them crashed `rldyn plot` or `rldyn report` before)."""
+    path = make_run(tmp_path / "odd", healthy=False)
+    for case in cases:
+        ODD[case](path)
+    assert plot_command(path) == 0
+    assert report_command(path) == 0
+    _assert_png(path / "plots" / "training_curves.png")
+    for step in (1, 4):
+        _assert_png(path / "plots" / f"gradient_analysis_summary_step_{step}.png")
+    assert (path / "report.html").stat().st_size > 10_000

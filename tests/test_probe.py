@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -184,6 +185,23 @@ def test_single_group_buckets(model, data):
     assert sum(result.metrics[f"grad_norm/{b}/sample_count"] for b in names) == len(data[0])
 
 
+def test_fixed_rv_buckets_keep_interval_names(model, data):
+    batch, inputs, _ = data
+    stds = dict(zip((7, 17, 27, 37, 47), (2.5, 2.7, 5.5, 3.1, 2.2), strict=True))  # [0,1) and [1,2) stay empty
+    fixed = gradient_probe(model, batch, inputs, stds, algo=algo_cfg(), micro_batch_size=3, temperature=1.0,
+                           bucket_mode="fixed_rv", sketch_dim=0)
+    names = {k.split("/")[1] for k in fixed.metrics if k.startswith("grad_norm/bucket_")}
+    assert names == {"bucket_3", "bucket_4", "bucket_6"}
+    assert {b: sorted(s for bb, _, s in fixed.groups if bb == b) for b in names} == {
+        "bucket_3": [2.2, 2.5, 2.7], "bucket_4": [3.1], "bucket_6": [5.5]}
+    # the derived `all` does not depend on how the batch was partitioned
+    quantile = gradient_probe(model, batch, inputs, stds, algo=algo_cfg(), micro_batch_size=3, temperature=1.0,
+                              num_buckets=2, sketch_dim=0)
+    for key, value in quantile.metrics.items():
+        if key.startswith("grad_norm/all/") or key.startswith("actor/"):
+            assert fixed.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-8), key
+
+
 def test_one_bucket_equals_all(model, data):
     m = probe(model, data, num_buckets=1).metrics
     for key in ("task", "entropy", "kl", "loss/total", "cos/task_entropy", "regularizer"):
@@ -266,6 +284,35 @@ def test_regularizer_and_cosines_from_vectors(model, data):
     assert m["grad_norm/all/cos/task_entropy"] == pytest.approx(float(cos), abs=1e-5)
     assert m["grad_norm/all/reg_share"] == pytest.approx(float(reg.norm()) / (float(g["task"].norm())
                                                                                + float(reg.norm())), rel=1e-5)
+
+
+def test_zero_gradients_give_undefined_cosines_not_zero(model, data):
+    batch, inputs, stds = data
+    # k3 KL at pi = pi_ref: reference log-probs computed exactly as the probe's forward (one row at a time) make
+    # d = 0 everywhere, where the k3 gradient 1 - e^d is exactly 0
+    own, _ = batch_logprobs(model, batch.input_ids, batch.attention_mask, micro_batch_size=1)  # [N, L]
+    at_ref = dataclasses.replace(inputs, ref_logprobs=own)
+    m = gradient_probe(model, batch, at_ref, stds, algo=algo_cfg(), micro_batch_size=1, temperature=1.0,
+                       num_buckets=2, sketch_dim=0).metrics
+    for b in ("all", "bucket_1", "bucket_2"):
+        key = f"grad_norm/{b}"
+        assert m[f"{key}/raw/kl"] == 0.0 and m[f"{key}/zero_grad/kl"] == 1.0
+        assert m[f"{key}/zero_grad/task"] == 0.0 and m[f"{key}/zero_grad/entropy"] == 0.0
+        assert math.isnan(m[f"{key}/cos/task_kl"]) and math.isnan(m[f"{key}/cos/entropy_kl"])
+        assert -1.0 <= m[f"{key}/cos/task_entropy"] <= 1.0
+        assert 0.0 < m[f"{key}/reg_share"] < 1.0  # the entropy term is still there
+    # zero advantages (zero-variance groups under GRPO): no task gradient; the regulariser is the whole update
+    flat = dataclasses.replace(inputs, advantages=torch.zeros_like(inputs.advantages))
+    m = probe(model, (batch, flat, stds), sketch_dim=0).metrics
+    assert m["grad_norm/all/task"] == 0.0 and m["grad_norm/all/zero_grad/task"] == 1.0
+    assert math.isnan(m["grad_norm/all/cos/task_entropy"]) and math.isnan(m["grad_norm/all/cos/task_kl"])
+    assert m["grad_norm/all/reg_share"] == 1.0
+    # no task gradient and no regulariser (coefficients 0, KL at the reference): the share is 0/0
+    none = dataclasses.replace(flat, ref_logprobs=own)
+    quiet = dataclasses.replace(algo_cfg(), entropy_coef=0.0)
+    m = gradient_probe(model, batch, none, stds, algo=quiet, micro_batch_size=1, temperature=1.0,
+                       sketch_dim=0).metrics
+    assert m["grad_norm/all/regularizer"] == 0.0 and math.isnan(m["grad_norm/all/reg_share"])
 
 
 def test_other_prefix_is_not_mirrored(model, data):

@@ -157,8 +157,18 @@ def test_training_run_logs_component_gradients(fast_overrides):
     from rldynamics.plots.cli import plot_command, report_command
 
     assert plot_command(run) == 0 and report_command(run) == 0
-    for name in ("reward_components.png", "reward_grad_cosines.png", "reward_grad_matrix_step_1.png",
-                 "reward_grad_layers_step_1.png"):
+    for name in ("reward_components.png", "response_lengths.png", "reward_grad_cosines.png",
+                 "reward_grad_matrix_step_1.png", "reward_grad_layers_step_1.png"):
         assert (run / "plots" / name).stat().st_size > 5000, name
     page = (run / "report.html").read_text()
     assert 'id="reward-components"' in page and "constant within every group" in page  # step is always 0
+
+
+def test_components_alone_skip_the_loss_terms(model):
+    batch = make_batch(model, random_components())
+    full = run_probe(model, batch, algo_cfg(norm_by_std=True), num_buckets=2)
+    alone = run_probe(model, batch, algo_cfg(norm_by_std=True), num_buckets=2, terms=())
+    assert not any(k.startswith("grad_norm/all/task") or "cos_total" in k for k in alone.metrics)
+    for key in ("reward_grad/all/norm/format", "reward_grad/bucket_1/cos/correctness__length"):
+        assert alone.metrics[key] == pytest.approx(full.metrics[key], rel=1e-6)
+    assert alone.reward_grad["all"]["cos_total"] is None

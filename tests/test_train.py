@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -55,26 +56,79 @@ def test_resume_gives_identical_weights(fast_overrides):
 
 
 def test_trains_another_architecture_from_a_local_path(fast_overrides, tmp_path):
-    """`model.path=DIR` takes any causal LM saved with save_pretrained: here a Qwen2, with critic and reference."""
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """`model.path=DIR` takes any causal LM saved with save_pretrained: here a Llama, with critic and reference."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from rldynamics.models.loading import load_model_and_tokenizer
     from rldynamics.train.setup import base_model_path
 
     _, tokenizer = load_model_and_tokenizer(base_model_path(make_config(overrides=fast_overrides)))
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen2")
-    tokenizer.save_pretrained(tmp_path / "qwen2")
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    tokenizer.save_pretrained(tmp_path / "llama")
 
-    run = train(make_config(overrides=[*fast_overrides, "log.name=qwen2", f"model.path={tmp_path / 'qwen2'}",
+    run = train(make_config(overrides=[*fast_overrides, "log.name=llama", f"model.path={tmp_path / 'llama'}",
                                        "algo.adv_estimator=gae", "algo.kl_coef=0.01"]))
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(math.isfinite(rows[-1][k]) for k in ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss"))
     actor = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_2" / "actor")
-    assert isinstance(actor, Qwen2ForCausalLM)
-    before = Qwen2ForCausalLM.from_pretrained(tmp_path / "qwen2").state_dict()
+    assert isinstance(actor, LlamaForCausalLM)
+    before = LlamaForCausalLM.from_pretrained(tmp_path / "llama").state_dict()
     assert any(not torch.equal(before[k], v) for k, v in actor.state_dict().items())  # it was trained
+
+
+def test_exploding_training_ends_early_with_a_named_reason(fast_overrides):
+    """`train.lr=1e6`: the policy's logits overflow after the first update. The run ends with rc 0 and the reason
+    logged, saves no non-finite checkpoint, and its report is written (a `$` in the name is drawn literally)."""
+    run = train(make_config(overrides=[*fast_overrides, "log.name=$x^_{$", "train.lr=1e6", "train.steps=5",
+                                       "checkpoint.every=1", "algo.adv_estimator=grpo", "log.report=true"]))
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) < 6
+    assert rows[-1].get("early_stopped/non_finite_logits") == 1.0 and rows[-1]["rollout/non_finite_logits"] == 1.0
+    for ckpt in (run / "checkpoints").glob("step_*"):
+        assert all(torch.isfinite(t).all() for t in load_file(str(ckpt / "actor" / "model.safetensors")).values())
+    assert not (run / "checkpoints" / f"step_{rows[-1]['step']}").exists()
+    assert (run / "report.html").is_file() and (run / "plots" / "training_curves.png").is_file()
+
+
+def test_optimizer_overflow_ends_the_run_without_saving_it(fast_overrides):
+    run = train(make_config(overrides=[*fast_overrides, "log.name=overflow", "train.lr=1e308",
+                                       "algo.adv_estimator=grpo"]))
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[1]["actor/non_finite_parameters"] == 1.0 and rows[1]["early_stopped/non_finite_parameters"] == 1.0
+    assert not (run / "checkpoints").exists()
+
+
+def test_validation_with_overflowing_temperature_is_skipped_and_logged(fast_overrides):
+    run = train(make_config(overrides=[*fast_overrides, "log.name=coldval", "val.temperature=1e-308",
+                                       "train.steps=1", "algo.adv_estimator=grpo"]))
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["val-env/sokoban/non_finite_logits"] == 1.0 for r in rows)
+    assert "actor/pg_loss" in rows[1] and (run / "checkpoints" / "step_1").is_dir()  # training went on
+
+
+def test_metric_names_mean_what_ragen_means(fast_overrides):
+    run = train(make_config(overrides=[*fast_overrides, "log.name=names", "train.steps=1", "train.ppo_epochs=2",
+                                       "val.every=0", "val.before_train=false",
+                                       "algo.entropy_coef=0.01", "algo.kl_coef=0.02", "analysis.enabled=true",
+                                       "analysis.every=1"]))
+    for row in read_metrics(run):
+        # actor/entropy is the rollout policy's entropy (old-log-prob pass): the analysis, run on the same batch with
+        # the same weights before the update, measures it through its entropy loss term (-coef * H)
+        assert row["actor/entropy"] == pytest.approx(-row["grad_norm/all/loss/entropy"] / 0.01, rel=1e-5)
+        assert row["actor/entropy_loss"] != row["actor/entropy"]  # the update's mean (two epochs) is its own key
+        assert row["actor/kl_coef"] == 0.02
+        assert row["rollout/empty_after_filter"] == 0.0 and row["rollout/consecutive_empty_after_filter_steps"] == 0.0
+    # min_p at 2 x the best score without zero-score groups keeps nothing: every step is empty
+    empty = train(make_config(overrides=[*fast_overrides, "log.name=empty", "train.steps=3", "filter.strategy=min_p",
+                                         "filter.value=2", "filter.include_zero=false", "val.every=0",
+                                         "val.before_train=false"]))
+    rows = read_metrics(empty)
+    assert [r["rollout/empty_after_filter"] for r in rows] == [1.0, 1.0, 1.0]
+    assert [r["rollout/consecutive_empty_after_filter_steps"] for r in rows] == [1.0, 2.0, 3.0]

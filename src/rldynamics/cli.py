@@ -7,15 +7,50 @@ import sys
 
 from rldynamics import __version__
 
+DEFAULT_PRESET = "sokoban-tiny"
+VALUE_RULES = """\
+values: text keys keep the text as typed (log.name=no is "no"); whole numbers are decimal (010 is 10);
+numbers must be finite; switches take true/false, yes/no or on/off; null (or nothing) unsets a key whose
+default is null; lists are YAML lists ([6, 6]). A resumed run keeps its config.yaml: only train.steps,
+checkpoint.*, log.*, early_stop.*, filter.empty_stop_steps and model.device may change."""
+
 TRAIN_EPILOG = """\
 examples:
   rldyn train                                       # embedded default: tiny model, Sokoban, CPU, minutes
   rldyn train --preset sokoban-ppo model.path=/models/Qwen2.5-3B filter.value=0.9
   rldyn train --preset frozenlake-tiny env.frozenlake.success_rate=0.5   # FrozenLake, half the moves slip
   rldyn train train.steps=5 val.env_groups=32 log.name=smoke
-  rldyn train log.name=smoke checkpoint.resume=latest train.steps=10
+  rldyn train log.name=smoke checkpoint.resume=latest train.steps=10   # continue run "smoke" to step 10
   rldyn train --help-config                         # every config key with its default and meaning
+  rldyn train --help-config --ragen                 # the RAGEN / verl keys accepted and what they become
+  rldyn train actor_rollout_ref.rollout.rollout_filter_value=0.9 es_manager.train.env_groups=8  # RAGEN's names
   rldyn train analysis.enabled=true analysis.every=5  # gradient analysis every 5 steps
+  rldyn train --preset math-tiny                    # math word problems (rldynamic's reward components), CPU
+  rldyn train --preset gsm8k-grpo model.path=/models/Qwen2.5-3B-Instruct env.math.source=/data/gsm8k/train.jsonl
+"""
+
+
+SWEEP_EPILOG = """\
+protocols (RAGEN's intervention scripts, as overrides on top of any preset):
+  top_p     filter.value over 1.0,0.98,0.95,0.9,0.8,0.6,0.4,nofilter; top_p softmax largest on reward std,
+            loss scaling none, KL 0.001 (k1), entropy 0.001; `1.0` drops zero-variance groups
+            (include_zero false), `nofilter` is 1.0 keeping them (include_zero true)
+  kl        algo.kl_coef over 0,0.001,0.003,0.01,0.03,0.1; entropy 0, filter off (value 1.0,
+            include_zero true; --exclude-zero sets it false); no reference model at 0
+  entropy   algo.entropy_coef over the same values; KL 0, filter off as in kl
+  custom    any config KEYs, one --values list per key; several keys give the full grid
+
+Each (point, seed) is a run directory OUT/<point>/seed<s>/ written by `rldyn train` (log in train.log).
+Runs checkpoint at every validation unless checkpoint.* is given; re-running the same command skips
+finished runs and resumes the others. An early-stopped run is a failed regime (RAGEN's protocol).
+
+examples:
+  rldyn sweep top_p --values 0.9,nofilter --seeds 0,1,2 --parallel 2
+  rldyn sweep kl --preset sokoban-ppo model.path=/models/Qwen2.5-3B --devices 0,1,2,3,4,5,6,7
+  rldyn sweep entropy --values 0,0.01 --exclude-zero --devices 0,1,2,3 --devices-per-run 2
+  rldyn sweep custom train.lr algo.clip_high --values 1e-4,3e-4 --values 0.2,0.28 --seeds 0,1
+  rldyn sweep top_p --dry-run                       # print every point's overrides and exit
+  rldyn sweep --summarize sweeps/top_p-sokoban-tiny  # rebuild the summary from the run directories
 """
 
 
@@ -30,19 +65,28 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train", help="train an agent (default: tiny model on Sokoban, CPU)",
         description="Train an LLM agent with PPO/GRPO. Settings are `key=value` overrides on a preset; "
-                    "the run directory (config, metrics, samples, checkpoints) is written under log.run_dir.",
+                    "the run directory (config, metrics, samples, checkpoints) is written under log.run_dir. "
+                    "A resumed run (checkpoint.resume=latest|PATH) keeps the settings of its config.yaml; only "
+                    "train.steps, checkpoint.*, log.*, early_stop.*, filter.empty_stop_steps and model.device "
+                    "may be changed, other changes are refused.",
         epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.lr=1e-5")
-    train.add_argument("--preset", default="sokoban-tiny", help="preset name (default: sokoban-tiny)")
-    train.add_argument("--config", default=None, help="YAML file merged after the preset, before overrides")
+    train.add_argument("--preset", default=None, help=f"preset name (default: {DEFAULT_PRESET})")
+    train.add_argument("--config", default=None, help="YAML file merged after the preset, before overrides "
+                                                      "(overrides may come before or after it)")
     train.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    train.add_argument("--ragen", action="store_true",
+                       help="with --help-config: list the RAGEN / verl override names accepted and what they become")
 
     probe = sub.add_parser(
         "probe", help="gradient analysis of a saved checkpoint (no training)",
-        description="Load a checkpoint, roll out the next step's batch and run one gradient-analysis pass "
-                    "(reward-variance buckets x task/entropy/KL gradient norms); writes a run directory. "
-                    "Defaults: KL k3 0.001 and entropy 0.001 enabled so both are measured.",
+        description="Load a checkpoint, roll out a batch from a fixed seed stream (the env and sampling seeds of "
+                    "a run's step 1, whatever the checkpoint, so probes of different checkpoints see the same "
+                    "puzzles) and run one gradient-analysis pass (reward-variance buckets x task/entropy/KL "
+                    "gradient norms), logged at the checkpoint's step; writes its own run directory, never a "
+                    "checkpoint, and never stops early. Defaults: KL k3 0.001 and entropy 0.001 enabled so both "
+                    "are measured. RAGEN / verl override names are accepted (rldyn train --help-config --ragen).",
     )
     probe.add_argument("checkpoint", help="runs/<run>/checkpoints/step_<N>")
     probe.add_argument("overrides", nargs="*", metavar="key=value",
@@ -67,6 +111,32 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", metavar="RUN_DIR")
     report.add_argument("--out", default=None, help="output file (default: RUN_DIR/report.html)")
 
+    sweep = sub.add_parser(
+        "sweep", help="intervention sweep (top_p / kl / entropy / custom) over points x seeds, in parallel",
+        description="Run every point x seed of a sweep as separate `rldyn train` processes (CPU thread shares or "
+                    "disjoint GPU sets), with a live table, then write summary.{csv,md,html} and figures to OUT.",
+        epilog=SWEEP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sweep.add_argument("name", nargs="?", metavar="NAME", help="top_p | kl | entropy | custom")
+    sweep.add_argument("items", nargs="*", metavar="[KEY ...] key=value",
+                       help="custom: the config keys to sweep; then overrides applied to every run")
+    sweep.add_argument("--values", action="append", metavar="V1,V2,...",
+                       help="the values of the swept key (custom: one --values per KEY, in order)")
+    sweep.add_argument("--seeds", default="0", help="comma-separated seeds, one run per point and seed (default: 0)")
+    sweep.add_argument("--parallel", type=int, default=None,
+                       help="CPU: runs at a time, the cores split between them (default: 1)")
+    sweep.add_argument("--devices", default=None, metavar="0,1,...",
+                       help="GPU ids; each run gets its own --devices-per-run of them (CUDA_VISIBLE_DEVICES)")
+    sweep.add_argument("--devices-per-run", type=int, default=1, metavar="D", help="GPUs per run (default: 1)")
+    sweep.add_argument("--preset", default="sokoban-tiny", help="preset of every run (default: sokoban-tiny)")
+    sweep.add_argument("--config", default=None, help="YAML file merged after the preset, before overrides")
+    sweep.add_argument("--out", default=None, help="sweep directory (default: sweeps/<NAME>-<preset>)")
+    sweep.add_argument("--exclude-zero", action="store_true",
+                       help="kl / entropy: filter.include_zero=false (drop zero-variance groups; RAGEN's filter_zero)")
+    sweep.add_argument("--dry-run", action="store_true", help="print the points' overrides and the runs, then exit")
+    sweep.add_argument("--summarize", metavar="OUT", default=None,
+                       help="only rebuild OUT's summary files from its run directories")
+
     sub.add_parser("envs", help="list the environments with their keys, defaults and reward components",
                    description="Every registered env: its keys (env.<name>.<key>=default  meaning), its reward "
                                "components with their default weights, and its action words.")
@@ -83,35 +153,63 @@ def _run_job(command: str, job) -> int:
     try:
         run_dir = job()
     except ConfigError as e:
-        print(f"rldyn {command}: config error: {e}", file=sys.stderr)
+        print(f"rldyn {command}: config error: {_one_line(e)}", file=sys.stderr)
         return 2
     except (FileExistsError, FileNotFoundError, ValueError, OSError, ImportError) as e:
-        print(f"rldyn {command}: {e}", file=sys.stderr)
+        print(f"rldyn {command}: {_one_line(e)}", file=sys.stderr)
         return 2
     print(f"run directory: {run_dir}")
     return 0
 
 
+def _one_line(error: Exception) -> str:
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from rldynamics.config import help_text, make_config, preset_names
 
+    if args.help_config and args.ragen:
+        from rldynamics.ragen_keys import help_table
+
+        print("RAGEN / verl override names accepted (pasted as they are; +key= and ++key= work too) and what they "
+              f"become:\n{help_table()}\nOther keys under RAGEN's sections are refused by name.")
+        return 0
     if args.help_config:
-        print(f"presets: {', '.join(preset_names())}\n\nconfig keys (key=default  meaning):\n{help_text()}")
+        print(f"presets: {', '.join(preset_names())}\n\n{VALUE_RULES}\n\nconfig keys (key=default  meaning):\n"
+              f"{help_text()}\n\nRAGEN / verl override names are accepted too: rldyn train --help-config --ragen")
         return 0
 
     def job():
-        cfg = make_config(args.preset, args.config, args.overrides)  # fails before any work on bad config
+        _print_ragen_translation(args.overrides)
+        cfg = make_config(args.preset or DEFAULT_PRESET, args.config, args.overrides)  # fails before any work
+        from rldynamics.train.setup import resume_base
         from rldynamics.train.trainer import train
 
+        if cfg.checkpoint.resume:  # a resumed run starts from its saved settings, changed only where asked
+            cfg = make_config(args.preset, args.config, args.overrides, base=resume_base(cfg))
         return train(cfg)
 
     return _run_job("train", job)
 
 
+def _print_ragen_translation(overrides: list[str]) -> None:
+    """Say once what the RAGEN / verl keys among `overrides` became (nothing when there are none)."""
+    from rldynamics.config import ragen_translation
+
+    lines = ragen_translation(overrides)
+    if lines:
+        print("RAGEN / verl keys translated:\n" + "\n".join(f"  {line}" for line in lines))
+
+
 def cmd_probe(args: argparse.Namespace) -> int:
     from rldynamics.train.probe import probe_checkpoint
 
-    return _run_job("probe", lambda: probe_checkpoint(args.checkpoint, args.overrides, validate=args.validate))
+    def job():
+        _print_ragen_translation(args.overrides)
+        return probe_checkpoint(args.checkpoint, args.overrides, validate=args.validate)
+
+    return _run_job("probe", job)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -130,6 +228,21 @@ def cmd_report(args: argparse.Namespace) -> int:
     return report_command(args.run_dir, args.out)
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from rldynamics.sweep.command import summarize_command, sweep_command
+
+    if args.summarize:
+        if args.name or args.items:
+            print("rldyn sweep: --summarize OUT takes no NAME or overrides", file=sys.stderr)
+            return 2
+        return summarize_command(args.summarize)
+    if not args.name:
+        print("rldyn sweep: give a sweep NAME (top_p, kl, entropy, custom) or --summarize OUT", file=sys.stderr)
+        return 2
+    return sweep_command(args.name, args.items, args.values, args.seeds, args.parallel, args.devices,
+                         args.devices_per_run, args.preset, args.config, args.out, args.exclude_zero, args.dry_run)
+
+
 def cmd_envs(args: argparse.Namespace) -> int:
     from rldynamics.config import envs_help
 
@@ -139,11 +252,19 @@ def cmd_envs(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse takes one run of positionals: items after an option (`--config F a=1`, `sweep NAME --values V a=1`)
+    # come back here; train and probe take them as key=value overrides, sweep as its items
+    if extra:
+        field = "items" if args.command == "sweep" else "overrides"
+        if not hasattr(args, field) or any(x.startswith("-") or (field == "overrides" and "=" not in x) for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        setattr(args, field, [*getattr(args, field), *extra])
     if args.command is None:
         parser.print_help()
         return 0
-    commands = {"train": cmd_train, "probe": cmd_probe, "plot": cmd_plot, "report": cmd_report, "envs": cmd_envs}
+    commands = {"train": cmd_train, "probe": cmd_probe, "sweep": cmd_sweep, "plot": cmd_plot, "report": cmd_report,
+                "envs": cmd_envs}
     return commands[args.command](args)
 
 

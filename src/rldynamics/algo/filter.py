@@ -7,8 +7,10 @@ Design choices:
   §2.4), including its quirks (linear top-p never keeps non-positive scores and returns nothing for an
   all-zero score vector). Unlike RAGEN, every sort is stable, so ties go to the lower group index and
   the selection is deterministic.
-- Selection walks run on python floats (float64) over at most a few hundred groups; the cost is nil
-  and the thresholds compare exactly like the reference examples.
+- top_p does RAGEN's arithmetic: float32 softmax, float32 cumulative mass and a float32 threshold, in
+  the same order of operations. At an exact mass boundary the rounding decides, and it decides as in
+  RAGEN: 10 equal scores at p = 0.9 keep 9 groups (the float32 mass of 9 groups, 0.90000004, reaches
+  0.9), where float64 arithmetic would keep 10.
 - Metrics are python floats with the ``rollout/`` keys of RAGEN's reward filter.
 """
 
@@ -84,31 +86,40 @@ def _ranked(candidates: torch.Tensor, cand_scores: torch.Tensor, keep: str) -> t
     return candidates[order], cand_scores[order]  # [C], [C]
 
 
-def _top_p_softmax(ranked_scores: torch.Tensor, value: float, keep: str) -> int:
-    """Number of best-ranked groups whose softmax mass first reaches ``value``."""
-    logits = ranked_scores.double() if keep == "largest" else -ranked_scores.double()  # [C]
-    cum = torch.cumsum(torch.softmax(logits, dim=0), dim=0)  # [C]
-    first = int(torch.searchsorted(cum, torch.tensor([value], dtype=cum.dtype), right=False))
-    return min(first + 1, ranked_scores.numel())
+def _top_p_softmax(cand_scores: torch.Tensor, value: float, keep: str) -> int:
+    """Number of best-ranked groups whose softmax mass first reaches ``value`` (RAGEN's float32 arithmetic).
+
+    ``cand_scores`` are in candidate (group) order: the softmax normaliser is summed in that order, as in RAGEN.
+    """
+    scores = cand_scores.float()  # [C] float32
+    logits = scores if keep == "largest" else -scores  # [C]
+    probs = torch.sort(torch.softmax(logits, dim=0), descending=True).values  # [C]
+    cum = torch.cumsum(probs, dim=0)  # [C] float32
+    first = int(torch.searchsorted(cum, value))  # a python scalar is compared in cum's dtype (float32)
+    return min(first + 1, cand_scores.numel())
 
 
-def _top_p_linear(ranked_scores: torch.Tensor, value: float, eps: float) -> int:
-    """Length of the walked prefix for linear top-p, or 0 when the threshold is never reached."""
-    scores = ranked_scores.tolist()
-    threshold = value * sum(scores) - eps
+def _top_p_linear(cand_scores: torch.Tensor, ranked_scores: torch.Tensor, value: float, eps: float) -> int:
+    """Length of the walked prefix for linear top-p, or 0 when the threshold is never reached.
+
+    As in RAGEN, the threshold is a float32 tensor (sum in candidate order) and the running sum, a python
+    float, is compared with it in float32.
+    """
+    threshold = value * cand_scores.float().sum() - eps  # [] float32
     running, count = 0.0, 0
-    for score in scores:
-        if running >= threshold or score <= 0:
+    for score in ranked_scores.float().tolist():
+        if bool(running >= threshold) or score <= 0:
             break
         running += score
         count += 1
-    return count if running >= threshold else 0
+    return count if bool(running >= threshold) else 0
 
 
 def _num_kept(
-    ranked_scores: torch.Tensor, strategy: str, value: float, num_groups: int, *, prob_mode: str, keep: str, eps: float
+    cand_scores: torch.Tensor, ranked_scores: torch.Tensor, strategy: str, value: float, num_groups: int, *,
+    prob_mode: str, keep: str, eps: float
 ) -> int:
-    """How many of the best-ranked candidates top_p / top_k / top_k_abs keep."""
+    """How many of the best-ranked candidates top_p / top_k / top_k_abs keep (scores in candidate and rank order)."""
     num_cand = ranked_scores.numel()
     if strategy == "top_k":
         return max(1, min(int(value * num_groups), num_cand))
@@ -117,8 +128,8 @@ def _num_kept(
     if value >= 1:  # top_p no-op
         return num_cand
     if prob_mode == "softmax":
-        return _top_p_softmax(ranked_scores, value, keep)
-    return _top_p_linear(ranked_scores, value, eps)
+        return _top_p_softmax(cand_scores, value, keep)
+    return _top_p_linear(cand_scores, ranked_scores, value, eps)
 
 
 def select_groups(
@@ -164,7 +175,8 @@ def select_groups(
             kept = candidates[cand_scores <= cand_scores.min() / (value + _ZERO_TOL) + _ZERO_TOL]  # [K]
         return kept.sort().values  # [K]
     ranked, ranked_scores = _ranked(candidates, cand_scores, keep)  # [C], [C]
-    k = _num_kept(ranked_scores, strategy, value, scores.numel(), prob_mode=prob_mode, keep=keep, eps=eps)
+    k = _num_kept(cand_scores, ranked_scores, strategy, value, scores.numel(), prob_mode=prob_mode, keep=keep,
+                  eps=eps)
     return ranked[:k].sort().values  # [K]
 
 

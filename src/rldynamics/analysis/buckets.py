@@ -7,16 +7,19 @@ Design choices:
   bucket sizes with the remainder going to the highest bucket. RAGEN leaves the order of tied scores
   unspecified; here the sort is stable, so ties go to the lower group index first.
 - ``fixed_rv`` uses RAGEN's fixed edges 0..5 (tuned to Sokoban's reward scale) and ignores
-  ``num_buckets``; it expects non-negative scores (a std) and rejects anything else.
-- Empty buckets are omitted; buckets are ordered lowest score first and each is a sorted index list.
+  ``num_buckets``; it expects non-negative scores (a std) and rejects anything else. It always returns
+  all six intervals, empty ones included, so position k is interval k and ``bucket_3`` always names
+  [2, 3) (RAGEN's naming; see ``bucket_names.py``); callers skip the empty ones.
+- Buckets are ordered lowest score first and each is a sorted index list.
 """
 
 from __future__ import annotations
 
 import torch
 
+from rldynamics.analysis.bucket_names import FIXED_RV_EDGES
+
 BUCKET_MODES: tuple[str, ...] = ("quantile", "fixed_rv")
-FIXED_RV_EDGES: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 5.0)  # [0,1), [1,2), ..., [4,5), [5, inf)
 
 
 def _quantile_buckets(scores: torch.Tensor, num_buckets: int) -> list[list[int]]:
@@ -30,7 +33,7 @@ def _quantile_buckets(scores: torch.Tensor, num_buckets: int) -> list[list[int]]
 
 
 def _fixed_rv_buckets(scores: torch.Tensor) -> list[list[int]]:
-    """Buckets by value: bucket b holds scores in [b, b+1) for b < 5, the last one [5, inf)."""
+    """Buckets by value: bucket b holds scores in [b, b+1) for b < 5, the last one [5, inf); empty ones kept."""
     if not bool((scores >= 0).all()):  # also rejects nan
         raise ValueError("fixed_rv bucketing expects non-negative group scores (reward std)")
     edges = torch.tensor(FIXED_RV_EDGES, dtype=scores.dtype)  # [5]
@@ -38,7 +41,7 @@ def _fixed_rv_buckets(scores: torch.Tensor) -> list[list[int]]:
     buckets: list[list[int]] = [[] for _ in range(len(FIXED_RV_EDGES) + 1)]
     for group, b in enumerate(which):
         buckets[b].append(group)
-    return [bucket for bucket in buckets if bucket]
+    return buckets
 
 
 def assign_buckets(group_scores: torch.Tensor, *, mode: str = "quantile", num_buckets: int = 6) -> list[list[int]]:
@@ -52,8 +55,9 @@ def assign_buckets(group_scores: torch.Tensor, *, mode: str = "quantile", num_bu
         num_buckets: ≥ 1; used by quantile only.
 
     Returns:
-        Non-empty buckets, lowest scores first; each a sorted list of group indices. Together they
-        partition ``range(G)``.
+        Buckets, lowest scores first; each a sorted list of group indices. Together they partition
+        ``range(G)``. quantile buckets are never empty; fixed_rv returns all six intervals (empty ones
+        included), so the bucket at position k is always interval k.
     """
     if mode not in BUCKET_MODES:
         raise ValueError(f"mode must be one of {BUCKET_MODES}, got {mode!r}")

@@ -2,7 +2,8 @@
 
 Semantics (``DESIGN.md`` §4.2–4.4, metric names from ``reference/ragen_behaviour.md`` §3.7):
 - Groups are split into reward-variance buckets with ``assign_buckets`` (whole groups, lowest variance
-  first: ``bucket_1..bucket_B``); ``all`` is the whole batch.
+  first: ``bucket_1..bucket_B``; fixed_rv buckets keep their interval's name, empty intervals are left
+  out); ``all`` is the whole batch.
 - The gradient of a bucket and component is the gradient, w.r.t. all trainable parameters, of that
   component's loss aggregated over the bucket exactly as a training mini-batch made of that bucket alone
   (same ``loss_agg_mode``). Each micro-batch is forwarded ONCE through ``train.actor.loss_terms`` and each
@@ -11,6 +12,11 @@ Semantics (``DESIGN.md`` §4.2–4.4, metric names from ``reference/ragen_behavi
 - Components are signed as they enter the training loss: task = ∇pg, entropy = −∇H (a bonus),
   kl = +∇KL. The reported ``task``/``entropy``/``kl`` norms are coefficient-weighted (RAGEN-compatible,
   i.e. ``entropy_coef·‖∇H‖``); ``raw/*`` are unweighted, so a zero coefficient still shows the direction.
+- A cosine involving a gradient that is exactly the zero vector is undefined and logged as NaN (never 0,
+  which would read as "orthogonal"); ``zero_grad/<component>`` = 1 flags each such gradient. Typical
+  cases: the k3 KL gradient at π = π_ref (the first step, a probe of the initial model) and the GRPO task
+  gradient of zero-variance groups. ``reg_share`` is NaN only when task and regulariser are both zero
+  (0/0); with one of them zero it is a real 0 or 1 (a zero-variance bucket: the regulariser is the update).
 - ``all`` is derived, not recomputed: buckets partition the batch, so
   ``g_all = Σ_b share_b · g_b`` with ``share_b = sub_batch_share(all_mask, rows_b, mode)``; losses of
   ``all`` are combined the same way. Memory stays at three ``all`` vectors plus the current bucket's.
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from rldynamics.analysis.bucket_names import bucket_name
 from rldynamics.analysis.buckets import assign_buckets
 from rldynamics.analysis.reward_grad import layer_groups, reward_grad_metrics
 from rldynamics.analysis.shares import bucket_shares, chunk_shares, distributed, global_sum, present_groups
@@ -72,7 +79,8 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
                    bucket_mode: str = "quantile", prefix: str = "grad_norm", sketch_dim: int = 1024,
                    sketch_seed: int = 0, keep_gradients: bool = False,
                    component_advantages: dict[str, torch.Tensor] | None = None,
-                   component_weights: dict[str, float] | None = None) -> ProbeResult:
+                   component_weights: dict[str, float] | None = None,
+                   terms: tuple[str, ...] = ("task", "entropy", "kl")) -> ProbeResult:
     """Per-bucket gradient norms, cosines, losses and sketches of the loss components, without training.
 
     Args:
@@ -90,6 +98,8 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
         component_advantages: reward component name -> ``[N, L]`` advantages of that component alone; adds the
             ``reward_grad`` metrics (prefix ``grad_norm`` -> ``reward_grad``).
         component_weights: weight of each component in the trained reward (default 1).
+        terms: which of the loss terms task / entropy / kl to differentiate (kl needs reference log-probs);
+            without ``task`` there are no RAGEN norms of it and no ``reward_grad`` cosines with the total.
 
     Returns:
         A :class:`ProbeResult`; empty when the batch has no rows.
@@ -101,21 +111,23 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
         return _probe(model, batch, inputs, group_std, algo=algo, micro_batch_size=micro_batch_size,
                       temperature=temperature, num_buckets=num_buckets, bucket_mode=bucket_mode, prefix=prefix,
                       sketch_dim=sketch_dim, sketch_seed=sketch_seed, keep_gradients=keep_gradients,
-                      components=component_advantages or {}, weights=component_weights or {})
+                      components=component_advantages or {}, weights=component_weights or {}, terms=terms)
 
 
 def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperature, num_buckets, bucket_mode,
-           prefix, sketch_dim, sketch_seed, keep_gradients, components, weights) -> ProbeResult:
+           prefix, sketch_dim, sketch_seed, keep_gradients, components, weights, terms) -> ProbeResult:
     """Body of :func:`gradient_probe` (runs inside a forked RNG)."""
     stds = present_groups(batch, group_std)
     if not stds:
         return ProbeResult(metrics={}, groups=[], sketches={})
     gids = sorted(stds)
     scores = torch.tensor([stds[g] for g in gids], dtype=torch.float64)  # [G]
-    buckets = [[gids[i] for i in idx] for idx in assign_buckets(scores, mode=bucket_mode, num_buckets=num_buckets)]
+    named = [(bucket_name(k), [gids[i] for i in idx])
+             for k, idx in enumerate(assign_buckets(scores, mode=bucket_mode, num_buckets=num_buckets)) if idx]
+    buckets = [groups for _, groups in named]
     params = [p for p in model.parameters() if p.requires_grad]
     sketcher = GradientSketcher([p.shape for p in params], sketch_dim, sketch_seed) if sketch_dim > 0 else None
-    names = [n for n in ("pg", "entropy", "kl") if n != "kl" or inputs.ref_logprobs is not None]
+    names = [n for n, c in COMPONENT_OF_TERM.items() if c in terms and (n != "kl" or inputs.ref_logprobs is not None)]
     names += [f"reward/{k}" for k in components]
     groups_of_params = layer_groups([n for n, p in model.named_parameters() if p.requires_grad],
                                     [p.numel() for p in params])
@@ -127,8 +139,7 @@ def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperatu
     result = ProbeResult(metrics={}, groups=[], sketches={})
     per_bucket: dict[str, dict[str, float]] = {}
     per_bucket_rg: dict[str, dict[str, float]] = {}
-    for k, (groups, rows, share) in enumerate(zip(buckets, bucket_rows, shares, strict=True)):
-        name = f"bucket_{k + 1}"
+    for (name, groups), rows, share in zip(named, bucket_rows, shares, strict=True):
         grads, losses = _bucket_gradients(model, batch, rows, inputs, algo, params, names=names, components=components,
                                           micro_batch_size=micro_batch_size, temperature=temperature)
         for n in names:
@@ -214,15 +225,18 @@ def _bucket_metrics(grads: dict[str, torch.Tensor], losses: dict[str, float], al
                reward_std_mean=sum(stds) / len(stds), reward_std_min=min(stds), reward_std_max=max(stds),
                group_rv_count=float(len(stds)))
     names = list(grads)
+    for n in names:
+        out[f"zero_grad/{COMPONENT_OF_TERM[n]}"] = float(raw[n] == 0.0)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             dot = float(torch.dot(grads[a], grads[b]))
             out[f"cos/{COMPONENT_OF_TERM[a]}_{COMPONENT_OF_TERM[b]}"] = (
-                dot / (raw[a] * raw[b]) if raw[a] > 0 and raw[b] > 0 else 0.0)
-    reg = sum(scale[n] * grads[n] for n in names if n != "pg")  # [P]
-    out["regularizer"] = float(torch.linalg.vector_norm(reg)) if isinstance(reg, torch.Tensor) else 0.0
-    denom = out["task"] + out["regularizer"]
-    out["reg_share"] = out["regularizer"] / denom if denom > 0 else 0.0
+                dot / (raw[a] * raw[b]) if raw[a] > 0 and raw[b] > 0 else math.nan)  # undefined for a zero vector
+    if "pg" in grads:
+        reg = sum(scale[n] * grads[n] for n in names if n != "pg")  # [P]
+        out["regularizer"] = float(torch.linalg.vector_norm(reg)) if isinstance(reg, torch.Tensor) else 0.0
+        denom = out["task"] + out["regularizer"]
+        out["reg_share"] = out["regularizer"] / denom if denom > 0 else math.nan  # 0/0: both gradients are zero
     return out
 
 
@@ -234,7 +248,7 @@ def _reward_grad(result: ProbeResult, metrics: dict[str, dict[str, float]], buck
         return
     comp = {k: grads[f"reward/{k}"] for k in components}
     metrics[bucket], result.reward_grad[bucket] = reward_grad_metrics(
-        comp, grads["pg"], {k: weights.get(k, 1.0) for k in components}, groups)
+        comp, grads.get("pg"), {k: weights.get(k, 1.0) for k in components}, groups)
 
 
 def _actor_mirror(all_metrics: dict[str, float]) -> dict[str, float]:

@@ -67,13 +67,14 @@ def _slice(vector: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
     return torch.cat([vector[s:e] for s, e in spans])  # [n]
 
 
-def reward_grad_metrics(grads: dict[str, torch.Tensor], total: torch.Tensor, weights: dict[str, float],
+def reward_grad_metrics(grads: dict[str, torch.Tensor], total: torch.Tensor | None, weights: dict[str, float],
                         groups: dict[str, list[tuple[int, int]]]) -> tuple[dict[str, float], dict]:
     """Metrics and matrices of one bucket's component gradients.
 
     Args:
         grads: component name -> ``[P]`` gradient of the task loss with that component's advantages.
-        total: ``[P]`` gradient of the task loss with the trained (combined) advantages.
+        total: ``[P]`` gradient of the task loss with the trained (combined) advantages; None (the task term was not
+            analysed) leaves out everything that compares with it.
         weights: component name -> weight in the trained reward.
         groups: ``layer_groups`` of the flat layout.
 
@@ -84,12 +85,13 @@ def reward_grad_metrics(grads: dict[str, torch.Tensor], total: torch.Tensor, wei
     """
     names = list(grads)
     norms = {k: float(torch.linalg.vector_norm(g.double())) for k, g in grads.items()}
-    out: dict[str, float] = {"norm/total": float(torch.linalg.vector_norm(total.double()))}
+    out: dict[str, float] = {} if total is None else {"norm/total": float(torch.linalg.vector_norm(total.double()))}
     for k in names:
         out[f"norm/{k}"] = norms[k]
         out[f"weighted_norm/{k}"] = abs(weights[k]) * norms[k]
         out[f"zero_grad/{k}"] = float(norms[k] == 0.0)
-        out[f"cos_total/{k}"] = cosine(grads[k], total)
+        if total is not None:
+            out[f"cos_total/{k}"] = cosine(grads[k], total)
     cos = [[cosine(grads[a], grads[b]) for b in names] for a in names]
     layer_cos: dict[str, list[float]] = {}
     for i, a in enumerate(names):
@@ -100,14 +102,15 @@ def reward_grad_metrics(grads: dict[str, torch.Tensor], total: torch.Tensor, wei
             layer_cos[f"{a}__{b}"] = profile
             defined = [c for c in profile if not math.isnan(c)]
             out[f"neg_layer_frac/{a}__{b}"] = sum(c < 0 for c in defined) / len(defined) if defined else math.nan
-    layer_cos_total = {k: [cosine(_slice(grads[k], s), _slice(total, s)) for s in groups.values()] for k in names}
+    layer_cos_total = {} if total is None else {
+        k: [cosine(_slice(grads[k], s), _slice(total, s)) for s in groups.values()] for k in names}
     matrices = {
         "components": names,
         "weights": [weights[k] for k in names],
         "norm": [norms[k] for k in names],
-        "norm_total": out["norm/total"],
+        "norm_total": out.get("norm/total"),
         "cos": [[_json(c) for c in row] for row in cos],
-        "cos_total": [_json(out[f"cos_total/{k}"]) for k in names],
+        "cos_total": [_json(out[f"cos_total/{k}"]) for k in names] if total is not None else None,
         "layer_groups": list(groups),
         "layer_cos": {pair: [_json(c) for c in v] for pair, v in layer_cos.items()},
         "layer_cos_total": {k: [_json(c) for c in v] for k, v in layer_cos_total.items()},

@@ -20,9 +20,10 @@ import difflib
 from rldynamics.envs.bandit import BanditEnv
 from rldynamics.envs.base import Env, StepResult
 from rldynamics.envs.frozenlake import FrozenLakeEnv
+from rldynamics.envs.math import MathEnv
 from rldynamics.envs.sokoban import SokobanEnv
 
-ENVS: dict[str, type] = {"sokoban": SokobanEnv, "frozenlake": FrozenLakeEnv, "bandit": BanditEnv}
+ENVS: dict[str, type] = {"sokoban": SokobanEnv, "frozenlake": FrozenLakeEnv, "bandit": BanditEnv, "math": MathEnv}
 
 
 def make_env(name: str, **kwargs: object) -> Env:
@@ -34,4 +35,8 @@ def make_env(name: str, **kwargs: object) -> Env:
     return ENVS[name](**kwargs)
 
 
-__all__ = ["ENVS", "BanditEnv", "Env", "FrozenLakeEnv", "SokobanEnv", "StepResult", "make_env"]
+from rldynamics.envs.frozenlake import FrozenLakeEnv
+from rldynamics.envs.math import MathEnv
+from rldynamics.envs.sokoban import SokobanEnv
+
+ENVS: dict[str, type] = {"sokoban": SokobanEnv, "frozenlake": FrozenLakeEnv, "bandit": BanditEnv, "math": MathEnv}

@@ -6,6 +6,11 @@ Design choices:
 - Two kinds of action: envs with action *words* (`actions = ("Up", "Down", ...)`) receive one checked
   word per `step` call (a turn with several actions is several calls); free-form envs (`actions = ()`,
   e.g. Countdown) receive the whole stripped `<answer>` text as one action.
+- Envs that grade the whole reply (math: step indicators and `\\boxed{}` live outside `<answer>`) set the
+  class attribute `full_reply = True`. The rollout then calls `step(reply, num_tokens=n)` once per turn with
+  the whole decoded reply (special tokens skipped, the prompt's `<think>` opener put back in front) and its
+  number of sampled tokens (stop token included), parses no `<answer>` tags and adds no `format_penalty`:
+  the env judges format with its own reward components. Other envs keep `step(action)`.
 - Rewards are named components: `step` returns `dict[str, float]` over the env's `reward_names`
   (a missing name counts 0). They stay separate until the rollout forms the trained score, their weighted
   sum (weights: `reward_weights`, overridable with `env.reward_weights`). `info` holds float diagnostics.

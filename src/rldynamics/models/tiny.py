@@ -1,10 +1,10 @@
-"""The embedded default model (``model.path=tiny``): a byte-level BPE tokenizer and a small Llama.
+"""The embedded default model (``model.path=tiny``): a byte-level BPE tokenizer and a small Qwen2.
 
 Design choices:
 
 - Nothing is downloaded. The tokenizer is trained with the ``tokenizers`` library on a corpus the
   caller supplies (the environments' texts), and the model is a randomly initialised
-  ``LlamaForCausalLM``, so the whole stack (chat template, generation, ``from_pretrained``) is the
+  ``Qwen2ForCausalLM``, so the whole stack (chat template, generation, ``from_pretrained``) is the
   same code path a hub model takes.
 - Byte-level BPE with the full 256-byte initial alphabet: every string encodes without UNK and
   decodes back exactly. Pre-tokenisation isolates every digit, every symbol and every capital letter
@@ -19,10 +19,10 @@ Design choices:
 - ``ensure_tiny_model`` caches the built model under a key of (builder version, model kwargs,
   corpus hash) and publishes it with one atomic directory rename, so concurrent runs either see a
   complete directory or none.
-- The architecture is Llama (no biases; embeddings tied), a model type whose tokenizer transformers
-  loads verbatim from ``tokenizer.json``: bare ``AutoTokenizer.from_pretrained`` on a tiny checkpoint
-  gives exactly our ids. (For ``model_type=qwen2`` transformers 5 always builds ``Qwen2Tokenizer``,
-  which replaces the saved pre-tokeniser with Qwen's regex, so ids would silently differ.)
+- Load the saved tokenizer with ``models.loading.load_model_and_tokenizer`` (or
+  ``PreTrainedTokenizerFast.from_pretrained``), not bare ``AutoTokenizer``: transformers 5 maps
+  ``model_type=qwen2`` to ``Qwen2Tokenizer``, which replaces the saved pre-tokeniser with Qwen's
+  regex and adds NFC normalisation, so ids would differ and round-trips would break.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 # Bump when the tokenizer or model construction changes: old cache entries are then ignored.
-BUILDER_VERSION = "tiny-v3"
+BUILDER_VERSION = "tiny-v2"
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -124,14 +124,14 @@ def build_tiny_model(
     intermediate_size: int = 384,
     max_position_embeddings: int = 2048,
     seed: int = 0,
-) -> LlamaForCausalLM:
-    """Build a randomly initialised small Llama causal LM whose vocabulary matches ``tokenizer``.
+) -> Qwen2ForCausalLM:
+    """Build a randomly initialised small Qwen2 causal LM whose vocabulary matches ``tokenizer``.
 
     Embeddings are tied to the LM head. Initialisation is seeded inside a forked RNG, so the same
     arguments give bit-identical weights and the caller's global torch RNG is left as it was.
     """
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    config = LlamaConfig(
+    config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
@@ -140,13 +140,12 @@ def build_tiny_model(
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
-        bos_token_id=pad_id,  # as in Qwen: no separate BOS, <|endoftext|> fills the role
-        rms_norm_eps=1e-6,
+        bos_token_id=pad_id,  # as in Qwen2: no separate BOS, <|endoftext|> fills the role
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     with torch.random.fork_rng(devices=[]):  # transformers' own init draws from the global RNG; undo it
-        model = LlamaForCausalLM(config)
+        model = Qwen2ForCausalLM(config)
     _init_weights(model, seed)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -154,10 +153,10 @@ def build_tiny_model(
     return model.eval()
 
 
-def _init_weights(model: LlamaForCausalLM, seed: int) -> None:
+def _init_weights(model: Qwen2ForCausalLM, seed: int) -> None:
     """Re-initialise every parameter from a local generator, in ``named_parameters`` order.
 
-    Same scheme as transformers' Llama init (matrices ~ N(0, initializer_range), biases 0, norms 1,
+    Same scheme as transformers' Qwen2 init (matrices ~ N(0, initializer_range), biases 0, norms 1,
     pad embedding row 0), but independent of the global RNG, so concurrent threads cannot perturb it.
     """
     generator = torch.Generator().manual_seed(seed)

@@ -24,6 +24,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.text import Text
 
 from rldynamics.plots.data import (
     COMPONENTS,
@@ -50,17 +51,32 @@ def new_figure(width: float, height: float, **kwargs: Any) -> Figure:
     return fig
 
 
+PNG_METADATA = {"Software": None}  # no matplotlib version in the file: the same figure gives the same bytes
+
+
 def save_png(fig: Figure, path: str | Path, dpi: int = DPI) -> Path:
     """Write `fig` as PNG and return the path."""
-    fig.savefig(path, dpi=dpi, format="png", facecolor="white")
+    literal_text(fig)
+    fig.savefig(path, dpi=dpi, format="png", facecolor="white", metadata=PNG_METADATA)
     return Path(path)
 
 
 def png_bytes(fig: Figure, dpi: int = DPI) -> bytes:
     """`fig` encoded as PNG bytes."""
+    literal_text(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, dpi=dpi, format="png", facecolor="white")
+    fig.savefig(buf, dpi=dpi, format="png", facecolor="white", metadata=PNG_METADATA)
     return buf.getvalue()
+
+
+def literal_text(fig: Figure) -> None:
+    """Draw every title, label, legend entry and note literally: a `$` in a run or env name never starts
+    mathtext (which fails on text such as `$x^$`). Tick labels keep mathtext (log axes format `10^{k}` with it)."""
+    ticks = {t for ax in fig.axes for axis in (ax.xaxis, ax.yaxis)
+             for t in (*axis.get_ticklabels(which="both"), axis.get_offset_text())}
+    for text in fig.findobj(Text):
+        if text not in ticks:
+            text.set_parse_math(False)
 
 
 def fmt(value: float) -> str:
@@ -96,6 +112,11 @@ def auto_scale(ax, values, axis: str = "y", prefer_log: bool = False, decades: f
     return "symlog"
 
 
+def whisker(length: np.ndarray) -> np.ndarray:
+    """Error-bar lengths with the non-finite ones left out (0)."""
+    return np.where(np.isfinite(length), length, 0.0)
+
+
 def note(ax, text: str) -> None:
     """Centered grey message inside an axes (e.g. a metric that was not logged)."""
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4", fontsize=9, wrap=True)
@@ -115,8 +136,9 @@ def zero_only(ax, values) -> bool:
 
 
 def bars(ax, labels: list[str], values: np.ndarray, color: str, *, ylabel: str = "", title: str = "",
-         value_labels: bool = True) -> None:
-    """Bar chart with value labels; missing (nan) values are marked 'missing', non-finite as 'inf'/'nan'."""
+         value_labels: bool = True, nan_text: str = "missing") -> None:
+    """Bar chart with value labels; nan values are marked `nan_text` (not logged, unless told otherwise),
+    infinite ones 'inf'."""
     x = np.arange(len(labels))
     finite = np.isfinite(values)
     ax.set_title(title, fontsize=10)
@@ -124,7 +146,8 @@ def bars(ax, labels: list[str], values: np.ndarray, color: str, *, ylabel: str =
     ax.set_xlim(-0.6, len(labels) - 0.4)
     ax.set_ylabel(ylabel)
     if not finite.any():
-        note(ax, "not logged in this run" if np.isnan(values).all() else "non-finite values only")
+        all_nan = "not logged in this run" if nan_text == "missing" else f"{nan_text} in every bucket"
+        note(ax, all_nan if np.isnan(values).all() else "non-finite values only")
         ax.set_yticks([])
     else:
         heights = np.where(finite, values, 0.0)
@@ -138,7 +161,7 @@ def bars(ax, labels: list[str], values: np.ndarray, color: str, *, ylabel: str =
             ax.margins(y=0.15)
     for xi, v, f in zip(x, values, finite, strict=True):
         if not f and finite.any():
-            ax.text(xi, 0.02, "missing" if np.isnan(v) else fmt(v), rotation=90, ha="center", va="bottom",
+            ax.text(xi, 0.02, nan_text if np.isnan(v) else fmt(v), rotation=90, ha="center", va="bottom",
                     fontsize=7, color="#b00", transform=ax.get_xaxis_transform())
 
 
@@ -154,10 +177,12 @@ class StepData:
     row: dict[str, Any]
     buckets: list[str]
     groups: dict[str, list[float]]
+    mode: str = "quantile"
 
     @property
     def labels(self) -> list[str]:
-        return [bucket_label(b) for b in self.buckets]
+        """Axis labels of the buckets: `Q<k>` for quantile buckets, the interval for fixed_rv buckets."""
+        return [bucket_label(b, self.mode) for b in self.buckets]
 
     def values(self, metric: str) -> np.ndarray:
         return bucket_values(self.row, self.buckets, metric)
@@ -170,7 +195,7 @@ def step_data(run: RunData, step: int) -> StepData:
     """Collect the data of one analysis step of `run`."""
     row = run.row(step)
     return StepData(run_name=run.name, step=step, row=row, buckets=bucket_names(row),
-                    groups=read_groups(run.path, step))
+                    groups=read_groups(run.path, step), mode=run.bucket_mode)
 
 
 def fig_grad_norms(sd: StepData) -> Figure:
@@ -188,7 +213,8 @@ def fig_grad_norms(sd: StepData) -> Figure:
             bars(fig.add_subplot(gs[1, j]), sd.labels, sd.values(f"raw/{comp}"), COLORS[comp],
                  ylabel="Grad Norm Magnitude", title=f"raw {comp} gradient norm (unweighted)")
         bars(fig.add_subplot(gs[1, 2]), sd.labels, sd.values("reg_share"), COLORS["regularizer"],
-             ylabel="share", title="regulariser share  reg / (task + reg)")
+             ylabel="share", title="regulariser share  reg / (task + reg)",
+             nan_text="undef. (0/0)" if any(f"grad_norm/{b}/reg_share" in sd.row for b in sd.buckets) else "missing")
     for ax in fig.axes:
         ax.set_xlabel("Reward Variance Bucket")
     text_ax = fig.add_subplot(gs[rows - 1, :])
@@ -314,7 +340,7 @@ def _rv_panel(ax, sd: StepData) -> None:
     mean, lo, hi = sd.values("reward_std_mean"), sd.values("reward_std_min"), sd.values("reward_std_max")
     rest = [i for i in range(len(sd.buckets)) if i not in have and np.isfinite(mean[i])]
     if rest:
-        err = [np.nan_to_num(mean[rest] - lo[rest]), np.nan_to_num(hi[rest] - mean[rest])]
+        err = [whisker(mean[rest] - lo[rest]), whisker(hi[rest] - mean[rest])]
         ax.errorbar(x[rest], mean[rest], yerr=err, fmt="o", color="k", capsize=4,
                     label="mean (min–max); no groups.csv rows")
         ax.legend(fontsize=7)
@@ -421,7 +447,7 @@ def fig_paper_grid(runs: list[RunData], steps: list[int]) -> Figure:
         rv, lo, hi = sd.values("reward_std_mean"), sd.values("reward_std_min"), sd.values("reward_std_max")
         x = np.arange(len(sd.buckets))
         ok = np.isfinite(rv)
-        a.errorbar(x[ok], rv[ok], yerr=[np.nan_to_num(rv[ok] - lo[ok]), np.nan_to_num(hi[ok] - rv[ok])], fmt="o",
+        a.errorbar(x[ok], rv[ok], yerr=[whisker(rv[ok] - lo[ok]), whisker(hi[ok] - rv[ok])], fmt="o",
                    color="k", capsize=3)
         a.set_xticks(x, sd.labels)
         auto_scale(a, np.concatenate([rv, lo, hi]), prefer_log=True)
@@ -437,7 +463,7 @@ def fig_paper_grid(runs: list[RunData], steps: list[int]) -> Figure:
             hi_x = max(ax.get_xlim()[1] for ax in drawn)
             for ax in drawn:
                 ax.set_xlim(lo_x, hi_x)
-    axes[-1, 0].set_xlabel(f"RV quantile buckets (Q1 → Q{max((len(sd.buckets) for sd in data), default=0)})")
+    axes[-1, 0].set_xlabel(_bucket_axis_caption(data))
     for ax in axes[-1, 1:]:
         ax.set_xlabel(f"bucket RV mean ({ax.get_xscale()} scale)")
     for r in range(len(data) - 1):
@@ -447,6 +473,13 @@ def fig_paper_grid(runs: list[RunData], steps: list[int]) -> Figure:
     axes[0, 1].set_title("(b) task gradient vs RV", fontsize=10)
     axes[0, 2].set_title("(c) regulariser gradient vs RV", fontsize=10)
     return fig
+
+
+def _bucket_axis_caption(data: list[StepData]) -> str:
+    """RAGEN's caption for quantile buckets; fixed_rv buckets are named by their reward-std interval."""
+    if data and all(sd.mode == "fixed_rv" for sd in data):
+        return "fixed reward-std intervals (empty intervals left out)"
+    return f"RV quantile buckets (Q1 → Q{max((len(sd.buckets) for sd in data), default=0)})"
 
 
 def write_paper_grid(runs: list[RunData], steps: list[int], out: str | Path, dpi: int = DPI) -> Path:

@@ -22,8 +22,11 @@ from rldynamics.plots.data import (
     PREFIX,
     RunData,
     analysis_steps,
+    as_float,
     bucket_label,
     bucket_names,
+    bucket_sort_key,
+    early_stops,
     env_names,
     has_key,
     norm_is_zero,
@@ -41,7 +44,7 @@ def curve_panels(run: RunData) -> list[tuple[str, list[tuple[str, str]]]]:
         ("reward (critic/score/mean)", [("critic/score/mean", "mean score")]),
         ("success rate", [(f"{split}/{e}/success", f"{split.split('-')[0]} {e}")
                           for e in envs for split in ("train", "val-env")]),
-        ("entropy (actor/entropy)", [("actor/entropy", "entropy")]),
+        ("rollout-policy entropy (actor/entropy)", [("actor/entropy", "entropy")]),
         ("KL loss (actor/kl_loss)", [("actor/kl_loss", "kl_loss")]),
         ("grad norm (actor/grad_norm, pre-clip)", [("actor/grad_norm", "grad norm")]),
         ("clip fraction (actor/pg_clipfrac; rule of thumb 10–40 %)", [("actor/pg_clipfrac", "pg_clipfrac")]),
@@ -57,11 +60,6 @@ def curve_panels(run: RunData) -> list[tuple[str, list[tuple[str, str]]]]:
         if present:
             out.append((title, present))
     return out
-
-
-def _early_stops(run: RunData) -> list[tuple[int, str]]:
-    return [(r["step"], k.split("/", 1)[1]) for r in run.rows for k, v in r.items()
-            if k.startswith("early_stopped/") and v]
 
 
 SMOOTH_FROM = 40  # series with at least this many points also get a trailing mean
@@ -104,7 +102,7 @@ def fig_training_curves(run: RunData) -> Figure | None:
     nrows = math.ceil(len(panels) / ncols)
     fig = new_figure(5 * ncols, 3.3 * nrows + 0.5)
     axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False).ravel())
-    stops = _early_stops(run)
+    stops = early_stops(run)
     smoothed = False
     for n, (ax, (title, keys)) in enumerate(zip(axes, panels, strict=False)):
         values = []
@@ -139,7 +137,7 @@ def _lines_per_bucket(ax, run: RunData, steps: list[int], metric: str) -> bool:
     A cosine (`cos/a_b`) is left out where the norm of `a` or `b` is 0: the probe logs 0 there, but it is undefined.
     """
     comps = metric.split("/", 1)[1].split("_") if metric.startswith("cos/") else []
-    buckets = sorted({b for s in steps for b in bucket_names(run.row(s))}, key=lambda b: int(b.split("_")[1]))
+    buckets = _buckets_of(run, steps)
     drawn = False
     for b in [*buckets, "all"]:
         key = f"{PREFIX}/{b}/{metric}"
@@ -148,10 +146,10 @@ def _lines_per_bucket(ax, run: RunData, steps: list[int], metric: str) -> bool:
         if not pts:
             continue
         x = np.array([p[0] for p in pts], dtype=float)
-        y = np.array([p[1] if isinstance(p[1], (int, float)) else np.nan for p in pts], dtype=float)
-        style = {"color": "k", "ls": "--"} if b == "all" else {"color": f"C{(int(b.split('_')[1]) - 1) % 10}"}
+        y = np.array([as_float(p[1]) for p in pts], dtype=float)
+        style = {"color": "k", "ls": "--"} if b == "all" else {"color": f"C{(bucket_sort_key(b)[1] - 1) % 10}"}
         fin = np.isfinite(y)
-        ax.plot(x[fin], y[fin], marker="o", ms=4, label=bucket_label(b), **style)
+        ax.plot(x[fin], y[fin], marker="o", ms=4, label=bucket_label(b, run.bucket_mode), **style)
         drawn = drawn or bool(fin.any())
     return drawn
 
@@ -173,7 +171,7 @@ def fig_cosines(run: RunData, steps: list[int] | None = None) -> Figure | None:
         ax.set_title(f"cos(∇{a}, ∇{b})", fontsize=10)
         _step_axis(ax, "analysis step")
         ax.set_ylabel("cosine")
-    _shared_legend(fig, axes)
+    _shared_legend(fig, axes, _label_order(run, steps))
     fig.suptitle(f"{run.name}: gradient-component cosines per bucket (left out where a norm is 0)")
     return fig
 
@@ -184,13 +182,23 @@ def _step_axis(ax, label: str) -> None:
     ax.grid(alpha=0.3)
 
 
-def _shared_legend(fig: Figure, axes) -> None:
-    """One legend below the panels, with every bucket that appears in any panel."""
+def _buckets_of(run: RunData, steps: list[int]) -> list[str]:
+    """Every `bucket_k` logged at any of `steps`, in bucket order."""
+    return sorted({b for s in steps for b in bucket_names(run.row(s))}, key=bucket_sort_key)
+
+
+def _label_order(run: RunData, steps: list[int]) -> list[str]:
+    """Legend labels of the buckets of `steps` in bucket order, then `all`."""
+    return [bucket_label(b, run.bucket_mode) for b in _buckets_of(run, steps)] + ["all"]
+
+
+def _shared_legend(fig: Figure, axes, order: list[str]) -> None:
+    """One legend below the panels, with every bucket that appears in any panel, in the given label order."""
     seen: dict[str, object] = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             seen.setdefault(label, handle)
-    seen = dict(sorted(seen.items(), key=lambda kv: (kv[0] == "all", int(kv[0][1:]) if kv[0][1:].isdigit() else 0)))
+    seen = dict(sorted(seen.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
     if seen:
         fig.legend(list(seen.values()), list(seen), loc="outside lower center", ncols=min(len(seen), 8), fontsize=8)
 
@@ -207,7 +215,7 @@ def fig_reg_share(run: RunData, steps: list[int] | None = None) -> Figure | None
     ax.set_title("regulariser share of the gradient  ‖reg‖ / (‖task‖ + ‖reg‖)", fontsize=10)
     _step_axis(ax, "analysis step")
     ax.set_ylabel("reg_share")
-    _shared_legend(fig, [ax])
+    _shared_legend(fig, [ax], _label_order(run, steps))
     fig.suptitle(f"{run.name}: regulariser share per bucket")
     return fig
 
@@ -217,7 +225,7 @@ def sketch_cosine_matrix(sketches: dict[str, np.ndarray], component: str = "task
     """(bucket names, [B, B] cosine matrix) of the `<prefix>/bucket_k/<component>` sketches; nan for zero sketches."""
     head = f"{prefix}/bucket_"
     keys = sorted((k for k in sketches if k.startswith(head) and k.endswith(f"/{component}") and k.count("/") == 2),
-                  key=lambda k: int(k.split("/")[1].split("_")[1]))
+                  key=lambda k: bucket_sort_key(k.split("/")[1]))
     if not keys:
         return [], np.zeros((0, 0))
     m = np.stack([sketches[k] for k in keys])  # [B, dim]
@@ -237,7 +245,7 @@ def fig_sketch_cosines(run: RunData, step: int, component: str = "task") -> Figu
     fig = new_figure(2.2 + 0.7 * n, 1.2 + 0.7 * n)
     ax = fig.add_subplot()
     im = ax.imshow(np.ma.masked_invalid(cos), cmap="RdBu_r", vmin=-1, vmax=1)
-    labels = [bucket_label(b) for b in buckets]
+    labels = [bucket_label(b, run.bucket_mode) for b in buckets]
     ax.set_xticks(range(n), labels)
     ax.set_yticks(range(n), labels)
     for i in range(n):

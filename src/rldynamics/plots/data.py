@@ -7,6 +7,12 @@ Design choices:
 - An analysis step is a metrics row with at least one non-zero ``grad_norm/bucket_*`` value (RAGEN's rule;
   ``nan`` counts as non-zero so a run whose analysis produced non-finite norms still gets its figures).
 - ``analysis/step_<N>/metrics.json`` fills keys missing from the row of step N (the row wins on conflicts).
+- Odd data never stops a figure: rows without a whole, finite ``step``, undecodable lines (bad bytes, a row cut
+  by a kill), unreadable ``metrics.json`` / ``config.yaml`` / sketch files are skipped (with a warning where the
+  run has one), and values beyond ±1e300 count as overflowed (drawn like inf: matplotlib cannot place ticks on
+  an axis that wide).
+- Buckets are labelled by the run's ``analysis.bucket_mode`` (``Q3`` for quantile buckets, ``[2, 3)`` for
+  fixed_rv buckets, whose names always denote the same interval; ``rldynamics.analysis.bucket_names``).
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ from typing import Any
 import numpy as np
 import yaml
 
+from rldynamics.analysis import bucket_names as naming
 from rldynamics.tracking.run_dir import read_config, read_metrics
 
 PREFIX = "grad_norm"
 COMPONENTS = ("task", "entropy", "kl")
-_BUCKET_RE = re.compile(r"^bucket_(\d+)$")
+PLOT_LIMIT = 1e300  # larger magnitudes are treated as overflowed (inf)
+MAX_STEP = 2**63 - 1
 
 
 @dataclass
@@ -44,6 +52,12 @@ class RunData:
         log = self.config.get("log") if isinstance(self.config.get("log"), dict) else {}
         return str(log.get("name") or self.path.name)
 
+    @property
+    def bucket_mode(self) -> str:
+        """`analysis.bucket_mode` from the config (quantile when not recorded)."""
+        analysis = self.config.get("analysis") if isinstance(self.config.get("analysis"), dict) else {}
+        return str(analysis.get("bucket_mode") or "quantile")
+
     def row(self, step: int) -> dict[str, Any]:
         """The merged metrics row of `step` (KeyError if the step was never logged)."""
         for r in self.rows:
@@ -60,9 +74,11 @@ def load_run(run_dir: str | Path) -> RunData:
     warnings: list[str] = []
     by_step: dict[int, dict[str, Any]] = {}
     for r in _read_rows(path, warnings):
-        if not isinstance(r, dict) or not isinstance(r.get("step"), (int, float)):
+        step = _step_of(r)
+        if step is None:
+            warnings.append(f"metrics.jsonl: a row without a whole, finite step ({str(r)[:60]}); skipped")
             continue
-        by_step.setdefault(int(r["step"]), {}).update(r, step=int(r["step"]))  # a step logged twice: later values win
+        by_step.setdefault(step, {}).update(r, step=step)  # a step logged twice: later values win
     for step, extra in _analysis_metrics(path).items():
         row = by_step.setdefault(step, {"step": step})
         for k, v in extra.items():
@@ -71,26 +87,34 @@ def load_run(run_dir: str | Path) -> RunData:
     if (path / "config.yaml").exists():
         try:
             loaded = read_config(path)
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
             loaded = None
             warnings.append(f"config.yaml could not be parsed ({e.__class__.__name__}); config ignored")
         config = loaded if isinstance(loaded, dict) else {}
     return RunData(path=path, rows=[by_step[s] for s in sorted(by_step)], config=config, warnings=warnings)
 
 
+def _step_of(row: Any) -> int | None:
+    """The step of a metrics row: a whole, finite number (bools and `Infinity` are not steps)."""
+    step = row.get("step") if isinstance(row, dict) else None
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+        return None
+    return int(step) if step == int(step) and abs(step) <= MAX_STEP else None
+
+
 def _read_rows(path: Path, warnings: list[str]) -> list[Any]:
-    """`read_metrics`, falling back to skipping undecodable lines (e.g. a half-written last line)."""
+    """`read_metrics`, falling back to skipping undecodable lines (bad bytes, a half-written last line)."""
     try:
         return read_metrics(path)
-    except json.JSONDecodeError:
+    except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
         rows = []
-        for i, line in enumerate((path / "metrics.jsonl").read_text().splitlines(), start=1):
+        for i, line in enumerate((path / "metrics.jsonl").read_bytes().splitlines(), start=1):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                warnings.append(f"metrics.jsonl line {i} is not valid JSON; skipped")
+                rows.append(json.loads(line.decode("utf-8")))
+            except (ValueError, UnicodeDecodeError):
+                warnings.append(f"metrics.jsonl line {i} is not valid UTF-8 JSON; skipped")
         return rows
 
 
@@ -101,9 +125,11 @@ def _analysis_metrics(path: Path) -> dict[int, dict[str, Any]]:
         file = d / "metrics.json"
         if file.exists():
             try:
-                out[step] = json.loads(file.read_text())
-            except json.JSONDecodeError:
+                data = json.loads(file.read_bytes())
+            except (ValueError, UnicodeDecodeError):
                 continue
+            if isinstance(data, dict):
+                out[step] = data
     return out
 
 
@@ -120,11 +146,11 @@ def analysis_dirs(run_dir: str | Path) -> dict[int, Path]:
 
 
 def as_float(value: Any) -> float:
-    """A metric value as a float; `nan` when missing or not a number."""
+    """A metric value as a float; `nan` when missing or not a number, ±inf beyond ±`PLOT_LIMIT`."""
     if isinstance(value, bool):
         return float(value)
     if isinstance(value, (int, float)):
-        return float(value)
+        return float(value) if not abs(value) > PLOT_LIMIT else math.copysign(math.inf, value)  # nan stays nan
     return math.nan
 
 
@@ -144,15 +170,14 @@ def bucket_names(row: dict[str, Any], prefix: str = PREFIX) -> list[str]:
     found = set()
     for k in row:
         parts = k.split("/")
-        if len(parts) >= 3 and parts[0] == prefix and _BUCKET_RE.match(parts[1]):
+        if len(parts) >= 3 and parts[0] == prefix and naming.bucket_number(parts[1]) is not None:
             found.add(parts[1])
-    return sorted(found, key=lambda b: int(b.split("_")[1]))
+    return sorted(found, key=naming.bucket_number)
 
 
-def bucket_label(bucket: str) -> str:
-    """`bucket_3` -> `Q3`, `all` -> `all`."""
-    m = _BUCKET_RE.match(bucket)
-    return f"Q{m.group(1)}" if m else bucket
+def bucket_label(bucket: str, mode: str = "quantile") -> str:
+    """`bucket_3` -> `Q3` (quantile) or `[2, 3)` (fixed_rv); `all` -> `all`."""
+    return naming.bucket_label(bucket, mode)
 
 
 def bucket_values(row: dict[str, Any], buckets: list[str], metric: str, prefix: str = PREFIX) -> np.ndarray:
@@ -165,13 +190,14 @@ def bucket_metric_names(row: dict[str, Any], prefix: str = PREFIX) -> list[str]:
     names = set()
     for k in row:
         parts = k.split("/", 2)
-        if len(parts) == 3 and parts[0] == prefix and (parts[1] == "all" or _BUCKET_RE.match(parts[1])):
+        if len(parts) == 3 and parts[0] == prefix and (parts[1] == "all" or naming.bucket_number(parts[1])):
             names.add(parts[2])
     return sorted(names, key=_metric_order)
 
 
 _ORDER = ["sample_count", "sample_pct", "group_rv_count", "reward_std_mean", "reward_std_min", "reward_std_max",
-          "task", "entropy", "kl", "raw/entropy", "raw/kl", "regularizer", "reg_share"]
+          "task", "entropy", "kl", "raw/entropy", "raw/kl", "regularizer", "reg_share", "zero_grad/task",
+          "zero_grad/entropy", "zero_grad/kl"]
 
 
 def _metric_order(name: str) -> tuple[int, str]:
@@ -179,8 +205,14 @@ def _metric_order(name: str) -> tuple[int, str]:
 
 
 def norm_is_zero(row: dict[str, Any], bucket: str, comp: str, prefix: str = PREFIX) -> bool:
-    """True when the (raw) gradient norm of `comp` in `bucket` was logged as exactly 0: its cosines are undefined
-    (the probe logs them as 0)."""
+    """True when the gradient of `comp` in `bucket` is exactly the zero vector, so its cosines are undefined.
+
+    Read from the probe's `zero_grad/<comp>` flag (its cosines are then NaN); runs written before the flag existed
+    logged those cosines as 0, and a (raw) norm of exactly 0 tells the same.
+    """
+    flag = row.get(f"{prefix}/{bucket}/zero_grad/{comp}")
+    if isinstance(flag, (int, float)):
+        return flag == 1
     for key in (f"{prefix}/{bucket}/raw/{comp}", f"{prefix}/{bucket}/{comp}"):
         if isinstance(row.get(key), (int, float)):
             return row[key] == 0
@@ -193,7 +225,9 @@ def regularizer_values(row: dict[str, Any], buckets: list[str], prefix: str = PR
     reg = bucket_values(row, buckets, "regularizer", prefix)
     ent = bucket_values(row, buckets, "entropy", prefix)
     kl = bucket_values(row, buckets, "kl", prefix)
-    summed = np.where(np.isnan(ent) & np.isnan(kl), np.nan, np.nan_to_num(ent, nan=0.0) + np.nan_to_num(kl, nan=0.0))
+    with np.errstate(over="ignore", invalid="ignore"):  # inf stays inf (nan_to_num would make it 1.8e308)
+        summed = np.where(np.isnan(ent) & np.isnan(kl), np.nan, np.where(np.isnan(ent), 0.0, ent) +
+                          np.where(np.isnan(kl), 0.0, kl))
     return np.where(np.isnan(reg), summed, reg)
 
 
@@ -206,24 +240,28 @@ def read_groups(run_dir: str | Path, step: int, prefix: str = PREFIX) -> dict[st
     out: dict[str, list[float]] = {}
     if not file.exists():
         return out
-    with open(file, newline="") as f:
-        for r in csv.DictReader(f):
-            if r.get("prefix", PREFIX) != prefix or not r.get("bucket"):
-                continue
-            out.setdefault(r["bucket"], []).append(as_float(_parse_float(r.get("reward_std"))))
-    return dict(sorted(out.items(), key=lambda kv: _bucket_sort_key(kv[0])))
+    with open(file, newline="", encoding="utf-8", errors="replace") as f:  # bad bytes become U+FFFD
+        try:
+            for r in csv.DictReader(f):
+                if r.get("prefix", PREFIX) != prefix or not r.get("bucket"):
+                    continue
+                out.setdefault(r["bucket"], []).append(as_float(_parse_float(r.get("reward_std"))))
+        except csv.Error:
+            pass  # the rows read so far are kept
+    return dict(sorted(out.items(), key=lambda kv: bucket_sort_key(kv[0])))
 
 
 def _parse_float(text: str | None) -> float:
     try:
         return float(text) if text is not None else math.nan
-    except ValueError:
+    except (ValueError, TypeError):
         return math.nan
 
 
-def _bucket_sort_key(bucket: str) -> tuple[int, int | str]:
-    m = _BUCKET_RE.match(bucket)
-    return (0, int(m.group(1))) if m else (1, bucket)
+def bucket_sort_key(bucket: str) -> tuple[int, int | str]:
+    """Sort key: `bucket_1`, `bucket_2`, ... by number, then other names (`all`)."""
+    k = naming.bucket_number(bucket)
+    return (0, k) if k is not None else (1, bucket)
 
 
 def read_sketches(run_dir: str | Path, step: int) -> dict[str, np.ndarray]:
@@ -233,7 +271,10 @@ def read_sketches(run_dir: str | Path, step: int) -> dict[str, np.ndarray]:
         return {}
     from safetensors.numpy import load_file
 
-    return {k: np.asarray(v, dtype=np.float64) for k, v in load_file(str(file)).items()}
+    try:
+        return {k: np.asarray(v, dtype=np.float64) for k, v in load_file(str(file)).items()}
+    except Exception:  # a corrupted or foreign file (safetensors raises its own error types): no sketches
+        return {}
 
 
 def env_names(run: RunData) -> list[str]:
@@ -257,6 +298,12 @@ def series(run: RunData, key: str) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros(0), np.zeros(0)
     steps, values = zip(*pairs, strict=True)
     return np.asarray(steps, dtype=float), np.asarray(values, dtype=float)
+
+
+def early_stops(run: RunData) -> list[tuple[int, str]]:
+    """(step, reason) of every `early_stopped/<reason>` flag the run logged."""
+    return [(r["step"], k.split("/", 1)[1]) for r in run.rows for k, v in r.items()
+            if k.startswith("early_stopped/") and v]
 
 
 def has_key(run: RunData, key: str) -> bool:

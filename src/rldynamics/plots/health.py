@@ -11,7 +11,9 @@ thumb, stated in the flag text, not hard truths:
   and the absolute floor ignores wiggles of a loss that stays near 0;
 - zero-variance groups: mean share of groups with zero reward std over the last steps > 50 %, or the mean
   in-group reward std ≈ 0 / fallen below 10 % of its first steps' level (warning);
-- early stops (`early_stopped/*`) and skipped optimizer steps (`actor/skipped_steps` > 0).
+- early stops (`early_stopped/*`) and skipped optimizer steps (`actor/skipped_steps` > 0);
+- gradient-analysis components whose gradient is exactly zero (`grad_norm/<bucket>/zero_grad/<component>` = 1,
+  a note): their cosines are undefined and logged as NaN, which this note explains instead of leaving a gap.
 """
 
 from __future__ import annotations
@@ -216,13 +218,41 @@ def check_skipped_steps(rows: list[dict[str, Any]], key: str = "actor/skipped_st
                  {"steps": _steps_text(steps[hit]), "updates skipped in total": _g(float(v[hit].sum()))})]
 
 
+ZERO_GRADIENT_CAUSES = {
+    "kl": "The k3 (low_var_kl) KL gradient is exactly 0 where the policy equals the reference: the first "
+          "steps of a run, or a probe of the initial model.",
+    "task": "Zero advantages: under GRPO every group of the bucket has zero reward variance.",
+    "entropy": "The entropy gradient vanished (a uniform or one-hot predictive distribution).",
+}
+
+
+def check_zero_gradients(rows: list[dict[str, Any]], prefix: str = "grad_norm") -> list[Flag]:
+    """Analysis gradients that are exactly zero (`zero_grad/<component>` = 1), one note per component."""
+    where: dict[str, list[tuple[int, str]]] = {}
+    for r in rows:
+        for k, v in r.items():
+            parts = k.split("/")
+            if len(parts) == 4 and parts[0] == prefix and parts[2] == "zero_grad" and as_float(v) == 1:
+                where.setdefault(parts[3], []).append((int(r["step"]), parts[1]))
+    flags = []
+    for comp, hits in sorted(where.items()):
+        steps = sorted({s for s, _ in hits})
+        flags.append(Flag(f"zero_gradient_{comp}", "note",
+                          f"the {comp} gradient is exactly zero in {len(hits)} analysed bucket(s)",
+                          f"{ZERO_GRADIENT_CAUSES.get(comp, '')} Cosines with a zero gradient are undefined: they "
+                          "are logged as NaN (not 0, which would read as orthogonal) and left out of the figures.",
+                          {"steps": _steps_text(steps),
+                           "buckets": ", ".join(sorted({b for _, b in hits}, key=lambda b: (b != "all", b)))}))
+    return flags
+
+
 def health_checks(rows: list[dict[str, Any]], config: dict[str, Any] | None = None) -> list[Flag]:
     """Every check over the metrics rows, sorted by severity (errors first)."""
     train = (config or {}).get("train")
     groups = train.get("env_groups") if isinstance(train, dict) else None
     flags = [*check_grad_norm(rows), *check_clipfrac(rows), *check_reward_trend(rows), *check_loss_swings(rows),
              *check_zero_variance(rows, num_groups=groups if isinstance(groups, int) and groups > 0 else None),
-             *check_early_stop(rows), *check_skipped_steps(rows)]
+             *check_early_stop(rows), *check_skipped_steps(rows), *check_zero_gradients(rows)]
     return sorted(flags, key=lambda f: SEVERITIES.index(f.severity))
 
 

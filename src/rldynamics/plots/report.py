@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import html
+import math
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from rldynamics.plots.reward_components import (
     fig_cosine_matrix,
     fig_cosines_over_steps,
     fig_layer_profile,
+    fig_response_lengths,
     read_reward_grad,
 )
 
@@ -67,7 +69,8 @@ th { background: #f3f3f3; } td.name, th.name { text-align: left; font-family: mo
 """
 
 
-def _img(fig: Figure | None, caption: str) -> str:
+def figure_html(fig: Figure | None, caption: str) -> str:
+    """`<figure>` with `fig` embedded as a base64 PNG (empty for None)."""
     if fig is None:
         return ""
     data = base64.b64encode(png_bytes(fig, REPORT_DPI)).decode("ascii")
@@ -97,7 +100,7 @@ def bucket_table(run: RunData, step: int) -> str:
     """HTML table of every logged bucket metric of `step`: rows = metrics, columns = `all`, Q1, Q2, …"""
     sd = step_data(run, step)
     buckets = ["all", *sd.buckets] if any(k.startswith(f"{PREFIX}/all/") for k in sd.row) else sd.buckets
-    head = "".join(f"<th>{html.escape(bucket_label(b))}</th>" for b in buckets)
+    head = "".join(f"<th>{html.escape(bucket_label(b, run.bucket_mode))}</th>" for b in buckets)
     rows, undefined = [], False
     for name in bucket_metric_names(sd.row):
         comps = name[4:].split("_") if name.startswith("cos/") else []
@@ -106,14 +109,16 @@ def bucket_table(run: RunData, step: int) -> str:
             key = f"{PREFIX}/{b}/{name}"
             if key not in sd.row:
                 cells.append('<td class="missing">—</td>')
-            elif any(norm_is_zero(sd.row, b, c) for c in comps):
+            elif any(norm_is_zero(sd.row, b, c) for c in comps) or (
+                    name == "reg_share" and math.isnan(as_float(sd.row[key]))):
                 undefined = True
                 cells.append('<td class="undef">undef.</td>')
             else:
                 cells.append(f"<td>{html.escape(fmt(as_float(sd.row[key])))}</td>")
         rows.append(f'<tr><td class="name">{html.escape(name)}</td>{"".join(cells)}</tr>')
     legend = '<p class="meta">— not logged'
-    legend += "; undef.: cosine with a gradient whose norm is 0 (logged as 0)</p>" if undefined else "</p>"
+    legend += ("; undef.: a cosine with a gradient that is exactly zero (flagged by zero_grad/&lt;component&gt; = 1), "
+               "or reg_share with task and regulariser both zero (0/0); logged as NaN</p>" if undefined else "</p>")
     return f'<table><tr><th class="name">metric</th>{head}</tr>{"".join(rows)}</table>{legend}'
 
 
@@ -125,18 +130,21 @@ def analysis_section(run: RunData) -> str:
         out.append('<p class="meta">No gradient-analysis steps in this run (no non-zero <code>grad_norm/bucket_*</code>'
                    " metrics); enable it with <code>analysis.enabled=true analysis.every=N</code>.</p>")
         return "".join(out)
-    out.append(f'<p class="meta">Analysis steps: {", ".join(map(str, steps))}. Buckets Q1…QB go from the lowest '
-               "to the highest within-group reward variance (RV). Norms of entropy and KL are weighted by their "
-               "coefficients unless marked raw.</p>")
-    out.append(_img(fig_cosines(run), "Cosines between the task, entropy and KL gradients per bucket"))
-    out.append(_img(fig_reg_share(run), "Regulariser share of the gradient per bucket"))
+    buckets = ("Buckets are the fixed intervals of within-group reward std (RV) they are named by; empty intervals "
+               "are left out." if run.bucket_mode == "fixed_rv" else
+               "Buckets Q1…QB go from the lowest to the highest within-group reward variance (RV).")
+    out.append(f'<p class="meta">Analysis steps: {", ".join(map(str, steps))}. {buckets} Norms of entropy and KL '
+               "are weighted by their coefficients unless marked raw.</p>")
+    out.append(figure_html(fig_cosines(run), "Cosines between the task, entropy and KL gradients per bucket"))
+    out.append(figure_html(fig_reg_share(run), "Regulariser share of the gradient per bucket"))
     for step in steps:
         sd = step_data(run, step)
         out.append(f'<h3 id="step-{step}">Step {step}</h3>')
         out.append(f"<details open><summary>bucket metrics</summary>{bucket_table(run, step)}</details>")
         for name, make in STEP_FIGURES.items():
-            out.append(_img(make(sd), STEP_FIGURE_TITLES[name]))
-        out.append(_img(fig_sketch_cosines(run, step), "Cosine between buckets' task gradients (count-sketch)"))
+            out.append(figure_html(make(sd), STEP_FIGURE_TITLES[name]))
+        out.append(figure_html(fig_sketch_cosines(run, step),
+                               "Cosine between buckets' task gradients (count-sketch)"))
     return "".join(out)
 
 
@@ -151,18 +159,19 @@ def reward_components_section(run: RunData) -> str:
            "group — are undefined and shown as n/a, never as 0.</p>"]
     flags = check_reward_components(run)
     out += [_flag_html(f) for f in flags] or ['<p class="ok">No reward-component warnings.</p>']
-    out.append(_img(fig_component_rewards(run), "Reward components per step (raw means; groups where constant)"))
-    out.append(_img(fig_cosines_over_steps(run), "Component gradient cosines per analysis step (all bucket)"))
+    out.append(figure_html(fig_component_rewards(run), "Reward components per step (raw means; groups where constant)"))
+    out.append(figure_html(fig_response_lengths(run), "Response length distribution per step"))
+    out.append(figure_html(fig_cosines_over_steps(run), "Component gradient cosines per analysis step (all bucket)"))
     for step, matrices in read_reward_grad(run).items():
         out.append(f"<h3>Reward components, step {step}</h3>")
-        out.append(_img(fig_cosine_matrix(matrices, step), f"Component gradient cosine matrix, step {step}"))
-        out.append(_img(fig_layer_profile(matrices, step), f"Per-layer-group cosine profile, step {step}"))
+        out.append(figure_html(fig_cosine_matrix(matrices, step), f"Component gradient cosine matrix, step {step}"))
+        out.append(figure_html(fig_layer_profile(matrices, step), f"Per-layer-group cosine profile, step {step}"))
     return "".join(out)
 
 
 def _config_section(run: RunData) -> str:
     file = run.path / "config.yaml"
-    text = file.read_text() if file.exists() else None
+    text = file.read_text(encoding="utf-8", errors="replace") if file.exists() else None
     body = (f"<details><summary>config.yaml (resolved)</summary><pre>{html.escape(text)}</pre></details>" if text
             else '<p class="meta">No config.yaml in the run directory.</p>')
     return f'<h2 id="config">Config</h2>{body}'
@@ -183,7 +192,8 @@ def build_report(run_dir: str | Path | RunData) -> str:
         health_section(run),
         _config_section(run),
         '<h2 id="curves">Training curves</h2>',
-        _img(curves, "Training curves") if curves else '<p class="meta">No known training metrics were logged.</p>',
+        figure_html(curves, "Training curves") if curves
+        else '<p class="meta">No known training metrics were logged.</p>',
         analysis_section(run),
         reward_components_section(run),
     ]

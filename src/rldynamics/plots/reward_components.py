@@ -8,6 +8,7 @@ metrics and null in the JSON; they are drawn as hatched "n/a" cells or gaps, nev
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from matplotlib.figure import Figure
 from rldynamics.plots.analysis import fmt, new_figure
 from rldynamics.plots.data import RunData, analysis_dirs, as_float, series
 from rldynamics.plots.health import Flag
+from rldynamics.tracking.run_dir import read_rewards
 
 RG = "reward_grad"
 
@@ -49,7 +51,7 @@ def read_reward_grad(run: RunData) -> dict[int, dict[str, Any]]:
 
 
 def _matrix(values: list[list[Any]]) -> np.ndarray:
-    return np.array([[np.nan if v is None else float(v) for v in row] for row in values], dtype=float)
+    return np.array([[as_float(v) for v in row] for row in values], dtype=float)  # odd values: nan / inf
 
 
 def fig_cosine_matrix(matrices: dict[str, Any], step: int, bucket: str = "all") -> Figure | None:
@@ -137,6 +139,37 @@ def fig_component_rewards(run: RunData) -> Figure | None:
     return fig
 
 
+def fig_response_lengths(run: RunData) -> Figure | None:
+    """Distribution of response lengths per step (median, 25-75 % and 10-90 % bands) from `rewards.jsonl`."""
+    try:
+        rows = read_rewards(run.path)
+    except (OSError, ValueError):
+        return None
+    by_step: dict[int, list[tuple[float, float]]] = {}
+    for r in rows:
+        try:
+            lengths = (as_float(r["response_chars"]), as_float(r["response_tokens"]))
+            if all(map(math.isfinite, lengths)):  # odd values (text, 1e308, NaN) are left out
+                by_step.setdefault(int(r["step"]), []).append(lengths)
+        except (KeyError, TypeError, ValueError, OverflowError):  # e.g. "step": Infinity
+            continue
+    if not by_step:
+        return None
+    steps = np.array(sorted(by_step))
+    fig = new_figure(11, 3.6)
+    for col, unit in enumerate(("characters", "tokens")):
+        ax = fig.add_subplot(1, 2, col + 1)
+        q = np.array([np.percentile([v[col] for v in by_step[s]], [10, 25, 50, 75, 90]) for s in steps])  # [S, 5]
+        ax.fill_between(steps, q[:, 0], q[:, 4], alpha=0.15, color="#1f77b4", label="10-90 %")
+        ax.fill_between(steps, q[:, 1], q[:, 3], alpha=0.3, color="#1f77b4", label="25-75 %")
+        ax.plot(steps, q[:, 2], color="#1f77b4", lw=1.3, label="median")
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"response length ({unit})")
+        ax.set_title(f"Response length per step ({unit})", fontsize=10)
+        ax.legend(fontsize=7)
+    return fig
+
+
 def _keys(run: RunData, prefix: str) -> list[str]:
     keys: list[str] = []
     for row in run.rows:
@@ -174,6 +207,7 @@ def write_reward_component_figures(run: RunData, out: str | Path, save) -> list[
     """Write every reward-component figure of the run into `out`; `save(fig, path)` writes one PNG."""
     out = Path(out)
     figures: list[tuple[str, Figure | None]] = [("reward_components.png", fig_component_rewards(run)),
+                                                ("response_lengths.png", fig_response_lengths(run)),
                                                 ("reward_grad_cosines.png", fig_cosines_over_steps(run))]
     for step, matrices in read_reward_grad(run).items():
         figures += [(f"reward_grad_matrix_step_{step}.png", fig_cosine_matrix(matrices, step)),

@@ -23,8 +23,9 @@ from rldynamics.config import EnvConfig, reward_names
 from rldynamics.envs import make_env
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.rollout.chat import ChatPrompts, Conversation
-from rldynamics.rollout.parse import parse_answer, parse_response
+from rldynamics.rollout.parse import ParsedTurn, parse_answer, parse_response
 from rldynamics.rollout.rewards import resolve_weights, weighted_sum
+from rldynamics.rollout.sampling import sampling_guard
 
 SYSTEM_PREFIX = "You're a helpful assistant. "
 INVALID_NOTE = "No valid action provided previously. Environment state remains the same. Please try again.\n"
@@ -138,7 +139,10 @@ def _play_turn(ctx: RolloutContext, traj: Trajectory, response: list[int], turn:
     stopped = bool(response) and response[-1] in chat.stop_ids
     text = chat.think_prefix + ctx.tokenizer.decode(response, skip_special_tokens=True)
     env = traj.env
-    if env.actions:
+    full_reply = getattr(env, "full_reply", False)
+    if full_reply:  # the env grades the whole reply itself (Env protocol, envs/base.py)
+        parsed = ParsedTurn(actions=[text], format_ok=True)
+    elif env.actions:
         parsed = parse_response(text, env.actions, max_actions=cfg.max_actions_per_turn, enable_think=cfg.enable_think)
     else:
         parsed = parse_answer(text, enable_think=cfg.enable_think)
@@ -148,7 +152,7 @@ def _play_turn(ctx: RolloutContext, traj: Trajectory, response: list[int], turn:
     traj.turns += 1
     traj.valid_turns += int(bool(parsed.actions))
     for action in parsed.actions[: cfg.max_actions_per_traj - traj.num_actions]:
-        result = env.step(action)
+        result = env.step(action, num_tokens=len(response)) if full_reply else env.step(action)
         traj.num_actions += 1
         traj.effective_actions += int(result.info.get("action_is_effective", 0))
         for name, value in result.reward.items():
@@ -189,8 +193,8 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     device = next(model.parameters()).device
     out = model.generate(
         input_ids=input_ids.to(device), attention_mask=attention.to(device), do_sample=True,
-        temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
-        eos_token_id=stop_ids, pad_token_id=pad,
+        temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
+        pad_token_id=pad, logits_processor=sampling_guard(temperature),  # the guard applies the temperature
     )  # [B, W + new]
     stops = set(stop_ids)
     responses = []

@@ -1,7 +1,9 @@
-"""Named reward components: their weights, the trained score (their weighted sum), per-component statistics.
+"""Named reward components: their weights, the trained score (their weighted sum), per-component statistics,
+and the per-trajectory reward-tracking rows.
 
 This module is the one place the weighted reward is formed (DESIGN.md §4.11): the rollout calls
-`weighted_sum` for every trajectory score and for the per-turn "Reward:" line of the prompt.
+`weighted_sum` for every trajectory score and for the per-turn "Reward:" line of the prompt. It also owns the
+metric keys `reward/<name>/*` and `reward_stats/*` (rldynamic's per-step statistics).
 """
 
 from __future__ import annotations
@@ -40,4 +42,47 @@ def reward_component_metrics(components: torch.Tensor, names: tuple[str, ...], g
         out[f"{prefix}/{name}/mean"] = values.mean().item()
         out[f"{prefix}/{name}/std"] = values.std().item() if len(values) > 1 else 0.0
         out[f"{prefix}/{name}/zero_std_group_frac"] = sum(constant) / len(constant)
+    return out
+
+
+def reward_rows(batch, step: int, tokenizer) -> list[dict]:
+    """One reward-tracking row per trajectory of a rollout batch (written to `rewards.jsonl`).
+
+    Each row: `step`, `traj` (row in the batch), `group`, `prompt` (the env seed), `reward` (raw components),
+    `weighted` (weight x component), `total` (the trained score), `response_tokens` (sampled tokens, stop
+    token included), `response_chars` (characters of the decoded sampled tokens, special tokens skipped) and
+    `correct` (the env's success flag).
+    """
+    names, weights = batch.reward_names, batch.reward_weights
+    rows = []
+    for i in range(len(batch)):
+        sampled = batch.input_ids[i][batch.response_mask[i] > 0]  # [R]
+        raw = [float(v) for v in batch.reward_components[i].tolist()]
+        rows.append({
+            "step": step, "traj": i, "group": int(batch.group_ids[i]), "prompt": int(batch.seeds[i]),
+            "reward": dict(zip(names, raw, strict=True)),
+            "weighted": {n: w * v for n, w, v in zip(names, weights, raw, strict=True)},
+            "total": float(batch.scores[i]), "response_tokens": int(sampled.numel()),
+            "response_chars": len(tokenizer.decode(sampled.tolist(), skip_special_tokens=True)),
+            "correct": bool(batch.env_metrics[i]["success"]),
+        })
+    return rows
+
+
+def reward_stats(rows: list[dict], names: tuple[str, ...], prefix: str = "reward_stats") -> dict[str, float]:
+    """rldynamic's per-step reward statistics from reward-tracking rows.
+
+    `<prefix>/avg_<name>` (mean raw component), `avg_actual_length` (mean response characters),
+    `correct_count`, `format_valid_count` (rows whose `format` component is > 0; only when the env has one)
+    and `total_samples`.
+    """
+    if not rows:
+        return {}
+    n = len(rows)
+    out = {f"{prefix}/avg_{name}": sum(r["reward"][name] for r in rows) / n for name in names}
+    out[f"{prefix}/avg_actual_length"] = sum(r["response_chars"] for r in rows) / n
+    out[f"{prefix}/correct_count"] = float(sum(r["correct"] for r in rows))
+    if "format" in names:
+        out[f"{prefix}/format_valid_count"] = float(sum(r["reward"]["format"] > 0 for r in rows))
+    out[f"{prefix}/total_samples"] = float(n)
     return out

@@ -89,7 +89,12 @@ def weighted_total(terms: dict[str, torch.Tensor], cfg: AlgoConfig) -> torch.Ten
 
 def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, algo: AlgoConfig, train: TrainConfig,
                  generator: torch.Generator | None = None) -> dict[str, float]:
-    """PPO epochs over mini-batches with gradient accumulation over micro-batches; returns actor metrics."""
+    """PPO epochs over mini-batches with gradient accumulation over micro-batches; returns actor metrics.
+
+    verl's names: `actor/entropy_loss` is the mean over mini-batches of the aggregated entropy during the update
+    (`actor/entropy`, the rollout policy's entropy, is logged by the old-log-prob pass), `actor/kl_coef` the
+    KL coefficient in use.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
     count = 0
@@ -103,6 +108,7 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
     out = {f"actor/{k}": v / max(count, 1) for k, v in sums.items() if k != "skipped_steps"}
     out["actor/skipped_steps"] = sums.get("skipped_steps", 0.0)
     out["actor/lr"] = optimizer.param_groups[0]["lr"]
+    out["actor/kl_coef"] = algo.kl_coef
     out["actor/num_updates"] = float(count)
     return out
 
@@ -110,7 +116,7 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
 def _mini_batch_step(model, optimizer, params, batch, mini, inputs, algo, train) -> dict[str, float]:
     """Accumulate the mini-batch gradient, clip, and step (skipped when the norm is not finite)."""
     optimizer.zero_grad(set_to_none=True)
-    stats = {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0, "pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0,
+    stats = {"pg_loss": 0.0, "entropy_loss": 0.0, "kl_loss": 0.0, "pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0,
              "ppo_kl": 0.0}
     for positions in micro_batches(torch.arange(len(mini)), train.micro_batch_size):
         rows = mini[positions]  # [n]
@@ -120,7 +126,7 @@ def _mini_batch_step(model, optimizer, params, batch, mini, inputs, algo, train)
         terms, metrics = loss_terms(model, batch, rows, inputs, algo, temperature=train.temperature)
         (share * weighted_total(terms, algo)).backward()
         stats["pg_loss"] += share * terms["pg"].item()
-        stats["entropy"] += share * terms["entropy"].item()
+        stats["entropy_loss"] += share * terms["entropy"].item()
         stats["kl_loss"] += share * terms["kl"].item() if "kl" in terms else 0.0
         for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
             stats[k] += share * metrics[k]

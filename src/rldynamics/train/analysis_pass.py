@@ -2,16 +2,18 @@
 
 - Cadence: analysis runs at steps 1, 1+every, 1+2*every, ... after the critic update and before the actor
   update, on the filtered training batch, or, when `analysis.env_groups` / `analysis.group_size` are set,
-  on a separate batch drawn with its own env seeds and sampling seed (inside a forked RNG, so training is
-  unaffected) and filtered with the same filter settings.
+  on a separate batch drawn with its own env seeds (seed_base + 500000 + groups*(k-1) + g at step k; in
+  probe mode k counts the probe's steps, so every probe draws the same puzzles) and sampling seed (inside a
+  forked RNG, so training is unaffected) and filtered with the same filter settings.
 - `analysis.prefilter` also analyses that separate batch before filtering (prefix `grad_norm_prefilter`).
 - `analysis.reward_grad` also differentiates the task loss with each named reward component's own advantages
   (`train.stages.component_advantages`, scaled like the trained advantages by the filter's loss scaling) and
   logs `reward_grad/<bucket>/*` (analysis/reward_grad.py).
-- Per analysis step, `analysis/step_<N>/` gets `groups.csv` (bucket, group_id, reward_std), `sketches.safetensors`
-  (count-sketches of every bucket/component gradient, for offline cosines across buckets and steps),
-  `metrics.json` (the step's analysis metrics) and, with reward components, `reward_grad.json` (per bucket: the
-  component cosine matrix, cosines with the total, norms and per-layer-group cosine profiles).
+- Per analysis step, `analysis/step_<N>/` gets `groups.csv` (prefix, bucket, group_id, reward_std and the
+  group's env seed), `sketches.safetensors` (count-sketches of every bucket/component gradient, for offline
+  cosines across buckets and steps), `metrics.json` (the step's analysis metrics) and, with reward components,
+  `reward_grad.json` (per bucket: the component cosine matrix, cosines with the total, norms and per-layer-group
+  cosine profiles).
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def run_analysis(s, step: int, batch: RolloutBatch | None, inputs: ActorInputs |
     for prefix, b, inp, stds, kept in passes:
         result = probe(s, b, inp, stds, prefix, kept)
         metrics.update(result.metrics)
-        rows += [(prefix, *r) for r in result.groups]
+        seeds = dict(zip(b.group_ids.tolist(), b.seeds, strict=False))  # group id -> env seed
+        rows += [(prefix, bucket, gid, std, seeds.get(gid, "")) for bucket, gid, std in result.groups]
         sketches.update({f"{prefix}/{k}": v.contiguous() for k, v in result.sketches.items()})
         if result.reward_grad:
             reward_grad[prefix] = result.reward_grad
@@ -85,7 +88,8 @@ def probe(s, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, floa
     return gradient_probe(s.model, batch, inputs, group_std, algo=cfg.algo, micro_batch_size=cfg.train.micro_batch_size,
                           temperature=cfg.train.temperature, num_buckets=cfg.analysis.num_buckets,
                           bucket_mode=cfg.analysis.bucket_mode, prefix=prefix, sketch_seed=cfg.seed,
-                          component_advantages=components, component_weights=weights)
+                          component_advantages=components, component_weights=weights,
+                          terms=tuple(cfg.analysis.terms))
 
 
 def _separate_batch_passes(s, step: int, metrics: dict[str, float], prepare) -> list:
@@ -93,9 +97,10 @@ def _separate_batch_passes(s, step: int, metrics: dict[str, float], prepare) -> 
     cfg = s.cfg
     groups = cfg.analysis.env_groups or cfg.train.env_groups
     size = cfg.analysis.group_size or cfg.train.group_size
+    k = s.seed_step(step)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(step_seed(cfg.seed, step, stream=3))
-        raw = rollout(s.model, s.tokenizer, train_seeds(cfg.train.seed_base + ANALYSIS_SEED_OFFSET, groups, step),
+        torch.manual_seed(step_seed(cfg.seed, k, stream=3))
+        raw = rollout(s.model, s.tokenizer, train_seeds(cfg.train.seed_base + ANALYSIS_SEED_OFFSET, groups, k),
                       size, cfg.env, temperature=cfg.train.temperature)
     metrics.update({"grad_analysis/source_env_groups": float(groups), "grad_analysis/source_group_size": float(size),
                     "grad_analysis/source_batch_size": float(len(raw))})
@@ -118,7 +123,7 @@ def write_artefacts(out_dir: Path, metrics: dict[str, float], groups: list[tuple
     """`groups.csv`, `sketches.safetensors`, `metrics.json` (and `reward_grad.json`) of one analysis step."""
     with open(out_dir / "groups.csv", "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["prefix", "bucket", "group_id", "reward_std"])
+        writer.writerow(["prefix", "bucket", "group_id", "reward_std", "seed"])
         writer.writerows(groups)
     if sketches:
         save_file(sketches, str(out_dir / "sketches.safetensors"))

@@ -6,13 +6,16 @@
 2. Low validation success: each in-loop validation with success < threshold increments a counter,
    any other resets it; `val_patience` in a row stops the run.
 3. Empty filtered batches: `filter.empty_stop_steps` consecutive empty steps stop the run.
+
+In probe mode (`analysis.only`) the rules are off: the policy never changes there, and a probe of the last
+checkpoint of a run that stopped early must still reach its analysis. The counts are kept either way.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-from rldynamics.config import EarlyStopConfig
+from rldynamics.config import Config, EarlyStopConfig
 
 
 @dataclass
@@ -23,6 +26,12 @@ class EarlyStopper:
     window: list[float] = field(default_factory=list)
     low_val: int = 0
     empty: int = 0
+
+    @classmethod
+    def for_run(cls, cfg: Config) -> EarlyStopper:
+        """The stopper of a run: `cfg.early_stop`, switched off in probe mode (`analysis.only`)."""
+        rules = replace(cfg.early_stop, enabled=cfg.early_stop.enabled and not cfg.analysis.only)
+        return cls(rules, cfg.filter.empty_stop_steps)
 
     def after_rollout(self, reward_std: float, empty: bool) -> str | None:
         """Record a step's pre-filter mean group reward std; returns a stop reason or None."""
@@ -53,5 +62,15 @@ class EarlyStopper:
         return {k: v for k, v in asdict(self).items() if k not in ("cfg", "empty_stop_steps")}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` output; ValueError when it is not one (other keys or value types)."""
+        expected = self.state_dict()
+        if not isinstance(state, dict) or set(state) != set(expected):
+            keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"early-stop state has keys {keys}, expected {sorted(expected)}")
+        for k, v in state.items():
+            number = (int, float) if isinstance(expected[k], list) else int
+            items = v if isinstance(v, list) else [v]
+            if type(v) is not type(expected[k]) or any(isinstance(x, bool) or not isinstance(x, number) for x in items):
+                raise ValueError(f"early-stop state {k!r} is {v!r}, expected {type(expected[k]).__name__}")
         for k, v in state.items():
             setattr(self, k, v)

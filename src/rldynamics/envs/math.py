@@ -1,0 +1,202 @@
+"""Math reasoning as a single-turn text environment with rldynamic's three reward components.
+
+Design choices:
+- One turn: `reset(seed)` shows a question, `step(reply)` grades the whole reply and ends the episode.
+  The env sets `full_reply = True`, so the rollout passes it the whole decoded reply (step indicators and
+  `\\boxed{}` live outside `<answer>`) and its length in tokens, and applies no `format_penalty`.
+- Problems come from the seeded synthetic generator (`env.math.source=synthetic`, offline), the shipped
+  sample (`sample`), reasoning-gym's offline generators (`reasoning_gym:<dataset>`, optional package) or a
+  GSM8K- / MATH-500-style JSONL or Parquet file (`math_data`). A file's rows are
+  reached by seed: seeds below `holdout` pick rows 0..holdout-1 (validation with `val.seed_base=0`),
+  larger seeds cycle through the other rows, so training never sees the held-out rows.
+- The answer is the content of the last `\\boxed{...}` (braces matched; a `\\boxed{` that never closes
+  is no answer at all), or, when the reply has no `\\boxed{`, the text of its last `<answer>...</answer>`.
+- Components, as the rldynamic study defines them (reference/peer_systems.md §A.1):
+  `correctness` 1 if math-verify finds the answer equal to the gold answer (rldynamic compared strings),
+  else 0; `format` = 0.25 per whole word "first" / "second" / "third" in the lower-cased reply, + 0.25
+  for each of "step1" / "step2" in it with spaces removed, + 0.4 if `\\boxed` appears, capped at 1;
+  `length` = max(0, 1 - |len/target - 1|) with len in characters (rldynamic) or tokens. Default weights
+  0.34 / 0.33 / 0.33; the trained reward is their weighted sum (`rollout.rewards`).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+from rldynamics.envs.answer_check import CHECKER
+from rldynamics.envs.base import StepResult
+from rldynamics.envs.math_data import (
+    OPERATORS,
+    ORDINALS,
+    REASONING_GYM,
+    SAMPLE_NAME,
+    Problem,
+    apply,
+    generate_problem,
+    load_problems,
+    reasoning_gym_problem,
+)
+
+SYNTHETIC = "synthetic"
+LENGTH_UNITS = ("chars", "tokens")
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_BOXED = "\\boxed{"
+
+
+@dataclass
+class MathConfig:
+    source: str = SYNTHETIC
+    """Problems: synthetic (our generator) | sample (shipped JSONL) | reasoning_gym:<dataset> | .jsonl/.parquet path."""
+    question_key: str = "question"
+    """File sources: the question column (MATH-500: problem)."""
+    answer_key: str = "answer"
+    """File sources: the answer column; a GSM8K answer's gold is the text after its last '####'."""
+    holdout: int = 0
+    """File sources: rows 0..holdout-1 go to seeds below holdout only (set val.seed_base=0, val.env_groups<=holdout)."""
+    num_ops: int = 2
+    """Synthetic: arithmetic operations per problem."""
+    max_number: int = 20
+    """Synthetic: operands are drawn from 1..max_number."""
+    operators: str = "+-*"
+    """Synthetic: operators to draw from, a subset of +-*/ (division is always exact)."""
+    word_problems: bool = True
+    """Synthetic: phrase problems as short stories (false: bare expressions such as (3 + 4) * 2)."""
+    length_unit: str = "chars"
+    """Length component: chars (rldynamic) | tokens (sampled tokens of the reply)."""
+    length_target: int = 800
+    """Length component: the reply length with the highest reward (1); 0 at zero and at twice the target."""
+    verify_timeout: float = 5.0
+    """Seconds per answer check (math-verify in a worker process); a check past it counts as wrong."""
+
+
+def format_score(reply: str) -> float:
+    """rldynamic's format heuristic: step indicators and `\\boxed`, capped at 1."""
+    lower = reply.lower()
+    score = 0.25 * sum(bool(re.search(rf"\b{word}\b", lower)) for word in ("first", "second", "third"))
+    compact = lower.replace(" ", "")
+    score += 0.25 * sum(marker in compact for marker in ("step1", "step2"))
+    score += 0.4 if "\\boxed" in lower else 0.0
+    return min(score, 1.0)
+
+
+def length_score(length: int, target: int) -> float:
+    """Triangular length reward: 1 at `target`, falling linearly to 0 at 0 and at 2 * target."""
+    return max(0.0, 1.0 - abs(length / target - 1.0))
+
+
+def extract_answer(reply: str) -> str | None:
+    """The content of the last `\\boxed{...}`, else the last `<answer>` text; None when there is no answer."""
+    start = reply.rfind(_BOXED)
+    if start < 0:
+        answers = _ANSWER.findall(reply)
+        return answers[-1].strip() if answers else None
+    depth = 1
+    for i in range(start + len(_BOXED), len(reply)):
+        depth += {"{": 1, "}": -1}.get(reply[i], 0)
+        if depth == 0:
+            return reply[start + len(_BOXED): i].strip()
+    return None  # unbalanced braces: a malformed \boxed{ is no answer
+
+
+class MathEnv:
+    """Single-turn math problems graded by correctness (math-verify), format and length."""
+
+    Config = MathConfig
+    actions: tuple[str, ...] = ()
+    full_reply = True
+    reward_names = ("correctness", "format", "length")
+    reward_weights = {"correctness": 0.34, "format": 0.33, "length": 0.33}
+
+    def __init__(self, source: str = SYNTHETIC, question_key: str = "question", answer_key: str = "answer",
+                 holdout: int = 0, num_ops: int = 2, max_number: int = 20, operators: str = "+-*",
+                 word_problems: bool = True, length_unit: str = "chars", length_target: int = 800,
+                 verify_timeout: float = 5.0) -> None:
+        _check_options(num_ops, max_number, operators, length_unit, length_target, verify_timeout, holdout)
+        self.source = source
+        self.gym = source[len(REASONING_GYM):] if source.startswith(REASONING_GYM) else None
+        if self.gym is not None:
+            reasoning_gym_problem(self.gym, 0)  # fails here on a missing package or an unknown dataset
+        files = source != SYNTHETIC and self.gym is None
+        self.problems = load_problems(source, question_key, answer_key) if files else None
+        if self.problems is not None and holdout >= len(self.problems):
+            raise ValueError(f"holdout={holdout} leaves no training rows in {source!r} ({len(self.problems)} rows)")
+        self.holdout, self.num_ops, self.max_number = holdout, num_ops, max_number
+        self.operators, self.word_problems = operators, word_problems
+        self.length_unit, self.length_target, self.verify_timeout = length_unit, length_target, verify_timeout
+        self.problem: Problem | None = None
+        self.correct = False
+
+    def instructions(self) -> str:
+        return "Solve the math problem. Let's think step by step and output the final answer in \\boxed{...}."
+
+    def reset(self, seed: int) -> str:
+        self.problem = self._problem(seed)
+        self.correct = False
+        return self.problem.question
+
+    def _problem(self, seed: int) -> Problem:
+        if self.gym is not None:
+            return reasoning_gym_problem(self.gym, seed)
+        if self.problems is None:
+            return generate_problem(seed, self.num_ops, self.max_number, self.operators, self.word_problems)
+        n, h = len(self.problems), self.holdout
+        return self.problems[seed % n if seed < h or h == 0 else h + (seed - h) % (n - h)]
+
+    def step(self, reply: str, num_tokens: int | None = None) -> StepResult:
+        """Grade the whole reply; `num_tokens` is its length in tokens (None: the length counts characters)."""
+        answer = extract_answer(reply)
+        equal = None if answer is None else CHECKER.equal(self.problem.answer, answer, self.verify_timeout)
+        self.correct = bool(equal)
+        by_tokens = self.length_unit == "tokens" and num_tokens is not None
+        reward = {"correctness": float(self.correct), "format": format_score(reply),
+                  "length": length_score(num_tokens if by_tokens else len(reply), self.length_target)}
+        info = {"success": float(self.correct), "action_is_valid": float(answer is not None),
+                "action_is_effective": 1.0, "verify_timeout": float(answer is not None and equal is None)}
+        return StepResult(observation="", reward=reward, done=True, info=info)
+
+    def success(self) -> bool:
+        return self.correct
+
+    def solve(self) -> list[str]:
+        """A well-formed reply to the current problem: its steps as ordinals, then the boxed gold answer."""
+        steps = " ".join(f"{_ordinal(i)}, {step}." for i, step in enumerate(self.problem.steps))
+        return [f"{steps} The answer is \\boxed{{{self.problem.answer}}}.".strip()]
+
+    def random_action(self, rng: random.Random) -> str:
+        """A noisy reply with a wrong answer: the worked steps with one slip (an intermediate result off by 1-3,
+        carried through), or, half of the time, only the wrong number (no steps, no box: format 0)."""
+        if not self.problem.ops:
+            return f"The answer is \\boxed{{{1 + int(rng.random() * max(self.max_number, 2))}}}."
+        ops, slip = self.problem.ops, int(rng.random() * len(self.problem.ops))
+        lines, total = [], self.problem.start
+        for i, (op, n) in enumerate(ops):
+            result = apply(total, op, n)
+            if i == slip:
+                delta = 1 + int(rng.random() * 3)
+                result = result - delta if rng.random() < 0.5 and result >= delta else result + delta
+            if i == len(ops) - 1 and str(result) == self.problem.answer:  # a later division undid the slip
+                result += 1
+            lines.append(f"{_ordinal(i)}, {total} {op} {n} = {result}.")
+            total = result
+        return str(total) if rng.random() < 0.5 else f"{' '.join(lines)} The answer is \\boxed{{{total}}}."
+
+
+def _ordinal(i: int) -> str:
+    return ORDINALS[i] if i < len(ORDINALS) else "Next"
+
+
+def _check_options(num_ops, max_number, operators, length_unit, length_target, verify_timeout, holdout) -> None:
+    if num_ops < 1 or max_number < 1:
+        raise ValueError(f"num_ops and max_number must be >= 1, got {num_ops} and {max_number}")
+    if not operators or set(operators) - set(OPERATORS):
+        raise ValueError(f"operators must be a non-empty subset of {OPERATORS!r}, got {operators!r}")
+    if length_unit not in LENGTH_UNITS:
+        raise ValueError(f"length_unit must be one of {', '.join(LENGTH_UNITS)}, got {length_unit!r}")
+    if length_target < 1 or verify_timeout <= 0 or holdout < 0:
+        raise ValueError(f"length_target must be >= 1, verify_timeout > 0 and holdout >= 0; got {length_target}, "
+                         f"{verify_timeout} and {holdout}")
+
+
+__all__ = ["MathConfig", "MathEnv", "SAMPLE_NAME", "extract_answer", "format_score", "length_score"]

@@ -1,0 +1,211 @@
+"""Math problems: the seeded synthetic generator and loaders for GSM8K- / MATH-500-style files.
+
+Design choices:
+- The generator writes arithmetic word problems (or bare expressions) whose difficulty is set by the
+  number of operations, the operand range and the operators. Each problem is a pure function of its seed:
+  `random.Random(f"math/{seed}/problem")`, drawing only with `Random.random()` (the one stream Python
+  guarantees across versions), so every process and machine sees the same problems, offline.
+- Operations apply left to right to a running total that stays a non-negative integer: subtraction never
+  goes below zero, division is exact (a divisor of the total, or 1 when it has none in range).
+- Files are JSONL (one object per line) or Parquet (needs `pip install rldynamics[parquet]`, i.e. pyarrow);
+  the question and answer columns are named by the caller. A GSM8K answer (`... #### 72`) gives the gold
+  answer after the last `####` and its reasoning before it; any other answer text is the gold answer as is.
+  Every problem in the file is checked when it is loaded: a bad line, a missing column or an empty file is
+  a ValueError naming the file, the line or row, and the column. Loaded files are cached per process
+  (keyed by path, size and modification time), since each trajectory constructs its own env.
+- `sample` names the small JSONL file shipped in the package (`data/math_sample.jsonl`), written by
+  `write_sample` (`python scripts/make_math_sample.py`) from the synthetic generator in GSM8K style.
+- `reasoning_gym:<dataset>` draws from reasoning-gym's offline generators (`pip install
+  rldynamics[reasoning-gym]`), one problem per seed (the dataset built with that seed, size 1).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+OPERATORS = "+-*/"
+NAMES = ("Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jin", "Kai", "Lea")
+ITEMS = ("apples", "books", "coins", "cards", "marbles", "pens", "shells", "stamps")
+ORDINALS = ("First", "Second", "Third", "Fourth", "Fifth", "Sixth", "Seventh", "Eighth")
+SAMPLE_NAME = "sample"
+REASONING_GYM = "reasoning_gym:"
+_CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations inside its reasoning
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One math problem: the question text, the gold answer, and worked reasoning steps when known."""
+
+    question: str
+    answer: str
+    steps: tuple[str, ...] = ()
+    start: int = 0
+    ops: tuple[tuple[str, int], ...] = ()  # synthetic problems: the operations applied to `start`, in order
+
+
+def _below(rng: random.Random, n: int) -> int:
+    """A uniform integer in [0, n) from `rng.random()` only."""
+    return min(int(rng.random() * n), n - 1)
+
+
+def _operand(rng: random.Random, op: str, total: int, max_number: int) -> int:
+    """A right operand for `total op operand` that keeps the total a non-negative integer."""
+    if op == "+":
+        return 1 + _below(rng, max_number)
+    if op == "*":
+        return 2 + _below(rng, max_number - 1) if max_number >= 2 else 1
+    if op == "-":
+        return 1 + _below(rng, min(total, max_number)) if total > 0 else 0
+    divisors = [d for d in range(2, max_number + 1) if total % d == 0 and total > 0]
+    return divisors[_below(rng, len(divisors))] if divisors else 1
+
+
+def apply(total: int, op: str, operand: int) -> int:
+    """`total op operand` in integers (division is exact by construction)."""
+    return {"+": total + operand, "-": total - operand, "*": total * operand, "/": total // max(operand, 1)}[op]
+
+
+_SENTENCES = {
+    "+": "{name} gets {n} more {item}.",
+    "-": "{name} gives away {n} {item}.",
+    "*": "{name} ends up with {n} times as many {item}.",
+    "/": "{name} splits the {item} into {n} equal piles and keeps one pile.",
+}
+
+
+def generate_problem(seed: int, num_ops: int = 2, max_number: int = 20, operators: str = "+-*",
+                     word_problems: bool = True) -> Problem:
+    """The synthetic problem of `seed`: `num_ops` operations on operands in 1..max_number, left to right."""
+    rng = random.Random(f"math/{seed}/problem")
+    name, item = NAMES[_below(rng, len(NAMES))], ITEMS[_below(rng, len(ITEMS))]
+    total = 1 + _below(rng, max_number)
+    start = total
+    sentences, expression, steps, ops = [f"{name} has {total} {item}."], str(total), [], []
+    for k in range(num_ops):
+        op = operators[_below(rng, len(operators))]
+        n = _operand(rng, op, total, max_number)
+        result = apply(total, op, n)
+        sentences.append(_SENTENCES[op].format(name=name, n=n, item=item))
+        expression = f"({expression} {op} {n})" if k < num_ops - 1 else f"{expression} {op} {n}"
+        steps.append(f"{total} {op} {n} = {result}")
+        ops.append((op, n))
+        total = result
+    if word_problems:
+        question = " ".join(sentences) + f" How many {item} does {name} have now?"
+    else:
+        question = f"Compute {expression}."
+    return Problem(question=question, answer=str(total), steps=tuple(steps), start=start, ops=tuple(ops))
+
+
+def gold_answer(answer: str) -> tuple[str, tuple[str, ...]]:
+    """(gold answer, reasoning lines) of an answer field; GSM8K's `reasoning #### 72` gives ("72", lines)."""
+    if "####" not in answer:
+        return answer.strip(), ()
+    reasoning, _, gold = answer.rpartition("####")
+    lines = tuple(line.strip() for line in _CALCULATOR.sub("", reasoning).splitlines() if line.strip())
+    return gold.strip(), lines
+
+
+def sample_path() -> Path:
+    """The JSONL sample file shipped in the package."""
+    return Path(str(resources.files("rldynamics") / "envs" / "data" / "math_sample.jsonl"))
+
+
+def load_problems(source: str, question_key: str = "question", answer_key: str = "answer") -> tuple[Problem, ...]:
+    """All problems of a JSONL or Parquet file (`sample` = the shipped sample); ValueError on any bad row."""
+    path = sample_path() if source == SAMPLE_NAME else Path(source).expanduser()
+    if not path.is_file():
+        raise ValueError(f"math problem file {str(path)!r} does not exist (env.math.source takes synthetic, "
+                         f"{SAMPLE_NAME} or a .jsonl / .parquet file)")
+    stat = path.stat()
+    return _load_cached(str(path.resolve()), stat.st_size, stat.st_mtime_ns, question_key, answer_key)
+
+
+@lru_cache(maxsize=8)
+def _load_cached(path: str, size: int, mtime_ns: int, question_key: str, answer_key: str) -> tuple[Problem, ...]:
+    rows = _read_rows(Path(path))
+    if not rows:
+        raise ValueError(f"math problem file {path!r} holds no problems")
+    problems = []
+    for where, row in rows:
+        values = []
+        for key in (question_key, answer_key):
+            if key not in row:
+                raise ValueError(f"{path}: {where} has no column {key!r} (columns: {', '.join(map(str, row))}); "
+                                 f"set env.math.question_key / env.math.answer_key to the file's column names")
+            value = row[key]
+            if value is None or (isinstance(value, str) and not value.strip()):
+                raise ValueError(f"{path}: {where} has an empty {key!r}")
+            values.append(str(value))
+        gold, steps = gold_answer(values[1])
+        if not gold:
+            raise ValueError(f"{path}: {where} has an empty gold answer after '####' in {answer_key!r}")
+        problems.append(Problem(question=values[0].strip(), answer=gold, steps=steps))
+    return tuple(problems)
+
+
+def _read_rows(path: Path) -> list[tuple[str, dict]]:
+    """(location, row dict) of every row of a JSONL or Parquet file."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return _read_parquet(path)
+    if suffix not in (".jsonl", ".json"):
+        raise ValueError(f"math problem file {str(path)!r}: unsupported type {suffix!r}; use .jsonl or .parquet")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {number} is not valid JSON ({e.msg}); expected one object "
+                                 "per line (JSONL)") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: line {number} is a JSON {type(row).__name__}, not an object")
+            rows.append((f"line {number}", row))
+    return rows
+
+
+def _read_parquet(path: Path) -> list[tuple[str, dict]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ValueError(f"reading {str(path)!r} needs pyarrow: pip install 'rldynamics[parquet]'") from e
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+        raise ValueError(f"{path}: not a readable Parquet file ({e})") from e
+    return [(f"row {i}", row) for i, row in enumerate(table.to_pylist())]
+
+
+@lru_cache(maxsize=4096)
+def reasoning_gym_problem(dataset: str, seed: int) -> Problem:
+    """Problem `seed` of reasoning-gym's generator `dataset` (e.g. basic_arithmetic, chain_sum, gsm_symbolic)."""
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise ValueError(f"env.math.source={REASONING_GYM}{dataset} needs reasoning-gym: "
+                         "pip install 'rldynamics[reasoning-gym]'") from e
+    try:
+        entry = reasoning_gym.create_dataset(dataset, seed=seed, size=1)[0]
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"reasoning-gym has no dataset {dataset!r} ({e}); e.g. basic_arithmetic, chain_sum, "
+                         "gsm_symbolic") from e
+    return Problem(question=str(entry["question"]), answer=str(entry["answer"]))
+
+
+def write_sample(path: str | Path, count: int = 64, first_seed: int = 900_000) -> None:
+    """Write `count` synthetic problems as a GSM8K-style JSONL file (reasoning, then `#### answer`)."""
+    lines = []
+    for seed in range(first_seed, first_seed + count):
+        p = generate_problem(seed, num_ops=2 + seed % 2, max_number=50, operators="+-*/")
+        reasoning = "\n".join(f"{ORDINALS[i]}, {step}." for i, step in enumerate(p.steps))
+        lines.append(json.dumps({"question": p.question, "answer": f"{reasoning}\n#### {p.answer}"}))
+    Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")

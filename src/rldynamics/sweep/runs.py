@@ -1,0 +1,142 @@
+"""What a sweep's run directory says about its run: layout, outcome, status record, log tail.
+
+A sweep directory holds one run directory per (point, seed), written by the normal trainer:
+
+    OUT/<label>/seed<s>/             config.yaml, metrics.jsonl, checkpoints/, report.html (the trainer's)
+    OUT/<label>/seed<s>/train.log    stdout and stderr of every attempt (`rldyn train ...`)
+    OUT/<label>/seed<s>/sweep.json   the point (label, value, overrides, order) and the launcher's record
+                                     of the last attempt (state, exit code, error line); no timestamps
+    OUT/<label>/seed<s>.restarted-<k>/  an attempt stopped before its first checkpoint, kept aside
+
+Outcomes are decided from these files alone, metrics first: a run is `completed` when its last metrics
+row reached `train.steps` (or the trainer exited 0), `early_stopped` when a row carries
+`early_stopped/<reason>`; otherwise the launcher's record says `failed` (non-zero exit), `interrupted`
+(stopped by the sweep) or the run is `unfinished`. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rldynamics.plots.data import RunData, as_float, early_stops, load_run
+from rldynamics.tracking.run_dir import read_config
+
+STATUS_FILE = "sweep.json"
+LOG_FILE = "train.log"
+EXITED = "trainer/exited_after_gradient_analysis"
+FINISHED = ("completed", "early_stopped")
+_SEED_DIR = re.compile(r"seed(\d+)")
+
+
+def run_dir(out: Path, label: str, seed: int) -> Path:
+    """`OUT/<label>/seed<seed>`."""
+    return out / label / f"seed{seed}"
+
+
+def find_runs(out: str | Path) -> list[Path]:
+    """Every `OUT/<label>/seed<s>` directory that holds a run (config.yaml, metrics or a sweep record)."""
+    out = Path(out)
+    found = []
+    for point in sorted(p for p in out.iterdir() if p.is_dir()) if out.is_dir() else []:
+        for d in sorted(point.iterdir()):
+            if d.is_dir() and _SEED_DIR.fullmatch(d.name) and any(
+                    (d / f).exists() for f in ("config.yaml", "metrics.jsonl", STATUS_FILE)):
+                found.append(d)
+    return found
+
+
+def seed_of(path: Path) -> int:
+    """The seed of a `seed<s>` run directory."""
+    return int(_SEED_DIR.fullmatch(path.name).group(1))
+
+
+def read_status(path: Path) -> dict[str, Any]:
+    """The run's `sweep.json` (empty when absent or unreadable)."""
+    try:
+        data = json.loads((path / STATUS_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_status(path: Path, **fields: Any) -> dict[str, Any]:
+    """Merge `fields` into the run's `sweep.json` (written atomically) and return the record."""
+    status = {**read_status(path), **fields}
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / f".{STATUS_FILE}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(status, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path / STATUS_FILE)
+    return status
+
+
+def log_tail(path: Path, lines: int = 20) -> list[str]:
+    """The last non-empty lines of the run's `train.log`."""
+    try:
+        text = (path / LOG_FILE).read_text(errors="replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.strip()][-lines:]
+
+
+def has_checkpoint(path: Path) -> bool:
+    """True when the run has a completed checkpoint to resume from."""
+    return any((path / "checkpoints").glob("step_*"))
+
+
+def val_key(run: RunData) -> str:
+    """`val-env/<env.name>/success` of the run."""
+    env = run.config.get("env") if isinstance(run.config.get("env"), dict) else {}
+    return f"val-env/{env.get('name', 'sokoban')}/success"
+
+
+@dataclass
+class Outcome:
+    """A run's outcome from its directory: state, detail (early-stop reason or error line), last step."""
+
+    state: str
+    detail: str = ""
+    step: int | None = None
+    steps: int | None = None
+    val_success: float = float("nan")
+
+
+def load(path: Path) -> RunData:
+    """The run's metrics and config (no rows when it has not logged yet)."""
+    if (path / "metrics.jsonl").exists():
+        return load_run(path)
+    run = RunData(path=path, rows=[])
+    try:
+        loaded = read_config(path)
+    except (OSError, yaml.YAMLError):  # not written yet, or half-written by a run being set up
+        loaded = None
+    run.config = loaded if isinstance(loaded, dict) else {}
+    return run
+
+
+def outcome(path: Path, run: RunData | None = None) -> Outcome:
+    """The outcome of the run in `path` (see the module docstring for the rules)."""
+    run = run if run is not None else load(path)
+    status = read_status(path)
+    train = run.config.get("train") if isinstance(run.config.get("train"), dict) else {}
+    steps = train.get("steps")
+    last = run.rows[-1]["step"] if run.rows else None
+    vals = [as_float(r[val_key(run)]) for r in run.rows if val_key(run) in r]
+    found = Outcome("unfinished", step=last, steps=steps, val_success=vals[-1] if vals else float("nan"))
+    stops = early_stops(run)
+    if stops:
+        found.state, found.detail = "early_stopped", stops[0][1]
+    elif (last is not None and steps is not None and last >= steps) or status.get("returncode") == 0 or (
+            run.rows and run.rows[-1].get(EXITED)):
+        found.state = "completed"
+    elif status.get("state") in ("failed", "interrupted"):
+        found.state, found.detail = status["state"], str(status.get("error", ""))
+    elif not run.rows and not status:
+        found.state = "pending"
+    return found

@@ -1,0 +1,276 @@
+"""The math env: answer extraction and checking (math-verify, timeout in any thread), rldynamic's format and
+length formulas, the synthetic generator, file loaders, and the whole-reply protocol in a rollout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from rldynamics.config import ConfigError, make_config
+from rldynamics.envs import make_env
+from rldynamics.envs.answer_check import CHECKER, AnswerChecker
+from rldynamics.envs.math import extract_answer, format_score, length_score
+from rldynamics.envs.math_data import generate_problem, load_problems, sample_path, write_sample
+
+
+def equal(gold: str, pred: str) -> bool | None:
+    return CHECKER.equal(gold, pred, timeout=30.0)
+
+
+@pytest.mark.parametrize("gold, pred", [
+    ("\\frac{1}{2}", "\\dfrac12"), ("\\frac{1}{2}", "0.5"), ("\\frac{1}{2}", "1/2"), ("0.5", "\\frac{1}{2}"),
+    ("\\frac{1}{2}", "\\frac {1} {2}"), ("12", "  12 "), ("1000", "1,000"), ("1,000,000", "1000000"),
+    ("3\\sqrt{2}", "\\sqrt{18}"), ("3\\sqrt2", "\\sqrt{18}"), ("-5", "-5"), ("-3", "−3"),
+    ("5", "5\\text{ cm}"), ("18", "18 \\mathrm{cm}"), ("5", "\\$5"), ("5", "\\$5.00"),
+    ("50\\%", "50"), ("50\\%", "0.5"), ("0.18", "18\\%"), ("3", "x = 3"), ("18", "18.00"),
+    ("\\text{Evelyn}", "\\text{Evelyn}"),
+])
+def test_equivalent_answers(gold, pred):
+    assert equal(gold, pred) is True
+
+
+@pytest.mark.parametrize("gold, pred", [
+    ("-5", "5"), ("5", "-5"), ("12", "13"), ("\\frac{1}{2}", "\\frac{1}{3}"), ("12", "1 2"),  # "1 2" reads as 1 + 2
+    ("5", "5 dollars"),  # a plain-word unit is not stripped (math-verify reads a product of symbols)
+    ("1,5", "15"),  # "1,5" is the set {1, 5}, not a thousands separator
+])
+def test_different_answers(gold, pred):
+    assert equal(gold, pred) is False
+
+
+@pytest.mark.parametrize("reply, answer", [
+    ("First, 2 + 3 = 5. \\boxed{5}", "5"),
+    ("\\boxed{4} then corrected: \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # the last box
+    ("\\boxed{\\frac{\\sqrt{2}}{2}}.", "\\frac{\\sqrt{2}}{2}"),  # nested braces matched
+    ("<answer>First, 7. So 7</answer>", "First, 7. So 7"),  # no box: the <answer> text
+    ("<answer>1</answer> <answer> 2 </answer>", "2"),
+    ("<answer>\\boxed{12</answer>", None),  # a malformed \boxed{ is no answer, even inside <answer>
+    ("\\boxed{3} and \\boxed{4", None),  # the last \boxed{ never closes
+    ("the answer is 12", None),
+])
+def test_extract_answer(reply, answer):
+    assert extract_answer(reply) == answer
+
+
+def test_malformed_box_scores_zero_correctness():
+    env = make_env("math")
+    env.reset(3)
+    gold = env.problem.answer
+    assert env.step(f"<answer>\\boxed{{{gold}</answer>").reward["correctness"] == 0.0
+    assert env.step(f"<answer>\\boxed{{{gold}}}</answer>").reward["correctness"] == 1.0
+
+
+def test_format_score_by_hand():
+    assert format_score("") == 0.0
+    assert format_score("First, add. Second, subtract.") == 0.5
+    assert format_score("firstly, secondary, thirdly") == 0.0  # whole words only
+    assert format_score("At first ... THIRD") == 0.5
+    assert format_score("Step 1: x. Step 2: y.") == 0.5  # "step1" / "step2" once spaces are removed
+    assert format_score("\\boxed{3}") == 0.4
+    assert format_score("First, Step 1 \\boxed{1}") == pytest.approx(0.9)
+    assert format_score("First second third step1 step2 \\boxed{1}") == 1.0  # 1.65 capped
+
+
+def test_length_score_by_hand():
+    assert length_score(0, 800) == 0.0
+    assert length_score(400, 800) == 0.5
+    assert length_score(800, 800) == 1.0
+    assert length_score(1000, 800) == pytest.approx(0.75)
+    assert length_score(1600, 800) == 0.0 and length_score(5000, 800) == 0.0
+
+
+def test_step_components_in_chars_and_tokens():
+    reply = "First, 1 + 1 = 2. \\boxed{2}"
+    env = make_env("math", length_target=len(reply) * 2)
+    env.reset(0)
+    result = env.step(reply, num_tokens=7)
+    assert result.done and result.reward["format"] == pytest.approx(0.65) and result.reward["length"] == 0.5
+    tokens = make_env("math", length_unit="tokens", length_target=14)
+    tokens.reset(0)
+    assert tokens.step(reply, num_tokens=7).reward["length"] == 0.5
+
+
+def test_check_times_out_in_a_worker_thread():
+    """`9^{9^{9^9}}` makes sympy compute forever; the check gives up, the worker is replaced, checks go on."""
+    checker, out = AnswerChecker(), {}
+
+    def run():
+        out["hang"] = checker.equal("1", "9^{9^{9^{9}}}", timeout=1.0)
+        out["after"] = checker.equal("\\frac{1}{2}", "0.5", timeout=30.0)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(120)
+    checker.close()
+    assert out == {"hang": None, "after": True} and checker.timeouts == 1
+
+
+def test_generator_is_deterministic_across_processes():
+    code = ("from rldynamics.envs.math_data import generate_problem as g; import json; "
+            "print(json.dumps([g(s, 3, 30, '+-*/').question for s in range(20)]))")
+    other = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                      check=True).stdout)
+    assert other == [generate_problem(s, 3, 30, "+-*/").question for s in range(20)]
+    assert len(set(other)) == 20
+
+
+def test_generator_knobs_and_exact_arithmetic():
+    for seed in range(200):
+        p = generate_problem(seed, num_ops=3, max_number=12, operators="+-*/", word_problems=False)
+        assert len(p.ops) == 3 and int(p.answer) >= 0
+        assert all(0 <= n <= 12 for _, n in p.ops) and p.question.startswith("Compute ((")
+        assert eval(p.question[len("Compute "):-1].replace("/", "//")) == int(p.answer)  # exact division
+    word = generate_problem(7, num_ops=1, max_number=9, operators="+")
+    assert word.question.endswith("have now?") and " more " in word.question
+
+
+def test_solver_reply_is_correct_and_noisy_reply_is_not():
+    import random
+
+    env = make_env("math", num_ops=2, operators="+-*/")
+    for seed in range(30):
+        env.reset(seed)
+        assert env.step(env.solve()[0]).reward["correctness"] == 1.0
+        env.reset(seed)
+        assert env.step(env.random_action(random.Random(seed))).reward["correctness"] == 0.0
+
+
+def test_shipped_sample_is_ours(tmp_path):
+    write_sample(tmp_path / "sample.jsonl")
+    assert (tmp_path / "sample.jsonl").read_text() == sample_path().read_text()
+    problems = load_problems("sample")
+    assert len(problems) == 64 and problems[0].steps[0].startswith("First, ")
+
+
+def _jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_gsm8k_and_math500_files(tmp_path):
+    gsm = _jsonl(tmp_path / "gsm.jsonl", [
+        {"question": "Tom has 3 apples and buys 1,000 more. How many?", "answer": "3+1000=<<3+1000=1003>>1003\n"
+                                                                             "#### 1,003"},
+        {"question": "Half of 1?", "answer": "#### 0.5"}])
+    problems = load_problems(gsm)
+    assert [p.answer for p in problems] == ["1,003", "0.5"] and problems[0].steps == ("3+1000=1003",)
+    math500 = _jsonl(tmp_path / "m.jsonl", [{"problem": "What is 1/2 + 1/4?", "answer": "\\frac{3}{4}"}])
+    env = make_env("math", source=math500, question_key="problem")
+    assert env.reset(0) == "What is 1/2 + 1/4?"
+    assert env.step("so \\boxed{0.75}").reward["correctness"] == 1.0
+    env = make_env("math", source=gsm)
+    env.reset(0)
+    assert env.step("<answer>1003</answer>").reward["correctness"] == 1.0
+    assert make_env("math", source=gsm).reset(1) == "Half of 1?"
+
+
+def test_parquet_file(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "m.parquet"
+    pq.write_table(pa.table({"problem": ["1+1?", "2+2?"], "solution": ["2", "4"]}), path)
+    problems = load_problems(str(path), "problem", "solution")
+    assert [(p.question, p.answer) for p in problems] == [("1+1?", "2"), ("2+2?", "4")]
+    with pytest.raises(ValueError, match=r"m.parquet: row 0 has no column 'question' \(columns: problem, solution"):
+        load_problems(str(path))
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    path = tmp_path / "m.parquet"
+    path.write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(ValueError, match=r"needs pyarrow: pip install 'rldynamics\[parquet\]'"):
+        load_problems(str(path))
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([], r"holds no problems"),
+    (["", "  "], r"holds no problems"),
+    ([{"question": "q"}], r"line 1 has no column 'answer' \(columns: question\)"),
+    ([{"question": "q", "answer": "1"}, '{"question": "q2", "answer": '], r"line 2 is not valid JSON"),
+    (["[1, 2]"], r"line 1 is a JSON list, not an object"),
+    ([{"question": "q", "answer": "work #### "}], r"line 1 has an empty gold answer after '####'"),
+    ([{"question": " ", "answer": "1"}], r"line 1 has an empty 'question'"),
+])
+def test_malformed_files(tmp_path, rows, message):
+    with pytest.raises(ValueError, match=message):
+        load_problems(_jsonl(tmp_path / "bad.jsonl", rows))
+
+
+def test_bad_files_fail_at_config_time(tmp_path):
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"q": "1+1?", "answer": "2"}])
+    with pytest.raises(ConfigError, match=r"env.math.*bad.jsonl: line 1 has no column 'question'"):
+        make_config("math-tiny", overrides=[f"env.math.source={bad}"])
+    with pytest.raises(ConfigError, match=r"env.math.*does not exist"):
+        make_config("math-tiny", overrides=[f"env.math.source={tmp_path / 'missing.jsonl'}"])
+    with pytest.raises(ConfigError, match=r"unsupported type '.csv'"):
+        make_config("math-tiny", overrides=[f"env.math.source={_jsonl(tmp_path / 'x.csv', ['a,b'])}"])
+    one = _jsonl(tmp_path / "one.jsonl", [{"question": "q", "answer": "1"}])
+    with pytest.raises(ConfigError, match=r"holdout=1 leaves no training rows"):
+        make_config("math-tiny", overrides=[f"env.math.source={one}", "env.math.holdout=1"])
+    with pytest.raises(ConfigError, match=r"operators must be a non-empty subset"):
+        make_config("math-tiny", overrides=["env.math.operators=+^"])
+
+
+def test_holdout_rows_only_reach_low_seeds(tmp_path):
+    path = _jsonl(tmp_path / "p.jsonl", [{"question": f"q{i}", "answer": str(i)} for i in range(10)])
+    env = make_env("math", source=path, holdout=3)
+    assert [env.reset(s) for s in range(3)] == ["q0", "q1", "q2"]
+    assert {env.reset(s) for s in range(3, 1000)} == {f"q{i}" for i in range(3, 10)}
+    assert [make_env("math", source=path).reset(s) for s in (0, 9, 10, 23)] == ["q0", "q9", "q0", "q3"]
+
+
+def test_rollout_passes_the_whole_reply_without_format_penalty():
+    """A full-reply env gets the decoded reply (think opener included) and its token count; no format_penalty."""
+    from rldynamics.models.tiny import build_tiny_tokenizer
+    from rldynamics.rollout.agent import rollout
+
+    cfg = make_config("math-tiny", overrides=["env.enable_think=true", "env.math.length_unit=tokens",
+                                              "env.math.length_target=100"])
+    tokenizer = build_tiny_tokenizer(["First, 1 + 1 = 2. The answer is \\boxed{2}."])
+    close = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    env = make_env("math", **cfg.env.options())
+    replies = []
+    for seed in (0, 1):
+        env.reset(seed)
+        replies.append(f"First, I add.</think> Step 1: \\boxed{{{env.problem.answer}}}")
+    ids = [tokenizer(r, add_special_tokens=False)["input_ids"] + close for r in replies]
+    batch = rollout(None, tokenizer, [0, 1], 2, cfg.env, respond=lambda trajs: [ids[t.group_id] for t in trajs])
+    assert batch.reward_names == ("correctness", "format", "length")
+    assert batch.reward_components[:, 0].tolist() == [1.0] * 4
+    assert batch.reward_components[:, 1].tolist() == [pytest.approx(0.25 + 0.25 + 0.4)] * 4
+    lengths = [len(i) for i in ids for _ in range(2)]
+    assert batch.reward_components[:, 2].tolist() == [pytest.approx(n / 100) for n in lengths]
+    weights = (0.34, 0.33, 0.33)
+    assert batch.reward_weights == weights
+    expected = [sum(w * v for w, v in zip(weights, row, strict=True)) for row in batch.reward_components.tolist()]
+    assert batch.scores.tolist() == pytest.approx(expected)
+
+
+def test_gsm8k_presets_need_a_file_and_carry_the_documented_settings():
+    for preset in ("gsm8k-grpo", "gsm8k-cispo"):
+        with pytest.raises(ConfigError, match=r"env.math.*/path/to/gsm8k/train.jsonl.*does not exist"):
+            make_config(preset)
+    grpo = make_config("gsm8k-grpo", overrides=["env.math.source=sample", "env.math.holdout=8"])
+    assert (grpo.train.env_groups, grpo.train.group_size, grpo.train.lr, grpo.algo.kl_coef) == (32, 8, 1e-6, 0.001)
+    assert grpo.algo.norm_adv_by_std and grpo.env.math.length_target == 800 and grpo.env.math.length_unit == "chars"
+    cispo = make_config("gsm8k-cispo", overrides=["env.math.source=sample", "env.math.holdout=8"])
+    assert (cispo.algo.policy_loss, cispo.algo.clip_high, cispo.train.lr) == ("cispo", 0.28, 1e-5)
+    assert not cispo.algo.norm_adv_by_std and cispo.train.max_grad_norm == 1.0 and cispo.train.temperature == 1.0
+
+
+def test_reasoning_gym_source():
+    pytest.importorskip("reasoning_gym")
+    env = make_env("math", source="reasoning_gym:chain_sum")
+    question = env.reset(5)
+    assert question == make_env("math", source="reasoning_gym:chain_sum").reset(5) != env.reset(6)
+    env.reset(5)
+    assert env.step(f"\\boxed{{{env.problem.answer}}}").reward["correctness"] == 1.0
+    with pytest.raises(ConfigError, match=r"reasoning-gym has no dataset 'no_such_set'"):
+        make_config("math-tiny", overrides=["env.math.source=reasoning_gym:no_such_set"])
