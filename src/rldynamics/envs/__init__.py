@@ -35,8 +35,4 @@ def make_env(name: str, **kwargs: object) -> Env:
     return ENVS[name](**kwargs)
 
 
-from rldynamics.envs.frozenlake import FrozenLakeEnv
-from rldynamics.envs.math import MathEnv
-from rldynamics.envs.sokoban import SokobanEnv
-
-ENVS: dict[str, type] = {"sokoban": SokobanEnv, "frozenlake": FrozenLakeEnv, "bandit": BanditEnv, "math": MathEnv}
+__all__ = ["ENVS", "BanditEnv", "Env", "FrozenLakeEnv", "MathEnv", "SokobanEnv", "StepResult", "make_env"]
