@@ -18,6 +18,7 @@ TRAIN_EPILOG = """\
 examples:
   rldyn train                                       # embedded default: tiny model, Sokoban, CPU, minutes
   rldyn train --preset sokoban-ppo model.path=/models/Qwen2.5-3B filter.value=0.9
+  rldyn train --preset frozenlake-tiny env.frozenlake.success_rate=0.5   # FrozenLake, half the moves slip
   rldyn train train.steps=5 val.env_groups=32 log.name=smoke
   rldyn train --preset countdown-tiny               # Countdown (arithmetic, one answer) on the tiny model
   rldyn train log.name=smoke checkpoint.resume=latest train.steps=10   # continue run "smoke" to step 10

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import difflib
 
+from rldynamics.envs.bandit import BanditEnv
 from rldynamics.envs.base import Env, StepResult
 from rldynamics.envs.countdown import CountdownEnv
+from rldynamics.envs.frozenlake import FrozenLakeEnv
 from rldynamics.envs.math import MathEnv
 from rldynamics.envs.sokoban import SokobanEnv
 
-ENVS: dict[str, type] = {"sokoban": SokobanEnv, "countdown": CountdownEnv, "math": MathEnv}
+ENVS: dict[str, type] = {"sokoban": SokobanEnv, "frozenlake": FrozenLakeEnv, "countdown": CountdownEnv,
+                         "bandit": BanditEnv, "math": MathEnv}
 
 
 def make_env(name: str, **kwargs: object) -> Env:
@@ -34,4 +37,5 @@ def make_env(name: str, **kwargs: object) -> Env:
     return ENVS[name](**kwargs)
 
 
-__all__ = ["ENVS", "CountdownEnv", "Env", "MathEnv", "SokobanEnv", "StepResult", "make_env"]
+__all__ = ["ENVS", "BanditEnv", "CountdownEnv", "Env", "FrozenLakeEnv", "MathEnv", "SokobanEnv", "StepResult",
+           "make_env"]

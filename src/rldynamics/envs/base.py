@@ -20,10 +20,13 @@ Design choices:
   every machine. Envs in a group share a seed and therefore a starting state.
 - `solve`, `random_action` and `corpus_extras` serve the embedded tiny model only (its tokenizer corpus
   and supervised warm start); an env used with a real model may leave them out.
+- Helpers for env authors below the protocol: `randbelow` (version-stable seeded draws), `int_at_least`
+  and `probability` (constructor checks with one-line errors).
 """
 
 from __future__ import annotations
 
+import numbers
 import random
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -83,3 +86,23 @@ def random_action(env: Env, rng: random.Random) -> str:
     """A random action for noisy demonstrations: the env's own `random_action`, else a random action word."""
     own = getattr(env, "random_action", None)
     return own(rng) if own is not None else rng.choice(env.actions)
+
+
+def randbelow(rng: random.Random, n: int) -> int:
+    """Uniform int in [0, n) drawn from `rng.random()` only: the one stream Python guarantees across versions
+    (`randrange`, `choice` and `shuffle` may change), so seeded generators give the same result everywhere."""
+    return min(int(rng.random() * n), n - 1)
+
+
+def int_at_least(name: str, value: object, minimum: int = 1) -> int:
+    """`value` as a plain int (numpy integers accepted), or ValueError naming `name` and the bound."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def probability(name: str, value: object) -> float:
+    """`value` as a float in [0, 1], or ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)

@@ -25,18 +25,17 @@ Design choices:
 
 from __future__ import annotations
 
-import numbers
 import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from rldynamics.envs.base import StepResult
+from rldynamics.envs.base import StepResult, int_at_least, randbelow
+from rldynamics.envs.grid import cell_coordinates, check_observation_format, compose, coord_text
 
 Cell = tuple[int, int]
 
 ACTIONS: tuple[str, ...] = ("Up", "Down", "Left", "Right")
-OBSERVATION_FORMATS: tuple[str, ...] = ("grid", "coord", "grid_coord")
 DELTAS: dict[str, Cell] = {"Up": (-1, 0), "Down": (1, 0), "Left": (0, -1), "Right": (0, 1)}
 
 STEP_PENALTY = -0.1
@@ -159,20 +158,12 @@ def render_coord(state: SokobanState) -> str:
         ("Player", player - state.targets),
         ("Player on target", player & state.targets),
     )
-    lines = [f"Board size: {state.shape[0]} rows x {state.shape[1]} cols (zero-indexed)."]
-    lines += [f"{name}: {', '.join(f'({r}, {c})' for r, c in sorted(cells))}" for name, cells in categories if cells]
-    return "\n".join(lines)
+    return coord_text(state.shape, categories)
 
 
 def render(state: SokobanState, observation_format: str) -> str:
     """Render `state` as `grid`, `coord`, or `grid_coord` (coordinates block, then the grid)."""
-    if observation_format == "grid":
-        return render_grid(state)
-    if observation_format == "coord":
-        return render_coord(state)
-    if observation_format == "grid_coord":
-        return "Coordinates: \n" + render_coord(state) + "\nGrid Map: \n" + render_grid(state)
-    raise ValueError(f"unknown observation_format {observation_format!r}; allowed: {', '.join(OBSERVATION_FORMATS)}")
+    return compose(observation_format, render_grid(state), render_coord(state))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -180,21 +171,16 @@ def render(state: SokobanState, observation_format: str) -> str:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _randbelow(rng: random.Random, n: int) -> int:
-    """Uniform int in [0, n) drawn from `rng.random()` only (version-stable, unlike `randrange`)."""
-    return min(int(rng.random() * n), n - 1)
-
-
 def _random_floor(rows: int, cols: int, rng: random.Random) -> list[int]:
     """Carve floor by a random walk of 3×3 masks; return sorted flat indices of interior floor cells."""
     floor: set[int] = set()
-    r, c = 1 + _randbelow(rng, rows - 2), 1 + _randbelow(rng, cols - 2)
-    dr, dc = DELTAS[ACTIONS[_randbelow(rng, 4)]]
+    r, c = 1 + randbelow(rng, rows - 2), 1 + randbelow(rng, cols - 2)
+    dr, dc = DELTAS[ACTIONS[randbelow(rng, 4)]]
     for _ in range(int(WALK_STEPS_PER_SIDE * (rows + cols))):
         if rng.random() < P_CHANGE_DIRECTION:
-            dr, dc = DELTAS[ACTIONS[_randbelow(rng, 4)]]
+            dr, dc = DELTAS[ACTIONS[randbelow(rng, 4)]]
         r, c = min(max(r + dr, 1), rows - 2), min(max(c + dc, 1), cols - 2)
-        for mr, mc in _MASKS[_randbelow(rng, len(_MASKS))]:
+        for mr, mc in _MASKS[randbelow(rng, len(_MASKS))]:
             if 0 < r + mr < rows - 1 and 0 < c + mc < cols - 1:
                 floor.add((r + mr) * cols + c + mc)
     return sorted(floor)
@@ -204,7 +190,7 @@ def _sample(cells: list[int], k: int, rng: random.Random) -> list[int]:
     """k distinct cells by a partial Fisher-Yates shuffle."""
     pool = list(cells)
     for i in range(k):
-        j = i + _randbelow(rng, len(pool) - i)
+        j = i + randbelow(rng, len(pool) - i)
         pool[i], pool[j] = pool[j], pool[i]
     return pool[:k]
 
@@ -255,7 +241,7 @@ def _reverse_play(
         frontier = next_frontier
         if not frontier or len(seen) >= MAX_REVERSE_STATES:
             break
-    return best[_randbelow(rng, len(best))] if best else None
+    return best[randbelow(rng, len(best))] if best else None
 
 
 def _try_generate(rows: int, cols: int, num_boxes: int, search_depth: int, rng: random.Random) -> SokobanState | None:
@@ -348,17 +334,10 @@ def solve(state: SokobanState, max_states: int = MAX_SOLVER_STATES) -> list[str]
 # ----------------------------------------------------------------------------------------------------
 
 
-def _int_at_least(name: str, value: object, minimum: int = 1) -> int:
-    """`value` as a plain int (numpy integers accepted), or ValueError naming `name` and the bound."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def _dim_room(value: object) -> tuple[int, int]:
     if isinstance(value, str) or not isinstance(value, Sequence) or len(value) != 2:
         raise ValueError(f"dim_room must be a (rows, cols) pair, got {value!r}")
-    return _int_at_least("dim_room[0]", value[0], 3), _int_at_least("dim_room[1]", value[1], 3)
+    return int_at_least("dim_room[0]", value[0], 3), int_at_least("dim_room[1]", value[1], 3)
 
 
 @dataclass
@@ -400,17 +379,13 @@ class SokobanEnv:
         step_penalty: float = STEP_PENALTY,
     ) -> None:
         self.dim_room = _dim_room(dim_room)
-        self.num_boxes = _int_at_least("num_boxes", num_boxes)
-        self.max_steps = _int_at_least("max_steps", max_steps)
-        self.search_depth = _int_at_least("search_depth", search_depth)
-        if observation_format not in OBSERVATION_FORMATS:
-            raise ValueError(
-                f"unknown observation_format {observation_format!r}; allowed: {', '.join(OBSERVATION_FORMATS)}"
-            )
+        self.num_boxes = int_at_least("num_boxes", num_boxes)
+        self.max_steps = int_at_least("max_steps", max_steps)
+        self.search_depth = int_at_least("search_depth", search_depth)
         interior = (self.dim_room[0] - 2) * (self.dim_room[1] - 2)
         if interior < self.num_boxes + 1:
             raise ValueError(f"dim_room {self.dim_room} has {interior} inner cells, too few for {num_boxes} boxes")
-        self.observation_format = observation_format
+        self.observation_format = check_observation_format(observation_format)
         self.step_penalty = float(step_penalty)
         self._state: SokobanState | None = None
 
@@ -427,7 +402,7 @@ class SokobanEnv:
 
     def reset(self, seed: int) -> str:
         """Generate the puzzle for `seed` (an integer >= 0), start a new episode, return the observation."""
-        seed = _int_at_least("seed", seed, 0)
+        seed = int_at_least("seed", seed, 0)
         self._state = generate_puzzle(self.dim_room, self.num_boxes, self.search_depth, seed)
         return self.render()
 
@@ -472,7 +447,7 @@ class SokobanEnv:
     def corpus_extras(self) -> list[str]:
         """Extra tokenizer-corpus texts: every cell coordinate, often enough to become one token each."""
         rows, cols = self.dim_room
-        return [" ".join(f"({r}, {c})" for r in range(rows) for c in range(cols))] * 50
+        return [cell_coordinates(rows, cols)] * 50
 
     def get_state(self) -> SokobanState:
         """The current (immutable) state; pass it to `set_state` to restore it later."""
