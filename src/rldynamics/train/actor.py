@@ -24,11 +24,24 @@ from rldynamics.rollout.batch import RolloutBatch
 
 @dataclass
 class ActorInputs:
-    """Per-token tensors the actor loss needs besides the rollout itself (all [N, L], on CPU)."""
+    """Per-token tensors the actor loss needs besides the rollout itself (all [N, L], on CPU).
 
-    old_logprobs: torch.Tensor
+    `old_logprobs` None means the update is on-policy (`single_pass`): the loss uses its own log-probs,
+    detached, as the old ones (ratio exactly 1), so no separate old-log-prob pass is needed.
+    """
+
+    old_logprobs: torch.Tensor | None
     advantages: torch.Tensor
     ref_logprobs: torch.Tensor | None = None
+
+
+def single_pass(train: TrainConfig, batch_size: int) -> bool:
+    """Whether the update of a `batch_size` batch is one optimizer step on the rollout policy itself.
+
+    One epoch over one mini-batch: every micro-batch's forward sees the parameters that sampled the batch,
+    so the old log-probs are the update's own log-probs, detached.
+    """
+    return train.ppo_epochs == 1 and train.mini_batch_size >= batch_size
 
 
 def sub_batch_share(mask: torch.Tensor, rows: torch.Tensor, mode: str) -> float:
@@ -57,7 +70,7 @@ def loss_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInpu
                                        batch.attention_mask[rows].to(device),
                                        temperature=temperature, with_entropy=True)  # [n, L], [n, L]
     mask = batch.response_mask[rows].to(device)  # [n, L]
-    old = inputs.old_logprobs[rows].to(device)  # [n, L]
+    old = logprobs.detach() if inputs.old_logprobs is None else inputs.old_logprobs[rows].to(device)  # [n, L]
 
     def pg_loss(advantages: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         return policy_loss(logprobs, old, advantages[rows].to(device), mask, kind=cfg.policy_loss,
