@@ -66,10 +66,10 @@ def loss_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInpu
     All terms come from one forward pass.
     """
     device = next(model.parameters()).device
-    logprobs, entropy = token_logprobs(model, batch.input_ids[rows].to(device),
-                                       batch.attention_mask[rows].to(device),
-                                       temperature=temperature, with_entropy=True)  # [n, L], [n, L]
     mask = batch.response_mask[rows].to(device)  # [n, L]
+    logprobs, entropy = token_logprobs(model, batch.input_ids[rows].to(device),
+                                       batch.attention_mask[rows].to(device), temperature=temperature,
+                                       with_entropy=True, positions=mask)  # [n, L], [n, L]
     old = logprobs.detach() if inputs.old_logprobs is None else inputs.old_logprobs[rows].to(device)  # [n, L]
 
     def pg_loss(advantages: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
