@@ -110,20 +110,28 @@ def micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
     return list(torch.split(rows, size))
 
 
+def by_length(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Row indices of `attention_mask` [N, L] from shortest to longest (stable), so consecutive micro-batches
+    hold rows of similar length and each is trimmed to its own longest row. [N]"""
+    return torch.argsort(attention_mask.sum(1), stable=True)  # [N]
+
+
 @torch.no_grad()
 def batch_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, micro_batch_size: int,
                    temperature: float = 1.0, with_entropy: bool = False, positions: torch.Tensor | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` over a whole batch in micro-batches, without gradients. ([N, L], [N, L] | None)"""
     device = next(model.parameters()).device
+    order = by_length(attention_mask) if positions is not None else torch.arange(input_ids.shape[0])  # [N]
     logps, ents = [], []
-    for rows in micro_batches(torch.arange(input_ids.shape[0]), micro_batch_size):
+    for rows in micro_batches(order, micro_batch_size):
         lp, ent = token_logprobs(model, input_ids[rows].to(device), attention_mask[rows].to(device),
                                  temperature=temperature, with_entropy=with_entropy,
                                  positions=None if positions is None else positions[rows].to(device))
         logps.append(lp.cpu())
         ents.append(ent.cpu() if ent is not None else None)
-    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)  # [N, L]
+    back = torch.argsort(order)  # [N] original row order
+    return torch.cat(logps)[back], (torch.cat(ents)[back] if with_entropy else None)  # [N, L]
 
 
 @torch.no_grad()

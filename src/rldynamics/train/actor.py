@@ -4,6 +4,8 @@ Design choices:
 - `loss_terms` returns the unweighted terms `pg`, `entropy`, `kl` of one micro-batch; `weighted_total`
   forms the training loss in exactly one place. The gradient probe calls `loss_terms` too, so the loss
   it differentiates is the loss that is trained.
+- Micro-batches take the mini-batch's rows from shortest to longest, and each forward is trimmed to its own
+  longest row (`models.forward`), so short rows are not padded to the longest row of the batch.
 - Aggregation is exact over a mini-batch, whatever the micro-batch size: each micro-batch's terms are
   multiplied by `sub_batch_share`, the share of the mini-batch's aggregation weight its rows carry,
   so the sum over micro-batches equals the loss of the whole mini-batch aggregated at once.
@@ -18,7 +20,7 @@ import torch
 
 from rldynamics.algo.losses import aggregate, aggregation_weights, kl_penalty, policy_loss
 from rldynamics.config import AlgoConfig, TrainConfig
-from rldynamics.models.forward import micro_batches, token_logprobs
+from rldynamics.models.forward import by_length, micro_batches, token_logprobs
 from rldynamics.rollout.batch import RolloutBatch
 
 
@@ -131,7 +133,7 @@ def _mini_batch_step(model, optimizer, params, batch, mini, inputs, algo, train)
     optimizer.zero_grad(set_to_none=True)
     stats = {"pg_loss": 0.0, "entropy_loss": 0.0, "kl_loss": 0.0, "pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0,
              "ppo_kl": 0.0}
-    for positions in micro_batches(torch.arange(len(mini)), train.micro_batch_size):
+    for positions in micro_batches(by_length(batch.attention_mask[mini]), train.micro_batch_size):
         rows = mini[positions]  # [n]
         share = sub_batch_share(batch.response_mask[mini], positions, algo.loss_agg_mode)
         if share == 0.0:
