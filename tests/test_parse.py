@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -126,6 +130,57 @@ def test_well_formed_answers_round_trip(chosen: list[str], casing, pad: str, ena
     text = ("<think>plan</think>" if enable_think else "") + f"<answer>{answer}</answer><|im_end|>"
     parsed = parse_response(text, ACTIONS, max_actions=4, enable_think=enable_think)
     assert parsed == ParsedTurn(actions=chosen, format_ok=True, think="plan" if enable_think else "")
+
+
+# The matching rules as the lazy regexes state them: a slow, independent reference for small texts.
+_REF_THINK_ANSWER = re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
+_REF_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_WS_PIECES = st.sampled_from(["<think>", "</think>", "<answer>", "</answer>", " ", "\t", "\n", "\u00a0", "\u2003",
+                              "\x1c", "Up", "x", "||", "<", ">", "/"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(text=st.lists(_WS_PIECES, max_size=25).map("".join), enable_think=st.booleans())
+def test_matches_the_regex_definition(text: str, enable_think: bool) -> None:
+    match = (_REF_THINK_ANSWER if enable_think else _REF_ANSWER).search(text)
+    parsed = parse_response(text, ACTIONS, max_actions=5, enable_think=enable_think)
+    if match is None:
+        assert parsed == ParsedTurn()
+    else:
+        expected = parse_response(f"<answer>{match.groups()[-1]}</answer>", ACTIONS, max_actions=5)
+        assert (parsed.actions, parsed.format_ok) == (expected.actions, expected.format_ok)
+        assert parsed.think == (match.group(1).strip() if enable_think else "")
+
+
+_MB = 1 << 20
+# Each case: (text, enable_think, expected (actions, format_ok, think)). A quadratic matcher takes hours on these.
+_HUGE = {
+    "answer_repeated": ("'<answer>' * (_MB // 8)", False, ([], False, "")),
+    "answer_repeated_closed": ("'<answer>' * (_MB // 8) + 'Up</answer>'", False, ([], False, "")),
+    "think_answer_repeated": ("'<think></think><answer>' * (_MB // 23)", True, ([], False, "")),
+    "think_close_repeated": ("'<think>' + '</think> ' * (_MB // 9) + '<answer>Up</answer>'", True,
+                             (["Up"], True, "</think> " * (_MB // 9 - 2) + "</think>")),
+    "spaces_after_think": ("'<think>a</think>' + ' ' * _MB + '<answer>Left</answer>'", True, (["Left"], True, "a")),
+    "special_token_starts": ("'<|' * (_MB // 2) + '<answer>Down</answer>'", False, (["Down"], True, "")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_HUGE))
+def test_megabyte_responses_parse_in_linear_time(case: str) -> None:
+    """1 MB adversarial responses parse correctly within a generous limit (a quadratic matcher needs hours).
+
+    The parse runs in a child process so that a regression fails this test instead of hanging the suite.
+    """
+    expr, think, expected = _HUGE[case]
+    code = (f"from rldynamics.rollout.parse import parse_response\n_MB = {_MB}\n"
+            f"p = parse_response({expr}, ('Up', 'Down', 'Left', 'Right'), max_actions=2, enable_think={think})\n"
+            "print(repr((p.actions, p.format_ok, p.think)))")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"parsing the 1 MB response {case!r} did not finish in 120 s")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == repr(expected)
 
 
 @pytest.mark.parametrize(

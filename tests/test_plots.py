@@ -329,3 +329,54 @@ def test_trailing_mean_by_hand():
     assert trailing_mean(y, 2).tolist() == [1.0, 2.0, 4.0, 6.0, 8.0]
     assert trailing_mean(y, 3).tolist() == [1.0, 2.0, 3.0, 5.0, 7.0]
     assert trailing_mean(y, 1).tolist() == y.tolist()
+
+
+# ---------------------------------------------------------------- odd data: the figures are drawn, bad points marked
+
+
+def _edit_rows(path: Path, edit) -> None:
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in edit(rows)))
+
+
+def _huge_values(rows):
+    for r in rows:
+        for k in r:
+            if k.startswith(("actor/", "grad_norm/")):
+                r[k] = 1e308 if r["step"] % 2 else -1e308
+    return rows
+
+
+ODD = {
+    "mathtext in names": lambda p: (
+        (p / "config.yaml").write_text(yaml.safe_dump({"log": {"name": r"$\frac{a$ run $x^$"}, "env": {"name": "$"}})),
+        _edit_rows(p, lambda rows: [{**r, "train/$x^_{$/success": 0.5} for r in rows])),
+    "values of 1e308": lambda p: _edit_rows(p, _huge_values),
+    "step Infinity, NaN, 1e300, true": lambda p: _edit_rows(p, lambda rows: [
+        *rows, {"step": math.inf, "actor/grad_norm": 1.0}, {"step": math.nan}, {"step": 1e300}, {"step": True}]),
+    "corrupted sketches": lambda p: [f.write_bytes(f.read_bytes()[:99]) for f in p.glob("analysis/*/sketches.*")],
+    "non-UTF-8 bytes in groups.csv": lambda p: [f.write_bytes(f.read_bytes() + b"grad_norm,bucket_\xff,7,\xfe\n")
+                                                for f in p.glob("analysis/*/groups.csv")],
+    "odd rewards.jsonl": lambda p: (p / "rewards.jsonl").write_bytes(
+        b'{"step": 1, "response_chars": 5, "response_tokens": 2}\n{"step": Infinity, "response_chars": 1e308, '
+        b'"response_tokens": 1}\n{"step": 2, "response_chars": "x"}\n'),
+    "non-UTF-8 bytes in metrics.jsonl": lambda p: open(p / "metrics.jsonl", "ab").write(b'{"step": 9, "x": "\xff"}\n'),
+    "non-UTF-8 bytes in config.yaml": lambda p: (p / "config.yaml").write_bytes(b"log:\n  name: \xff\n"),
+    "non-UTF-8 analysis metrics.json": lambda p: [f.write_bytes(b'{"grad_norm/bucket_1/task": Infinity, "\xff": 1}')
+                                                  for f in p.glob("analysis/*/metrics.json")],
+}
+
+
+@pytest.mark.parametrize("cases", [[c for c in ODD if c != "non-UTF-8 bytes in config.yaml"],  # bad bytes last
+                                   ["non-UTF-8 bytes in config.yaml"]])
+def test_odd_data_is_drawn_not_crashed_on(tmp_path, cases):
+    """Every kind of odd data at once (each of them crashed `rldyn plot` or `rldyn report` before)."""
+    path = make_run(tmp_path / "odd", healthy=False)
+    for case in cases:
+        ODD[case](path)
+    assert plot_command(path) == 0
+    assert report_command(path) == 0
+    _assert_png(path / "plots" / "training_curves.png")
+    for step in (1, 4):
+        _assert_png(path / "plots" / f"gradient_analysis_summary_step_{step}.png")
+    assert (path / "report.html").stat().st_size > 10_000

@@ -171,7 +171,7 @@ def test_conflicting_ragen_keys_and_hydra_prefixes():
     with pytest.raises(ConfigError, match="critic.ppo_mini_batch_size set train.mini_batch_size to different"):
         parse_overrides(["actor_rollout_ref.actor.ppo_mini_batch_size=32", "critic.ppo_mini_batch_size=16"])
     assert flat(parse_overrides(["+train.lr=0.5", "++trainer.total_training_steps=7"])) == {
-        "train.lr": 0.5, "train.steps": 7}
+        "train.lr": "0.5", "train.steps": 7}  # our keys keep the typed text (converted by the field's type)
     assert make_config(overrides=["++train.steps=3", "critic.lr=0.5"]).train.steps == 3  # ours pass through
     with pytest.raises(ConfigError, match="deletions"):
         parse_overrides(["~trainer.logger"])

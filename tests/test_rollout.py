@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -13,6 +14,7 @@ from rldynamics.config import make_config
 from rldynamics.models.loading import load_model_and_tokenizer
 from rldynamics.models.tiny import ensure_tiny_model
 from rldynamics.rollout.agent import env_metric_summary, rollout
+from rldynamics.rollout.sampling import NonFiniteLogits, SamplingGuard, sampling_guard
 from rldynamics.train.warmstart import solver_policy, tiny_corpus
 
 
@@ -83,3 +85,34 @@ def test_garbage_output_gets_format_penalty_never_a_crash(tiny, texts):
     for score, v in zip(batch.scores.tolist(), valid, strict=True):
         if v == 0:  # no turn had a valid action: one format penalty per turn, nothing else
             assert score == pytest.approx(cfg.env.format_penalty * cfg.env.max_turns)
+
+
+def test_sampling_guard_samples_exactly_like_hf_temperature(tiny):
+    """The guard applies the temperature itself; sampled tokens are those of HF's own temperature warper."""
+    model, tokenizer, _ = tiny
+    prompt = torch.tensor([tokenizer("<|im_start|>user\nTurn 1:<|im_end|>\n", add_special_tokens=False)["input_ids"]])
+    outs = []
+    for kwargs in ({"temperature": 0.7}, {"temperature": 1.0, "logits_processor": sampling_guard(0.7)}):
+        torch.manual_seed(3)
+        outs.append(model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True, top_k=0,
+                                   top_p=1.0, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id, **kwargs))
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("row", [[0.0, float("nan"), 1.0], [0.0, float("inf"), 1.0], [-float("inf")] * 3])
+def test_sampling_guard_names_non_finite_scores(row):
+    scores = torch.tensor([[0.0, -float("inf"), 1.0], row])  # [B, V]: the first row is fine (-inf = masked)
+    with pytest.raises(NonFiniteLogits, match="1 of 2 sequences"):
+        SamplingGuard(1.0)(torch.zeros(2, 1, dtype=torch.long), scores)
+    assert torch.equal(SamplingGuard(2.0)(None, scores[:1]), scores[:1] / 2)
+
+
+def test_exploded_policy_raises_non_finite_logits_not_a_sampling_crash(tiny):
+    model, tokenizer, cfg = tiny
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        next(broken.parameters()).fill_(float("nan"))
+    with pytest.raises(NonFiniteLogits):
+        rollout(broken, tokenizer, [10], 2, cfg.env, temperature=1.0)
+    with pytest.raises(NonFiniteLogits):  # finite weights, but logits / temperature overflow
+        rollout(model, tokenizer, [10], 2, cfg.env, temperature=1e-308)

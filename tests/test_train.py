@@ -103,6 +103,38 @@ def test_trains_another_architecture_from_a_local_path(fast_overrides, tmp_path)
     assert any(not torch.equal(before[k], v) for k, v in actor.state_dict().items())  # it was trained
 
 
+def test_exploding_training_ends_early_with_a_named_reason(fast_overrides):
+    """`train.lr=1e6`: the policy's logits overflow after the first update. The run ends with rc 0 and the reason
+    logged, saves no non-finite checkpoint, and its report is written (a `$` in the name is drawn literally)."""
+    run = train(make_config(overrides=[*fast_overrides, "log.name=$x^_{$", "train.lr=1e6", "train.steps=5",
+                                       "checkpoint.every=1", "algo.adv_estimator=grpo", "log.report=true"]))
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) < 6
+    assert rows[-1].get("early_stopped/non_finite_logits") == 1.0 and rows[-1]["rollout/non_finite_logits"] == 1.0
+    for ckpt in (run / "checkpoints").glob("step_*"):
+        assert all(torch.isfinite(t).all() for t in load_file(str(ckpt / "actor" / "model.safetensors")).values())
+    assert not (run / "checkpoints" / f"step_{rows[-1]['step']}").exists()
+    assert (run / "report.html").is_file() and (run / "plots" / "training_curves.png").is_file()
+
+
+def test_optimizer_overflow_ends_the_run_without_saving_it(fast_overrides):
+    run = train(make_config(overrides=[*fast_overrides, "log.name=overflow", "train.lr=1e308",
+                                       "algo.adv_estimator=grpo"]))
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[1]["actor/non_finite_parameters"] == 1.0 and rows[1]["early_stopped/non_finite_parameters"] == 1.0
+    assert not (run / "checkpoints").exists()
+
+
+def test_validation_with_overflowing_temperature_is_skipped_and_logged(fast_overrides):
+    run = train(make_config(overrides=[*fast_overrides, "log.name=coldval", "val.temperature=1e-308",
+                                       "train.steps=1", "algo.adv_estimator=grpo"]))
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["val-env/sokoban/non_finite_logits"] == 1.0 for r in rows)
+    assert "actor/pg_loss" in rows[1] and (run / "checkpoints" / "step_1").is_dir()  # training went on
+
+
 def test_metric_names_mean_what_ragen_means(fast_overrides):
     run = train(make_config(overrides=[*fast_overrides, "log.name=names", "train.steps=1", "train.ppo_epochs=2",
                                        "val.every=0", "val.before_train=false",

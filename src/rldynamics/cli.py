@@ -7,12 +7,20 @@ import sys
 
 from rldynamics import __version__
 
+DEFAULT_PRESET = "sokoban-tiny"
+VALUE_RULES = """\
+values: text keys keep the text as typed (log.name=no is "no"); whole numbers are decimal (010 is 10);
+numbers must be finite; switches take true/false, yes/no or on/off; null (or nothing) unsets a key whose
+default is null; lists are YAML lists ([6, 6]). A resumed run keeps its config.yaml: only train.steps,
+checkpoint.*, log.*, early_stop.*, filter.empty_stop_steps and model.device may change."""
+
 TRAIN_EPILOG = """\
 examples:
   rldyn train                                       # embedded default: tiny model, Sokoban, CPU, minutes
   rldyn train --preset sokoban-ppo model.path=/models/Qwen2.5-3B filter.value=0.9
   rldyn train train.steps=5 val.env_groups=32 log.name=smoke
-  rldyn train log.name=smoke checkpoint.resume=latest train.steps=10
+  rldyn train --preset countdown-tiny               # Countdown (arithmetic, one answer) on the tiny model
+  rldyn train log.name=smoke checkpoint.resume=latest train.steps=10   # continue run "smoke" to step 10
   rldyn train --help-config                         # every config key with its default and meaning
   rldyn train --help-config --ragen                 # the RAGEN / verl keys accepted and what they become
   rldyn train actor_rollout_ref.rollout.rollout_filter_value=0.9 es_manager.train.env_groups=8  # RAGEN's names
@@ -57,12 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train", help="train an agent (default: tiny model on Sokoban, CPU)",
         description="Train an LLM agent with PPO/GRPO. Settings are `key=value` overrides on a preset; "
-                    "the run directory (config, metrics, samples, checkpoints) is written under log.run_dir.",
+                    "the run directory (config, metrics, samples, checkpoints) is written under log.run_dir. "
+                    "A resumed run (checkpoint.resume=latest|PATH) keeps the settings of its config.yaml; only "
+                    "train.steps, checkpoint.*, log.*, early_stop.*, filter.empty_stop_steps and model.device "
+                    "may be changed, other changes are refused.",
         epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.lr=1e-5")
-    train.add_argument("--preset", default="sokoban-tiny", help="preset name (default: sokoban-tiny)")
-    train.add_argument("--config", default=None, help="YAML file merged after the preset, before overrides")
+    train.add_argument("--preset", default=None, help=f"preset name (default: {DEFAULT_PRESET})")
+    train.add_argument("--config", default=None, help="YAML file merged after the preset, before overrides "
+                                                      "(overrides may come before or after it)")
     train.add_argument("--help-config", action="store_true", help="list every config key and exit")
     train.add_argument("--ragen", action="store_true",
                        help="with --help-config: list the RAGEN / verl override names accepted and what they become")
@@ -141,13 +153,17 @@ def _run_job(command: str, job) -> int:
     try:
         run_dir = job()
     except ConfigError as e:
-        print(f"rldyn {command}: config error: {e}", file=sys.stderr)
+        print(f"rldyn {command}: config error: {_one_line(e)}", file=sys.stderr)
         return 2
     except (FileExistsError, FileNotFoundError, ValueError, OSError, ImportError) as e:
-        print(f"rldyn {command}: {e}", file=sys.stderr)
+        print(f"rldyn {command}: {_one_line(e)}", file=sys.stderr)
         return 2
     print(f"run directory: {run_dir}")
     return 0
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -160,15 +176,18 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"become:\n{help_table()}\nOther keys under RAGEN's sections are refused by name.")
         return 0
     if args.help_config:
-        print(f"presets: {', '.join(preset_names())}\n\nconfig keys (key=default  meaning):\n{help_text()}\n\n"
-              "RAGEN / verl override names are accepted too: rldyn train --help-config --ragen")
+        print(f"presets: {', '.join(preset_names())}\n\n{VALUE_RULES}\n\nconfig keys (key=default  meaning):\n"
+              f"{help_text()}\n\nRAGEN / verl override names are accepted too: rldyn train --help-config --ragen")
         return 0
 
     def job():
         _print_ragen_translation(args.overrides)
-        cfg = make_config(args.preset, args.config, args.overrides)  # fails before any work on bad config
+        cfg = make_config(args.preset or DEFAULT_PRESET, args.config, args.overrides)  # fails before any work
+        from rldynamics.train.setup import resume_base
         from rldynamics.train.trainer import train
 
+        if cfg.checkpoint.resume:  # a resumed run starts from its saved settings, changed only where asked
+            cfg = make_config(args.preset, args.config, args.overrides, base=resume_base(cfg))
         return train(cfg)
 
     return _run_job("train", job)
@@ -234,10 +253,13 @@ def cmd_envs(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra:  # `rldyn sweep NAME --values ... key=value`: overrides after options land here
-        if args.command != "sweep" or any(x.startswith("-") for x in extra):
+    # argparse takes one run of positionals: items after an option (`--config F a=1`, `sweep NAME --values V a=1`)
+    # come back here; train and probe take them as key=value overrides, sweep as its items
+    if extra:
+        field = "items" if args.command == "sweep" else "overrides"
+        if not hasattr(args, field) or any(x.startswith("-") or (field == "overrides" and "=" not in x) for x in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.items += extra
+        setattr(args, field, [*getattr(args, field), *extra])
     if args.command is None:
         parser.print_help()
         return 0

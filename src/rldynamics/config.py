@@ -5,8 +5,13 @@ Design choices:
   never does `cfg.get(key, default)`.
 - Presets (`presets/*.yaml` in the package) hold only the fields that differ from these defaults.
   Precedence: defaults < preset < YAML file < `key=value` overrides.
-- Merging goes through OmegaConf structured configs, so types are checked; unknown keys and bad values
-  fail before any work with the key named and close matches suggested (`ConfigError`).
+- Values mean what the user typed. YAML files and `key=value` overrides are read with every scalar kept as
+  a string, and each string is converted by the type of its dataclass field: a string field keeps the text
+  (`log.name=no` is "no", `0123` is "0123"), an int is a decimal whole number (`010` is ten), a float is a
+  finite number, a bool is true/false, yes/no or on/off, and `null` (or nothing) unsets an optional field.
+  Unknown keys, bad values, control characters, a key given twice in one YAML mapping and invalid YAML fail
+  before any work with one line naming the key (and close matches) (`ConfigError`). The conversion is driven
+  by the field types, so new sections need no parsing code; `RANGES` and `CHOICES` hold the value checks.
 - Choices are plain strings checked against tuples in `validate`; the resolved config is saved as YAML
   in the run directory and can be loaded back with `load_config`.
 """
@@ -15,14 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
+import typing
+import unicodedata
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from rldynamics import ragen_keys
 from rldynamics.envs import ENVS
@@ -225,6 +232,10 @@ class AnalysisConfig:
     """Also analyse each named reward component's own gradient (reward_grad/<bucket>/*, reward_grad.json)."""
     terms: list[str] = field(default_factory=lambda: ["task", "entropy", "kl"])
     """Loss terms the probe differentiates: any of task, entropy, kl ([] with reward_grad: components only)."""
+    dump_gradients: bool = False
+    """Write every analysed gradient in full, per parameter, to analysis/step_<N>/gradients.npz (float32; big)."""
+    dump_max_pending: int = 2
+    """Gradient dumps held in memory while a background thread writes them (the step waits beyond this)."""
 
 
 @dataclass
@@ -306,11 +317,34 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "analysis.bucket_mode": ("quantile", "fixed_rv"),
 }
 
-POSITIVE_INTS = (
-    "env.max_turns", "env.max_actions_per_turn", "env.max_actions_per_traj", "env.max_new_tokens",
-    "train.env_groups", "train.group_size", "train.ppo_epochs", "train.mini_batch_size", "train.micro_batch_size",
-    "val.env_groups", "val.group_size", "analysis.every", "analysis.num_buckets",
-)  # fmt: skip
+# Ranges, checked after the types (every float is already finite, every int a whole number).
+# key -> (lowest allowed, lowest is allowed itself, highest allowed or None); null optional values are not checked.
+RANGES: dict[str, tuple[float, bool, float | None]] = {
+    **dict.fromkeys((
+        "env.max_turns", "env.max_actions_per_turn", "env.max_actions_per_traj", "env.max_new_tokens",
+        "train.env_groups", "train.group_size", "train.ppo_epochs",
+        "train.mini_batch_size", "train.micro_batch_size", "val.env_groups", "val.group_size", "analysis.every",
+        "analysis.num_buckets", "analysis.dump_max_pending", "analysis.env_groups", "analysis.group_size",
+        "model.tiny_hidden_size",
+        "model.tiny_layers", "model.warm_start_turns", "model.warm_start_epochs", "early_stop.rv_baseline_steps",
+        "early_stop.rv_window", "early_stop.val_patience"), (1, True, None)),
+    **dict.fromkeys(("seed", "train.steps", "train.seed_base", "val.every", "val.seed_base", "checkpoint.every",
+                     "checkpoint.keep_last", "log.samples_per_step", "model.warm_start_episodes"), (0, True, None)),
+    **dict.fromkeys(("train.max_grad_norm", "train.temperature", "val.temperature",
+                     "critic.max_grad_norm", "critic.clip_range", "model.warm_start_lr"), (0, False, None)),
+    **dict.fromkeys(("train.lr", "critic.lr", "train.weight_decay", "algo.clip_high", "algo.kl_coef", "filter.value",
+                     "early_stop.rv_ratio"),
+                    (0, True, None)),
+    **dict.fromkeys(("model.warm_start_noise", "algo.clip_low", "algo.gamma", "algo.lam",
+                     "early_stop.val_success_threshold"), (0, True, 1)),
+    "algo.clip_c": (1, False, None),
+}
+DEVICE = re.compile(r"auto|cpu|mps|cuda(:[0-9]+)?")
+MAX_INT = 2**63 - 1  # seeds and sizes end up in torch / numpy int64
+
+_NULL = ("null", "Null", "NULL", "~", "")
+_BOOL = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
+_INT = re.compile(r"[+-]?[0-9]+")
 
 
 def preset_names() -> list[str]:
@@ -323,8 +357,7 @@ def _preset_dict(name: str) -> dict[str, Any]:
     names = preset_names()
     if name not in names:
         raise ConfigError(f"unknown preset {name!r}; available presets: {', '.join(names)}{_suggest(name, names)}")
-    text = (resources.files("rldynamics") / "presets" / f"{name}.yaml").read_text()
-    return yaml.safe_load(text) or {}
+    return _read_yaml((resources.files("rldynamics") / "presets" / f"{name}.yaml").read_text(), f"preset {name!r}")
 
 
 def _suggest(word: str, candidates: list[str]) -> str:
@@ -345,20 +378,45 @@ def all_keys(obj: Any = None, prefix: str = "") -> list[str]:
     return keys
 
 
-def _check_keys(data: dict[str, Any], source: str, prefix: str = "") -> None:
-    """Raise ConfigError for any key in `data` that is not a config key."""
-    known = all_keys()
-    sections = {k.rsplit(".", i)[0] for k in known for i in range(1, k.count(".") + 1)}
-    for key, value in data.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and dotted in sections:
-            _check_keys(value, source, f"{dotted}.")
-        elif dotted not in known:
-            raise ConfigError(f"unknown config key {dotted!r} in {source}{_suggest(dotted, known)}")
+# ---------------------------------------------------------------- reading what the user typed
 
 
-def split_override(item: str) -> tuple[str, Any]:
-    """`"train.lr=1e-5"` -> `("train.lr", "1e-5" parsed as YAML)`; Hydra's `+key=` / `++key=` mean `key=`."""
+class _RawLoader(yaml.BaseLoader):
+    """YAML whose scalars stay the strings that were typed (`no` is "no", `0123` is "0123"); a key given twice
+    in one mapping is an error instead of silently replacing the first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set[str] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str):
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice",
+                                                            key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(text: str, source: str) -> Any:
+    """Parse YAML text with every scalar kept as a string; errors become one-line ConfigErrors naming `source`."""
+    try:
+        return yaml.load(text, Loader=_RawLoader)  # noqa: S506 (BaseLoader builds only str, list and dict)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{source} is not valid YAML: {problem}{where}") from None
+
+
+def _check_text(text: str, what: str) -> None:
+    """Reject control characters and unpaired surrogates (undecodable bytes) in keys and values."""
+    bad = next((c for c in text if unicodedata.category(c) in ("Cc", "Cs")), None)
+    if bad is not None:
+        raise ConfigError(f"{what} contains {bad!r} (a control character or an undecodable byte); remove it")
+
+
+def split_override(item: str) -> tuple[str, str]:
+    """`"train.lr=1e-5"` -> `("train.lr", "1e-5")`, the value as typed; Hydra's `+key=` / `++key=` mean `key=`."""
     key, sep, raw = item.partition("=")
     key = key.strip()
     if key.startswith("~"):
@@ -366,15 +424,30 @@ def split_override(item: str) -> tuple[str, Any]:
     key = key[2:] if key.startswith("++") else key[1:] if key.startswith("+") else key
     if not sep or not key:
         raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-5)")
-    return key, yaml.safe_load(raw) if raw else ""
+    _check_text(key, f"override key {key!r}")
+    _check_text(raw, f"value of {key}")
+    if "" in key.split("."):
+        raise ConfigError(f"override key {key!r} has an empty part; write section.key=value (e.g. train.lr=1e-5)")
+    return key, raw
 
 
 def _translated(overrides: list[str]) -> ragen_keys.Translation:
-    """The overrides as `(our key, value)` pairs, RAGEN / verl keys translated (`rldynamics.ragen_keys`)."""
+    """The overrides as `(our key, value)` pairs, RAGEN / verl keys translated (`rldynamics.ragen_keys`).
+
+    Our own keys keep the raw text; a RAGEN key's value is read as YAML first, as Hydra reads it.
+    """
+    pairs = [split_override(item) for item in overrides]
     try:
-        return ragen_keys.translate([split_override(item) for item in overrides])
+        return ragen_keys.translate([(key, _ragen_value(raw) if ragen_keys.lookup(key) else raw) for key, raw in pairs])
     except ragen_keys.UnsupportedKey as e:
         raise ConfigError(str(e)) from e
+
+
+def _ragen_value(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        return raw  # the rule that reads it names the bad value
 
 
 def ragen_translation(overrides: list[str]) -> list[str]:
@@ -383,29 +456,121 @@ def ragen_translation(overrides: list[str]) -> list[str]:
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """Turn `["train.lr=1e-5", "filter.value=0.9"]` into a nested dict (values parsed as YAML scalars).
+    """Turn `["train.lr=1e-5", "log.name=no"]` into a nested dict of the raw value strings.
 
-    RAGEN / verl keys (`actor_rollout_ref.rollout.rollout_filter_value=0.9`, ...) are translated to ours first.
+    Values are not interpreted here: each is converted by the type of its config field when merged, so a
+    string field keeps exactly what was typed. A later override of the same key wins. RAGEN / verl keys
+    (`actor_rollout_ref.rollout.rollout_filter_value=0.9`, ...) are translated to ours first.
     """
     nested: dict[str, Any] = {}
-    for key, value in _translated(overrides).pairs:
+    for key, raw in _translated(overrides).pairs:
+        parts = key.split(".")
         node = nested
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+        for depth, part in enumerate(parts[:-1]):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                scalar = ".".join(parts[: depth + 1])
+                raise ConfigError(f"{key}: {scalar} is a value, not a section; set {scalar}=... instead")
+        if isinstance(node.get(parts[-1]), dict):
+            sub = next(iter(node[parts[-1]]), "")
+            raise ConfigError(f"{key} is given both a value and sub-keys ({key}.{sub}=...); give one of them")
+        node[parts[-1]] = raw
     return nested
 
 
-def _merge(base: Config, data: dict[str, Any], source: str) -> Config:
-    _check_keys(data, source)
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(base), OmegaConf.create(data))
-        return OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "?"
-        reason = str(e).splitlines()[0]
-        raise ConfigError(f"bad value for config key {key!r} in {source}: {reason}") from e
+def _merge(base: Any, data: Any, source: str, prefix: str = "") -> Any:
+    """A copy of the dataclass `base` with `data` (nested dicts of raw strings) converted and merged in."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of config keys{_at(prefix)}, got {_shown(data)}")
+    known = {f.name: f for f in dataclasses.fields(base)}
+    hints = typing.get_type_hints(type(base))
+    changes = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigError(f"unknown config key {dotted!r} in {source}{_suggest(dotted, all_keys())}")
+        current = getattr(base, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                example = f"{dotted}.{dataclasses.fields(current)[0].name}"
+                raise ConfigError(f"{dotted} is a section, not a value, in {source}; set its keys (e.g. {example}=...)")
+            changes[key] = _merge(current, value, source, f"{dotted}.")
+        else:
+            changes[key] = _convert(value, hints[key], dotted, source, current)
+    return dataclasses.replace(base, **changes)
+
+
+def _at(prefix: str) -> str:
+    return f" under {prefix[:-1]}" if prefix else ""
+
+
+def _shown(value: Any) -> str:
+    return f"{value!r}" if isinstance(value, str) else f"a {type(value).__name__}"
+
+
+def _convert(value: Any, hint: Any, key: str, source: str, current: Any = None) -> Any:
+    """The value of field `key` (type `hint`) that the raw `value` spells; ConfigError naming the key if none."""
+    args = typing.get_args(hint)
+    if type(None) in args:  # X | None: the YAML null spellings (and an empty value) mean None
+        if value is None or (isinstance(value, str) and value.strip() in _NULL):
+            return None
+        hint = next(a for a in args if a is not type(None))
+    origin = typing.get_origin(hint)
+    if origin in (list, dict):
+        return _convert_container(value, hint, key, source, current)
+    if isinstance(value, dict):
+        sub = next(iter(value), "")
+        raise ConfigError(f"{key}.{sub}: {key} is a value, not a section, in {source}; set {key}=... instead")
+    if isinstance(value, list):
+        raise ConfigError(f"{key} in {source}: expected a single value, got a list")
+    if not isinstance(value, str):  # values built in Python rather than typed
+        value = str(value).lower() if isinstance(value, bool) else str(value)
+    _check_text(value, f"value of {key}")
+    return _convert_scalar(value, hint, key, source)
+
+
+def _convert_scalar(raw: str, hint: Any, key: str, source: str) -> Any:
+    text = raw.strip()
+    if hint is str:
+        if not raw:
+            raise ConfigError(f"{key} in {source} is empty; give a value")
+        return raw
+    if hint is bool:
+        if text.lower() in _BOOL:
+            return _BOOL[text.lower()]
+        raise ConfigError(f"{key}={raw!r} in {source}: expected a boolean (true / false, yes / no, on / off)")
+    if hint is int:
+        if not _INT.fullmatch(text) or abs(int(text)) > MAX_INT:
+            raise ConfigError(f"{key}={raw!r} in {source}: expected a whole number such as 10")
+        return int(text, 10)  # decimal, also with leading zeros: 010 is ten
+    if hint is float:
+        try:
+            number = float(text)
+        except ValueError:
+            number = None
+        if number is None or not math.isfinite(number):
+            raise ConfigError(f"{key}={raw!r} in {source}: expected a finite number such as 0.001")
+        return number
+    raise ConfigError(f"{key}: fields of type {hint} cannot be set from text")  # a schema without a converter
+
+
+def _convert_container(value: Any, hint: Any, key: str, source: str, current: Any) -> Any:
+    """list[X] (replaced) and dict[str, X] (merged key by key: `section.weights.a=2` keeps the other weights)."""
+    if isinstance(value, str):
+        _check_text(value, f"value of {key}")
+        value = _read_yaml(value, f"value of {key}")
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={_shown(value)} in {source}: expected a list such as [6, 6]")
+        return [_convert(v, args[0], f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}={_shown(value)} in {source}: expected a mapping such as {{name: 1.0}}")
+    merged = dict(current or {})
+    for k, v in value.items():
+        _check_text(str(k), f"key of {key}")
+        merged[str(k)] = _convert(v, args[1], f"{key}.{k}", source)
+    return merged
 
 
 def validate(cfg: Config) -> Config:
@@ -414,19 +579,14 @@ def validate(cfg: Config) -> Config:
         value = _get(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
-    for key in POSITIVE_INTS:
-        if _get(cfg, key) < 1:
-            raise ConfigError(f"{key} must be a positive integer, got {_get(cfg, key)}")
-    if cfg.checkpoint.keep_last < 0:
-        raise ConfigError(f"checkpoint.keep_last must be >= 0 (0 = keep all), got {cfg.checkpoint.keep_last}")
-    if cfg.train.steps < 0:
-        raise ConfigError(f"train.steps must be >= 0, got {cfg.train.steps}")
-    if cfg.filter.value < 0:
-        raise ConfigError(f"filter.value must be >= 0, got {cfg.filter.value}")
-    if cfg.algo.clip_c is not None and cfg.algo.clip_c <= 1:
-        raise ConfigError(f"algo.clip_c must be > 1 (or null to disable dual clip), got {cfg.algo.clip_c}")
-    if cfg.train.temperature <= 0 or cfg.val.temperature <= 0:
-        raise ConfigError("train.temperature and val.temperature must be > 0")
+    for key, (low, inclusive, high) in RANGES.items():
+        value = _get(cfg, key)
+        if value is not None and not ((value >= low if inclusive else value > low) and (high is None or value <= high)):
+            bound = f">= {low}" if inclusive else f"> {low}"
+            what = "a positive integer" if (low, inclusive) == (1, True) else bound
+            raise ConfigError(f"{key} must be {what}{f' and <= {high}' if high is not None else ''}, got {value}")
+    if not DEVICE.fullmatch(cfg.model.device):
+        raise ConfigError(f"model.device={cfg.model.device!r} is not a device; use auto, cpu, cuda, cuda:N or mps")
     unknown = sorted(set(cfg.analysis.terms) - {"task", "entropy", "kl"})
     if unknown:
         raise ConfigError(f"analysis.terms has unknown terms {unknown}; choose from task, entropy, kl")
@@ -467,17 +627,14 @@ def _get(cfg: Config, dotted: str) -> Any:
 
 
 def make_config(preset: str | None = "sokoban-tiny", file: str | Path | None = None,
-                overrides: list[str] | None = None) -> Config:
-    """Build a validated Config from defaults, a preset, an optional YAML file and `key=value` overrides."""
-    cfg = Config()
+                overrides: list[str] | None = None, base: Config | None = None) -> Config:
+    """Build a validated Config: `base` (default: the defaults), a preset, a YAML file, `key=value` overrides."""
+    cfg = base or Config()
     if preset:
         cfg = _merge(cfg, _preset_dict(preset), f"preset {preset!r}")
     user: list[tuple[dict[str, Any], str]] = []
     if file:
-        path = Path(file)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        user.append((yaml.safe_load(path.read_text()) or {}, str(path)))
+        user.append((read_config_file(file), str(file)))
     if overrides:
         user.append((parse_overrides(overrides), "command-line overrides"))
     for data, source in user:
@@ -496,6 +653,19 @@ def _check_env_sections(data: dict[str, Any], name: str, source: str) -> None:
                               f"set env.name={other} or use env.{name}.* keys (`rldyn envs` lists them)")
 
 
+def read_config_file(file: str | Path) -> Any:
+    """The raw contents of a YAML config file (ConfigError naming the file when it cannot be used)."""
+    path = Path(file)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist" if not path.exists() else
+                          f"config file {str(path)!r} is not a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e}") from None
+    return _read_yaml(text, f"config file {str(path)!r}") or {}
+
+
 def apply_overrides(cfg: Config, overrides: list[str], source: str = "command-line overrides") -> Config:
     """A validated copy of `cfg` with `key=value` overrides applied."""
     return validate(_merge(cfg, parse_overrides(overrides), source)) if overrides else cfg
@@ -510,14 +680,22 @@ def to_dict(cfg: Config) -> dict[str, Any]:
     return data
 
 
+def config_diff(a: Config, b: Config) -> list[tuple[str, Any, Any]]:
+    """(dotted key, value in a, value in b) for every key whose values differ."""
+    return [(key, _get(a, key), _get(b, key)) for key in all_keys() if _get(a, key) != _get(b, key)]
+
+
 def save_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config as YAML."""
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """Write the resolved config as YAML (to a temporary file renamed over the old one: a kill keeps one whole)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(path)
 
 
 def load_config(path: str | Path) -> Config:
-    """Load a config saved by `save_config` (validated)."""
-    return validate(_merge(Config(), yaml.safe_load(Path(path).read_text()) or {}, str(path)))
+    """Load a config saved by `save_config` (validated; ConfigError naming the file when it is unusable)."""
+    return validate(_merge(Config(), read_config_file(path), str(path)))
 
 
 def help_text() -> str:

@@ -18,10 +18,11 @@ from __future__ import annotations
 import difflib
 
 from rldynamics.envs.base import Env, StepResult
+from rldynamics.envs.countdown import CountdownEnv
 from rldynamics.envs.math import MathEnv
 from rldynamics.envs.sokoban import SokobanEnv
 
-ENVS: dict[str, type] = {"sokoban": SokobanEnv, "math": MathEnv}
+ENVS: dict[str, type] = {"sokoban": SokobanEnv, "countdown": CountdownEnv, "math": MathEnv}
 
 
 def make_env(name: str, **kwargs: object) -> Env:
@@ -33,4 +34,4 @@ def make_env(name: str, **kwargs: object) -> Env:
     return ENVS[name](**kwargs)
 
 
-__all__ = ["ENVS", "Env", "MathEnv", "SokobanEnv", "StepResult", "make_env"]
+__all__ = ["ENVS", "CountdownEnv", "Env", "MathEnv", "SokobanEnv", "StepResult", "make_env"]

@@ -24,6 +24,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.text import Text
 
 from rldynamics.plots.data import (
     COMPONENTS,
@@ -55,15 +56,27 @@ PNG_METADATA = {"Software": None}  # no matplotlib version in the file: the same
 
 def save_png(fig: Figure, path: str | Path, dpi: int = DPI) -> Path:
     """Write `fig` as PNG and return the path."""
+    literal_text(fig)
     fig.savefig(path, dpi=dpi, format="png", facecolor="white", metadata=PNG_METADATA)
     return Path(path)
 
 
 def png_bytes(fig: Figure, dpi: int = DPI) -> bytes:
     """`fig` encoded as PNG bytes."""
+    literal_text(fig)
     buf = io.BytesIO()
     fig.savefig(buf, dpi=dpi, format="png", facecolor="white", metadata=PNG_METADATA)
     return buf.getvalue()
+
+
+def literal_text(fig: Figure) -> None:
+    """Draw every title, label, legend entry and note literally: a `$` in a run or env name never starts
+    mathtext (which fails on text such as `$x^$`). Tick labels keep mathtext (log axes format `10^{k}` with it)."""
+    ticks = {t for ax in fig.axes for axis in (ax.xaxis, ax.yaxis)
+             for t in (*axis.get_ticklabels(which="both"), axis.get_offset_text())}
+    for text in fig.findobj(Text):
+        if text not in ticks:
+            text.set_parse_math(False)
 
 
 def fmt(value: float) -> str:
@@ -97,6 +110,11 @@ def auto_scale(ax, values, axis: str = "y", prefer_log: bool = False, decades: f
         lo, hi = get()
         put(max(lo, -0.3 * linthresh), hi)
     return "symlog"
+
+
+def whisker(length: np.ndarray) -> np.ndarray:
+    """Error-bar lengths with the non-finite ones left out (0)."""
+    return np.where(np.isfinite(length), length, 0.0)
 
 
 def note(ax, text: str) -> None:
@@ -322,7 +340,7 @@ def _rv_panel(ax, sd: StepData) -> None:
     mean, lo, hi = sd.values("reward_std_mean"), sd.values("reward_std_min"), sd.values("reward_std_max")
     rest = [i for i in range(len(sd.buckets)) if i not in have and np.isfinite(mean[i])]
     if rest:
-        err = [np.nan_to_num(mean[rest] - lo[rest]), np.nan_to_num(hi[rest] - mean[rest])]
+        err = [whisker(mean[rest] - lo[rest]), whisker(hi[rest] - mean[rest])]
         ax.errorbar(x[rest], mean[rest], yerr=err, fmt="o", color="k", capsize=4,
                     label="mean (min–max); no groups.csv rows")
         ax.legend(fontsize=7)
@@ -429,7 +447,7 @@ def fig_paper_grid(runs: list[RunData], steps: list[int]) -> Figure:
         rv, lo, hi = sd.values("reward_std_mean"), sd.values("reward_std_min"), sd.values("reward_std_max")
         x = np.arange(len(sd.buckets))
         ok = np.isfinite(rv)
-        a.errorbar(x[ok], rv[ok], yerr=[np.nan_to_num(rv[ok] - lo[ok]), np.nan_to_num(hi[ok] - rv[ok])], fmt="o",
+        a.errorbar(x[ok], rv[ok], yerr=[whisker(rv[ok] - lo[ok]), whisker(hi[ok] - rv[ok])], fmt="o",
                    color="k", capsize=3)
         a.set_xticks(x, sd.labels)
         auto_scale(a, np.concatenate([rv, lo, hi]), prefer_log=True)

@@ -22,6 +22,7 @@ from rldynamics.plots.data import (
     PREFIX,
     RunData,
     analysis_steps,
+    as_float,
     bucket_label,
     bucket_names,
     bucket_sort_key,
@@ -145,7 +146,7 @@ def _lines_per_bucket(ax, run: RunData, steps: list[int], metric: str) -> bool:
         if not pts:
             continue
         x = np.array([p[0] for p in pts], dtype=float)
-        y = np.array([p[1] if isinstance(p[1], (int, float)) else np.nan for p in pts], dtype=float)
+        y = np.array([as_float(p[1]) for p in pts], dtype=float)
         style = {"color": "k", "ls": "--"} if b == "all" else {"color": f"C{(bucket_sort_key(b)[1] - 1) % 10}"}
         fin = np.isfinite(y)
         ax.plot(x[fin], y[fin], marker="o", ms=4, label=bucket_label(b, run.bucket_mode), **style)

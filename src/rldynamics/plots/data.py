@@ -7,6 +7,10 @@ Design choices:
 - An analysis step is a metrics row with at least one non-zero ``grad_norm/bucket_*`` value (RAGEN's rule;
   ``nan`` counts as non-zero so a run whose analysis produced non-finite norms still gets its figures).
 - ``analysis/step_<N>/metrics.json`` fills keys missing from the row of step N (the row wins on conflicts).
+- Odd data never stops a figure: rows without a whole, finite ``step``, undecodable lines (bad bytes, a row cut
+  by a kill), unreadable ``metrics.json`` / ``config.yaml`` / sketch files are skipped (with a warning where the
+  run has one), and values beyond ±1e300 count as overflowed (drawn like inf: matplotlib cannot place ticks on
+  an axis that wide).
 - Buckets are labelled by the run's ``analysis.bucket_mode`` (``Q3`` for quantile buckets, ``[2, 3)`` for
   fixed_rv buckets, whose names always denote the same interval; ``rldynamics.analysis.bucket_names``).
 """
@@ -29,6 +33,8 @@ from rldynamics.tracking.run_dir import read_config, read_metrics
 
 PREFIX = "grad_norm"
 COMPONENTS = ("task", "entropy", "kl")
+PLOT_LIMIT = 1e300  # larger magnitudes are treated as overflowed (inf)
+MAX_STEP = 2**63 - 1
 
 
 @dataclass
@@ -68,9 +74,11 @@ def load_run(run_dir: str | Path) -> RunData:
     warnings: list[str] = []
     by_step: dict[int, dict[str, Any]] = {}
     for r in _read_rows(path, warnings):
-        if not isinstance(r, dict) or not isinstance(r.get("step"), (int, float)):
+        step = _step_of(r)
+        if step is None:
+            warnings.append(f"metrics.jsonl: a row without a whole, finite step ({str(r)[:60]}); skipped")
             continue
-        by_step.setdefault(int(r["step"]), {}).update(r, step=int(r["step"]))  # a step logged twice: later values win
+        by_step.setdefault(step, {}).update(r, step=step)  # a step logged twice: later values win
     for step, extra in _analysis_metrics(path).items():
         row = by_step.setdefault(step, {"step": step})
         for k, v in extra.items():
@@ -79,26 +87,34 @@ def load_run(run_dir: str | Path) -> RunData:
     if (path / "config.yaml").exists():
         try:
             loaded = read_config(path)
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
             loaded = None
             warnings.append(f"config.yaml could not be parsed ({e.__class__.__name__}); config ignored")
         config = loaded if isinstance(loaded, dict) else {}
     return RunData(path=path, rows=[by_step[s] for s in sorted(by_step)], config=config, warnings=warnings)
 
 
+def _step_of(row: Any) -> int | None:
+    """The step of a metrics row: a whole, finite number (bools and `Infinity` are not steps)."""
+    step = row.get("step") if isinstance(row, dict) else None
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+        return None
+    return int(step) if step == int(step) and abs(step) <= MAX_STEP else None
+
+
 def _read_rows(path: Path, warnings: list[str]) -> list[Any]:
-    """`read_metrics`, falling back to skipping undecodable lines (e.g. a half-written last line)."""
+    """`read_metrics`, falling back to skipping undecodable lines (bad bytes, a half-written last line)."""
     try:
         return read_metrics(path)
-    except json.JSONDecodeError:
+    except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
         rows = []
-        for i, line in enumerate((path / "metrics.jsonl").read_text().splitlines(), start=1):
+        for i, line in enumerate((path / "metrics.jsonl").read_bytes().splitlines(), start=1):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                warnings.append(f"metrics.jsonl line {i} is not valid JSON; skipped")
+                rows.append(json.loads(line.decode("utf-8")))
+            except (ValueError, UnicodeDecodeError):
+                warnings.append(f"metrics.jsonl line {i} is not valid UTF-8 JSON; skipped")
         return rows
 
 
@@ -109,9 +125,11 @@ def _analysis_metrics(path: Path) -> dict[int, dict[str, Any]]:
         file = d / "metrics.json"
         if file.exists():
             try:
-                out[step] = json.loads(file.read_text())
-            except json.JSONDecodeError:
+                data = json.loads(file.read_bytes())
+            except (ValueError, UnicodeDecodeError):
                 continue
+            if isinstance(data, dict):
+                out[step] = data
     return out
 
 
@@ -128,11 +146,11 @@ def analysis_dirs(run_dir: str | Path) -> dict[int, Path]:
 
 
 def as_float(value: Any) -> float:
-    """A metric value as a float; `nan` when missing or not a number."""
+    """A metric value as a float; `nan` when missing or not a number, ±inf beyond ±`PLOT_LIMIT`."""
     if isinstance(value, bool):
         return float(value)
     if isinstance(value, (int, float)):
-        return float(value)
+        return float(value) if not abs(value) > PLOT_LIMIT else math.copysign(math.inf, value)  # nan stays nan
     return math.nan
 
 
@@ -207,7 +225,9 @@ def regularizer_values(row: dict[str, Any], buckets: list[str], prefix: str = PR
     reg = bucket_values(row, buckets, "regularizer", prefix)
     ent = bucket_values(row, buckets, "entropy", prefix)
     kl = bucket_values(row, buckets, "kl", prefix)
-    summed = np.where(np.isnan(ent) & np.isnan(kl), np.nan, np.nan_to_num(ent, nan=0.0) + np.nan_to_num(kl, nan=0.0))
+    with np.errstate(over="ignore", invalid="ignore"):  # inf stays inf (nan_to_num would make it 1.8e308)
+        summed = np.where(np.isnan(ent) & np.isnan(kl), np.nan, np.where(np.isnan(ent), 0.0, ent) +
+                          np.where(np.isnan(kl), 0.0, kl))
     return np.where(np.isnan(reg), summed, reg)
 
 
@@ -220,18 +240,21 @@ def read_groups(run_dir: str | Path, step: int, prefix: str = PREFIX) -> dict[st
     out: dict[str, list[float]] = {}
     if not file.exists():
         return out
-    with open(file, newline="") as f:
-        for r in csv.DictReader(f):
-            if r.get("prefix", PREFIX) != prefix or not r.get("bucket"):
-                continue
-            out.setdefault(r["bucket"], []).append(as_float(_parse_float(r.get("reward_std"))))
+    with open(file, newline="", encoding="utf-8", errors="replace") as f:  # bad bytes become U+FFFD
+        try:
+            for r in csv.DictReader(f):
+                if r.get("prefix", PREFIX) != prefix or not r.get("bucket"):
+                    continue
+                out.setdefault(r["bucket"], []).append(as_float(_parse_float(r.get("reward_std"))))
+        except csv.Error:
+            pass  # the rows read so far are kept
     return dict(sorted(out.items(), key=lambda kv: bucket_sort_key(kv[0])))
 
 
 def _parse_float(text: str | None) -> float:
     try:
         return float(text) if text is not None else math.nan
-    except ValueError:
+    except (ValueError, TypeError):
         return math.nan
 
 
@@ -248,7 +271,10 @@ def read_sketches(run_dir: str | Path, step: int) -> dict[str, np.ndarray]:
         return {}
     from safetensors.numpy import load_file
 
-    return {k: np.asarray(v, dtype=np.float64) for k, v in load_file(str(file)).items()}
+    try:
+        return {k: np.asarray(v, dtype=np.float64) for k, v in load_file(str(file)).items()}
+    except Exception:  # a corrupted or foreign file (safetensors raises its own error types): no sketches
+        return {}
 
 
 def env_names(run: RunData) -> list[str]:

@@ -171,7 +171,7 @@ def reward_components_section(run: RunData) -> str:
 
 def _config_section(run: RunData) -> str:
     file = run.path / "config.yaml"
-    text = file.read_text() if file.exists() else None
+    text = file.read_text(encoding="utf-8", errors="replace") if file.exists() else None
     body = (f"<details><summary>config.yaml (resolved)</summary><pre>{html.escape(text)}</pre></details>" if text
             else '<p class="meta">No config.yaml in the run directory.</p>')
     return f'<h2 id="config">Config</h2>{body}'

@@ -8,6 +8,7 @@ metrics and null in the JSON; they are drawn as hatched "n/a" cells or gaps, nev
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ def read_reward_grad(run: RunData) -> dict[int, dict[str, Any]]:
 
 
 def _matrix(values: list[list[Any]]) -> np.ndarray:
-    return np.array([[np.nan if v is None else float(v) for v in row] for row in values], dtype=float)
+    return np.array([[as_float(v) for v in row] for row in values], dtype=float)  # odd values: nan / inf
 
 
 def fig_cosine_matrix(matrices: dict[str, Any], step: int, bucket: str = "all") -> Figure | None:
@@ -147,8 +148,10 @@ def fig_response_lengths(run: RunData) -> Figure | None:
     by_step: dict[int, list[tuple[float, float]]] = {}
     for r in rows:
         try:
-            by_step.setdefault(int(r["step"]), []).append((float(r["response_chars"]), float(r["response_tokens"])))
-        except (KeyError, TypeError, ValueError):
+            lengths = (as_float(r["response_chars"]), as_float(r["response_tokens"]))
+            if all(map(math.isfinite, lengths)):  # odd values (text, 1e308, NaN) are left out
+                by_step.setdefault(int(r["step"]), []).append(lengths)
+        except (KeyError, TypeError, ValueError, OverflowError):  # e.g. "step": Infinity
             continue
     if not by_step:
         return None

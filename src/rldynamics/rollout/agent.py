@@ -26,6 +26,7 @@ from rldynamics.rollout.chat import ChatPrompts, Conversation
 from rldynamics.rollout.parse import ParsedTurn, parse_answer, parse_response
 from rldynamics.rollout.prefill import shared_prompt_cache
 from rldynamics.rollout.rewards import resolve_weights, weighted_sum
+from rldynamics.rollout.sampling import sampling_guard
 
 SYSTEM_PREFIX = "You're a helpful assistant. "
 INVALID_NOTE = "No valid action provided previously. Environment state remains the same. Please try again.\n"
@@ -195,8 +196,9 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     cache = shared_prompt_cache(model, input_ids, attention)  # a group's shared prompt is encoded once
     out = model.generate(
         input_ids=input_ids, attention_mask=attention, do_sample=True,
-        temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
-        eos_token_id=stop_ids, pad_token_id=pad, **({"past_key_values": cache} if cache is not None else {}),
+        temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
+        pad_token_id=pad, logits_processor=sampling_guard(temperature),  # the guard applies the temperature
+        **({"past_key_values": cache} if cache is not None else {}),
     )  # [B, W + new]
     stops = set(stop_ids)
     responses = []

@@ -14,6 +14,9 @@ Design choices (reference/ragen_behaviour.md §7, "Action parsing"):
   valid action remains. The caller applies the format penalty and the "no valid action" handling.
 - Parsing never raises on any response text; only a bad `valid_actions` / `max_actions` raises ValueError.
 - Free-form envs (no action words) use `parse_answer`: the whole stripped answer is the one action.
+- Tags are located with `str.find`, never with a lazy regex over the whole text, so parsing is linear in the
+  length of the text whatever it contains (a lazy `<answer>(.*?)</answer>` search is quadratic on a response
+  of repeated `<answer>` tags and worse with the think pattern).
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ from functools import lru_cache
 
 ACTION_SEPARATOR = "||"
 
-_SPECIAL_TOKEN = re.compile(r"<\|[^<>|]*\|>|</?s>")
-_THINK_ANSWER = re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_SPECIAL_TOKEN = re.compile(r"<\|[^<>|]*\|>|</?s>")  # linear: a candidate's scan stops at the next "<"
+_SPACE = re.compile(r"\s*")
+THINK, THINK_END, ANSWER, ANSWER_END = "<think>", "</think>", "<answer>", "</answer>"
 
 
 @dataclass
@@ -69,10 +72,44 @@ def _action_lookup(valid_actions: tuple[str, ...]) -> dict[str, str]:
 
 def _match(text: str, enable_think: bool) -> tuple[str, str] | None:
     """(think text, answer text) of the first tag match in `text` (special tokens stripped), or None."""
-    match = (_THINK_ANSWER if enable_think else _ANSWER).search(strip_special_tokens(text))
-    if match is None:
+    text = strip_special_tokens(text)
+    found = _find_think_answer(text) if enable_think else _find_answer(text)
+    return None if found is None else (found[0].strip(), found[1])
+
+
+def _find_answer(text: str, start: int = 0) -> tuple[str, str] | None:
+    """("", answer) of the first `<answer>...</answer>` at or after `start`, or None.
+
+    Same match as `re.search(r"<answer>(.*?)</answer>", text, re.DOTALL)`: the first opening tag and the
+    first closing tag after it (if the first opening tag has no closing tag, no later one has).
+    """
+    i = text.find(ANSWER, start)
+    if i < 0:
         return None
-    return (match.group(1).strip() if enable_think else ""), match.groups()[-1]
+    j = text.find(ANSWER_END, i + len(ANSWER))
+    return None if j < 0 else ("", text[i + len(ANSWER):j])
+
+
+def _find_think_answer(text: str) -> tuple[str, str] | None:
+    """(think, answer) of the first `<think>...</think>` + whitespace + `<answer>...</answer>`, or None.
+
+    Same match as `re.search(r"<think>(.*?)</think>\\s*<answer>(.*?)</answer>", text, re.DOTALL)`: the first
+    `<think>`, then the first `</think>` after it that is followed (whitespace allowed) by `<answer>` with a
+    `</answer>` somewhere after. Whether a `</think>` qualifies does not depend on where the think text began,
+    so a later `<think>` can never match where the first one did not; each `</think>` is visited once.
+    """
+    i = text.find(THINK)
+    if i < 0:
+        return None
+    body = i + len(THINK)
+    end = text.find(THINK_END, body)
+    while end >= 0:
+        k = _SPACE.match(text, end + len(THINK_END)).end()
+        if text.startswith(ANSWER, k):
+            found = _find_answer(text, k)
+            return None if found is None else (text[body:end], found[1])
+        end = text.find(THINK_END, end + len(THINK_END))
+    return None
 
 
 def parse_response(

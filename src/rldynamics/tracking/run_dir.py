@@ -1,6 +1,7 @@
 """The run directory: the source of truth of a run. Plots, reports and sweeps read only this.
 
 Layout:
+    .lock                      held (fcntl.flock) by the one process writing the run; names it (pid, host, start)
     config.yaml                resolved config
     metrics.jsonl              one JSON object per logged step, always with "step"
     samples.jsonl              a few decoded trajectories per step
@@ -12,17 +13,88 @@ Layout:
 
 This module imports no torch, so readers work on any machine with the run directory copied over.
 Non-finite floats are written as JSON `NaN`/`Infinity` (Python's json reads them back).
-The JSONL files are only ever appended to (then flushed), so they can be read while a run is going; a line
-cut short by a crash is the last line of its file, and readers and resumes ignore it.
+The JSONL files are only ever appended to (one write per call, then closed), so they can be read while a run
+is going; a line cut short by a crash is the last line of its file, and readers and resumes ignore it.
+
+Crash safety: a resumed run drops every row (and analysis directory) after the step it resumes from, and a
+line cut by a kill, by rewriting the file to a temporary name renamed over the old one, so a kill during the
+rewrite loses nothing either; a damaged line elsewhere stops the resume (one line naming file and line).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import shutil
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
+LOCK_FILE = ".lock"
 REWARDS_FILE = "rewards.jsonl"
+
+
+class RunInUse(OSError):
+    """Another live process holds the run directory's lock."""
+
+
+class RunLock:
+    """Exclusive lock on a run directory: one writer per run.
+
+    `fcntl.flock` on `<run>/.lock`: the kernel releases it when the holder exits, however it exits, so a
+    lock left by a killed process is stale by construction and is taken over (the previous holder's pid,
+    host and start time, still in the file, are reported in `stale`). A second process fails at once with
+    `RunInUse` naming the holder. The file is kept (emptied) on release: removing it would let two
+    processes lock two different files of the same name.
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.stale: str | None = None
+        self._fd: int | None = None
+
+    def check(self) -> None:
+        """Raise RunInUse now if a live process holds the lock; creates nothing (for checks before any work)."""
+        if self.path.is_file():
+            os.close(self._take(os.open(self.path, os.O_RDONLY)))
+
+    def __enter__(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = self._take(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644))
+        previous = os.read(fd, 4096)
+        self.stale = _describe(previous) if previous.strip() else None
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        self._fd = fd
+        return self
+
+    def _take(self, fd: int) -> int:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe(os.read(fd, 4096))
+            os.close(fd)
+            raise RunInUse(f"run directory {self.path.parent} is in use by {holder}; wait for it to finish "
+                           "or choose another log.name") from None
+        return fd
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            os.close(self._fd)  # closing releases the lock
+            self._fd = None
+
+
+def _describe(content: bytes) -> str:
+    """`pid N on host H since T` from a lock file's content (whatever it holds)."""
+    try:
+        info = json.loads(content.decode())
+        return f"pid {info['pid']} on host {info['host']} since {info['started']}"
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return "another process (its lock file names no holder)"
 
 
 class RunWriter:
@@ -36,22 +108,17 @@ class RunWriter:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append one metrics object for `step` (and forward it to the sinks)."""
         row = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
-        with open(self.path / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+        _append(self.path / "metrics.jsonl", [row])
         for sink in self.sinks:
             sink.log(step, row)
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         """Append decoded trajectories (dicts with at least `text` and `reward`)."""
-        with open(self.path / "samples.jsonl", "a") as f:
-            for s in samples:
-                f.write(json.dumps({"step": step, **s}) + "\n")
+        _append(self.path / "samples.jsonl", [{"step": step, **s} for s in samples])
 
     def log_rewards(self, rows: list[dict[str, Any]]) -> None:
-        """Append reward-tracking rows (one per trajectory, see `rollout.rewards.reward_rows`) and flush."""
-        with open(self.path / REWARDS_FILE, "a") as f:
-            f.write("".join(json.dumps(row) + "\n" for row in rows))
-            f.flush()
+        """Append reward-tracking rows (one per trajectory, see `rollout.rewards.reward_rows`)."""
+        _append(self.path / REWARDS_FILE, rows)
 
     def analysis_dir(self, step: int) -> Path:
         """The directory for the analysis artefacts of `step` (created)."""
@@ -60,16 +127,52 @@ class RunWriter:
         return d
 
     def truncate_after(self, step: int) -> None:
-        """Drop logged rows with a step > `step` (used when resuming from a checkpoint)."""
+        """Drop what was written for steps after `step`: rows of metrics.jsonl, samples.jsonl and rewards.jsonl
+        (and a last line cut by a kill) and `analysis/step_<N>/` with N > step.
+
+        A resumed run calls this with the step of its checkpoint (-1 to restart from scratch) and then writes
+        those steps again, so every step ends up in the run directory exactly once. Any other line that is not a
+        JSON row with a step raises ValueError before anything is changed.
+        """
+        kept = {}
         for name in ("metrics.jsonl", "samples.jsonl", REWARDS_FILE):
             file = self.path / name
             if file.exists():
-                kept = [json.dumps(row) for row in _read_jsonl(file) if row["step"] <= step]
-                file.write_text("".join(line + "\n" for line in kept))
+                lines = file.read_bytes().splitlines()
+                steps = [_row_step(line) for line in lines]
+                damaged = [i + 1 for i, n in enumerate(steps[:-1]) if n is None and lines[i].strip()]
+                if damaged:
+                    raise ValueError(f"{file}: line {damaged[0]} is not a JSON row with a step; repair or remove it "
+                                     "before resuming")
+                kept[file] = [line for line, n in zip(lines, steps, strict=True) if n is not None and n <= step]
+                if len(kept[file]) == len(lines):
+                    del kept[file]
+        for file, lines in kept.items():
+            tmp = file.with_name(f".{file.name}.tmp")
+            tmp.write_bytes(b"".join(line + b"\n" for line in lines))
+            os.replace(tmp, file)
+        for d in sorted((self.path / "analysis").glob("step_*")):
+            if d.name[5:].isdigit() and int(d.name[5:]) > step:
+                shutil.rmtree(d)
 
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+
+def _append(file: Path, rows: list[dict[str, Any]]) -> None:
+    """Append rows as JSON lines with one write, so a kill leaves whole rows or a cut last line."""
+    with open(file, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _row_step(line: bytes) -> int | None:
+    """The step of a JSON row written by `RunWriter`, or None for anything else."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 def _plain(value: Any) -> Any:

@@ -22,6 +22,7 @@ import csv
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -30,6 +31,7 @@ from rldynamics.analysis.probe import ProbeResult, gradient_probe
 from rldynamics.config import Config
 from rldynamics.rollout.agent import rollout
 from rldynamics.rollout.batch import RolloutBatch
+from rldynamics.tracking.grad_dump import GradientDumper
 from rldynamics.train.actor import ActorInputs
 from rldynamics.train.stages import component_advantages, filter_batch, step_seed, train_seeds
 
@@ -63,17 +65,34 @@ def run_analysis(s, step: int, batch: RolloutBatch | None, inputs: ActorInputs |
     elif batch is not None and len(batch) > 0:
         passes = [("grad_norm", batch, inputs, group_std, kept_ratio)]
     out_dir = s.writer.analysis_dir(step)
-    rows, sketches, reward_grad = [], {}, {}
+    rows, sketches, reward_grad, dump = [], {}, {}, {}
     for prefix, b, inp, stds, kept in passes:
         result = probe(s, b, inp, stds, prefix, kept)
         metrics.update(result.metrics)
+        dump.update(per_parameter(s.model, result.gradients, prefix))
         seeds = dict(zip(b.group_ids.tolist(), b.seeds, strict=False))  # group id -> env seed
         rows += [(prefix, bucket, gid, std, seeds.get(gid, "")) for bucket, gid, std in result.groups]
         sketches.update({f"{prefix}/{k}": v.contiguous() for k, v in result.sketches.items()})
         if result.reward_grad:
             reward_grad[prefix] = result.reward_grad
     write_artefacts(out_dir, metrics, rows, sketches, reward_grad)
+    if dump:
+        if s.dumper is None:
+            s.dumper = GradientDumper(cfg.analysis.dump_max_pending)
+        s.dumper.submit(out_dir / "gradients.npz", dump)
     return metrics
+
+
+def per_parameter(model, gradients: dict[str, torch.Tensor], prefix: str) -> dict[str, np.ndarray]:
+    """Split the probe's flat gradients (`"<bucket>/<term>"` -> [P]) into `"<prefix>/<bucket>/<term>/<param>"`
+    arrays of each trainable parameter's shape (the probe's flat layout is `model.parameters()` order)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    out = {}
+    for key, flat in gradients.items():
+        parts = flat.split([p.numel() for _, p in named])
+        out.update({f"{prefix}/{key}/{n}": part.view(p.shape).numpy()
+                    for (n, p), part in zip(named, parts, strict=True)})
+    return out
 
 
 def probe(s, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, float], prefix: str,
@@ -89,7 +108,7 @@ def probe(s, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, floa
                           temperature=cfg.train.temperature, num_buckets=cfg.analysis.num_buckets,
                           bucket_mode=cfg.analysis.bucket_mode, prefix=prefix, sketch_seed=cfg.seed,
                           component_advantages=components, component_weights=weights,
-                          terms=tuple(cfg.analysis.terms))
+                          terms=tuple(cfg.analysis.terms), keep_gradients=cfg.analysis.dump_gradients)
 
 
 def _separate_batch_passes(s, step: int, metrics: dict[str, float], prepare) -> list:

@@ -6,25 +6,54 @@ Layout of `checkpoints/step_<N>/`:
     optimizer.pt       actor (and critic) optimizer state dicts: tensors and plain containers only
     rng.pt             torch RNG state
     trainer_state.json step, early-stop state
+    manifest.json      size and SHA-256 of every other file; written last
 
-Writes go to a temporary sibling directory that is renamed into place, so a crash never leaves a
-half-written checkpoint. Loading uses `torch.load(weights_only=True)`: no pickle code execution.
+Writes go to a temporary sibling directory (`.tmp_step_<N>_<pid>`) that is renamed into place once the
+manifest is written, so a crash never leaves a half-written checkpoint; leftovers of a crash are removed
+by `remove_stale` when the run starts again. Loading verifies first (`verify_checkpoint`: the manifest, each
+file's size, the structure of the JSON and safetensors files, each checksum), then loads with
+`torch.load(weights_only=True)` (no pickle code execution) and checks the optimizer state against the model.
+Every problem is one `CheckpointError` line naming the file and what is wrong, raised before any work.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
+import signal
+import warnings
 from pathlib import Path
 
 import torch
 
+MANIFEST = "manifest.json"
+FORMAT = "rldynamics-checkpoint/1"
+REQUIRED = ("trainer_state.json", "optimizer.pt", "rng.pt", "actor/config.json")
+CRASH_ENV = "RLDYN_CRASH_AT"
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file and what is wrong."""
+
+
+def crash_point(point: str, step: int) -> None:
+    """Test hook: SIGKILL this process when the environment has `RLDYN_CRASH_AT=<point>:<step>`.
+
+    Placed at the write boundaries of a step (see `tests/test_crash.py`), so a test can kill a real run
+    exactly between two writes and check that the resumed run loses and repeats nothing. A no-op otherwise.
+    """
+    if os.environ.get(CRASH_ENV) == f"{point}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
 
 def save_checkpoint(directory: Path, step: int, *, model, tokenizer, optimizer, critic=None, critic_optimizer=None,
                     trainer_state: dict | None = None, keep_last: int = 0) -> Path:
-    """Write `directory/step_<step>` atomically and return its path; then keep only the newest `keep_last`
-    checkpoints (0 = keep all)."""
+    """Write `directory/step_<step>` atomically (manifest last, then a rename) and return its path; then keep
+    only the newest `keep_last` checkpoints (0 = keep all)."""
     final = directory / f"step_{step}"
     tmp = directory / f".tmp_step_{step}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -38,42 +67,210 @@ def save_checkpoint(directory: Path, step: int, *, model, tokenizer, optimizer, 
     torch.save(optim, tmp / "optimizer.pt")
     torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(trainer_state or {})}, indent=2))
+    crash_point("checkpoint_files", step)
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {"format": FORMAT, "step": step,
+                "files": {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                          for p in files}}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    crash_point("checkpoint_manifest", step)
     if final.exists():
-        old = directory / f".old_step_{step}_{os.getpid()}"
-        final.rename(old)
-        shutil.rmtree(old)
+        _remove(final)
     tmp.rename(final)
     if keep_last > 0:
-        for old_ckpt in _checkpoints(directory)[:-keep_last]:
-            shutil.rmtree(old_ckpt)
+        for old in checkpoints(directory.parent)[:-keep_last]:
+            _remove(old)
     return final
 
 
-def _checkpoints(directory: Path) -> list[Path]:
-    """`step_<N>` directories, oldest first."""
-    return sorted(directory.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+def _remove(checkpoint: Path) -> None:
+    """Delete a published checkpoint: renamed away first, so a kill never leaves a half-deleted `step_<N>`."""
+    old = checkpoint.with_name(f".old_{checkpoint.name}_{os.getpid()}")
+    checkpoint.rename(old)
+    shutil.rmtree(old)
 
 
-def find_checkpoint(resume: str, run_dir: Path) -> Path:
-    """Resolve `checkpoint.resume` (a path, or `latest` = newest in `run_dir/checkpoints`)."""
-    if resume == "latest":
-        found = _checkpoints(run_dir / "checkpoints")
-        if not found:
-            raise FileNotFoundError(f"checkpoint.resume=latest: no checkpoints in {run_dir / 'checkpoints'} "
-                                    "(set log.name to the run to resume, or pass a checkpoint path)")
-        return found[-1]
-    path = Path(resume)
-    if not (path / "trainer_state.json").is_file():
-        raise FileNotFoundError(f"checkpoint.resume={resume}: not a checkpoint directory "
-                                "(expected trainer_state.json, actor/ and optimizer.pt inside)")
+def remove_stale(directory: Path) -> list[Path]:
+    """Remove the temporary directories a killed run left in `directory` (call with the run lock held)."""
+    stale = sorted(p for p in directory.glob(".*_step_*") if p.name.startswith((".tmp_step_", ".old_step_")))
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The published checkpoints (`checkpoints/step_<N>`) of `run_dir`, oldest first."""
+    found = [p for p in (run_dir / "checkpoints").glob("step_*") if _STEP_DIR.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The published checkpoint of `run_dir` with the highest step, or None."""
+    found = checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def verify_checkpoint(path: str | Path, needs_critic: bool = False) -> dict:
+    """Check a checkpoint before any work; returns its trainer state (with `step`).
+
+    Raises CheckpointError naming the file and the problem: a missing or non-directory path, a missing or
+    malformed manifest, a missing, empty, truncated or grown file, a malformed `trainer_state.json` or
+    safetensors header, a checksum mismatch, or no `critic/` when one is needed.
+    """
+    path = _checkpoint_dir(path)
+    files = _manifest_files(path)
+    for rel in (*REQUIRED, *(["critic/config.json"] if needs_critic else [])):
+        if rel not in files:
+            raise CheckpointError(f"{path / MANIFEST}: lists no {rel}; the checkpoint is incomplete"
+                                  + (" (written by a run without a critic)" if rel.startswith("critic") else ""))
+    if not any(rel.startswith("actor/") and rel.endswith(".safetensors") for rel in files):
+        raise CheckpointError(f"{path / MANIFEST}: lists no actor weights (actor/*.safetensors)")
+    for rel, (size, _) in files.items():
+        _check_size(path / rel, size)
+    state = _trainer_state(path / "trainer_state.json")
+    for rel in files:
+        _check_structure(path / rel)
+    for rel, (_, digest) in files.items():
+        if _sha256(path / rel) != digest:
+            raise CheckpointError(f"{path / rel}: checksum mismatch (the file changed or was corrupted after the "
+                                  "checkpoint was written)")
+    return state
+
+
+def read_trainer_state(path: str | Path) -> dict:
+    """The trainer state (with `step`) of a checkpoint, checked for shape only (`verify_checkpoint` checks all)."""
+    return _trainer_state(_checkpoint_dir(path) / "trainer_state.json")
+
+
+def _checkpoint_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a file; pass a checkpoint directory "
+                              "(runs/<run>/checkpoints/step_<N>)")
     return path
 
 
 def load_trainer_state(path: Path, *, optimizer, critic_optimizer=None) -> dict:
-    """Restore optimizer and RNG state from a checkpoint; returns the trainer state (with `step`)."""
-    optim = torch.load(path / "optimizer.pt", weights_only=True)
-    optimizer.load_state_dict(optim["actor"])
+    """Restore optimizer and RNG state from a verified checkpoint; returns the trainer state (with `step`)."""
+    optim = _torch_load(path / "optimizer.pt")
+    if not isinstance(optim, dict) or "actor" not in optim or (critic_optimizer is not None and "critic" not in optim):
+        raise CheckpointError(f"{path / 'optimizer.pt'}: expected the actor" +
+                              (" and critic" if critic_optimizer is not None else "") + " optimizer states")
+    _load_optimizer(optimizer, optim["actor"], path / "optimizer.pt", "actor")
     if critic_optimizer is not None:
-        critic_optimizer.load_state_dict(optim["critic"])
-    torch.set_rng_state(torch.load(path / "rng.pt", weights_only=True)["torch"])
-    return json.loads((path / "trainer_state.json").read_text())
+        _load_optimizer(critic_optimizer, optim["critic"], path / "optimizer.pt", "critic")
+    rng = _torch_load(path / "rng.pt")
+    try:
+        torch.set_rng_state(rng["torch"])
+    except (TypeError, KeyError, IndexError, RuntimeError) as e:
+        raise CheckpointError(f"{path / 'rng.pt'}: not a torch RNG state ({str(e).splitlines()[0]})") from None
+    return _trainer_state(path / "trainer_state.json")
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _manifest_files(path: Path) -> dict[str, tuple[int, str]]:
+    """relative path -> (bytes, sha256) from the manifest, checked for shape and for paths that stay inside."""
+    file = path / MANIFEST
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing; a checkpoint is complete only once its manifest is written "
+                              "(an interrupted save, or not a checkpoint written by `rldyn train`)")
+    try:
+        manifest = json.loads(file.read_bytes())
+        entries = manifest["files"]
+        files = {rel: (int(e["bytes"]), str(e["sha256"])) for rel, e in entries.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{file}: malformed ({e.__class__.__name__}: {str(e)[:80]})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{file}: format {manifest.get('format')!r} is not {FORMAT!r}")
+    for rel in files:
+        if rel.startswith("/") or ".." in Path(rel).parts or rel == MANIFEST:
+            raise CheckpointError(f"{file}: lists the path {rel!r}, which is not inside the checkpoint")
+    return files
+
+
+def _check_size(file: Path, size: int) -> None:
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing (listed in the checkpoint's {MANIFEST})")
+    actual = file.stat().st_size
+    if actual == 0 and size > 0:
+        raise CheckpointError(f"{file}: empty (0 of {size} bytes)")
+    if actual < size:
+        raise CheckpointError(f"{file}: truncated ({actual} of {size} bytes)")
+    if actual > size:
+        raise CheckpointError(f"{file}: {actual} bytes where {size} were written")
+
+
+def _trainer_state(file: Path) -> dict:
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing; not a checkpoint written by `rldyn train`")
+    try:
+        state = json.loads(file.read_bytes())
+    except ValueError as e:
+        raise CheckpointError(f"{file}: not valid JSON ({str(e)[:80]})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(state).__name__}")
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{file}: 'step' must be an integer >= 0, got {step!r}")
+    if not isinstance(state.get("early_stop"), dict):
+        raise CheckpointError(f"{file}: missing the 'early_stop' state")
+    return state
+
+
+def _check_structure(file: Path) -> None:
+    """Parse what can be parsed cheaply: JSON files and safetensors headers (tensor data is checksummed)."""
+    if file.suffix == ".json":
+        try:
+            json.loads(file.read_bytes())
+        except ValueError as e:
+            raise CheckpointError(f"{file}: not valid JSON ({str(e)[:80]})") from None
+    elif file.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                list(f.keys())
+        except Exception as e:  # safetensors raises its own error types for every malformed header
+            raise CheckpointError(f"{file}: not a valid safetensors file ({str(e).splitlines()[0][:100]})") from None
+
+
+def _torch_load(file: Path):
+    try:
+        with warnings.catch_warnings():  # a foreign pickle's protocol warning: the error below says it all
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(file, weights_only=True, map_location="cpu")
+    except Exception as e:  # truncated zip, foreign pickle, ...: torch raises several unrelated types
+        raise CheckpointError(f"{file}: cannot be read as tensors ({e.__class__.__name__}: "
+                              f"{str(e).splitlines()[0][:100] if str(e) else 'no detail'})") from None
+
+
+def _load_optimizer(optimizer, state, file: Path, name: str) -> None:
+    """`optimizer.load_state_dict(state)` after checking that every saved tensor fits its parameter."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    try:
+        saved = [i for group in state["param_groups"] for i in group["params"]]
+        per_param = dict(state["state"])
+    except (TypeError, KeyError, ValueError) as e:
+        raise CheckpointError(f"{file}: the {name} optimizer state is malformed ({e!r})") from None
+    if len(saved) != len(params):
+        raise CheckpointError(f"{file}: the {name} optimizer state is for {len(saved)} parameters, the model has "
+                              f"{len(params)} (a checkpoint of another model?)")
+    for index, param in zip(saved, params, strict=True):
+        entry = per_param.get(index, {})
+        for key, value in (entry.items() if isinstance(entry, dict) else []):
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                raise CheckpointError(f"{file}: {name} optimizer {key!r} of parameter {index} has shape "
+                                      f"{list(value.shape)}, the model's parameter {list(param.shape)}")
+    try:
+        optimizer.load_state_dict(state)
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise CheckpointError(f"{file}: the {name} optimizer state does not fit ({str(e).splitlines()[0]})") from None

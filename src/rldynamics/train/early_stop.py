@@ -62,5 +62,15 @@ class EarlyStopper:
         return {k: v for k, v in asdict(self).items() if k not in ("cfg", "empty_stop_steps")}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` output; ValueError when it is not one (other keys or value types)."""
+        expected = self.state_dict()
+        if not isinstance(state, dict) or set(state) != set(expected):
+            keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"early-stop state has keys {keys}, expected {sorted(expected)}")
+        for k, v in state.items():
+            number = (int, float) if isinstance(expected[k], list) else int
+            items = v if isinstance(v, list) else [v]
+            if type(v) is not type(expected[k]) or any(isinstance(x, bool) or not isinstance(x, number) for x in items):
+                raise ValueError(f"early-stop state {k!r} is {v!r}, expected {type(expected[k]).__name__}")
         for k, v in state.items():
             setattr(self, k, v)

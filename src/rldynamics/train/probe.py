@@ -13,22 +13,21 @@ can be overridden.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rldynamics.config import Config, apply_overrides, load_config, make_config
+from rldynamics.train.checkpoint import read_trainer_state
 from rldynamics.train.trainer import train
 
 PROBE_DEFAULTS = ["algo.kl_coef=0.001", "algo.kl_type=k3", "algo.entropy_coef=0.001"]
 
 
 def probe_config(checkpoint: Path, overrides: list[str], validate: bool = False) -> Config:
-    """The probe's config: the run's saved config, RAGEN's probe defaults, probe mode, then `overrides`."""
-    state = checkpoint / "trainer_state.json"
-    if not state.is_file():
-        raise FileNotFoundError(f"{checkpoint} is not a checkpoint directory (no trainer_state.json); pass a "
-                                "runs/<run>/checkpoints/step_<N> directory written by `rldyn train`")
-    step = json.loads(state.read_text())["step"]
+    """The probe's config: the run's saved config, RAGEN's probe defaults, probe mode, then `overrides`.
+
+    A checkpoint that is missing or has no usable trainer state is a CheckpointError naming the file; the
+    training start verifies every file of it before any work."""
+    step = read_trainer_state(checkpoint)["step"]
     saved = checkpoint.parent.parent / "config.yaml"
     base = load_config(saved) if saved.is_file() else make_config()
     mode = [f"checkpoint.resume={checkpoint}", f"train.steps={step}", "analysis.enabled=true", "analysis.every=1",
@@ -42,7 +41,4 @@ def probe_checkpoint(checkpoint: str | Path, overrides: list[str], validate: boo
     cfg = probe_config(checkpoint, overrides, validate)
     name = cfg.log.name if any(o.startswith("log.name=") for o in overrides) else (
         f"probe_{checkpoint.parent.parent.name}_{checkpoint.name}")
-    run_dir = Path(cfg.log.run_dir) / name
-    if (run_dir / "metrics.jsonl").exists():
-        raise FileExistsError(f"{run_dir} already holds a probe; pass log.name=<new name>")
-    return train(cfg, run_dir)
+    return train(cfg, Path(cfg.log.run_dir) / name)

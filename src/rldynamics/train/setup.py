@@ -1,26 +1,73 @@
-"""Run set-up: run directory, device, models (actor, reference, critic), optimizers, metric sinks."""
+"""Run set-up: run directory, the step to start from, device, models, optimizers, metric sinks.
+
+Everything is checked and loaded before anything is written to the run directory:
+
+    plan_start (read only): the run directory is not in use and not another run's; for a resume, which
+        checkpoint it continues, verified file by file, and whether the command asks for settings the
+        run was not trained with
+    -> make_session (writes nothing): models and optimizers built, optimizer and RNG state restored and checked
+    -> the caller locks the run directory (one writer per run), then open_run: stale temporary checkpoints
+       removed, rows after the resumed step dropped, config.yaml written.
+
+A start that fails leaves the run directory as it was (or absent).
+
+Resuming (`checkpoint.resume=latest` or a checkpoint path of the same run) continues the run with the settings
+in its `config.yaml`. Only the keys in `RESUME_MAY_CHANGE` (how long the run goes on, when it stops, where and
+how it logs, the device) may differ; any other difference is refused with the list of keys, and nothing is
+written. A run killed before its first checkpoint is restarted from step 0 by `checkpoint.resume=latest`.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from rldynamics.config import Config, save_config, to_dict
+from rldynamics.config import Config, ConfigError, config_diff, load_config, save_config, to_dict
 from rldynamics.models.loading import load_model_and_tokenizer, load_value_model
 from rldynamics.models.tiny import ensure_tiny_model
-from rldynamics.tracking.run_dir import RunWriter
+from rldynamics.tracking.run_dir import RunLock, RunWriter
 from rldynamics.tracking.sinks import TensorBoardSink, WandbSink, check_installed
-from rldynamics.train.checkpoint import find_checkpoint
+from rldynamics.train.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_trainer_state,
+    read_trainer_state,
+    remove_stale,
+    verify_checkpoint,
+)
 from rldynamics.train.warmstart import ensure_warm_start, tiny_corpus
+
+RESUME_MAY_CHANGE = ("train.steps", "checkpoint.", "log.", "early_stop.", "filter.empty_stop_steps", "model.device")
+
+
+@dataclass
+class Start:
+    """Where a run starts: the checkpoint it resumes (None: step 0) and that checkpoint's trainer state."""
+
+    checkpoint: Path | None = None
+    state: dict | None = None
+    in_place: bool = False  # continues the run in its own directory (rather than a probe of another run)
+
+    @property
+    def step(self) -> int:
+        """The last step already done (0 when starting from scratch)."""
+        return self.state["step"] if self.state else 0
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` = cuda when available, else cpu."""
+    """`auto` = cuda when available, else cpu; a device this machine does not have is a ConfigError."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise ConfigError(f"model.device={name}: no such CUDA device on this machine "
+                          f"({torch.cuda.device_count()} visible); use model.device=auto or cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("model.device=mps: MPS is not available on this machine; use model.device=auto or cpu")
+    return device
 
 
 def base_model_path(cfg: Config) -> str:
@@ -34,7 +81,7 @@ def base_model_path(cfg: Config) -> str:
 
 
 def resolve_run_dir(cfg: Config) -> Path:
-    """The run directory; refuses to write over an existing run unless resuming it."""
+    """The run directory: `log.run_dir/log.name` (a new name when unset), or the run of a resumed checkpoint."""
     resume = cfg.checkpoint.resume
     if resume and cfg.analysis.only:
         raise ValueError("analysis.only=true with checkpoint.resume would log into the checkpointed run itself; use "
@@ -42,28 +89,74 @@ def resolve_run_dir(cfg: Config) -> Path:
     if resume and resume != "latest":
         return Path(resume).resolve().parent.parent
     if resume == "latest" and not cfg.log.name:
-        raise ValueError("checkpoint.resume=latest needs log.name=<run name> to know which run to resume")
+        raise ConfigError("checkpoint.resume=latest needs log.name=<run name> to know which run to resume")
     name = cfg.log.name or f"{cfg.env.name}_{Path(cfg.model.path).name}_{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(cfg.log.run_dir) / name
-    if not resume and (run_dir / "metrics.jsonl").exists():
+    return Path(cfg.log.run_dir) / name
+
+
+def resume_base(cfg: Config) -> Config:
+    """The saved config of the run that `cfg.checkpoint.resume` continues: what a resumed run starts from."""
+    resume = cfg.checkpoint.resume
+    if resume != "latest":
+        read_trainer_state(resume)  # a missing path, a file or no trainer state: named before anything else
+    return _saved_config(cfg, resolve_run_dir(cfg))
+
+
+def _saved_config(cfg: Config, run_dir: Path) -> Config:
+    file = run_dir / "config.yaml"
+    if not file.is_file():
+        raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume}: {file} not found, so there is no run to "
+                          "resume (check log.name and log.run_dir)")
+    return load_config(file)
+
+
+def plan_start(cfg: Config, run_dir: Path) -> Start:
+    """Check what can be checked without writing (packages, device, the lock, the checkpoint and settings of a
+    resume) and decide where the run starts; raise before any work if it cannot start. (`validate` has already
+    built one env with the configured settings.)"""
+    check_installed(cfg.log.wandb, cfg.log.tensorboard)
+    resolve_device(cfg.model.device)
+    RunLock(run_dir).check()  # a second process fails here, at once
+    resume = cfg.checkpoint.resume
+    path = None if not resume else latest_checkpoint(run_dir) if resume == "latest" else Path(resume)
+    in_place = resume == "latest" or (bool(resume) and run_dir.resolve() == Path(resume).resolve().parent.parent)
+    check_new_run(run_dir, in_place)
+    if in_place:
+        check_resume_settings(cfg, run_dir)
+    if path is None:  # a new run, or one killed before its first checkpoint: start from step 0
+        return Start(in_place=in_place)
+    state = verify_checkpoint(path, needs_critic=cfg.algo.adv_estimator == "gae")
+    return Start(checkpoint=path, state=state, in_place=in_place)
+
+
+def check_new_run(run_dir: Path, in_place: bool) -> None:
+    """Refuse to write a new run (or a probe) into a directory that already holds one."""
+    if not in_place and (run_dir / "metrics.jsonl").exists():
         raise FileExistsError(f"run directory {run_dir} already holds a run; choose another log.name or pass "
-                              "checkpoint.resume=latest to continue it")
-    return run_dir
+                              "checkpoint.resume=latest to continue it (from step 0 if it has no checkpoint yet)")
 
 
-def make_session(cfg: Config, run_dir: Path | None = None):
-    """Build the training session (models on device, optimizers, writer) for `cfg`."""
+def check_resume_settings(cfg: Config, run_dir: Path) -> None:
+    """Refuse to continue a run with settings other than its own (except `RESUME_MAY_CHANGE`)."""
+    differ = [f"{key} (run: {old!r}, given: {new!r})" for key, old, new in config_diff(_saved_config(cfg, run_dir), cfg)
+              if not key.startswith(RESUME_MAY_CHANGE)]
+    if differ:
+        may = ", ".join(k + "*" if k.endswith(".") else k for k in RESUME_MAY_CHANGE)
+        raise ConfigError(f"cannot resume {run_dir} with other settings: {'; '.join(differ)}. A resumed run keeps "
+                          f"its config.yaml (only {may} may change); to go on with other settings start a new run "
+                          "from the weights: model.path=<checkpoint>/actor")
+
+
+def make_session(cfg: Config, run_dir: Path, start: Start):
+    """Build the training session for `cfg`, resuming `start`; writes nothing (`open_run` does, under the lock)."""
     from rldynamics.train.trainer import Session
 
-    run_dir = run_dir or resolve_run_dir(cfg)
-    check_installed(cfg.log.wandb, cfg.log.tensorboard)
-    torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.model.device)
+    torch.manual_seed(cfg.seed)
     base = base_model_path(cfg)
-    ckpt = find_checkpoint(cfg.checkpoint.resume, run_dir) if cfg.checkpoint.resume else None
-    actor_path = str(ckpt / "actor") if ckpt else base
-    model, tokenizer = load_model_and_tokenizer(actor_path, dtype=cfg.model.dtype, device=str(device),
-                                                chat_template=cfg.model.chat_template)
+    ckpt = start.checkpoint
+    model, tokenizer = load_model_and_tokenizer(str(ckpt / "actor") if ckpt else base, dtype=cfg.model.dtype,
+                                                device=str(device), chat_template=cfg.model.chat_template)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     ref_model = None
     if cfg.algo.kl_coef > 0 or cfg.analysis.enabled:  # the probe measures the KL gradient even at coef 0
@@ -73,11 +166,32 @@ def make_session(cfg: Config, run_dir: Path | None = None):
     if cfg.algo.adv_estimator == "gae":
         critic = load_value_model(str(ckpt / "critic") if ckpt else base, dtype=cfg.model.dtype, device=str(device))
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic.lr, weight_decay=0.0)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    writer = RunWriter(run_dir, sinks=_sinks(cfg, run_dir))
-    return Session(cfg=cfg, run_dir=run_dir, writer=writer, model=model, tokenizer=tokenizer, optimizer=optimizer,
+    if ckpt is not None:
+        load_trainer_state(ckpt, optimizer=optimizer, critic_optimizer=critic_optimizer)
+    return Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=optimizer,
                    ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer)
+
+
+def open_run(s, start: Start) -> None:
+    """The first writes (run directory locked): what was written after the resumed step dropped (everything when
+    starting from step 0; a damaged log line stops here, before any change), stale temporary checkpoints
+    removed, metric mirrors opened, config.yaml written."""
+    check_new_run(s.run_dir, start.in_place)  # again under the lock: another start may have won the race
+    s.writer = RunWriter(s.run_dir)
+    s.writer.truncate_after(start.step if start.checkpoint is not None else -1)
+    remove_stale(s.run_dir / "checkpoints")
+    s.writer.sinks = _sinks(s.cfg, s.run_dir)
+    save_config(s.cfg, s.run_dir / "config.yaml")
+
+
+def load_early_stop(stopper, start: Start) -> None:
+    """Restore the early-stop state of a resumed checkpoint (CheckpointError naming the file if it is foreign)."""
+    if start.state is None:
+        return
+    try:
+        stopper.load_state_dict(start.state["early_stop"])
+    except ValueError as e:
+        raise CheckpointError(f"{start.checkpoint / 'trainer_state.json'}: {e}") from None
 
 
 def _sinks(cfg: Config, run_dir: Path) -> list:

@@ -3,9 +3,18 @@
     rollout -> filter (whole groups) -> old / ref log-probs, values -> advantages (+ filter loss scaling)
     -> critic update -> [gradient analysis, on schedule, read-only] -> actor update
 
-then, in `train`, validation, checkpoint and logging. Every sampling call is seeded from (seed, step),
-so a resumed run replays exactly the steps an uninterrupted run would have taken. The gradient analysis
-(`train/analysis_pass.py`) is read-only: a run with it on ends with the parameters of the run with it off.
+then, in `train`, validation, the step's metrics row and the checkpoint. Every sampling call is seeded from
+(seed, step), so a resumed run replays exactly the steps an uninterrupted run would have taken. The gradient
+analysis (`train/analysis_pass.py`) is read-only: a run with it on ends with the parameters of the run with it off.
+
+Crash safety: the run directory is locked for the whole run (one writer), and a step's row is written before
+its checkpoint is published, so no checkpoint is ever ahead of the rows; a resumed run drops what was written
+after its checkpoint (rows, samples, analysis) and writes those steps again: every step once.
+
+Exploding training: a non-finite gradient skips the optimizer step (`actor/skipped_steps`); non-finite
+sampling scores (`rollout/non_finite_logits`) or parameters after an update (`actor/non_finite_parameters`)
+end the run early with that reason, without saving the broken state as a checkpoint. A validation whose
+scores are non-finite is logged as `val-env/<env>/non_finite_logits` and skipped.
 
 Probe mode (`analysis.only`, what `rldyn probe` runs): nothing is updated, early stopping is off, no
 checkpoint is written, a run resumed from a checkpoint keeps the checkpoint's step number (RAGEN's
@@ -29,12 +38,14 @@ from rldynamics.models.forward import batch_logprobs, batch_values
 from rldynamics.rollout.agent import env_metric_summary, rollout
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.rollout.rewards import reward_component_metrics, reward_rows, reward_stats
+from rldynamics.rollout.sampling import NonFiniteLogits
 from rldynamics.tracking.console import StepConsole
-from rldynamics.tracking.run_dir import RunWriter
+from rldynamics.tracking.grad_dump import GradientDumper
+from rldynamics.tracking.run_dir import RunLock, RunWriter
 from rldynamics.train import setup
 from rldynamics.train.actor import ActorInputs, single_pass, update_actor
 from rldynamics.train.analysis_pass import analysis_due, run_analysis
-from rldynamics.train.checkpoint import find_checkpoint, load_trainer_state, save_checkpoint
+from rldynamics.train.checkpoint import crash_point, save_checkpoint
 from rldynamics.train.critic import update_critic
 from rldynamics.train.early_stop import EarlyStopper
 from rldynamics.train.stages import (
@@ -48,6 +59,8 @@ from rldynamics.train.stages import (
 )
 
 EXITED = "exited_after_gradient_analysis"
+NON_FINITE_LOGITS = "non_finite_logits"
+NON_FINITE_PARAMETERS = "non_finite_parameters"
 
 
 @dataclass
@@ -56,7 +69,7 @@ class Session:
 
     cfg: Config
     run_dir: Path
-    writer: RunWriter
+    writer: RunWriter | None  # opened once the run directory is locked
     model: torch.nn.Module
     tokenizer: object
     optimizer: torch.optim.Optimizer
@@ -65,6 +78,7 @@ class Session:
     critic_optimizer: torch.optim.Optimizer | None = None
     console: StepConsole | None = None
     first_step: int = 1
+    dumper: GradientDumper | None = None  # analysis.dump_gradients: started by the first dump
 
     def seed_step(self, step: int) -> int:
         """The step whose env seeds and sampling seed `step` uses (`stages.seed_step`)."""
@@ -81,59 +95,81 @@ def timed(metrics: dict[str, float], name: str):
 
 def train(cfg: Config, run_dir: Path | None = None) -> Path:
     """Run training as configured (into `run_dir` if given); returns the run directory."""
-    s = setup.make_session(cfg, run_dir)
+    run_dir = run_dir or setup.resolve_run_dir(cfg)
+    start = setup.plan_start(cfg, run_dir)  # reads only; raises before any work
     stopper = EarlyStopper.for_run(cfg)
-    start = 0
-    if cfg.checkpoint.resume:
-        path = find_checkpoint(cfg.checkpoint.resume, s.run_dir)
-        state = load_trainer_state(path, optimizer=s.optimizer, critic_optimizer=s.critic_optimizer)
-        start = state["step"]
-        stopper.load_state_dict(state["early_stop"])
-        s.writer.truncate_after(start)
+    setup.load_early_stop(stopper, start)
+    s = setup.make_session(cfg, run_dir, start)  # writes nothing
+    with RunLock(run_dir) as lock:
+        setup.open_run(s, start)
+        if lock.stale:
+            print(f"note: {run_dir} was last opened by {lock.stale}, which ended without closing it")
+        if start.in_place and start.checkpoint is None:
+            print(f"note: {run_dir} has no checkpoint yet; training it again from step 0")
+        try:
+            run_steps(s, start.step, stopper)
+        finally:
+            if s.dumper is not None:
+                s.dumper.close()  # every queued gradient dump is on disk (or its error raised) before the run ends
+        s.writer.close()
+        if cfg.log.report:
+            _write_report(s.run_dir)
+    return s.run_dir
+
+
+def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
+    """Validation before training, then the steps after `start`, each logged before its checkpoint is saved."""
+    cfg, env = s.cfg, s.cfg.env.name
     s.first_step = start if cfg.analysis.only and start > 0 else start + 1  # a probe keeps the checkpoint's step
     if cfg.val.before_train and (start == 0 or cfg.analysis.only):
         s.writer.log(start, validate(s))
-    env = cfg.env.name
     with StepConsole(cfg.train.steps, env, enabled=cfg.log.progress) as console:
         s.console = console
         console.advance(s.first_step - 1, {})
         for step in range(s.first_step, cfg.train.steps + 1):
             t0 = time.perf_counter()
-            metrics, stop = train_step(s, step, stopper)
+            try:
+                metrics, stop = train_step(s, step, stopper)
+            except NonFiniteLogits:
+                metrics, stop = {"rollout/non_finite_logits": 1.0}, NON_FINITE_LOGITS
             if stop == EXITED:
                 s.writer.log(step, metrics)
                 console.print(f"[yellow]exited after the gradient analysis of step {step}")
                 break
             if stop is None and cfg.val.every > 0 and (step % cfg.val.every == 0 or step == cfg.train.steps):
-                console.phase("validation")
                 metrics.update(validate(s))
-                stop = stopper.after_validation(metrics[f"val-env/{env}/success"])
+                if f"val-env/{env}/success" in metrics:
+                    stop = stopper.after_validation(metrics[f"val-env/{env}/success"])
             if stop is not None:
                 metrics[f"early_stopped/{stop}"] = 1.0
-            if _checkpoint_due(cfg, step, last=stop is not None):
+            metrics["timing_s/step"] = time.perf_counter() - t0
+            s.writer.log(step, metrics)  # before the checkpoint: a resumed run never lacks this row
+            crash_point("logged", step)
+            if stop not in (NON_FINITE_LOGITS, NON_FINITE_PARAMETERS) and _checkpoint_due(cfg, step, stop is not None):
                 console.phase("checkpoint")
                 save_checkpoint(s.run_dir / "checkpoints", step, model=s.model, tokenizer=s.tokenizer,
                                 optimizer=s.optimizer, critic=s.critic, critic_optimizer=s.critic_optimizer,
                                 trainer_state={"early_stop": stopper.state_dict()},
                                 keep_last=cfg.checkpoint.keep_last)
-            metrics["timing_s/step"] = time.perf_counter() - t0
-            s.writer.log(step, metrics)
             console.advance(step, metrics)
             if stop is not None:
                 console.print(f"[yellow]early stop at step {step}: {stop}")
                 break
-    s.writer.close()
-    if cfg.log.report:
-        _write_report(s.run_dir)
-    return s.run_dir
 
 
 def _write_report(run_dir: Path) -> None:
-    """Figures and the HTML report of the finished run (plotting reads only the run directory)."""
+    """Figures and the HTML report of the finished run (plotting reads only the run directory).
+
+    The run is complete before this; a figure that cannot be drawn is reported in one line and never fails it."""
     from rldynamics.plots.cli import plot_command, report_command
 
-    plot_command(run_dir)
-    report_command(run_dir)
+    try:
+        plot_command(run_dir)
+        report_command(run_dir)
+    except Exception as e:  # noqa: BLE001 (the training result must not be lost to a plotting problem)
+        print(f"warning: the figures or report of {run_dir} could not be written ({e.__class__.__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}); the run directory is complete, retry with "
+              f"`rldyn report {run_dir}`")
 
 
 def _checkpoint_due(cfg: Config, step: int, last: bool) -> bool:
@@ -159,6 +195,7 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     s.writer.log_rewards(rows)
     m.update(reward_stats(rows, batch.reward_names))
     _log_samples(s, step, batch)
+    crash_point("samples", step)
 
     batch, filter_m, group_std = filter_batch(batch, cfg.filter)
     m.update(filter_m)
@@ -189,7 +226,16 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
                                   torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1))))
         if inputs.old_logprobs is None:  # one step on the rollout policy: its entropy is the update's
             m["actor/entropy"] = m["actor/entropy_loss"]
+        if not _all_finite(s.model, s.critic):  # an optimizer step overflowed: nothing left to train or save
+            m["actor/non_finite_parameters"] = 1.0
+            return m, NON_FINITE_PARAMETERS
     return m, None
+
+
+def _all_finite(*models) -> bool:
+    """True when every parameter of the given models (None skipped) is finite."""
+    params = [p for m in models if m is not None for p in m.parameters()]
+    return bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
 
 
 def _analyse(s: Session, step: int, m: dict, batch, inputs, group_std, kept_ratio: float) -> str | None:
@@ -202,6 +248,7 @@ def _analyse(s: Session, step: int, m: dict, batch, inputs, group_std, kept_rati
     with timed(m, "gradient_analysis"):
         m.update(run_analysis(s, step, batch, inputs, group_std, kept_ratio,
                               lambda b, metrics, kept: prepare_update(s, b, metrics, kept)))
+    crash_point("analysis", step)
     if cfg.analysis.exit_after:
         m["trainer/exited_after_gradient_analysis"] = 1.0
         return EXITED
@@ -251,15 +298,20 @@ def _log_samples(s: Session, step: int, batch: RolloutBatch) -> None:
 
 @torch.no_grad()
 def validate(s: Session) -> dict[str, float]:
-    """Validation rollouts on the fixed puzzles; RNG streams are left as they were."""
+    """Validation rollouts on the fixed puzzles; RNG streams are left as they were.
+
+    Returns only `val-env/<env>/non_finite_logits` when the policy's sampling scores are not finite."""
     cfg = s.cfg
     if s.console is not None:
         s.console.phase("validation")
     start = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(step_seed(cfg.seed, 0, stream=2))
-        batch = rollout(s.model, s.tokenizer, val_seeds(cfg.val.seed_base, cfg.val.env_groups), cfg.val.group_size,
-                        cfg.env, temperature=cfg.val.temperature)
+        try:
+            batch = rollout(s.model, s.tokenizer, val_seeds(cfg.val.seed_base, cfg.val.env_groups),
+                            cfg.val.group_size, cfg.env, temperature=cfg.val.temperature)
+        except NonFiniteLogits:
+            return {f"val-env/{cfg.env.name}/non_finite_logits": 1.0}
     metrics = env_metric_summary(batch, f"val-env/{cfg.env.name}", cfg.val.group_size)
     metrics["timing_s/val"] = time.perf_counter() - start
     return metrics

@@ -1,0 +1,125 @@
+"""Crash safety and one writer per run directory.
+
+A real `rldyn train` process is killed (SIGKILL) at named write boundaries through the `RLDYN_CRASH_AT` test hook
+(`train/checkpoint.py: crash_point`), resumed, killed again, and finally completed: the run directory must then
+hold every step's row, samples and analysis exactly once, and the weights of an uninterrupted run, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rldynamics.cli import main
+from rldynamics.config import make_config
+from rldynamics.tracking.run_dir import RunInUse, RunLock, RunWriter, read_metrics
+from rldynamics.train.trainer import train
+
+# Each resume starts where the previous process was killed: before the first checkpoint (restart from step 0),
+# between a step's row and its checkpoint, and inside a checkpoint write (leaving a temporary directory).
+KILLS = [("samples", 1), ("logged", 2), ("checkpoint_files", 3)]
+SETTINGS = ["train.steps=3", "checkpoint.every=1", "algo.adv_estimator=gae", "analysis.enabled=true",
+            "analysis.every=2", "val.every=2"]
+
+
+def _rldyn_train(args: list[str], crash_at: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}  # the test process runs torch on 2 threads too (conftest)
+    env.pop("RLDYN_CRASH_AT", None)
+    if crash_at:
+        env["RLDYN_CRASH_AT"] = crash_at
+    return subprocess.run([sys.executable, "-m", "rldynamics.cli", "train", *args], env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+def _lines(file: Path) -> list[dict]:
+    return [json.loads(line) for line in file.read_text().splitlines()]
+
+
+def _without_timing(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("timing_s/")} for r in rows]
+
+
+def test_killed_at_write_boundaries_then_resumed(fast_overrides):
+    straight = train(make_config(overrides=[*fast_overrides, *SETTINGS, "log.name=straight"]))
+    run = straight.parent / "killed"
+    args = [*fast_overrides, *SETTINGS, "log.name=killed"]
+    for n, (point, step) in enumerate(KILLS):
+        out = _rldyn_train(args + (["checkpoint.resume=latest"] if n else []), crash_at=f"{point}:{step}")
+        assert out.returncode == -signal.SIGKILL, out.stderr
+    assert list((run / "checkpoints").glob(".tmp_step_3_*"))  # the last kill left a half-written checkpoint
+    out = _rldyn_train([f"log.run_dir={run.parent}", "log.name=killed", "checkpoint.resume=latest"])
+    assert out.returncode == 0, out.stderr
+
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
+    assert _without_timing(read_metrics(run)) == _without_timing(read_metrics(straight))
+    assert _lines(run / "samples.jsonl") == _lines(straight / "samples.jsonl")
+    assert [s["step"] for s in _lines(run / "samples.jsonl")] == [1, 2, 3]
+    assert _lines(run / "rewards.jsonl") == _lines(straight / "rewards.jsonl")
+    assert sorted(p.name for p in (run / "analysis").iterdir()) == ["step_1", "step_3"]
+    for step in (1, 3):
+        assert (run / f"analysis/step_{step}/groups.csv").read_bytes() == \
+            (straight / f"analysis/step_{step}/groups.csv").read_bytes()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1", "step_2", "step_3"]
+    for part in ("actor/model.safetensors", "critic/value_head.safetensors"):
+        a, b = (load_file(str(r / "checkpoints/step_3" / part)) for r in (straight, run))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+HOLD = "import sys, time\nfrom rldynamics.tracking.run_dir import RunLock\nwith RunLock(sys.argv[1]):\n" \
+       "    print('locked', flush=True)\n    time.sleep(120)\n"
+
+
+def test_second_writer_fails_at_once_naming_the_holder(fast_overrides, capsys):
+    run = Path(fast_overrides[-1].split("=", 1)[1]) / "busy"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert main(["train", *fast_overrides, "log.name=busy"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"pid {holder.pid} on host" in err and "in use" in err
+        assert [p.name for p in run.iterdir()] == [".lock"]  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder was killed: its lock is stale, the next start takes it over and says so.
+    assert main(["train", *fast_overrides, "log.name=busy"]) == 0
+    assert f"last opened by pid {holder.pid}" in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
+
+
+def test_lock_is_exclusive_within_one_process_too(tmp_path):
+    with RunLock(tmp_path / "run") as first:
+        assert first.stale is None
+        with pytest.raises(RunInUse, match=f"pid {os.getpid()}"):
+            RunLock(tmp_path / "run").check()
+        with pytest.raises(RunInUse), RunLock(tmp_path / "run"):
+            pass
+    with RunLock(tmp_path / "run") as again:  # released cleanly: not stale
+        assert again.stale is None
+
+
+def test_resume_truncation_keeps_steps_up_to_the_checkpoint(tmp_path):
+    writer = RunWriter(tmp_path)
+    for step in range(4):
+        writer.log(step, {"x": float(step)})
+        writer.log_samples(step, [{"text": "t", "reward": 0.0}])
+        writer.analysis_dir(step)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "x": 1.')  # a row cut by a kill
+    writer.truncate_after(1)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+    assert [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()] == [0, 1]
+    assert sorted(p.name for p in (tmp_path / "analysis").iterdir()) == ["step_0", "step_1"]
+    damaged = (tmp_path / "metrics.jsonl").read_bytes().replace(b'{"step": 0', b'{"stop": 0')
+    (tmp_path / "metrics.jsonl").write_bytes(damaged + b'{"step": 1, "x": 2.0}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl: line 1 is not a JSON row with a step"):
+        writer.truncate_after(0)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == damaged + b'{"step": 1, "x": 2.0}\n'  # unchanged
