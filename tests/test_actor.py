@@ -12,7 +12,7 @@ from rldynamics.models.forward import batch_logprobs
 from rldynamics.models.loading import load_model_and_tokenizer
 from rldynamics.models.tiny import ensure_tiny_model
 from rldynamics.rollout.agent import rollout
-from rldynamics.train.actor import ActorInputs, sub_batch_share, update_actor, weighted_total
+from rldynamics.train.actor import ActorInputs, single_pass, sub_batch_share, update_actor, weighted_total
 from rldynamics.train.early_stop import EarlyStopper
 from rldynamics.train.warmstart import tiny_corpus
 
@@ -109,3 +109,30 @@ def test_early_stopping_rules():
     assert [val.after_validation(0.0) for _ in range(5)][-1] == "low_validation_success"
     val.load_state_dict(EarlyStopper(cfg, 3).state_dict())
     assert val.after_validation(0.0) is None  # counter restored to zero
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo", "cispo"])
+def test_on_policy_update_without_old_pass_matches_the_old_pass(setup, policy_loss):
+    """One epoch, one mini-batch: the update's own detached log-probs stand in for the old-log-prob pass."""
+    model, batch, inputs = setup
+    overrides = ["train.micro_batch_size=4", "algo.loss_agg_mode=seq-mean-token-mean", "algo.entropy_coef=0.01",
+                 f"algo.policy_loss={policy_loss}"]
+    cfg = make_config(overrides=["train.mini_batch_size=6", "train.ppo_epochs=1", *overrides])
+    own = ActorInputs(old_logprobs=None, advantages=inputs.advantages)
+    results = []
+    for inp in (inputs, own):  # SGD with lr 1: the parameter change is the clipped gradient itself
+        m = copy.deepcopy(model)
+        metrics = update_actor(m, torch.optim.SGD(m.parameters(), lr=1.0), batch, inp, cfg.algo, cfg.train)
+        results.append((m, metrics))
+    (with_pass, m_pass), (without, m_own) = results
+    for p, q in zip(with_pass.parameters(), without.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7)
+    for key in ("actor/pg_loss", "actor/entropy_loss", "actor/grad_norm"):
+        assert m_own[key] == pytest.approx(m_pass[key], rel=1e-5, abs=1e-7)
+    assert m_own["actor/ppo_kl"] == 0.0 and m_own["actor/pg_clipfrac"] == 0.0  # ratio exactly 1
+
+
+def test_single_pass_needs_one_epoch_and_one_mini_batch():
+    train = make_config(overrides=["train.ppo_epochs=1", "train.mini_batch_size=8"]).train
+    assert single_pass(train, 8) and not single_pass(train, 9)
+    assert not single_pass(make_config(overrides=["train.ppo_epochs=2", "train.mini_batch_size=8"]).train, 8)

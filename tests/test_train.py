@@ -55,6 +55,28 @@ def test_resume_gives_identical_weights(fast_overrides):
     assert _metrics_without_timing(straight)[-1] == _metrics_without_timing(resumed)[-1]
 
 
+def test_on_policy_update_skips_the_old_log_prob_pass(fast_overrides):
+    """One epoch over one mini-batch: no old-log-prob forward, and the same weights as a run that does it.
+
+    The run with the gradient analysis at every step keeps the pass (the probe needs the old log-probs);
+    the analysis is read-only, so its weights are those the pass gives.
+    """
+    common = [*fast_overrides, "algo.adv_estimator=grpo", "train.ppo_epochs=1", "train.mini_batch_size=4",
+              "train.micro_batch_size=3", "val.every=0", "val.before_train=false"]
+    own = train(make_config(overrides=[*common, "log.name=own"]))
+    kept = train(make_config(overrides=[*common, "log.name=kept", "analysis.enabled=true", "analysis.every=1"]))
+    own_rows, kept_rows = read_metrics(own), read_metrics(kept)
+    assert all("timing_s/old_log_prob" not in r for r in own_rows)
+    assert all("timing_s/old_log_prob" in r for r in kept_rows)
+    a, b = _weights(own, 2), _weights(kept, 2)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    for r, q in zip(own_rows, kept_rows, strict=True):
+        assert r["actor/entropy"] == pytest.approx(q["actor/entropy"], rel=1e-5)
+        assert r["actor/pg_loss"] == pytest.approx(q["actor/pg_loss"], abs=1e-6)
+        assert r["actor/ppo_kl"] == 0.0
+
+
 def test_trains_another_architecture_from_a_local_path(fast_overrides, tmp_path):
     """`model.path=DIR` takes any causal LM saved with save_pretrained: here a Llama, with critic and reference."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM

@@ -24,6 +24,7 @@ from rldynamics.envs import make_env
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.rollout.chat import ChatPrompts, Conversation
 from rldynamics.rollout.parse import ParsedTurn, parse_answer, parse_response
+from rldynamics.rollout.prefill import shared_prompt_cache
 from rldynamics.rollout.rewards import resolve_weights, weighted_sum
 from rldynamics.rollout.sampling import sampling_guard
 
@@ -191,10 +192,13 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
         input_ids[i, width - len(p):] = torch.tensor(p)
         attention[i, width - len(p):] = 1
     device = next(model.parameters()).device
+    input_ids, attention = input_ids.to(device), attention.to(device)
+    cache = shared_prompt_cache(model, input_ids, attention)  # a group's shared prompt is encoded once
     out = model.generate(
-        input_ids=input_ids.to(device), attention_mask=attention.to(device), do_sample=True,
+        input_ids=input_ids, attention_mask=attention, do_sample=True,
         temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
         pad_token_id=pad, logits_processor=sampling_guard(temperature),  # the guard applies the temperature
+        **({"past_key_values": cache} if cache is not None else {}),
     )  # [B, W + new]
     stops = set(stop_ids)
     responses = []

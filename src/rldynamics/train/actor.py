@@ -4,6 +4,8 @@ Design choices:
 - `loss_terms` returns the unweighted terms `pg`, `entropy`, `kl` of one micro-batch; `weighted_total`
   forms the training loss in exactly one place. The gradient probe calls `loss_terms` too, so the loss
   it differentiates is the loss that is trained.
+- Micro-batches take the mini-batch's rows from shortest to longest, and each forward is trimmed to its own
+  longest row (`models.forward`), so short rows are not padded to the longest row of the batch.
 - Aggregation is exact over a mini-batch, whatever the micro-batch size: each micro-batch's terms are
   multiplied by `sub_batch_share`, the share of the mini-batch's aggregation weight its rows carry,
   so the sum over micro-batches equals the loss of the whole mini-batch aggregated at once.
@@ -18,17 +20,30 @@ import torch
 
 from rldynamics.algo.losses import aggregate, aggregation_weights, kl_penalty, policy_loss
 from rldynamics.config import AlgoConfig, TrainConfig
-from rldynamics.models.forward import micro_batches, token_logprobs
+from rldynamics.models.forward import by_length, micro_batches, token_logprobs
 from rldynamics.rollout.batch import RolloutBatch
 
 
 @dataclass
 class ActorInputs:
-    """Per-token tensors the actor loss needs besides the rollout itself (all [N, L], on CPU)."""
+    """Per-token tensors the actor loss needs besides the rollout itself (all [N, L], on CPU).
 
-    old_logprobs: torch.Tensor
+    `old_logprobs` None means the update is on-policy (`single_pass`): the loss uses its own log-probs,
+    detached, as the old ones (ratio exactly 1), so no separate old-log-prob pass is needed.
+    """
+
+    old_logprobs: torch.Tensor | None
     advantages: torch.Tensor
     ref_logprobs: torch.Tensor | None = None
+
+
+def single_pass(train: TrainConfig, batch_size: int) -> bool:
+    """Whether the update of a `batch_size` batch is one optimizer step on the rollout policy itself.
+
+    One epoch over one mini-batch: every micro-batch's forward sees the parameters that sampled the batch,
+    so the old log-probs are the update's own log-probs, detached.
+    """
+    return train.ppo_epochs == 1 and train.mini_batch_size >= batch_size
 
 
 def sub_batch_share(mask: torch.Tensor, rows: torch.Tensor, mode: str) -> float:
@@ -53,11 +68,11 @@ def loss_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInpu
     All terms come from one forward pass.
     """
     device = next(model.parameters()).device
-    logprobs, entropy = token_logprobs(model, batch.input_ids[rows].to(device),
-                                       batch.attention_mask[rows].to(device),
-                                       temperature=temperature, with_entropy=True)  # [n, L], [n, L]
     mask = batch.response_mask[rows].to(device)  # [n, L]
-    old = inputs.old_logprobs[rows].to(device)  # [n, L]
+    logprobs, entropy = token_logprobs(model, batch.input_ids[rows].to(device),
+                                       batch.attention_mask[rows].to(device), temperature=temperature,
+                                       with_entropy=True, positions=mask)  # [n, L], [n, L]
+    old = logprobs.detach() if inputs.old_logprobs is None else inputs.old_logprobs[rows].to(device)  # [n, L]
 
     def pg_loss(advantages: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         return policy_loss(logprobs, old, advantages[rows].to(device), mask, kind=cfg.policy_loss,
@@ -118,7 +133,7 @@ def _mini_batch_step(model, optimizer, params, batch, mini, inputs, algo, train)
     optimizer.zero_grad(set_to_none=True)
     stats = {"pg_loss": 0.0, "entropy_loss": 0.0, "kl_loss": 0.0, "pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0,
              "ppo_kl": 0.0}
-    for positions in micro_batches(torch.arange(len(mini)), train.micro_batch_size):
+    for positions in micro_batches(by_length(batch.attention_mask[mini]), train.micro_batch_size):
         rows = mini[positions]  # [n]
         share = sub_batch_share(batch.response_mask[mini], positions, algo.loss_agg_mode)
         if share == 0.0:

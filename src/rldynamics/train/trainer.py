@@ -43,7 +43,7 @@ from rldynamics.tracking.console import StepConsole
 from rldynamics.tracking.grad_dump import GradientDumper
 from rldynamics.tracking.run_dir import RunLock, RunWriter
 from rldynamics.train import setup
-from rldynamics.train.actor import ActorInputs, update_actor
+from rldynamics.train.actor import ActorInputs, single_pass, update_actor
 from rldynamics.train.analysis_pass import analysis_due, run_analysis
 from rldynamics.train.checkpoint import crash_point, save_checkpoint
 from rldynamics.train.critic import update_critic
@@ -208,7 +208,8 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
         return m, stop
 
     s.console.phase("log-probs")
-    inputs, values, returns = prepare_update(s, batch, m, filter_m["rollout/filter_kept_ratio"])
+    own_old = single_pass(cfg.train, len(batch)) and not cfg.analysis.only and not analysis_due(cfg, step)
+    inputs, values, returns = prepare_update(s, batch, m, filter_m["rollout/filter_kept_ratio"], old_pass=not own_old)
     m.update(data_metrics(batch, inputs.advantages, returns, values))
 
     if s.critic is not None and not cfg.analysis.only:
@@ -223,6 +224,8 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
         with timed(m, "update_actor"):
             m.update(update_actor(s.model, s.optimizer, batch, inputs, cfg.algo, cfg.train,
                                   torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1))))
+        if inputs.old_logprobs is None:  # one step on the rollout policy: its entropy is the update's
+            m["actor/entropy"] = m["actor/entropy_loss"]
         if not _all_finite(s.model, s.critic):  # an optimizer step overflowed: nothing left to train or save
             m["actor/non_finite_parameters"] = 1.0
             return m, NON_FINITE_PARAMETERS
@@ -252,20 +255,27 @@ def _analyse(s: Session, step: int, m: dict, batch, inputs, group_std, kept_rati
     return None
 
 
-def prepare_update(s: Session, batch: RolloutBatch, m: dict,
-                   kept_ratio: float) -> tuple[ActorInputs, torch.Tensor | None, torch.Tensor | None]:
-    """Old / reference log-probs, critic values, advantages (scaled by the filter) and returns of a batch."""
+def prepare_update(s: Session, batch: RolloutBatch, m: dict, kept_ratio: float, *,
+                   old_pass: bool = True) -> tuple[ActorInputs, torch.Tensor | None, torch.Tensor | None]:
+    """Old / reference log-probs, critic values, advantages (scaled by the filter) and returns of a batch.
+
+    `old_pass=False` skips the old-log-prob forward for an on-policy update (`actor.single_pass`): the update
+    then uses its own detached log-probs (`ActorInputs.old_logprobs` None) and `actor/entropy` comes from it.
+    """
     cfg = s.cfg
     micro = cfg.train.micro_batch_size
-    with timed(m, "old_log_prob"):
-        old, entropy = batch_logprobs(s.model, batch.input_ids, batch.attention_mask, micro_batch_size=micro,
-                                      temperature=cfg.train.temperature, with_entropy=True)  # [N, L]
-    m["actor/entropy"] = aggregate(entropy, batch.response_mask, cfg.algo.loss_agg_mode).item()
-    inputs = ActorInputs(old_logprobs=old, advantages=torch.zeros_like(old))
+    inputs = ActorInputs(old_logprobs=None, advantages=torch.zeros_like(batch.response_mask))
+    if old_pass:
+        with timed(m, "old_log_prob"):
+            inputs.old_logprobs, entropy = batch_logprobs(s.model, batch.input_ids, batch.attention_mask,
+                                                          micro_batch_size=micro, temperature=cfg.train.temperature,
+                                                          with_entropy=True, positions=batch.response_mask)  # [N, L]
+        m["actor/entropy"] = aggregate(entropy, batch.response_mask, cfg.algo.loss_agg_mode).item()
     if s.ref_model is not None:
         with timed(m, "ref"):
             inputs.ref_logprobs, _ = batch_logprobs(s.ref_model, batch.input_ids, batch.attention_mask,
-                                                    micro_batch_size=micro, temperature=cfg.train.temperature)
+                                                    micro_batch_size=micro, temperature=cfg.train.temperature,
+                                                    positions=batch.response_mask)
         m["rollout/ref_log_prob"] = masked_mean(inputs.ref_logprobs, batch.response_mask).item()
     values = None
     if s.critic is not None:

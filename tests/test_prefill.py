@@ -1,0 +1,65 @@
+"""Shared-prompt prefill: the cached prompt gives generate's own logits and samples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rldynamics.config import make_config
+from rldynamics.models.loading import load_model_and_tokenizer
+from rldynamics.models.tiny import ensure_tiny_model
+from rldynamics.rollout.agent import generate
+from rldynamics.rollout.chat import ChatPrompts
+from rldynamics.rollout.prefill import shared_prompt_cache
+from rldynamics.train.warmstart import tiny_corpus
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    cfg = make_config(overrides=["env.max_new_tokens=6"])
+    path = ensure_tiny_model(lambda: tiny_corpus(cfg.env, num_seeds=10), tmp_path_factory.mktemp("cache"),
+                             hidden_size=32, num_layers=2, intermediate_size=64)
+    model, tokenizer = load_model_and_tokenizer(str(path))
+    long = tokenizer("Turn 1:\nState:\n#####\n#_P_#\n#####\nYou have 10 actions left.")["input_ids"]
+    prompts = [long] * 3 + [long[:-7]] * 2 + [long[3:]]  # groups of different lengths (left padding) and a single
+    return model, tokenizer, prompts
+
+
+def _left_pad(prompts, pad):
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [B, W]
+    return ids, (ids != pad).long() if pad not in sum(prompts, []) else None
+
+
+def test_cached_prompt_gives_the_full_forward_logits(setup):
+    model, tokenizer, prompts = setup
+    ids, attn = _left_pad(prompts, tokenizer.pad_token_id)  # [B, W]
+    cache = shared_prompt_cache(model, ids, attn)
+    assert cache is not None and cache.get_seq_length() == ids.shape[1] - 1
+    positions = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 0)  # [B, W]
+    with torch.no_grad():
+        last = model(input_ids=ids[:, -1:], attention_mask=attn, position_ids=positions[:, -1:],
+                     past_key_values=cache).logits[:, -1]  # [B, V]
+        full = model(input_ids=ids, attention_mask=attn, position_ids=positions).logits[:, -1]  # [B, V]
+    torch.testing.assert_close(last, full, rtol=1e-5, atol=1e-5)
+
+
+def test_no_cache_when_every_prompt_differs(setup):
+    model, tokenizer, prompts = setup
+    ids, attn = _left_pad([prompts[0], prompts[3]], tokenizer.pad_token_id)
+    assert shared_prompt_cache(model, ids, attn) is None
+
+
+def test_generate_samples_what_plain_generate_samples(setup):
+    model, tokenizer, prompts = setup
+    stop_ids = ChatPrompts(tokenizer, model=model).stop_ids
+    torch.manual_seed(3)
+    shared = generate(model, tokenizer, prompts, 12, 1.0, stop_ids)
+    ids, attn = _left_pad(prompts, tokenizer.pad_token_id)
+    torch.manual_seed(3)
+    out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                         max_new_tokens=12, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
+    plain = [[t for t in row] for row in out[:, ids.shape[1]:].tolist()]
+    plain = [row[:next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))] for row in plain]
+    assert shared == plain
+    assert len({tuple(r) for r in shared[:3]}) > 1  # group members still sample their own tokens
