@@ -179,6 +179,10 @@ class CriticConfig:
     """Value clipping range around the old values."""
     max_grad_norm: float = 1.0
     """Critic gradient clipping."""
+    ppo_epochs: int | None = None
+    """Passes of the critic over the batch per step (null = train.ppo_epochs)."""
+    warmup_steps: int = 0
+    """The first N steps update only the critic (no actor update, no analysis); RAGEN's trainer.critic_warmup."""
 
 
 @dataclass
@@ -417,6 +421,10 @@ def validate(cfg: Config) -> Config:
     for key in POSITIVE_INTS:
         if _get(cfg, key) < 1:
             raise ConfigError(f"{key} must be a positive integer, got {_get(cfg, key)}")
+    if cfg.critic.warmup_steps < 0:
+        raise ConfigError(f"critic.warmup_steps must be >= 0, got {cfg.critic.warmup_steps}")
+    if cfg.critic.ppo_epochs is not None and cfg.critic.ppo_epochs < 1:
+        raise ConfigError(f"critic.ppo_epochs must be >= 1 (or null = train.ppo_epochs), got {cfg.critic.ppo_epochs}")
     if cfg.checkpoint.keep_last < 0:
         raise ConfigError(f"checkpoint.keep_last must be >= 0 (0 = keep all), got {cfg.checkpoint.keep_last}")
     if cfg.train.steps < 0:
