@@ -215,6 +215,13 @@ class AnalysisConfig:
     """Reward-variance buckets."""
     bucket_mode: str = "quantile"
     """quantile | fixed_rv."""
+    zero_bucket: bool = True
+    """Zero-variance groups form their own bucket_0 and tied reward stds share a bucket (false: RAGEN's plain split)."""
+    per_group: bool = False
+    """Also differentiate every group alone: per-group norms in groups.csv and 95 % bootstrap intervals over groups
+    of every bucket norm and reg_share (.../ci_low, .../ci_high); costs more, smaller forward passes."""
+    bootstrap_resamples: int = 1000
+    """Bootstrap resamples of the per-group intervals (with per_group)."""
     env_groups: int | None = None
     """Separate analysis batch: groups (null = analyse the training batch)."""
     group_size: int | None = None
@@ -313,7 +320,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 POSITIVE_INTS = (
     "env.max_turns", "env.max_actions_per_turn", "env.max_actions_per_traj", "env.max_new_tokens",
     "train.env_groups", "train.group_size", "train.ppo_epochs", "train.mini_batch_size", "train.micro_batch_size",
-    "val.env_groups", "val.group_size", "analysis.every", "analysis.num_buckets",
+    "val.env_groups", "val.group_size", "analysis.every", "analysis.num_buckets", "analysis.bootstrap_resamples",
 )  # fmt: skip
 
 
