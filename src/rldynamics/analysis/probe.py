@@ -27,7 +27,7 @@ Semantics (``DESIGN.md`` §4.2–4.4, metric names from ``reference/ragen_behavi
   of ``reg_share`` are computed without further passes (``analysis/bootstrap.py``; ``.../ci_low``,
   ``.../ci_high``; ``all`` gets none). Cost: the same rows are forwarded, in one call per group (more, smaller
   micro-batches), and the vectors of one bucket's groups are held at a time: memory ``m_b × 3 × P`` floats for
-  the largest bucket's ``m_b`` groups (``bench/per_group_cost.py``). One process only.
+  the largest bucket's ``m_b`` groups (``bench/analysis_overhead.py``, phase f). One process only.
 - Reward components (optional): with ``component_advantages`` the task loss is also differentiated with each
   named reward component's own advantages on the same forward pass (``reward/<name>`` terms), and
   ``analysis.reward_grad`` turns them into ``reward_grad/<bucket>/*`` metrics and matrices.
