@@ -218,8 +218,7 @@ class AnalysisConfig:
     zero_bucket: bool = True
     """Zero-variance groups form their own bucket_0 and tied reward stds share a bucket (false: RAGEN's plain split)."""
     per_group: bool = False
-    """Also differentiate every group alone: per-group norms in groups.csv and 95 % bootstrap intervals over groups
-    of every bucket norm and reg_share (.../ci_low, .../ci_high); costs more, smaller forward passes."""
+    """Differentiate every group alone too: per-group norms in groups.csv, 95 % bootstrap CIs (.../ci_low|ci_high)."""
     bootstrap_resamples: int = 1000
     """Bootstrap resamples of the per-group intervals (with per_group)."""
     env_groups: int | None = None
