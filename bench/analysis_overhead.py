@@ -14,9 +14,11 @@ interleaved in every repeat:
   (d) the three-reward-component analysis (`analysis.terms=[] analysis.reward_grad=true`): per-component
       advantages of correctness / format / length, one forward and three backward passes per micro-batch,
       6 buckets + `all`, cosine matrices and per-layer profiles;
-  (e) the probe of (b) and the components of (d) together (the default terms with `analysis.reward_grad`).
+  (e) the probe of (b) and the components of (d) together (the default terms with `analysis.reward_grad`);
+  (f) the probe of (b) with `analysis.per_group`: every group differentiated alone, and 1000-resample bootstrap
+      intervals over groups of every bucket norm and reg_share.
 
-Prints the medians, the ratios b/a (target ≤ 2.6), c/b (target ≥ 2), d/a (target ≤ 2.6) and e/a, and the
+Prints the medians, the ratios b/a (target ≤ 2.6), c/b (target ≥ 2), d/a (target ≤ 2.6), e/a and f/b, and the
 peak memory of each
 phase above the resident memory before it (CPU: VmHWM after resetting it through /proc/self/clear_refs,
 falling back to ru_maxrss; CUDA: torch.cuda.max_memory_allocated).
@@ -186,6 +188,8 @@ def main() -> None:
                                                          micro_batch_size=train.micro_batch_size, temperature=1.0),
         "d: 3 reward components": lambda: gradient_probe(model, batch, inputs, group_std, terms=(), **comp_kw),
         "e: probe + 3 components": lambda: gradient_probe(model, batch, inputs, group_std, **comp_kw),
+        "f: probe, per group + CIs": lambda: gradient_probe(model, batch, inputs, group_std, per_group=True,
+                                                            **probe_kw),
     }
     times: dict[str, list[float]] = {k: [] for k in phases}
     peaks: dict[str, float] = dict.fromkeys(phases, 0.0)
@@ -204,11 +208,12 @@ def main() -> None:
     for name in phases:
         med[name] = statistics.median(times[name])
         print(f"{name:28s} {med[name]:9.3f} {min(times[name]):8.3f} {max(times[name]):8.3f} {peaks[name]:9.1f}")
-    a, b, c, d, e = (med[k] for k in phases)
+    a, b, c, d, e, f = (med[k] for k in phases)
     print(f"b/a = {b / a:.2f}  (target <= 2.6)")
     print(f"c/b = {c / b:.2f}  (target >= 2)")
     print(f"d/a = {d / a:.2f}  (target <= 2.6: one forward and three backward passes)")
     print(f"e/a = {e / a:.2f}")
+    print(f"f/b = {f / b:.2f}  (per-group gradients and bootstrap intervals against the bucket probe)")
 
 
 if __name__ == "__main__":

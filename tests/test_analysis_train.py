@@ -31,11 +31,11 @@ def test_analysis_every_step_leaves_training_bit_identical(fast_overrides):
     assert _same_weights(_weights(on, 2), _weights(off, 2))
     rows = read_metrics(on)
     for key in ("grad_norm/all/task", "grad_norm/all/entropy", "grad_norm/all/kl", "grad_norm/all/raw/kl",
-                "grad_norm/bucket_1/task", "grad_norm/bucket_1/per_sample/task", "grad_norm/all/cos/task_entropy",
+                "grad_norm/bucket_0/task", "grad_norm/bucket_0/per_sample/task", "grad_norm/all/cos/task_entropy",
                 "grad_norm/all/reg_share", "actor/grad_norm/task", "actor/loss/total"):
         assert key in rows[1] and key in rows[2], key
     table = list(csv.DictReader(open(on / "analysis" / "step_1" / "groups.csv")))
-    assert {r["bucket"] for r in table} <= {"bucket_1", "bucket_2"} and len(table) == 2  # 2 groups
+    assert {r["bucket"] for r in table} == {"bucket_0"} and len(table) == 2  # 2 groups, no answer in format: RV = 0
     sketches = load_file(str(on / "analysis" / "step_1" / "sketches.safetensors"))
     assert "grad_norm/all/task" in sketches and sketches["grad_norm/all/task"].shape == (1024,)
 
@@ -54,7 +54,8 @@ def test_exit_after_stops_before_any_update(fast_overrides):
 def test_separate_batch_with_prefilter(fast_overrides):
     run = train(make_config(overrides=[*fast_overrides, "log.name=sep", *ANALYSIS, "analysis.env_groups=3",
                                        "analysis.group_size=2", "analysis.prefilter=true", "analysis.only=true",
-                                       "train.steps=1", "filter.strategy=top_k_abs", "filter.value=1"]))
+                                       "train.steps=1", "filter.strategy=top_k_abs", "filter.value=1",
+                                       "analysis.per_group=true", "analysis.bootstrap_resamples=50"]))
     row = read_metrics(run)[-1]
     assert row["grad_analysis/uses_training_batch"] == 0.0
     assert row["grad_analysis/source_batch_size"] == 6.0
@@ -63,6 +64,12 @@ def test_separate_batch_with_prefilter(fast_overrides):
     assert "actor/pg_loss" not in row and "critic/vf_loss" not in row  # probe mode updates nothing
     metrics = json.loads((run / "analysis" / "step_1" / "metrics.json").read_text())
     assert metrics["grad_norm/all/task"] == row["grad_norm/all/task"]
+    # per group: every analysed group's own norms in groups.csv, and intervals for the 3-group bucket
+    table = [r for r in csv.DictReader(open(run / "analysis" / "step_1" / "groups.csv"))]
+    assert len(table) == 4 and all(r["task"] != "" and float(r["raw/entropy"]) > 0 for r in table)  # 3 + 1 kept
+    assert row["grad_norm_prefilter/bucket_0/group_rv_count"] == 3.0
+    head = "grad_norm_prefilter/bucket_0/raw/entropy"
+    assert row[f"{head}/ci_low"] <= row[head] <= row[f"{head}/ci_high"]
 
 
 # A warm start that answers in format often enough for rewards to vary within groups (the FAST one never does),

@@ -380,3 +380,69 @@ def test_odd_data_is_drawn_not_crashed_on(tmp_path, cases):
     for step in (1, 4):
         _assert_png(path / "plots" / f"gradient_analysis_summary_step_{step}.png")
     assert (path / "report.html").stat().st_size > 10_000
+
+
+def _add_intervals_and_group_norms(path: Path, step: int) -> None:
+    """Give a synthetic run's analysis step bootstrap intervals and per-group norms (as `analysis.per_group` does)."""
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        if row["step"] == step:
+            for key in [k for k in row if k.startswith("grad_norm/bucket_") and k.split("/", 2)[2] in
+                        ("task", "entropy", "kl", "regularizer", "reg_share")]:
+                row[f"{key}/ci_low"], row[f"{key}/ci_high"] = 0.8 * row[key], min(1.2 * row[key], 1.0 + 0.2 *
+                                                                                   row[key])
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with open(path / "analysis" / f"step_{step}" / "groups.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["prefix", "bucket", "group_id", "reward_std", "seed", "share", "task", "regularizer"])
+        for gid, (bucket, rv) in enumerate((b, rv) for b, rvs in BUCKET_RVS.items() for rv in rvs):
+            w.writerow(["grad_norm", bucket, gid, rv, 100 + gid, 0.5, 0.4 * math.sqrt(rv), 0.002 + 1e-4 * gid])
+
+
+def test_figures_do_not_mislead(tmp_path):
+
+    from rldynamics.plots.analysis import fig_groups, fig_summary, fit_slope
+    from rldynamics.plots.curves import fig_reg_share
+
+    path = make_run(tmp_path / "ci", steps=4, analysis=(1, 4))
+    _add_intervals_and_group_norms(path, 4)
+    sd = step_data(load_run(path), 4)
+    assert sd.zero_rv.tolist() == [True, False, False, False]  # bucket_1 holds only RV = 0 groups
+    fig = fig_summary(sd)
+    _, task_ax, reg_ax = fig.axes[:3]
+    for ax in (task_ax, reg_ax):
+        assert ax.get_xscale() == "log" and ax.get_ylim()[0] == 0.0  # RV on log x; norms from 0
+        assert not any(len(line.get_xdata()) > 1 and line.get_linestyle() != "None" for line in ax.lines
+                       if line.get_linestyle() != ":"), "bucket points must not be joined"
+    points = task_ax.lines[0].get_xdata()
+    divider = next(line.get_xdata()[0] for line in task_ax.lines if line.get_linestyle() == ":")
+    assert points[0] < divider < min(points[1:])  # the zero-RV bucket sits apart, left of the divider
+    assert task_ax.collections, "whiskers from the logged intervals"
+    share = fig_reg_share(load_run(path))
+    assert share.axes[0].get_yscale() == "log"
+    groups = fig_groups(sd)
+    assert groups is not None and all(ax.get_xscale() == "log" for ax in groups.axes)
+    assert "slope 0.5" in " ".join(t.get_text() for t in groups.axes[0].texts)  # task = 0.4·√RV exactly
+    assert fit_slope(np.array([1.0, 4.0, 9.0]), np.array([2.0, 4.0, 6.0]))[0] == pytest.approx(0.5)
+    assert fig_groups(step_data(load_run(path), 1)) is None  # no per-group norms at step 1
+    assert plot_command(path, None, False, None, False, None) == 0
+    _assert_png(path / "plots" / "gradient_analysis_groups_step_4.png")
+
+
+def test_paper_overlays_two_runs_at_the_same_steps(tmp_path):
+    from matplotlib.colors import to_hex
+
+    from rldynamics.plots.analysis import RUN_COLORS, fig_paper_grid
+
+    first = make_run(tmp_path / "grpo", steps=4, analysis=(1, 4), name="grpo")
+    second = make_run(tmp_path / "drgrpo", steps=4, analysis=(1, 4), name="drgrpo")
+    fig = fig_paper_grid([load_run(first), load_run(second)], [1, 4])
+    rows = np.asarray(fig.axes[:6]).reshape(2, 3)
+    for row in rows:
+        for ax in row[1:]:
+            colors = {to_hex(line.get_color()) for line in ax.lines if line.get_linestyle() == "None"}
+            assert {RUN_COLORS[0], RUN_COLORS[1]} <= colors  # both runs drawn in this row, in their own colours
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["grpo", "drgrpo"]
+    out = tmp_path / "paper"
+    assert plot_command([first, second], None, False, out, True, [1, 4]) == 0
+    _assert_png(out / "paper_grid.png")

@@ -402,3 +402,64 @@ def test_distributed_probe_equals_single_process(model, data, tmp_path):
                 assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-7), (mode, key)
             torch.testing.assert_close(torch.tensor(out[mode]["sketch"]), single.sketches["all/task"],
                                        rtol=1e-4, atol=1e-6)
+
+
+# ---- per-group gradients and bootstrap intervals --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_per_group_gradients_rebuild_the_bucket_gradient(model, data, mode):
+    batch, inputs, _ = data
+    algo = algo_cfg(mode)
+    plain = probe(model, data, algo=algo, keep_gradients=True, num_buckets=2, sketch_dim=0)
+    grouped = probe(model, data, algo=algo, keep_gradients=True, num_buckets=2, sketch_dim=0, per_group=True,
+                    resamples=50)
+    for key, value in plain.gradients.items():  # g_b = Σ_j s_j g_j, whatever the aggregation mode
+        torch.testing.assert_close(grouped.gradients[key], value, rtol=1e-5, atol=1e-6 * float(value.abs().max()))
+    assert set(grouped.group_norms) == set(batch.group_ids.tolist())
+    for bucket in ("bucket_1", "bucket_2"):
+        gids = [g for b, g, _ in grouped.groups if b == bucket]
+        shares = [grouped.group_norms[g]["share"] for g in gids]
+        for comp, (term, sign) in SIGNS.items():
+            key = "task" if comp == "task" else f"raw/{comp}"
+            # each group's norm is that of its own rows differentiated alone, on a fresh copy
+            rows = torch.isin(batch.group_ids, torch.tensor(gids[:1])).nonzero().squeeze(1)
+            fresh = copy.deepcopy(model)
+            terms, _ = loss_terms(fresh, batch, rows, inputs, algo, temperature=1.0)
+            (sign * terms[term]).backward()
+            alone = float(torch.cat([p.grad.reshape(-1) for p in params_of(fresh)]).norm())
+            assert grouped.group_norms[gids[0]][key] == pytest.approx(alone, rel=1e-4)
+            # triangle inequality: the bucket norm is at most the share-weighted sum of the group norms
+            bucket_norm = grouped.metrics[f"grad_norm/{bucket}/{key}"]
+            assert bucket_norm <= sum(s * grouped.group_norms[g][key] for s, g in zip(shares, gids, strict=True)) + 1e-6
+        if mode != "seq-mean-token-sum-norm":
+            assert sum(shares) == pytest.approx(1.0, rel=1e-6)  # normalising modes: the shares are a mean's weights
+
+
+def test_per_group_intervals_contain_the_bucket_values(model, data):
+    result = probe(model, data, num_buckets=2, sketch_dim=0, per_group=True, resamples=200)
+    m = result.metrics
+    for bucket in ("bucket_1", "bucket_2"):
+        for key in ("task", "entropy", "kl", "raw/entropy", "raw/kl", "regularizer", "reg_share"):
+            low, high = m[f"grad_norm/{bucket}/{key}/ci_low"], m[f"grad_norm/{bucket}/{key}/ci_high"]
+            assert 0.0 <= low <= m[f"grad_norm/{bucket}/{key}"] <= high, (bucket, key)
+            assert high > low  # two or three distinct groups: a real spread
+        assert m[f"grad_norm/{bucket}/reg_share/ci_high"] <= 1.0
+    assert not any(k.startswith("grad_norm/all/") and k.endswith("/ci_low") for k in m)  # `all` gets none
+    again = probe(model, data, num_buckets=2, sketch_dim=0, per_group=True, resamples=200).metrics
+    assert again == pytest.approx(m, nan_ok=True)  # seeded resampling: the same intervals every time
+
+
+def test_single_group_bucket_has_no_interval(model, data):
+    m = probe(model, data, num_buckets=6, sketch_dim=0, per_group=True, resamples=50).metrics
+    assert math.isnan(m["grad_norm/bucket_1/task/ci_low"]) and math.isnan(m["grad_norm/bucket_1/task/ci_high"])
+
+
+def test_zero_bucket_in_the_probe(model, data):
+    batch, inputs, stds = data
+    stds = {**stds, 7: 0.0, 27: 0.0}
+    result = gradient_probe(model, batch, inputs, stds, algo=algo_cfg(), micro_batch_size=3, temperature=1.0,
+                            num_buckets=2, sketch_dim=0, zero_bucket=True)
+    assert sorted(g for b, g, _ in result.groups if b == "bucket_0") == [7, 27]
+    assert {b for b, _, _ in result.groups} == {"bucket_0", "bucket_1", "bucket_2"}
+    assert result.metrics["grad_norm/bucket_0/reward_std_max"] == 0.0

@@ -97,14 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser(
         "plot", help="figures of a run directory (gradient analysis per step, training curves)",
         description="Write RAGEN's gradient-analysis figures for every analysis step, the training curves and "
-                    "the analysis views (cosines, regulariser share, sketch cosines) from a run directory. "
+                    "the analysis views (cosines, regulariser share, sketch cosines; with analysis.per_group the "
+                    "per-group norm-vs-RV figure and 95 % interval whiskers) from a run directory. "
                     "Reads only the run directory: works offline, on runs copied from other machines.",
     )
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory (several with --paper)")
     plot.add_argument("--step", type=int, nargs="+", dest="steps", help="analysis steps to plot (default: all)")
     plot.add_argument("--list-steps", action="store_true", help="print the analysis steps and exit")
     plot.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots)")
-    plot.add_argument("--paper", action="store_true", help="multi-step grid (one row per step) from 1+ runs")
+    plot.add_argument("--paper", action="store_true",
+                      help="multi-step grid (one row per step) overlaying 1+ runs (one colour per run)")
     plot.add_argument("--steps", type=int, nargs="+", dest="paper_steps", help="steps of the --paper grid")
 
     report = sub.add_parser("report", help="one self-contained HTML page: config, curves, analysis, health",

@@ -186,6 +186,10 @@ class CriticConfig:
     """Value clipping range around the old values."""
     max_grad_norm: float = 1.0
     """Critic gradient clipping."""
+    ppo_epochs: int | None = None
+    """Passes of the critic over the batch per step (null = train.ppo_epochs)."""
+    warmup_steps: int = 0
+    """The first N steps update only the critic (no actor update, no analysis); RAGEN's trainer.critic_warmup."""
 
 
 @dataclass
@@ -218,6 +222,12 @@ class AnalysisConfig:
     """Reward-variance buckets."""
     bucket_mode: str = "quantile"
     """quantile | fixed_rv."""
+    zero_bucket: bool = True
+    """Zero-variance groups form their own bucket_0 and tied reward stds share a bucket (false: RAGEN's plain split)."""
+    per_group: bool = False
+    """Differentiate every group alone too: per-group norms in groups.csv, 95 % bootstrap CIs (.../ci_low|ci_high)."""
+    bootstrap_resamples: int = 1000
+    """Bootstrap resamples of the per-group intervals (with per_group)."""
     env_groups: int | None = None
     """Separate analysis batch: groups (null = analyse the training batch)."""
     group_size: int | None = None
@@ -324,12 +334,14 @@ RANGES: dict[str, tuple[float, bool, float | None]] = {
         "env.max_turns", "env.max_actions_per_turn", "env.max_actions_per_traj", "env.max_new_tokens",
         "train.env_groups", "train.group_size", "train.ppo_epochs",
         "train.mini_batch_size", "train.micro_batch_size", "val.env_groups", "val.group_size", "analysis.every",
-        "analysis.num_buckets", "analysis.dump_max_pending", "analysis.env_groups", "analysis.group_size",
+        "analysis.num_buckets", "analysis.dump_max_pending", "analysis.bootstrap_resamples",
+        "analysis.env_groups", "analysis.group_size",
         "model.tiny_hidden_size",
         "model.tiny_layers", "model.warm_start_turns", "model.warm_start_epochs", "early_stop.rv_baseline_steps",
-        "early_stop.rv_window", "early_stop.val_patience"), (1, True, None)),
+        "early_stop.rv_window", "early_stop.val_patience", "critic.ppo_epochs"), (1, True, None)),
     **dict.fromkeys(("seed", "train.steps", "train.seed_base", "val.every", "val.seed_base", "checkpoint.every",
-                     "checkpoint.keep_last", "log.samples_per_step", "model.warm_start_episodes"), (0, True, None)),
+                     "checkpoint.keep_last", "critic.warmup_steps", "log.samples_per_step",
+                     "model.warm_start_episodes"), (0, True, None)),
     **dict.fromkeys(("train.max_grad_norm", "train.temperature", "val.temperature",
                      "critic.max_grad_norm", "critic.clip_range", "model.warm_start_lr"), (0, False, None)),
     **dict.fromkeys(("train.lr", "critic.lr", "train.weight_decay", "algo.clip_high", "algo.kl_coef", "filter.value",

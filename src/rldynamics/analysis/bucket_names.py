@@ -5,6 +5,9 @@
 - fixed_rv: ``bucket_k`` is always the interval [k-1, k) of group reward std (the last one [5, ∞)), also
   when lower intervals are empty, so a name means the same interval at every step and in every run;
   labelled by its interval.
+- zero bucket (``analysis.zero_bucket``): ``bucket_0`` holds the zero-variance groups, labelled ``RV=0``; the
+  other names keep their meaning (quantile buckets of the remaining groups; fixed_rv's first interval becomes
+  (0, 1)).
 """
 
 from __future__ import annotations
@@ -16,9 +19,13 @@ FIXED_RV_EDGES: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 5.0)  # [0,1), [1,2), .
 _BUCKET_RE = re.compile(r"^bucket_(\d+)$")
 
 
-def bucket_name(position: int) -> str:
-    """The metric name of the bucket at 0-based `position`: ``bucket_<position + 1>``."""
-    return f"bucket_{position + 1}"
+ZERO_BUCKET = "bucket_0"
+
+
+def bucket_name(position: int, zero_bucket: bool = False) -> str:
+    """The metric name of the bucket at 0-based `position`: ``bucket_<position + 1>``, or ``bucket_<position>``
+    when position 0 is the zero bucket."""
+    return f"bucket_{position if zero_bucket else position + 1}"
 
 
 def bucket_number(bucket: str) -> int | None:
@@ -36,13 +43,17 @@ def fixed_rv_interval(bucket: str) -> tuple[float, float] | None:
     return edges[k - 1], edges[k]
 
 
-def bucket_label(bucket: str, mode: str = "quantile") -> str:
-    """Axis label of a bucket: ``Q3`` (quantile), ``[2, 3)`` (fixed_rv); other names unchanged."""
+def bucket_label(bucket: str, mode: str = "quantile", zero_bucket: bool = False) -> str:
+    """Axis label of a bucket: ``RV=0`` (the zero bucket), ``Q3`` (quantile), ``[2, 3)`` (fixed_rv; ``(0, 1)`` for
+    the first interval when the zero bucket holds RV = 0); other names unchanged."""
     k = bucket_number(bucket)
     if k is None:
         return bucket
+    if k == 0:
+        return "RV=0"
     interval = fixed_rv_interval(bucket) if mode == "fixed_rv" else None
     if interval is None:
         return f"Q{k}"
     low, high = interval
-    return f"[{low:g}, {'∞' if math.isinf(high) else f'{high:g}'})"
+    opening = "(" if zero_bucket and low == 0 else "["
+    return f"{opening}{low:g}, {'∞' if math.isinf(high) else f'{high:g}'})"

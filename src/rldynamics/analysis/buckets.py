@@ -1,7 +1,7 @@
 """Split groups into reward-variance buckets for per-bucket gradient analysis.
 
 Design choices:
-- Input is one score per group (normally the within-group reward std); output is group indices, so
+- Input is one score per group (normally the within-group reward std, "RV"); output is group indices, so
   the caller maps groups to rows and this module never sees a batch.
 - ``quantile`` follows RAGEN's ``split_into_buckets`` (``reference/ragen_behaviour.md`` §3.4): equal
   bucket sizes with the remainder going to the highest bucket. RAGEN leaves the order of tied scores
@@ -10,6 +10,12 @@ Design choices:
   ``num_buckets``; it expects non-negative scores (a std) and rejects anything else. It always returns
   all six intervals, empty ones included, so position k is interval k and ``bucket_3`` always names
   [2, 3) (RAGEN's naming; see ``bucket_names.py``); callers skip the empty ones.
+- ``zero_bucket``: groups whose score is at most ``ZERO_RV_TOL`` (identical rewards, up to float rounding)
+  get a bucket of their own at position 0 (``bucket_0``), returned even when empty. The others are split as
+  above, with one change to quantile buckets: groups whose scores are equal (consecutive differences within
+  ``ZERO_RV_TOL`` in ascending order) always share a bucket. Each cut of the equal-size split that falls
+  inside such a run of ties moves to the nearer end of the run (to its upper end on an exact middle, so the
+  tied groups join the lower bucket); cuts that meet merge, so long runs of ties can leave fewer buckets.
 - Buckets are ordered lowest score first and each is a sorted index list.
 """
 
@@ -20,16 +26,42 @@ import torch
 from rldynamics.analysis.bucket_names import FIXED_RV_EDGES
 
 BUCKET_MODES: tuple[str, ...] = ("quantile", "fixed_rv")
+ZERO_RV_TOL = 1e-6
+"""Reward std at or below which a group counts as zero-variance (and two stds as tied). Identical rewards give
+exactly 0; float32 rewards of magnitude up to ~10 (every shipped env) that are equal but were summed in another
+order differ by at most a few 1e-7."""
 
 
-def _quantile_buckets(scores: torch.Tensor, num_buckets: int) -> list[list[int]]:
-    """Equal-size buckets over the stable ascending order; the last bucket takes the remainder."""
+def _quantile_cuts(scores: torch.Tensor, num_buckets: int, keep_ties: bool) -> tuple[list[int], list[int]]:
+    """The stable ascending order of the groups and the bucket boundaries in it (first 0, last G)."""
     num_groups = scores.numel()
     num_b = min(num_buckets, num_groups)
-    order = torch.sort(scores, stable=True).indices.tolist()  # G
+    sorted_scores, order = torch.sort(scores, stable=True)  # [G], [G]
     size = num_groups // num_b
-    bounds = [b * size for b in range(num_b)] + [num_groups]
-    return [sorted(order[bounds[b] : bounds[b + 1]]) for b in range(num_b)]
+    cuts = [b * size for b in range(1, num_b)]
+    if keep_ties:
+        cuts = _cuts_outside_ties(sorted_scores, cuts)
+    return order.tolist(), [0, *cuts, num_groups]
+
+
+def _cuts_outside_ties(sorted_scores: torch.Tensor, cuts: list[int]) -> list[int]:
+    """Move each cut that splits a run of tied scores to the nearer end of the run (the upper end on a tie)."""
+    num_groups = sorted_scores.numel()
+    new_run = torch.ones(num_groups, dtype=torch.bool)  # [G] True where a run of ties starts
+    new_run[1:] = (sorted_scores[1:] - sorted_scores[:-1]) > ZERO_RV_TOL
+    starts = new_run.nonzero().squeeze(1).tolist() + [num_groups]
+    moved = []
+    for cut in cuts:
+        lo = max(s for s in starts if s <= cut)
+        hi = min(s for s in starts if s >= cut)
+        moved.append(lo if cut - lo < hi - cut else hi)
+    return sorted({c for c in moved if 0 < c < num_groups})
+
+
+def _quantile_buckets(scores: torch.Tensor, num_buckets: int, keep_ties: bool) -> list[list[int]]:
+    """Equal-size buckets over the stable ascending order; the last bucket takes the remainder."""
+    order, bounds = _quantile_cuts(scores, num_buckets, keep_ties)
+    return [sorted(order[lo:hi]) for lo, hi in zip(bounds, bounds[1:], strict=False)]
 
 
 def _fixed_rv_buckets(scores: torch.Tensor) -> list[list[int]]:
@@ -44,7 +76,8 @@ def _fixed_rv_buckets(scores: torch.Tensor) -> list[list[int]]:
     return buckets
 
 
-def assign_buckets(group_scores: torch.Tensor, *, mode: str = "quantile", num_buckets: int = 6) -> list[list[int]]:
+def assign_buckets(group_scores: torch.Tensor, *, mode: str = "quantile", num_buckets: int = 6,
+                   zero_bucket: bool = False) -> list[list[int]]:
     """Assign every group to one score bucket.
 
     Args:
@@ -52,12 +85,15 @@ def assign_buckets(group_scores: torch.Tensor, *, mode: str = "quantile", num_bu
         mode: quantile (``B = min(num_buckets, G)`` buckets of ``G // B`` groups in ascending score
             order, the highest bucket also taking the ``G % B`` remainder) or fixed_rv (intervals
             [0,1), [1,2), [2,3), [3,4), [4,5), [5,∞); scores must be ≥ 0).
-        num_buckets: ≥ 1; used by quantile only.
+        num_buckets: ≥ 1; used by quantile only (with ``zero_bucket``: buckets of the non-zero groups).
+        zero_bucket: put the groups with score ≤ ``ZERO_RV_TOL`` first, in a bucket of their own, and keep tied
+            scores in one quantile bucket (module docstring).
 
     Returns:
         Buckets, lowest scores first; each a sorted list of group indices. Together they partition
         ``range(G)``. quantile buckets are never empty; fixed_rv returns all six intervals (empty ones
-        included), so the bucket at position k is always interval k.
+        included), so the bucket at position k is always interval k. With ``zero_bucket`` the zero bucket
+        comes first (position 0, maybe empty) and the buckets above follow it.
     """
     if mode not in BUCKET_MODES:
         raise ValueError(f"mode must be one of {BUCKET_MODES}, got {mode!r}")
@@ -68,6 +104,15 @@ def assign_buckets(group_scores: torch.Tensor, *, mode: str = "quantile", num_bu
     scores = group_scores.detach().cpu()  # [G]
     if scores.numel() == 0:
         return []
-    if mode == "quantile":
-        return _quantile_buckets(scores, num_buckets)
-    return _fixed_rv_buckets(scores)
+    if mode == "fixed_rv":
+        buckets = _fixed_rv_buckets(scores)
+        if not zero_bucket:
+            return buckets
+        zero = [g for g in buckets[0] if scores[g] <= ZERO_RV_TOL]
+        return [zero, [g for g in buckets[0] if scores[g] > ZERO_RV_TOL], *buckets[1:]]
+    if not zero_bucket:
+        return _quantile_buckets(scores, num_buckets, keep_ties=False)
+    is_zero = scores <= ZERO_RV_TOL  # [G]
+    rest = (~is_zero).nonzero().squeeze(1)  # [G'] indices of the non-zero groups
+    above = _quantile_buckets(scores[rest], num_buckets, keep_ties=True) if rest.numel() else []
+    return [is_zero.nonzero().squeeze(1).tolist(), *[[int(rest[i]) for i in b] for b in above]]

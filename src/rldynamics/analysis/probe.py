@@ -3,7 +3,7 @@
 Semantics (``DESIGN.md`` §4.2–4.4, metric names from ``reference/ragen_behaviour.md`` §3.7):
 - Groups are split into reward-variance buckets with ``assign_buckets`` (whole groups, lowest variance
   first: ``bucket_1..bucket_B``; fixed_rv buckets keep their interval's name, empty intervals are left
-  out); ``all`` is the whole batch.
+  out); with ``zero_bucket`` the zero-variance groups come first as ``bucket_0``; ``all`` is the whole batch.
 - The gradient of a bucket and component is the gradient, w.r.t. all trainable parameters, of that
   component's loss aggregated over the bucket exactly as a training mini-batch made of that bucket alone
   (same ``loss_agg_mode``). Each micro-batch is forwarded ONCE through ``train.actor.loss_terms`` and each
@@ -20,6 +20,14 @@ Semantics (``DESIGN.md`` §4.2–4.4, metric names from ``reference/ragen_behavi
 - ``all`` is derived, not recomputed: buckets partition the batch, so
   ``g_all = Σ_b share_b · g_b`` with ``share_b = sub_batch_share(all_mask, rows_b, mode)``; losses of
   ``all`` are combined the same way. Memory stays at three ``all`` vectors plus the current bucket's.
+- Per group (optional, ``per_group``): each group's gradient is computed alone (its rows aggregated as a batch of
+  their own), and a bucket's gradient is their share-weighted sum ``g_b = Σ_j s_j g_j``, exactly as ``all`` is
+  derived from the buckets. The per-group norms are returned (``groups.csv``), and the per-group vectors of
+  task, entropy and KL give the Gram matrix from which bootstrap intervals over groups of every bucket norm and
+  of ``reg_share`` are computed without further passes (``analysis/bootstrap.py``; ``.../ci_low``,
+  ``.../ci_high``; ``all`` gets none). Cost: the same rows are forwarded, in one call per group (more, smaller
+  micro-batches), and the vectors of one bucket's groups are held at a time: memory ``m_b × 3 × P`` floats for
+  the largest bucket's ``m_b`` groups (``bench/analysis_overhead.py``, phase f). One process only.
 - Reward components (optional): with ``component_advantages`` the task loss is also differentiated with each
   named reward component's own advantages on the same forward pass (``reward/<name>`` terms), and
   ``analysis.reward_grad`` turns them into ``reward_grad/<bucket>/*`` metrics and matrices.
@@ -39,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from rldynamics.analysis import bootstrap
 from rldynamics.analysis.bucket_names import bucket_name
 from rldynamics.analysis.buckets import assign_buckets
 from rldynamics.analysis.reward_grad import layer_groups, reward_grad_metrics
@@ -47,7 +56,7 @@ from rldynamics.analysis.sketch import GradientSketcher
 from rldynamics.config import AlgoConfig
 from rldynamics.models.forward import micro_batches
 from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.train.actor import ActorInputs, loss_terms, term_coefs
+from rldynamics.train.actor import ActorInputs, loss_terms, sub_batch_share, term_coefs
 
 COMPONENT_OF_TERM = {"pg": "task", "entropy": "entropy", "kl": "kl"}
 LOSS_NAME_OF_TERM = {"pg": "policy", "entropy": "entropy", "kl": "kl"}
@@ -65,6 +74,9 @@ class ProbeResult:
         gradients: ``"<bucket>/<component>"`` -> ``[P]`` float32 signed unweighted gradient; filled only
             with ``keep_gradients=True`` (memory O(buckets × P)). Component gradients are ``<bucket>/reward/<name>``.
         reward_grad: bucket -> JSON-ready matrices of the reward-component gradients (see ``reward_grad``).
+        group_norms: group_id -> per-group metrics (``per_group`` only): ``share`` in its bucket, ``rows``,
+            ``tokens`` and the norms ``task``, ``entropy``, ``kl`` (coefficient-weighted), ``raw_entropy``,
+            ``raw_kl``, ``regularizer``, named as the bucket metrics.
     """
 
     metrics: dict[str, float]
@@ -72,6 +84,7 @@ class ProbeResult:
     sketches: dict[str, torch.Tensor]
     gradients: dict[str, torch.Tensor] = field(default_factory=dict)
     reward_grad: dict[str, dict] = field(default_factory=dict)
+    group_norms: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
 def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, float], *,
@@ -80,7 +93,8 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
                    sketch_seed: int = 0, keep_gradients: bool = False,
                    component_advantages: dict[str, torch.Tensor] | None = None,
                    component_weights: dict[str, float] | None = None,
-                   terms: tuple[str, ...] = ("task", "entropy", "kl")) -> ProbeResult:
+                   terms: tuple[str, ...] = ("task", "entropy", "kl"), zero_bucket: bool = False,
+                   per_group: bool = False, resamples: int = bootstrap.RESAMPLES) -> ProbeResult:
     """Per-bucket gradient norms, cosines, losses and sketches of the loss components, without training.
 
     Args:
@@ -100,6 +114,9 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
         component_weights: weight of each component in the trained reward (default 1).
         terms: which of the loss terms task / entropy / kl to differentiate (kl needs reference log-probs);
             without ``task`` there are no RAGEN norms of it and no ``reward_grad`` cosines with the total.
+        zero_bucket: zero-variance groups form ``bucket_0`` and ties stay together (``assign_buckets``).
+        per_group: compute every group's gradient alone (``group_norms``) and, with ``resamples`` > 0, bootstrap
+            intervals over groups (``<bucket>/<metric>/ci_low|ci_high``; seeded with ``sketch_seed``).
 
     Returns:
         A :class:`ProbeResult`; empty when the batch has no rows.
@@ -111,19 +128,21 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
         return _probe(model, batch, inputs, group_std, algo=algo, micro_batch_size=micro_batch_size,
                       temperature=temperature, num_buckets=num_buckets, bucket_mode=bucket_mode, prefix=prefix,
                       sketch_dim=sketch_dim, sketch_seed=sketch_seed, keep_gradients=keep_gradients,
-                      components=component_advantages or {}, weights=component_weights or {}, terms=terms)
+                      components=component_advantages or {}, weights=component_weights or {}, terms=terms,
+                      zero_bucket=zero_bucket, per_group=per_group, resamples=resamples)
 
 
 def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperature, num_buckets, bucket_mode,
-           prefix, sketch_dim, sketch_seed, keep_gradients, components, weights, terms) -> ProbeResult:
+           prefix, sketch_dim, sketch_seed, keep_gradients, components, weights, terms, zero_bucket, per_group,
+           resamples) -> ProbeResult:
     """Body of :func:`gradient_probe` (runs inside a forked RNG)."""
     stds = present_groups(batch, group_std)
     if not stds:
         return ProbeResult(metrics={}, groups=[], sketches={})
     gids = sorted(stds)
     scores = torch.tensor([stds[g] for g in gids], dtype=torch.float64)  # [G]
-    named = [(bucket_name(k), [gids[i] for i in idx])
-             for k, idx in enumerate(assign_buckets(scores, mode=bucket_mode, num_buckets=num_buckets)) if idx]
+    split = assign_buckets(scores, mode=bucket_mode, num_buckets=num_buckets, zero_bucket=zero_bucket)
+    named = [(bucket_name(k, zero_bucket), [gids[i] for i in idx]) for k, idx in enumerate(split) if idx]
     buckets = [groups for _, groups in named]
     params = [p for p in model.parameters() if p.requires_grad]
     sketcher = GradientSketcher([p.shape for p in params], sketch_dim, sketch_seed) if sketch_dim > 0 else None
@@ -139,15 +158,23 @@ def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperatu
     result = ProbeResult(metrics={}, groups=[], sketches={})
     per_bucket: dict[str, dict[str, float]] = {}
     per_bucket_rg: dict[str, dict[str, float]] = {}
-    for (name, groups), rows, share in zip(named, bucket_rows, shares, strict=True):
-        grads, losses = _bucket_gradients(model, batch, rows, inputs, algo, params, names=names, components=components,
-                                          micro_batch_size=micro_batch_size, temperature=temperature)
+    kwargs = dict(names=names, components=components, micro_batch_size=micro_batch_size, temperature=temperature)
+    if per_group and distributed():
+        raise ValueError("the per-group analysis (analysis.per_group) runs in one process only")
+    for k, ((name, groups), rows, share) in enumerate(zip(named, bucket_rows, shares, strict=True)):
+        if per_group:
+            grads, losses, singles = _group_gradients(model, batch, rows, inputs, algo, params, **kwargs)
+        else:
+            grads, losses = _bucket_gradients(model, batch, rows, inputs, algo, params, **kwargs)
         for n in names:
             all_grads[n].add_(grads[n], alpha=share)  # [P]
             all_losses[n] += share * losses[n]
         count, tokens = global_sum([float(rows.numel()), float(batch.response_mask[rows].sum())])
         per_bucket[name] = _bucket_metrics(grads, losses, algo, count=count, tokens=tokens, total_rows=total_rows,
                                            stds=[stds[g] for g in groups])
+        if per_group:
+            _group_results(result, name, per_bucket[name], singles, stds, algo, resamples, sketch_seed + k)
+            del singles
         _reward_grad(result, per_bucket_rg, name, grads, components, weights, groups_of_params)
         _record(result, name, grads, sketcher, keep_gradients)
         result.groups.extend((name, g, stds[g]) for g in groups)
@@ -206,18 +233,12 @@ def _bucket_metrics(grads: dict[str, torch.Tensor], losses: dict[str, float], al
     """RAGEN-named metrics of one bucket from its signed raw gradients ``[P]`` and unweighted losses."""
     grads = {n: g for n, g in grads.items() if n in COMPONENT_OF_TERM}  # the reward components are reported apart
     coefs = term_coefs(algo)
-    signs = _term_signs(algo)
-    scale = {n: coefs[n] * signs[n] for n in grads}  # the configured coefficient: 1, entropy_coef, kl_coef
     raw = {n: float(torch.linalg.vector_norm(g)) for n, g in grads.items()}
-    out: dict[str, float] = {}
+    out = _norm_metrics(grads, algo)
     for n in grads:
         comp = COMPONENT_OF_TERM[n]
-        weighted = abs(scale[n]) * raw[n]
-        out[comp] = weighted
-        if n != "pg":
-            out[f"raw/{comp}"] = raw[n]
-        out[f"per_sample/{comp}"] = weighted / count if count > 0 else 0.0
-        out[f"per_token/{comp}"] = weighted / tokens if tokens > 0 else 0.0
+        out[f"per_sample/{comp}"] = out[comp] / count if count > 0 else 0.0
+        out[f"per_token/{comp}"] = out[comp] / tokens if tokens > 0 else 0.0
     for n in grads:
         out[f"loss/{LOSS_NAME_OF_TERM[n]}"] = coefs[n] * losses[n]
     out["loss/total"] = sum(coefs[n] * losses[n] for n in grads)
@@ -232,12 +253,84 @@ def _bucket_metrics(grads: dict[str, torch.Tensor], losses: dict[str, float], al
             dot = float(torch.dot(grads[a], grads[b]))
             out[f"cos/{COMPONENT_OF_TERM[a]}_{COMPONENT_OF_TERM[b]}"] = (
                 dot / (raw[a] * raw[b]) if raw[a] > 0 and raw[b] > 0 else math.nan)  # undefined for a zero vector
+    return out
+
+
+def _norm_metrics(grads: dict[str, torch.Tensor], algo: AlgoConfig) -> dict[str, float]:
+    """The norms of signed raw gradients ``[P]`` (pg / entropy / kl): ``task``, ``entropy``, ``kl``
+    (coefficient-weighted), ``raw/entropy``, ``raw/kl``, and with pg ``regularizer`` and ``reg_share``."""
+    scale = _term_scales(algo)
+    out: dict[str, float] = {}
+    for n, g in grads.items():
+        raw = float(torch.linalg.vector_norm(g))
+        out[COMPONENT_OF_TERM[n]] = scale[n] * raw
+        if n != "pg":
+            out[f"raw/{COMPONENT_OF_TERM[n]}"] = raw
     if "pg" in grads:
-        reg = sum(scale[n] * grads[n] for n in names if n != "pg")  # [P]
+        reg = sum(scale[n] * g for n, g in grads.items() if n != "pg")  # [P]
         out["regularizer"] = float(torch.linalg.vector_norm(reg)) if isinstance(reg, torch.Tensor) else 0.0
         denom = out["task"] + out["regularizer"]
         out["reg_share"] = out["regularizer"] / denom if denom > 0 else math.nan  # 0/0: both gradients are zero
     return out
+
+
+def _term_scales(algo: AlgoConfig) -> dict[str, float]:
+    """Magnitude of each signed term's coefficient in the loss: pg 1, entropy ``entropy_coef``, kl ``kl_coef``."""
+    coefs, signs = term_coefs(algo), _term_signs(algo)
+    return {n: coefs[n] * signs[n] for n in coefs}
+
+
+@dataclass
+class _GroupGradient:
+    """One group's gradients (signed, unweighted ``[P]`` per term) and its place in its bucket."""
+
+    group_id: int
+    share: float
+    rows: int
+    tokens: float
+    grads: dict[str, torch.Tensor]
+
+
+def _group_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, algo: AlgoConfig,
+                     params: list[torch.Tensor], **kwargs) -> tuple[dict[str, torch.Tensor], dict[str, float],
+                                                                    list[_GroupGradient]]:
+    """The bucket ``rows``' gradients and losses as the share-weighted sum of its groups' own, and the groups'.
+
+    ``g_b = Σ_j s_j g_j`` with ``s_j = sub_batch_share(bucket mask, rows of group j)``: exact in every
+    ``loss_agg_mode``, as ``all`` is exact from the buckets. kwargs: those of ``_bucket_gradients``.
+    """
+    names = kwargs["names"]
+    grads = {n: _zeros(params) for n in names}  # name -> [P]
+    losses = dict.fromkeys(names, 0.0)
+    mask = batch.response_mask[rows]  # [n_b, L]
+    bucket_gids = batch.group_ids[rows]  # [n_b]
+    singles = []
+    for gid in sorted(set(bucket_gids.tolist())):
+        positions = (bucket_gids == gid).nonzero().squeeze(1)  # [n_j]
+        share = sub_batch_share(mask, positions, algo.loss_agg_mode)
+        g_j, l_j = _bucket_gradients(model, batch, rows[positions], inputs, algo, params, **kwargs)
+        for n in names:
+            grads[n].add_(g_j[n], alpha=share)  # [P]
+            losses[n] += share * l_j[n]
+        singles.append(_GroupGradient(gid, share, int(positions.numel()), float(mask[positions].sum()),
+                                      {n: g for n, g in g_j.items() if n in COMPONENT_OF_TERM}))
+    return grads, losses, singles
+
+
+def _group_results(result: ProbeResult, bucket: str, metrics: dict[str, float], singles: list[_GroupGradient],
+                   stds: dict[int, float], algo: AlgoConfig, resamples: int, seed: int) -> None:
+    """Per-group norms into ``result.group_norms`` and the bucket's bootstrap intervals into ``metrics``."""
+    for single in singles:
+        result.group_norms[single.group_id] = {"share": single.share, "rows": float(single.rows),
+                                               "tokens": single.tokens, **_norm_metrics(single.grads, algo)}
+    if resamples < 2 or not singles or not singles[0].grads:
+        return
+    names = list(singles[0].grads)
+    stacked = {n: torch.stack([single.grads[n] for single in singles]) for n in names}  # name -> [m, P]
+    shares = torch.tensor([single.share for single in singles], dtype=torch.float64)  # [m]
+    metrics.update(bootstrap.bucket_intervals(shares, stacked, _term_scales(algo), metrics,
+                                              normalised=algo.loss_agg_mode != "seq-mean-token-sum-norm",
+                                              resamples=resamples, seed=seed))
 
 
 def _reward_grad(result: ProbeResult, metrics: dict[str, dict[str, float]], bucket: str,

@@ -7,6 +7,13 @@ Differences from RAGEN (``reference/ragen_behaviour.md`` §9, §11.18), on purpo
 - The summary's left panel is a box plot of the per-group reward stds read from ``analysis/step_<N>/groups.csv``.
 - The unweighted regulariser norms (``raw/entropy``, ``raw/kl``) get their own row when logged, so a
   coefficient of 0 does not hide the regulariser's gradient.
+- Norm-vs-RV panels: bucket points are markers with 95 % bootstrap error bars (``.../ci_low``, ``.../ci_high``,
+  when logged), never joined by lines (buckets are not a series); RV is on a log axis and zero-RV buckets are
+  drawn apart, left of a dotted divider (a log axis has no 0); the task and regulariser panels both start at 0.
+- ``reg_share`` is drawn as points on a log axis (shares of 0.001 and 1.0 both readable, ties visible).
+- ``groups`` (with ``analysis.per_group``): per-group norms against the group's RV on log-log axes with the fitted
+  slope, the direct test of RAGEN-2's √RV bound (slope ≤ 0.5 expected for the task norm, 0 for the regulariser).
+- The paper grid overlays several runs: one colour per run, one row per step, every run that has the step drawn.
 Figures are built with the object-oriented API on an Agg canvas (no pyplot state, no backend switching).
 """
 
@@ -23,6 +30,7 @@ from typing import Any
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.text import Text
 
@@ -30,9 +38,13 @@ from rldynamics.plots.data import (
     COMPONENTS,
     RunData,
     analysis_steps,
+    bucket_intervals,
     bucket_label,
     bucket_names,
+    bucket_sort_key,
     bucket_values,
+    is_zero_rv,
+    read_group_norms,
     read_groups,
     regularizer_values,
 )
@@ -136,9 +148,10 @@ def zero_only(ax, values) -> bool:
 
 
 def bars(ax, labels: list[str], values: np.ndarray, color: str, *, ylabel: str = "", title: str = "",
-         value_labels: bool = True, nan_text: str = "missing") -> None:
-    """Bar chart with value labels; nan values are marked `nan_text` (not logged, unless told otherwise),
-    infinite ones 'inf'."""
+         value_labels: bool = True, nan_text: str = "missing",
+         ci: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    """Bar chart with value labels and, given `ci` (low, high), 95 % error bars; nan values are marked `nan_text`
+    (not logged, unless told otherwise), infinite ones 'inf'."""
     x = np.arange(len(labels))
     finite = np.isfinite(values)
     ax.set_title(title, fontsize=10)
@@ -153,16 +166,55 @@ def bars(ax, labels: list[str], values: np.ndarray, color: str, *, ylabel: str =
         heights = np.where(finite, values, 0.0)
         container = ax.bar(x, heights, color=color, alpha=0.85)
         ax.axhline(0.0, color="0.3", lw=0.6)
+        whiskers = _error_bars(ax, x, values, ci)
         if not zero_only(ax, values):
             if value_labels:
                 ax.bar_label(container, labels=[fmt(v) if f else "" for v, f in zip(values, finite, strict=True)],
-                             fontsize=7)
-            auto_scale(ax, values[finite])
+                             fontsize=7, padding=2)
+            auto_scale(ax, np.concatenate([values[finite], whiskers]))
             ax.margins(y=0.15)
     for xi, v, f in zip(x, values, finite, strict=True):
         if not f and finite.any():
             ax.text(xi, 0.02, nan_text if np.isnan(v) else fmt(v), rotation=90, ha="center", va="bottom",
                     fontsize=7, color="#b00", transform=ax.get_xaxis_transform())
+
+
+def _error_bars(ax, x: np.ndarray, values: np.ndarray, ci: tuple[np.ndarray, np.ndarray] | None,
+                color: str = "k") -> np.ndarray:
+    """Draw 95 % interval whiskers where `ci` is finite; returns the whisker ends (for axis scaling)."""
+    if ci is None:
+        return np.zeros(0)
+    low, high = ci
+    ok = np.isfinite(values) & np.isfinite(low) & np.isfinite(high)
+    if ok.any():
+        ax.errorbar(x[ok], values[ok], yerr=[values[ok] - low[ok], high[ok] - values[ok]], fmt="none", ecolor=color,
+                    elinewidth=1.0, capsize=3, zorder=4)
+    return np.concatenate([low[ok], high[ok]])
+
+
+def share_points(ax, labels: list[str], values: np.ndarray, ci: tuple[np.ndarray, np.ndarray] | None,
+                 color: str) -> None:
+    """`reg_share` per bucket as points on a log axis (0.001 and 1.0 both readable); 0 and 0/0 marked in text."""
+    x = np.arange(len(labels))
+    ax.set_xticks(x, labels)
+    ax.set_xlim(-0.6, len(labels) - 0.4)
+    pos = np.isfinite(values) & (values > 0)
+    if not pos.any():
+        note(ax, "no positive shares logged")
+        return
+    ax.set_yscale("log")
+    ax.plot(x[pos], values[pos], "o", color=color, ms=6, zorder=3)
+    if ci is not None:
+        low = np.where(ci[0] > 0, ci[0], values * 0.5)  # a whisker to 0 cannot be drawn on a log axis
+        _error_bars(ax, x[pos], values[pos], (low[pos], ci[1][pos]), color)
+    for xi, v in zip(x[pos], values[pos], strict=True):
+        ax.annotate(fmt(v), (xi, v), textcoords="offset points", xytext=(6, 0), fontsize=7, va="center")
+    ax.set_ylim(min(values[pos].min(), np.nanmin(ci[0][pos]) if ci is not None else 1.0, 1.0) / 3, 1.6)
+    ax.axhline(1.0, color="0.6", lw=0.6, ls=":")
+    for xi, v in zip(x, values, strict=True):
+        if not (np.isfinite(v) and v > 0):
+            ax.text(xi, 0.03, "0" if v == 0 else "undef. (0/0)" if np.isnan(v) else fmt(v), ha="center",
+                    va="bottom", fontsize=7, color="#b00", transform=ax.get_xaxis_transform())
 
 
 # ---------------------------------------------------------------- one analysis step
@@ -178,14 +230,25 @@ class StepData:
     buckets: list[str]
     groups: dict[str, list[float]]
     mode: str = "quantile"
+    zero_bucket: bool = False
+    path: Path | None = None
 
     @property
     def labels(self) -> list[str]:
-        """Axis labels of the buckets: `Q<k>` for quantile buckets, the interval for fixed_rv buckets."""
-        return [bucket_label(b, self.mode) for b in self.buckets]
+        """Axis labels of the buckets: `RV=0`, `Q<k>` for quantile buckets, the interval for fixed_rv buckets."""
+        return [bucket_label(b, self.mode, self.zero_bucket) for b in self.buckets]
+
+    @property
+    def zero_rv(self) -> np.ndarray:
+        """`[B]` bool: buckets of zero-variance groups only."""
+        return is_zero_rv(self.row, self.buckets)
 
     def values(self, metric: str) -> np.ndarray:
         return bucket_values(self.row, self.buckets, metric)
+
+    def ci(self, metric: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """The 95 % bootstrap interval arrays of `metric` (None when not logged)."""
+        return bucket_intervals(self.row, self.buckets, metric)
 
     def has(self, metric: str) -> bool:
         return bool(np.isfinite(self.values(metric)).any() or np.isinf(self.values(metric)).any())
@@ -195,7 +258,8 @@ def step_data(run: RunData, step: int) -> StepData:
     """Collect the data of one analysis step of `run`."""
     row = run.row(step)
     return StepData(run_name=run.name, step=step, row=row, buckets=bucket_names(row),
-                    groups=read_groups(run.path, step), mode=run.bucket_mode)
+                    groups=read_groups(run.path, step), mode=run.bucket_mode, zero_bucket=run.zero_bucket,
+                    path=run.path)
 
 
 def fig_grad_norms(sd: StepData) -> Figure:
@@ -207,16 +271,19 @@ def fig_grad_norms(sd: StepData) -> Figure:
     gs = fig.add_gridspec(rows, 3, height_ratios=[4] * (rows - 1) + [0.3 + 0.22 * len(sd.buckets)])
     for j, comp in enumerate(("kl", "entropy", "task")):
         bars(fig.add_subplot(gs[0, j]), sd.labels, sd.values(comp), COLORS[comp], ylabel="Grad Norm Magnitude",
-             title=f"{comp} gradient norm" + (" (× coefficient)" if comp != "task" else ""))
+             title=f"{comp} gradient norm" + (" (× coefficient)" if comp != "task" else ""), ci=sd.ci(comp))
     if rows == 3:
         for j, comp in enumerate(("kl", "entropy")):
             bars(fig.add_subplot(gs[1, j]), sd.labels, sd.values(f"raw/{comp}"), COLORS[comp],
-                 ylabel="Grad Norm Magnitude", title=f"raw {comp} gradient norm (unweighted)")
-        bars(fig.add_subplot(gs[1, 2]), sd.labels, sd.values("reg_share"), COLORS["regularizer"],
-             ylabel="share", title="regulariser share  reg / (task + reg)",
-             nan_text="undef. (0/0)" if any(f"grad_norm/{b}/reg_share" in sd.row for b in sd.buckets) else "missing")
+                 ylabel="Grad Norm Magnitude", title=f"raw {comp} gradient norm (unweighted)", ci=sd.ci(f"raw/{comp}"))
+        ax = fig.add_subplot(gs[1, 2])
+        ax.set_title("regulariser share  reg / (task + reg)  (log scale)", fontsize=10)
+        ax.set_ylabel("share")
+        share_points(ax, sd.labels, sd.values("reg_share"), sd.ci("reg_share"), COLORS["regularizer"])
     for ax in fig.axes:
         ax.set_xlabel("Reward Variance Bucket")
+    if sd.ci("task") is not None:
+        fig.text(0.99, 0.005, "whiskers: 95 % bootstrap intervals over groups", ha="right", fontsize=7, color="0.3")
     text_ax = fig.add_subplot(gs[rows - 1, :])
     text_ax.axis("off")
     text_ax.text(0.0, 1.0, _rv_block(sd), family="monospace", fontsize=8, va="top", transform=text_ax.transAxes)
@@ -309,16 +376,14 @@ def fig_summary(sd: StepData) -> Figure:
     fig = new_figure(16, 4.8)
     ax_rv, ax_task, ax_reg = fig.subplots(1, 3)
     _rv_panel(ax_rv, sd)
-    rv = sd.values("reward_std_mean")
     ax_task.set_title("task gradient norm vs bucket RV", fontsize=10)
-    _vs_rv(ax_task, rv, {"task": sd.values("task")}, sd.labels, "task gradient norm")
-    reg = {"entropy + KL": regularizer_values(sd.row, sd.buckets)}
-    for comp in ("entropy", "kl"):
-        if sd.has(comp):
-            reg[comp] = sd.values(comp)
+    _vs_rv(ax_task, sd, {"task": "task"}, "task gradient norm")
+    reg = {"entropy + KL": "regularizer"}
+    reg.update({comp: comp for comp in ("entropy", "kl") if sd.has(comp)})
     ax_reg.set_title("regulariser (entropy + KL) gradient norm vs bucket RV", fontsize=10)
-    _vs_rv(ax_reg, rv, reg, sd.labels, "gradient norm (× coefficient)")
-    fig.suptitle(f"{sd.run_name} — step {sd.step}: summary")
+    _vs_rv(ax_reg, sd, reg, "gradient norm (× coefficient)")
+    fig.suptitle(f"{sd.run_name} — step {sd.step}: summary" +
+                 ("  (whiskers: 95 % bootstrap intervals over groups)" if sd.ci("task") is not None else ""))
     return fig
 
 
@@ -352,43 +417,139 @@ def _rv_panel(ax, sd: StepData) -> None:
     auto_scale(ax, allv)
 
 
-def _vs_rv(ax, rv: np.ndarray, series: dict[str, np.ndarray], labels: list[str], ylabel: str, *,
-           x_values: np.ndarray | None = None, prefer_log: bool = False) -> None:
-    """Each series vs the bucket RV mean; points labelled Q1…; missing points listed in a note.
+def _vs_rv(ax, sd: StepData, series: dict[str, str], ylabel: str, *, x_values: np.ndarray | None = None,
+           color: str | None = None, marker: str | None = None, label_points: bool = True,
+           legend: bool = True) -> bool:
+    """Each metric of `series` (legend name -> bucket metric) against the bucket RV mean, as points with 95 %
+    whiskers where logged; returns whether anything was drawn.
 
-    The x scale is chosen from `x_values` (default: `rv`), so several rows can share one scale.
+    Buckets are not a series, so points are never joined. RV is on a log axis (`x_values`, default the step's RVs,
+    sets its range, so rows of a grid line up) and zero-RV buckets sit apart, left of a dotted divider. The norm
+    axis is linear from 0 in every panel, so a ratio between two points reads as that ratio.
     """
-    ax.set_xlabel("bucket RV mean")
+    ax.set_xlabel("bucket RV mean (log scale; RV=0 apart)")
     ax.set_ylabel(ylabel)
-    plotted = []
-    styles = ["-o", "--s", ":^", "-.v"]
-    for (name, y), style in zip(series.items(), styles, strict=False):
-        ok = np.isfinite(rv) & np.isfinite(y)
+    rv, zero = sd.values("reward_std_mean"), sd.zero_rv
+    x, x_zero = _rv_positions(ax, rv, zero, rv if x_values is None else x_values)
+    markers = ["o", "s", "^", "v"]
+    drawn = []
+    for (name, metric), default_marker in zip(series.items(), markers, strict=False):
+        y = regularizer_values(sd.row, sd.buckets) if metric == "regularizer" else sd.values(metric)
+        ok = np.isfinite(x) & np.isfinite(y)
         if not ok.any():
             continue
-        combined = name.startswith("entropy +")
-        color = COLORS["regularizer"] if combined else COLORS.get(name)
-        ax.plot(rv[ok], y[ok], style, color=color, label=name, ms=7 if combined else 5, lw=3 if combined else 1.3,
-                alpha=0.55 if combined and len(series) > 1 else 1.0, zorder=2 if combined else 3)
-        plotted.append(y[ok])
-        if len(plotted) == 1:  # label the points of the first series; alternate above/below against overlaps
-            order = np.argsort(rv[ok], kind="stable")
-            for rank, i in enumerate(order):
-                ax.annotate(np.asarray(labels)[ok][i], (rv[ok][i], y[ok][i]), textcoords="offset points",
+        c = color or (COLORS["regularizer"] if metric == "regularizer" else COLORS.get(name, COLORS.get(metric)))
+        ax.plot(x[ok], y[ok], marker or default_marker, ls="none", color=c, label=name,
+                ms=7 if metric == "regularizer" else 5, alpha=0.85, zorder=3)
+        whiskers = _error_bars(ax, x[ok], y[ok], _subset(sd.ci(metric), ok), c)
+        drawn.append(np.concatenate([y[ok], whiskers]))
+        if label_points and len(drawn) == 1:
+            for rank, i in enumerate(np.flatnonzero(ok)):
+                ax.annotate(sd.labels[i], (x[i], y[i]), textcoords="offset points",
                             xytext=(4, 5 if rank % 2 == 0 else -11), fontsize=7)
-    if not plotted:
+    if not drawn:
         note(ax, "not logged")
-        return
-    auto_scale(ax, rv if x_values is None else x_values, axis="x", prefer_log=prefer_log)
-    auto_scale(ax, np.concatenate(plotted))
-    ax.margins(0.08)
-    first = next(iter(series.values()))
-    missing = [f"{lab} ({'RV ' if not np.isfinite(r) else ''}{fmt(r if not np.isfinite(r) else y)})"
-               for lab, r, y in zip(labels, rv, first, strict=True) if not (np.isfinite(r) and np.isfinite(y))]
+        return False
+    top = max(float(np.max(np.concatenate(drawn))) * 1.15, ax.get_ylim()[1] if ax.get_ylim()[0] == 0.0 else 0.0)
+    ax.set_ylim(0.0, max(top, 1e-12))
+    if x_zero is not None:
+        ax.axvline(x_zero * 2.0, color="0.5", lw=0.8, ls=":")
+        ax.text(x_zero, 0.99, "RV=0", transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=7,
+                color="0.3")
+    missing = [lab for lab, r, z in zip(sd.labels, rv, zero, strict=True) if not (np.isfinite(r) or z)]
     if missing:
-        ax.text(0.01, 0.01, "not plotted: " + ", ".join(missing), transform=ax.transAxes, fontsize=7, color="#b00")
-    if len(series) > 1:
+        ax.text(0.01, 0.01, "not plotted (no RV): " + ", ".join(missing), transform=ax.transAxes, fontsize=7,
+                color="#b00")
+    if legend and len(series) > 1:
         ax.legend(fontsize=7)
+    return True
+
+
+def _subset(ci: tuple[np.ndarray, np.ndarray] | None, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    return None if ci is None else (ci[0][ok], ci[1][ok])
+
+
+def _rv_positions(ax, rv: np.ndarray, zero: np.ndarray, scale_from: np.ndarray) -> tuple[np.ndarray, float | None]:
+    """x positions of the buckets on a log RV axis: positive RVs at their value, zero-RV buckets spread in a slot
+    4× left of the smallest positive RV of `scale_from`; returns (positions, slot centre or None)."""
+    scale = np.asarray(scale_from, dtype=float)
+    positive = scale[np.isfinite(scale) & (scale > 0)]
+    low, high = (float(positive.min()), float(positive.max())) if positive.size else (1.0, 1.0)
+    x = np.where(zero | ~(rv > 0), np.nan, rv)
+    ax.set_xscale("log")
+    has_zero = bool(zero.any()) or bool(((scale == 0)).any())
+    slot = low / 4.0 if has_zero else None
+    if zero.any():
+        x[zero] = slot * np.geomspace(0.8, 1.25, int(zero.sum())) if zero.sum() > 1 else slot
+    ax.set_xlim((slot or low) / 2.0, high * 2.0)
+    return x, slot
+
+
+def fig_groups(sd: StepData) -> Figure | None:
+    """Per-group task and regulariser norms vs the group's RV (log-log) with fitted slopes; None without
+    per-group norms (`analysis.per_group`)."""
+    g = read_group_norms(sd.path, sd.step) if sd.path is not None else {}
+    if not g:
+        return None
+    fig = new_figure(13, 4.8)
+    for ax, (metric, name) in zip(fig.subplots(1, 2), (("task", "task"), ("regularizer", "entropy + KL")),
+                                  strict=True):
+        _group_scatter(ax, g, metric, name)
+    fig.suptitle(f"{sd.run_name} — step {sd.step}: per-group gradient norm vs reward std "
+                 "(RAGEN-2: task ∝ √RV at most, i.e. slope ≤ 0.5; regulariser flat, slope 0)")
+    return fig
+
+
+def fit_slope(rv: np.ndarray, norm: np.ndarray) -> tuple[float, float, int]:
+    """Least-squares slope of log(norm) on log(rv) over groups with both positive: (slope, its SE, groups)."""
+    ok = np.isfinite(rv) & np.isfinite(norm) & (rv > 0) & (norm > 0)
+    n = int(ok.sum())
+    if n < 3 or np.ptp(np.log(rv[ok])) == 0:
+        return math.nan, math.nan, n
+    x, y = np.log(rv[ok]), np.log(norm[ok])
+    coef, cov = np.polyfit(x, y, 1, cov=True)
+    return float(coef[0]), float(math.sqrt(cov[0, 0])), n
+
+
+def _group_scatter(ax, g: dict[str, np.ndarray], metric: str, name: str) -> None:
+    """One per-group panel: positive-RV groups on log-log axes coloured by bucket, the fit, zero-RV groups apart."""
+    rv, y = g.get("reward_std"), g.get(metric)
+    ax.set_title(f"{name} gradient norm per group", fontsize=10)
+    if rv is None or y is None or not np.isfinite(y).any():
+        note(ax, f"{metric} not logged per group")
+        return
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("group reward std (log; RV=0 apart)")
+    ax.set_ylabel(f"{name} grad norm (log)")
+    buckets = list(dict.fromkeys(g["bucket"].tolist()))
+    pos_y = y[np.isfinite(y) & (y > 0)]
+    if pos_y.size == 0:
+        note(ax, "every group's norm is exactly 0")
+        return
+    positive_rv = rv[np.isfinite(rv) & (rv > 0)]
+    slot = (positive_rv.min() if positive_rv.size else 1.0) / 4.0
+    for k, b in enumerate(buckets):
+        sel = (g["bucket"] == b) & np.isfinite(y) & (y > 0)
+        x = np.where(rv[sel] > 0, rv[sel], slot)
+        ax.scatter(x, y[sel], s=14, alpha=0.75, color=f"C{k % 10}", label=b.replace("bucket_", "b"))
+    zero_norm = int((np.isfinite(y) & (y == 0)).sum())
+    slope, se, n = fit_slope(rv, y)
+    text = [f"fit over {n} groups with RV > 0: slope {fmt(slope)} ± {fmt(se)}"]
+    if math.isfinite(slope):
+        xs = np.geomspace(positive_rv.min(), positive_rv.max(), 20)
+        ok = (rv > 0) & (y > 0) & np.isfinite(y)
+        intercept = float(np.mean(np.log(y[ok]) - slope * np.log(rv[ok])))
+        ax.plot(xs, np.exp(intercept) * xs ** slope, "k--", lw=1.0, label=f"slope {slope:.2f}")
+    high = float(positive_rv.max()) if positive_rv.size else 1.0
+    if (rv == 0).any():
+        ax.axvline(slot * 2.0, color="0.5", lw=0.8, ls=":")
+        ax.text(slot, 0.99, "RV=0", transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=7)
+    ax.set_xlim(slot / 2.0 if (rv == 0).any() else slot * 2.0, high * 2.0)
+    if zero_norm:
+        text.append(f"{zero_norm} group(s) with norm exactly 0 not drawn (log axis)")
+    ax.text(0.01, 0.01, "\n".join(text), transform=ax.transAxes, fontsize=7, va="bottom")
+    ax.legend(fontsize=6, ncols=2, loc="lower right")
 
 
 STEP_FIGURES = {
@@ -397,6 +558,7 @@ STEP_FIGURES = {
     "loss_plots": fig_losses,
     "reward_std": fig_reward_std,
     "normed_grads": fig_normed_grads,
+    "groups": fig_groups,
 }
 
 
@@ -412,7 +574,9 @@ def write_step(run: RunData, step: int, out: str | Path, dpi: int = DPI) -> list
     sd = step_data(run, step)
     paths = []
     for name, make in STEP_FIGURES.items():
-        paths.append(save_png(make(sd), out / f"gradient_analysis_{name}_step_{step}.png", dpi))
+        fig = make(sd)
+        if fig is not None:  # the per-group figure needs analysis.per_group
+            paths.append(save_png(fig, out / f"gradient_analysis_{name}_step_{step}.png", dpi))
     metrics_file = out / f"gradient_analysis_metrics_step_{step}.json"
     metrics_file.write_text(json.dumps(sd.row, sort_keys=True, indent=2))
     table = out / f"gradient_analysis_bucket_rv_table_step_{step}.csv"
@@ -426,53 +590,68 @@ def write_step(run: RunData, step: int, out: str | Path, dpi: int = DPI) -> list
 # ---------------------------------------------------------------- paper grid (several steps, maybe several runs)
 
 
-def find_step(runs: list[RunData], step: int) -> RunData:
-    """The first run in which `step` is an analysis step (ValueError listing what is available otherwise)."""
-    for run in runs:
-        if step in analysis_steps(run):
-            return run
-    avail = "; ".join(f"{r.name}: {analysis_steps(r) or 'none'}" for r in runs)
-    raise ValueError(f"step {step} is not a gradient-analysis step of the given run(s) (available: {avail})")
+RUN_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+RUN_MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+
+
+def runs_at_step(runs: list[RunData], step: int) -> list[int]:
+    """Indices of the runs in which `step` is an analysis step (ValueError listing what is available if none)."""
+    found = [i for i, run in enumerate(runs) if step in analysis_steps(run)]
+    if not found:
+        avail = "; ".join(f"{r.name}: {analysis_steps(r) or 'none'}" for r in runs)
+        raise ValueError(f"step {step} is not a gradient-analysis step of the given run(s) (available: {avail})")
+    return found
 
 
 def fig_paper_grid(runs: list[RunData], steps: list[int]) -> Figure:
-    """Rows = steps; columns: bucket RV mean (min–max bars); task grad norm vs RV mean; entropy+KL vs RV mean."""
-    data = [step_data(find_step(runs, s), s) for s in steps]
-    fig = new_figure(14, 3.4 * len(data) + 0.6)
-    axes = np.atleast_2d(fig.subplots(len(data), 3, squeeze=False))
-    all_rv = np.concatenate([sd.values("reward_std_mean") for sd in data]) if data else np.zeros(0)
-    several = len({sd.run_name for sd in data}) > 1
-    for r, sd in enumerate(data):
+    """Rows = steps; columns: bucket RV (mean, min–max); task grad norm vs RV; entropy+KL vs RV. Every run that
+    analysed a step is drawn in that row in its own colour (overlaid, same axes), with 95 % whiskers if logged."""
+    rows = [(step, [(i, step_data(runs[i], step)) for i in runs_at_step(runs, step)]) for step in steps]
+    several = len(runs) > 1
+    fig = new_figure(14, 3.4 * len(rows) + (1.0 if several else 0.6))
+    axes = np.atleast_2d(fig.subplots(len(rows), 3, squeeze=False))
+    all_rv = np.concatenate([sd.values("reward_std_mean") for _, data in rows for _, sd in data])
+    for r, (step, data) in enumerate(rows):
         a, b, c = axes[r]
-        rv, lo, hi = sd.values("reward_std_mean"), sd.values("reward_std_min"), sd.values("reward_std_max")
-        x = np.arange(len(sd.buckets))
-        ok = np.isfinite(rv)
-        a.errorbar(x[ok], rv[ok], yerr=[whisker(rv[ok] - lo[ok]), whisker(hi[ok] - rv[ok])], fmt="o",
-                   color="k", capsize=3)
-        a.set_xticks(x, sd.labels)
-        auto_scale(a, np.concatenate([rv, lo, hi]), prefer_log=True)
-        a.set_ylabel(f"step {sd.step}" + (f"\n({sd.run_name})" if several else "") + "\nbucket RV", fontsize=9)
-        # one x scale per column, chosen from every row's RVs so the rows line up (zeros kept via symlog)
-        _vs_rv(b, rv, {"task": sd.values("task")}, sd.labels, "task grad norm", x_values=all_rv, prefer_log=True)
-        _vs_rv(c, rv, {"entropy + KL": regularizer_values(sd.row, sd.buckets)}, sd.labels, "entropy+KL grad norm",
-               x_values=all_rv, prefer_log=True)
-    for col in (1, 2):
-        drawn = [ax for ax in axes[:, col] if ax.lines]
-        if drawn:
-            lo_x = min(ax.get_xlim()[0] for ax in drawn)
-            hi_x = max(ax.get_xlim()[1] for ax in drawn)
-            for ax in drawn:
-                ax.set_xlim(lo_x, hi_x)
-    axes[-1, 0].set_xlabel(_bucket_axis_caption(data))
-    for ax in axes[-1, 1:]:
-        ax.set_xlabel(f"bucket RV mean ({ax.get_xscale()} scale)")
-    for r in range(len(data) - 1):
+        slots = sorted({name for _, sd in data for name in sd.buckets}, key=bucket_sort_key)
+        for k, (i, sd) in enumerate(data):
+            color = RUN_COLORS[i % len(RUN_COLORS)] if several else None
+            marker = RUN_MARKERS[i % len(RUN_MARKERS)] if several else None
+            _rv_ranges(a, sd, color or "k", offset=(k - (len(data) - 1) / 2) * 0.15, slots=slots)
+            _vs_rv(b, sd, {"task": "task"}, "task grad norm", x_values=all_rv, color=color, marker=marker,
+                   label_points=k == 0, legend=False)
+            _vs_rv(c, sd, {"entropy + KL": "regularizer"}, "entropy+KL grad norm", x_values=all_rv, color=color,
+                   marker=marker, label_points=k == 0, legend=False)
+        a.set_xticks(np.arange(len(slots)), [bucket_label(b, data[0][1].mode, data[0][1].zero_bucket) for b in slots])
+        absent = [runs[i].name for i in range(len(runs)) if i not in {i for i, _ in data}]
+        a.set_ylabel(f"step {step}\nbucket RV", fontsize=9)
+        if absent:
+            a.text(0.01, 0.01, "not analysed at this step: " + ", ".join(absent), transform=a.transAxes, fontsize=7,
+                   color="#b00")
+    if several:
+        handles = [Line2D([], [], marker=RUN_MARKERS[i % len(RUN_MARKERS)], ls="none",
+                          color=RUN_COLORS[i % len(RUN_COLORS)]) for i in range(len(runs))]
+        fig.legend(handles, [run.name for run in runs], loc="outside lower center", ncols=min(len(runs), 4),
+                   fontsize=8)
+    axes[-1, 0].set_xlabel(_bucket_axis_caption([sd for _, data in rows for _, sd in data]))
+    for r in range(len(rows) - 1):
         for ax in axes[r, 1:]:
             ax.set_xlabel("")
-    axes[0, 0].set_title("(a) reward variance per bucket", fontsize=10)
+    axes[0, 0].set_title("(a) reward variance per bucket (mean, min–max)", fontsize=10)
     axes[0, 1].set_title("(b) task gradient vs RV", fontsize=10)
     axes[0, 2].set_title("(c) regulariser gradient vs RV", fontsize=10)
     return fig
+
+
+def _rv_ranges(ax, sd: StepData, color: str, offset: float, slots: list[str]) -> None:
+    """Bucket RV means with min–max bars at the x slot of each bucket name in `slots` (runs side by side via
+    `offset`)."""
+    rv, lo, hi = sd.values("reward_std_mean"), sd.values("reward_std_min"), sd.values("reward_std_max")
+    x = np.array([slots.index(b) for b in sd.buckets], dtype=float) + offset
+    ok = np.isfinite(rv)
+    ax.errorbar(x[ok], rv[ok], yerr=[np.nan_to_num(rv[ok] - lo[ok]), np.nan_to_num(hi[ok] - rv[ok])], fmt="o",
+                color=color, capsize=3, ms=4)
+    ax.set_ylim(bottom=0.0)
 
 
 def _bucket_axis_caption(data: list[StepData]) -> str:

@@ -41,7 +41,7 @@ def plot_command(run_dir: str | Path | Sequence[str | Path], steps: Sequence[int
         steps: analysis steps to plot (default: all); with `paper`, used when `paper_steps` is not given.
         list_steps: print the analysis steps (one line) and exit.
         out: output directory (default `<first run dir>/plots`).
-        paper: write `paper_grid.png` (rows = steps, looked up in the run directories in order).
+        paper: write `paper_grid.png` (rows = steps; every run that analysed a step is overlaid in its row).
         paper_steps: the grid's steps (default: every analysis step of the given runs).
     """
     dirs = [run_dir] if isinstance(run_dir, (str, Path)) else list(run_dir)

@@ -149,7 +149,7 @@ def _lines_per_bucket(ax, run: RunData, steps: list[int], metric: str) -> bool:
         y = np.array([as_float(p[1]) for p in pts], dtype=float)
         style = {"color": "k", "ls": "--"} if b == "all" else {"color": f"C{(bucket_sort_key(b)[1] - 1) % 10}"}
         fin = np.isfinite(y)
-        ax.plot(x[fin], y[fin], marker="o", ms=4, label=bucket_label(b, run.bucket_mode), **style)
+        ax.plot(x[fin], y[fin], marker="o", ms=4, label=bucket_label(b, run.bucket_mode, run.zero_bucket), **style)
         drawn = drawn or bool(fin.any())
     return drawn
 
@@ -189,7 +189,7 @@ def _buckets_of(run: RunData, steps: list[int]) -> list[str]:
 
 def _label_order(run: RunData, steps: list[int]) -> list[str]:
     """Legend labels of the buckets of `steps` in bucket order, then `all`."""
-    return [bucket_label(b, run.bucket_mode) for b in _buckets_of(run, steps)] + ["all"]
+    return [bucket_label(b, run.bucket_mode, run.zero_bucket) for b in _buckets_of(run, steps)] + ["all"]
 
 
 def _shared_legend(fig: Figure, axes, order: list[str]) -> None:
@@ -204,20 +204,58 @@ def _shared_legend(fig: Figure, axes, order: list[str]) -> None:
 
 
 def fig_reg_share(run: RunData, steps: list[int] | None = None) -> Figure | None:
-    """Per-bucket regulariser share reg/(task+reg) over the analysis steps (None if not logged)."""
+    """Per-bucket regulariser share reg/(task+reg) over the analysis steps on a log axis (None if not logged).
+
+    Buckets sit side by side around each step (so equal shares, e.g. several at 1.0, stay visible), with 95 %
+    whiskers where logged; a share of exactly 0 is marked on the bottom edge.
+    """
     steps = analysis_steps(run) if steps is None else steps
     if not any(k.endswith("/reg_share") for s in steps for k in run.row(s)):
         return None
     fig = new_figure(7.5, 4.5)
     ax = fig.add_subplot()
-    if not _lines_per_bucket(ax, run, steps, "reg_share"):
-        note(ax, "no finite values")
-    ax.set_title("regulariser share of the gradient  ‖reg‖ / (‖task‖ + ‖reg‖)", fontsize=10)
-    _step_axis(ax, "analysis step")
+    buckets = [*_buckets_of(run, steps), "all"]
+    gap = float(np.min(np.diff(steps))) if len(steps) > 1 else 1.0
+    drawn, zeros = [], []
+    for k, b in enumerate(buckets):
+        x, y, low, high = _bucket_series(run, steps, b, "reg_share")
+        x = x + (k - (len(buckets) - 1) / 2) * 0.6 * gap / len(buckets)
+        style = {"color": "k", "marker": "D"} if b == "all" else {"color": f"C{(bucket_sort_key(b)[1] - 1) % 10}",
+                                                                  "marker": "o"}
+        pos = np.isfinite(y) & (y > 0)
+        zeros += [(xi, style["color"]) for xi in x[np.isfinite(y) & (y == 0)]]
+        if not pos.any():
+            continue
+        ax.plot(x[pos], y[pos], ls="-", lw=0.8, ms=5, label=bucket_label(b, run.bucket_mode, run.zero_bucket),
+                **style)
+        ok = pos & np.isfinite(low) & np.isfinite(high)
+        if ok.any():
+            lo = np.where(low[ok] > 0, low[ok], y[ok] / 2)  # a whisker to 0 cannot be drawn on a log axis
+            ax.errorbar(x[ok], y[ok], yerr=[y[ok] - lo, high[ok] - y[ok]], fmt="none", ecolor=style["color"],
+                        capsize=2, lw=0.8)
+        drawn.append(y[pos])
+    if not drawn:
+        note(ax, "no positive shares logged")
+    else:
+        ax.set_yscale("log")
+        ax.set_ylim(float(np.min(np.concatenate(drawn))) / 3, 1.6)
+        ax.axhline(1.0, color="0.6", lw=0.6, ls=":")
+        for xi, color in zeros:
+            ax.plot([xi], [0.02], marker="v", color=color, transform=ax.get_xaxis_transform(), clip_on=False)
+    ax.set_title("regulariser share of the gradient  ‖reg‖ / (‖task‖ + ‖reg‖)  (log scale; ▼ = 0)", fontsize=10)
+    _step_axis(ax, "analysis step (buckets side by side)")
     ax.set_ylabel("reg_share")
     _shared_legend(fig, [ax], _label_order(run, steps))
     fig.suptitle(f"{run.name}: regulariser share per bucket")
     return fig
+
+
+def _bucket_series(run: RunData, steps: list[int], bucket: str, metric: str) -> tuple[np.ndarray, ...]:
+    """(steps, values, ci_low, ci_high) of `grad_norm/<bucket>/<metric>` at the `steps` that logged it; nan fills."""
+    key = f"{PREFIX}/{bucket}/{metric}"
+    rows = [run.row(s) for s in steps if key in run.row(s)]
+    get = [np.array([as_float(r.get(k)) for r in rows], dtype=float) for k in (key, f"{key}/ci_low", f"{key}/ci_high")]
+    return (np.array([r["step"] for r in rows], dtype=float), *get)
 
 
 def sketch_cosine_matrix(sketches: dict[str, np.ndarray], component: str = "task",
@@ -245,7 +283,7 @@ def fig_sketch_cosines(run: RunData, step: int, component: str = "task") -> Figu
     fig = new_figure(2.2 + 0.7 * n, 1.2 + 0.7 * n)
     ax = fig.add_subplot()
     im = ax.imshow(np.ma.masked_invalid(cos), cmap="RdBu_r", vmin=-1, vmax=1)
-    labels = [bucket_label(b, run.bucket_mode) for b in buckets]
+    labels = [bucket_label(b, run.bucket_mode, run.zero_bucket) for b in buckets]
     ax.set_xticks(range(n), labels)
     ax.set_yticks(range(n), labels)
     for i in range(n):

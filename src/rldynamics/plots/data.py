@@ -58,6 +58,12 @@ class RunData:
         analysis = self.config.get("analysis") if isinstance(self.config.get("analysis"), dict) else {}
         return str(analysis.get("bucket_mode") or "quantile")
 
+    @property
+    def zero_bucket(self) -> bool:
+        """`analysis.zero_bucket` from the config (False when not recorded: runs from before the option)."""
+        analysis = self.config.get("analysis") if isinstance(self.config.get("analysis"), dict) else {}
+        return bool(analysis.get("zero_bucket", False))
+
     def row(self, step: int) -> dict[str, Any]:
         """The merged metrics row of `step` (KeyError if the step was never logged)."""
         for r in self.rows:
@@ -175,9 +181,10 @@ def bucket_names(row: dict[str, Any], prefix: str = PREFIX) -> list[str]:
     return sorted(found, key=naming.bucket_number)
 
 
-def bucket_label(bucket: str, mode: str = "quantile") -> str:
-    """`bucket_3` -> `Q3` (quantile) or `[2, 3)` (fixed_rv); `all` -> `all`."""
-    return naming.bucket_label(bucket, mode)
+def bucket_label(bucket: str, mode: str = "quantile", zero_bucket: bool = False) -> str:
+    """`bucket_0` -> `RV=0`, `bucket_3` -> `Q3` (quantile) or `[2, 3)` (fixed_rv; `(0, 1)` for the first interval
+    when `zero_bucket` held RV = 0 apart); `all` -> `all`."""
+    return naming.bucket_label(bucket, mode, zero_bucket=zero_bucket)
 
 
 def bucket_values(row: dict[str, Any], buckets: list[str], metric: str, prefix: str = PREFIX) -> np.ndarray:
@@ -217,6 +224,36 @@ def norm_is_zero(row: dict[str, Any], bucket: str, comp: str, prefix: str = PREF
         if isinstance(row.get(key), (int, float)):
             return row[key] == 0
     return False
+
+
+def bucket_intervals(row: dict[str, Any], buckets: list[str], metric: str,
+                     prefix: str = PREFIX) -> tuple[np.ndarray, np.ndarray] | None:
+    """(`ci_low`, `ci_high`) arrays of `<prefix>/<bucket>/<metric>` (nan where not logged); None if none logged."""
+    low = bucket_values(row, buckets, f"{metric}/ci_low", prefix)
+    high = bucket_values(row, buckets, f"{metric}/ci_high", prefix)
+    return (low, high) if np.isfinite(low).any() else None
+
+
+def is_zero_rv(row: dict[str, Any], buckets: list[str], prefix: str = PREFIX) -> np.ndarray:
+    """`[B]` bool: buckets whose groups all have reward std 0 (`bucket_0`, or RAGEN quantiles of zero-RV groups)."""
+    top = bucket_values(row, buckets, "reward_std_max", prefix)
+    return np.array([b == naming.ZERO_BUCKET for b in buckets], dtype=bool) | (top == 0)
+
+
+def read_group_norms(run_dir: str | Path, step: int, prefix: str = PREFIX) -> dict[str, np.ndarray]:
+    """Per-group columns of `groups.csv` (`reward_std`, `task`, `regularizer`, ... with `analysis.per_group`):
+    column -> `[groups]` float array (nan where blank); empty when the file has no per-group norms."""
+    file = Path(run_dir) / "analysis" / f"step_{step}" / "groups.csv"
+    if not file.exists():
+        return {}
+    with open(file, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("prefix", PREFIX) == prefix]
+    if not rows or not any(r.get("task") for r in rows):
+        return {}
+    keys = [k for k in rows[0] if k not in ("prefix", "bucket", "seed")]
+    out = {k: np.array([_parse_float(r.get(k)) for r in rows], dtype=float) for k in keys}
+    out["bucket"] = np.array([r["bucket"] for r in rows])
+    return out
 
 
 def regularizer_values(row: dict[str, Any], buckets: list[str], prefix: str = PREFIX) -> np.ndarray:

@@ -46,6 +46,7 @@ STEP_FIGURE_TITLES = {
     "loss_plots": "Losses per bucket",
     "reward_std": "Reward variance per bucket",
     "normed_grads": "Per-sample and per-token gradient norms",
+    "groups": "Per-group gradient norms vs reward std (log-log, fitted slope)",
 }
 
 CSS = """
@@ -100,7 +101,7 @@ def bucket_table(run: RunData, step: int) -> str:
     """HTML table of every logged bucket metric of `step`: rows = metrics, columns = `all`, Q1, Q2, …"""
     sd = step_data(run, step)
     buckets = ["all", *sd.buckets] if any(k.startswith(f"{PREFIX}/all/") for k in sd.row) else sd.buckets
-    head = "".join(f"<th>{html.escape(bucket_label(b, run.bucket_mode))}</th>" for b in buckets)
+    head = "".join(f"<th>{html.escape(bucket_label(b, run.bucket_mode, run.zero_bucket))}</th>" for b in buckets)
     rows, undefined = [], False
     for name in bucket_metric_names(sd.row):
         comps = name[4:].split("_") if name.startswith("cos/") else []

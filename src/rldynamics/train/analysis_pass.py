@@ -9,9 +9,10 @@
 - `analysis.reward_grad` also differentiates the task loss with each named reward component's own advantages
   (`train.stages.component_advantages`, scaled like the trained advantages by the filter's loss scaling) and
   logs `reward_grad/<bucket>/*` (analysis/reward_grad.py).
-- Per analysis step, `analysis/step_<N>/` gets `groups.csv` (prefix, bucket, group_id, reward_std and the
-  group's env seed), `sketches.safetensors` (count-sketches of every bucket/component gradient, for offline
-  cosines across buckets and steps), `metrics.json` (the step's analysis metrics) and, with reward components,
+- Per analysis step, `analysis/step_<N>/` gets `groups.csv` (prefix, bucket, group_id, reward_std, the
+  group's env seed and, with `analysis.per_group`, the group's own gradient norms `GROUP_NORM_COLUMNS`),
+  `sketches.safetensors` (count-sketches of every bucket/component gradient, for offline cosines across buckets
+  and steps), `metrics.json` (the step's analysis metrics) and, with reward components,
   `reward_grad.json` (per bucket: the component cosine matrix, cosines with the total, norms and per-layer-group
   cosine profiles).
 """
@@ -36,6 +37,13 @@ from rldynamics.train.actor import ActorInputs
 from rldynamics.train.stages import component_advantages, filter_batch, step_seed, train_seeds
 
 ANALYSIS_SEED_OFFSET = 500_000  # separate analysis batches use their own env seeds
+GROUP_NORM_COLUMNS = ("share", "rows", "tokens", "task", "entropy", "kl", "raw/entropy", "raw/kl", "regularizer",
+                      "reg_share")  # groups.csv columns of `analysis.per_group` (empty without it)
+
+
+def _norm_columns(norms: dict[str, float] | None) -> list:
+    """A group's `GROUP_NORM_COLUMNS` values (blank when the group was not analysed alone or lacks the term)."""
+    return [norms.get(k, "") if norms else "" for k in GROUP_NORM_COLUMNS]
 
 
 def analysis_due(cfg: Config, step: int) -> bool:
@@ -71,7 +79,8 @@ def run_analysis(s, step: int, batch: RolloutBatch | None, inputs: ActorInputs |
         metrics.update(result.metrics)
         dump.update(per_parameter(s.model, result.gradients, prefix))
         seeds = dict(zip(b.group_ids.tolist(), b.seeds, strict=False))  # group id -> env seed
-        rows += [(prefix, bucket, gid, std, seeds.get(gid, "")) for bucket, gid, std in result.groups]
+        rows += [(prefix, bucket, gid, std, seeds.get(gid, ""), *_norm_columns(result.group_norms.get(gid)))
+                 for bucket, gid, std in result.groups]
         sketches.update({f"{prefix}/{k}": v.contiguous() for k, v in result.sketches.items()})
         if result.reward_grad:
             reward_grad[prefix] = result.reward_grad
@@ -108,7 +117,9 @@ def probe(s, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, floa
                           temperature=cfg.train.temperature, num_buckets=cfg.analysis.num_buckets,
                           bucket_mode=cfg.analysis.bucket_mode, prefix=prefix, sketch_seed=cfg.seed,
                           component_advantages=components, component_weights=weights,
-                          terms=tuple(cfg.analysis.terms), keep_gradients=cfg.analysis.dump_gradients)
+                          terms=tuple(cfg.analysis.terms), keep_gradients=cfg.analysis.dump_gradients,
+                          zero_bucket=cfg.analysis.zero_bucket,
+                          per_group=cfg.analysis.per_group, resamples=cfg.analysis.bootstrap_resamples)
 
 
 def _separate_batch_passes(s, step: int, metrics: dict[str, float], prepare) -> list:
@@ -142,7 +153,7 @@ def write_artefacts(out_dir: Path, metrics: dict[str, float], groups: list[tuple
     """`groups.csv`, `sketches.safetensors`, `metrics.json` (and `reward_grad.json`) of one analysis step."""
     with open(out_dir / "groups.csv", "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["prefix", "bucket", "group_id", "reward_std", "seed"])
+        writer.writerow(["prefix", "bucket", "group_id", "reward_std", "seed", *GROUP_NORM_COLUMNS])
         writer.writerows(groups)
     if sketches:
         save_file(sketches, str(out_dir / "sketches.safetensors"))

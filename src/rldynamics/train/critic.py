@@ -15,7 +15,7 @@ from rldynamics.train.actor import sub_batch_share
 
 def update_critic(critic, optimizer, batch: RolloutBatch, old_values: torch.Tensor, returns: torch.Tensor,
                   algo: AlgoConfig, critic_cfg: CriticConfig, train: TrainConfig) -> dict[str, float]:
-    """One pass of `train.ppo_epochs` epochs of value regression; returns `critic/*` metrics.
+    """`critic.ppo_epochs` (default `train.ppo_epochs`) epochs of value regression; returns `critic/*` metrics.
 
     Args:
         old_values: [N, L] values from before the update (for clipping).
@@ -25,7 +25,8 @@ def update_critic(critic, optimizer, batch: RolloutBatch, old_values: torch.Tens
     params = [p for p in critic.parameters() if p.requires_grad]
     sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "vpred_mean": 0.0, "grad_norm": 0.0}
     count = 0
-    for _ in range(train.ppo_epochs):
+    epochs = critic_cfg.ppo_epochs if critic_cfg.ppo_epochs is not None else train.ppo_epochs
+    for _ in range(epochs):
         for mini in micro_batches(torch.arange(len(batch)), train.mini_batch_size):
             optimizer.zero_grad(set_to_none=True)
             for positions in micro_batches(torch.arange(len(mini)), train.micro_batch_size):

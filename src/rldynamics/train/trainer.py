@@ -217,6 +217,9 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
         with timed(m, "update_critic"):
             m.update(update_critic(s.critic, s.critic_optimizer, batch, values, returns, cfg.algo, cfg.critic,
                                    cfg.train))
+    if step <= cfg.critic.warmup_steps:  # critic warm-up: the actor waits for a critic that predicts something
+        m["critic/warmup"] = 1.0
+        return m, None
     if _analyse(s, step, m, batch, inputs, group_std, filter_m["rollout/filter_kept_ratio"]):
         return m, EXITED
     if not cfg.analysis.only:
