@@ -203,7 +203,7 @@ def test_interrupted_sweep_resumes_from_checkpoints(tmp_path, fast_overrides):
     # Enough steps that the run is still going when the first checkpoint appears, however fast the machine.
     steps = 40
     out = tmp_path / "sw"
-    args = ["sweep", "kl", "--values", "0", "--out", str(out), *FAST, f"train.steps={steps}",
+    args = ["sweep", "kl", "--values", "0", "--out", str(out), *FAST, f"train.steps={steps}", "val.every=0",
             "early_stop.enabled=false"]
     sweep = subprocess.Popen([sys.executable, "-m", "rldynamics.cli", *args], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
@@ -212,7 +212,7 @@ def test_interrupted_sweep_resumes_from_checkpoints(tmp_path, fast_overrides):
     while not list(run.glob("checkpoints/step_*")) and sweep.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     sweep.send_signal(signal.SIGINT)  # what Ctrl-C does
-    printed = sweep.communicate(timeout=120)[0]
+    printed = sweep.communicate(timeout=300)[0]
     assert sweep.returncode == 130, printed
     assert json.loads((run / "sweep.json").read_text())["state"] == "interrupted"
     assert read_metrics(run)[-1]["step"] < steps

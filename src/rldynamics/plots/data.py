@@ -246,12 +246,11 @@ def read_group_norms(run_dir: str | Path, step: int, prefix: str = PREFIX) -> di
     file = Path(run_dir) / "analysis" / f"step_{step}" / "groups.csv"
     if not file.exists():
         return {}
-    with open(file, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("prefix", PREFIX) == prefix]
+    rows = [r for r in _csv_rows(file) if r.get("prefix", PREFIX) == prefix]
     if not rows or not any(r.get("task") for r in rows):
         return {}
     keys = [k for k in rows[0] if k not in ("prefix", "bucket", "seed")]
-    out = {k: np.array([_parse_float(r.get(k)) for r in rows], dtype=float) for k in keys}
+    out = {k: np.array([as_float(_parse_float(r.get(k))) for r in rows], dtype=float) for k in keys}
     out["bucket"] = np.array([r["bucket"] for r in rows])
     return out
 
@@ -277,15 +276,22 @@ def read_groups(run_dir: str | Path, step: int, prefix: str = PREFIX) -> dict[st
     out: dict[str, list[float]] = {}
     if not file.exists():
         return out
-    with open(file, newline="", encoding="utf-8", errors="replace") as f:  # bad bytes become U+FFFD
+    for r in _csv_rows(file):
+        if r.get("prefix", PREFIX) != prefix or not r.get("bucket"):
+            continue
+        out.setdefault(r["bucket"], []).append(as_float(_parse_float(r.get("reward_std"))))
+    return dict(sorted(out.items(), key=lambda kv: bucket_sort_key(kv[0])))
+
+
+def _csv_rows(file: Path) -> list[dict[str, str]]:
+    """The rows of a CSV file as dicts; bad bytes become U+FFFD, and a malformed line ends the rows read."""
+    rows = []
+    with open(file, newline="", encoding="utf-8", errors="replace") as f:
         try:
-            for r in csv.DictReader(f):
-                if r.get("prefix", PREFIX) != prefix or not r.get("bucket"):
-                    continue
-                out.setdefault(r["bucket"], []).append(as_float(_parse_float(r.get("reward_std"))))
+            rows.extend(csv.DictReader(f))
         except csv.Error:
             pass  # the rows read so far are kept
-    return dict(sorted(out.items(), key=lambda kv: bucket_sort_key(kv[0])))
+    return rows
 
 
 def _parse_float(text: str | None) -> float:
