@@ -203,7 +203,7 @@ def test_interrupted_sweep_resumes_from_checkpoints(tmp_path, fast_overrides):
     # Enough steps that the run is still going when the first checkpoint appears, however fast the machine.
     steps = 40
     out = tmp_path / "sw"
-    args = ["sweep", "kl", "--values", "0", "--out", str(out), *FAST, f"train.steps={steps}", "val.every=0",
+    args = ["sweep", "kl", "--values", "0", "--out", str(out), *FAST, f"train.steps={steps}",
             "early_stop.enabled=false"]
     sweep = subprocess.Popen([sys.executable, "-m", "rldynamics.cli", *args], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
