@@ -7,6 +7,22 @@ import torch
 
 torch.set_num_threads(2)
 
+def micro_model_batch(cache_dir, group_size: int):
+    """A 1-layer, 32-wide tiny model (no warm start) and a two-turn rollout of 2 groups x `group_size` from it."""
+    from rldynamics.config import make_config
+    from rldynamics.models.loading import load_model_and_tokenizer
+    from rldynamics.models.tiny import ensure_tiny_model
+    from rldynamics.rollout.agent import rollout
+    from rldynamics.train.warmstart import tiny_corpus
+
+    cfg = make_config(overrides=["env.max_new_tokens=6", "env.max_turns=2"])
+    path = ensure_tiny_model(lambda: tiny_corpus(cfg.env, num_seeds=10), cache_dir, hidden_size=32, num_layers=1,
+                             intermediate_size=64)
+    model, tokenizer = load_model_and_tokenizer(str(path))
+    torch.manual_seed(0)
+    return model, tokenizer, rollout(model, tokenizer, [1, 2], group_size, cfg.env, temperature=1.0)
+
+
 FAST = [
     "train.steps=2", "train.env_groups=2", "train.group_size=2", "train.mini_batch_size=2",
     "train.micro_batch_size=1", "val.env_groups=3", "val.every=1", "env.max_turns=2", "env.max_new_tokens=8",

@@ -7,24 +7,16 @@ import copy
 import pytest
 import torch
 
+from conftest import micro_model_batch
 from rldynamics.config import make_config
 from rldynamics.models.forward import batch_logprobs
-from rldynamics.models.loading import load_model_and_tokenizer
-from rldynamics.models.tiny import ensure_tiny_model
-from rldynamics.rollout.agent import rollout
 from rldynamics.train.actor import ActorInputs, single_pass, sub_batch_share, update_actor, weighted_total
 from rldynamics.train.early_stop import EarlyStopper
-from rldynamics.train.warmstart import tiny_corpus
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    cfg = make_config(overrides=["env.max_new_tokens=6", "env.max_turns=2"])
-    path = ensure_tiny_model(lambda: tiny_corpus(cfg.env, num_seeds=10), tmp_path_factory.mktemp("cache"),
-                             hidden_size=32, num_layers=1, intermediate_size=64)
-    model, tokenizer = load_model_and_tokenizer(str(path))
-    torch.manual_seed(0)
-    batch = rollout(model, tokenizer, [1, 2], 3, cfg.env, temperature=1.0)
+    model, _, batch = micro_model_batch(tmp_path_factory.mktemp("cache"), 3)
     old, _ = batch_logprobs(model, batch.input_ids, batch.attention_mask, micro_batch_size=6)
     advantages = torch.linspace(-1, 1, len(batch))[:, None] * batch.response_mask  # [N, L]
     return model, batch, ActorInputs(old_logprobs=old, advantages=advantages)

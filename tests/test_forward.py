@@ -5,23 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rldynamics.config import make_config
+from conftest import micro_model_batch
 from rldynamics.models import forward
 from rldynamics.models.forward import token_logprobs
-from rldynamics.models.loading import load_model_and_tokenizer
-from rldynamics.models.tiny import ensure_tiny_model
-from rldynamics.rollout.agent import rollout
-from rldynamics.train.warmstart import tiny_corpus
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    cfg = make_config(overrides=["env.max_new_tokens=6", "env.max_turns=2"])
-    path = ensure_tiny_model(lambda: tiny_corpus(cfg.env, num_seeds=10), tmp_path_factory.mktemp("cache"),
-                             hidden_size=32, num_layers=1, intermediate_size=64)
-    model, tokenizer = load_model_and_tokenizer(str(path))
-    torch.manual_seed(0)
-    batch = rollout(model, tokenizer, [1, 2], 2, cfg.env, temperature=1.0)  # two turns: scattered responses
+    model, tokenizer, batch = micro_model_batch(tmp_path_factory.mktemp("cache"), 2)  # two turns: scattered responses
     pad = torch.zeros(len(batch), 3, dtype=torch.long)  # [N, 3] trailing padding every row shares
     ids = torch.cat([batch.input_ids, pad + tokenizer.pad_token_id], 1)  # [N, L+3]
     attn = torch.cat([batch.attention_mask, pad], 1)  # [N, L+3]
