@@ -205,8 +205,10 @@ def test_interrupted_sweep_resumes_from_checkpoints(tmp_path, fast_overrides):
     out = tmp_path / "sw"
     args = ["sweep", "kl", "--values", "0", "--out", str(out), *FAST, f"train.steps={steps}",
             "early_stop.enabled=false"]
+    # A test run started in the background (CI) inherits SIGINT ignored; Ctrl-C on a terminal has it on.
     sweep = subprocess.Popen([sys.executable, "-m", "rldynamics.cli", *args], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+                             stderr=subprocess.STDOUT, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     run = out / "kl0" / "seed0"
     deadline = time.monotonic() + 300
     while not list(run.glob("checkpoints/step_*")) and sweep.poll() is None and time.monotonic() < deadline:
