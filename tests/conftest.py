@@ -7,6 +7,23 @@ import torch
 
 torch.set_num_threads(2)
 
+def json_under_hash_seeds(code: str, hash_seeds: tuple[str, ...] = ("1", "12345")) -> list:
+    """The JSON that `code` prints, run in a fresh interpreter once per `PYTHONHASHSEED` (one result each)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    outs = []
+    for seed in hash_seeds:
+        env = {**os.environ, "PYTHONPATH": src, "PYTHONHASHSEED": seed}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        outs.append(json.loads(done.stdout))
+    return outs
+
+
 def micro_model_batch(cache_dir, group_size: int):
     """A 1-layer, 32-wide tiny model (no warm start) and a two-turn rollout of 2 groups x `group_size` from it."""
     from rldynamics.config import make_config

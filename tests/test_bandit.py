@@ -4,21 +4,16 @@ the rollout on arbitrary text, the tiny preset end to end."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import json_under_hash_seeds
 from rldynamics.config import ConfigError, make_config
 from rldynamics.envs import ENVS
 from rldynamics.envs.bandit import RAGEN_PAIRS, BanditEnv
-
-SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def test_safe_arm_pays_its_fixed_payoff_and_misses_success() -> None:
@@ -119,10 +114,7 @@ def test_same_seed_same_episode_across_processes() -> None:
         "for s in range(40):\n    out.append(env.reset(s))\n    out.append(env.step(env.actions[0]).observation)\n"
         "print(json.dumps(out))"
     )
-    for hash_seed in ("1", "12345"):
-        env_vars = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONHASHSEED": hash_seed}
-        out = subprocess.run([sys.executable, "-c", code], env=env_vars, capture_output=True, text=True, check=True)
-        assert json.loads(out.stdout) == _episodes(range(40))
+    assert all(out == _episodes(range(40)) for out in json_under_hash_seeds(code))
 
 
 @pytest.fixture(scope="module")

@@ -4,18 +4,14 @@ slow independent search, determinism across processes, rewards through the rollo
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import random
-import subprocess
-import sys
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import json_under_hash_seeds
 from rldynamics.config import ConfigError, make_config
 from rldynamics.envs import ENVS, Env, make_env
 from rldynamics.envs.countdown import (
@@ -32,7 +28,6 @@ from rldynamics.envs.countdown import (
 from rldynamics.rollout.agent import rollout
 from rldynamics.train.warmstart import solver_policy
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 SIX_FOUR_TWO = Instance(numbers=(6, 4, 2), target=3)
 RIGHT, WRONG, INVALID = ({"format": 1.0, "correct": 1.0}, {"format": 1.0, "correct": 0.0},
                          {"format": 0.0, "correct": 0.0})
@@ -248,10 +243,7 @@ def test_same_seed_same_instance_across_processes_with_different_hash_seeds() ->
     assert len(set(here)) == 20 and here[0].startswith("Target: ")
     code = ("import json\nfrom rldynamics.envs.countdown import CountdownEnv\nenv = CountdownEnv()\n"
             "print(json.dumps([env.reset(s) + ' -> ' + env.solve()[0] for s in range(20)]))")
-    for hash_seed in ("1", "12345"):
-        env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONHASHSEED": hash_seed}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert json.loads(out.stdout) == here
+    assert all(out == here for out in json_under_hash_seeds(code))
 
 
 def test_random_actions_are_valid_and_seeded() -> None:

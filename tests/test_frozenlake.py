@@ -5,17 +5,14 @@ preset end to end."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import json_under_hash_seeds
 from rldynamics.config import make_config
 from rldynamics.envs import ENVS, make_env
 from rldynamics.envs.frozenlake import (
@@ -28,8 +25,6 @@ from rldynamics.envs.frozenlake import (
     shortest_path,
     transitions,
 )
-
-SRC = Path(__file__).resolve().parents[1] / "src"
 
 # S start, F frozen, H hole, G goal (gymnasium's letters).
 SMALL = ["SFF", "FHF", "FFG"]
@@ -278,10 +273,7 @@ def test_same_seed_same_map_and_slips_across_processes() -> None:
     env.reset(7)
     expected = _maps(range(20)) + [env.step(a).observation for a in ["Up", "Left", "Up", "Left"] if not env.done()]
     assert len(set(expected[:20])) > 15
-    for hash_seed in ("1", "12345"):
-        env_vars = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONHASHSEED": hash_seed}
-        out = subprocess.run([sys.executable, "-c", code], env=env_vars, capture_output=True, text=True, check=True)
-        assert json.loads(out.stdout) == expected
+    assert all(out == expected for out in json_under_hash_seeds(code))
 
 
 @pytest.mark.parametrize(

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from conftest import json_under_hash_seeds
 from rldynamics.envs import ENVS, Env, make_env
 from rldynamics.envs.sokoban import SokobanEnv, SokobanState, generate_puzzle, parse_grid, render, solve
-
-SRC = Path(__file__).resolve().parents[1] / "src"
 
 TWO_BOXES = """
 ######
@@ -202,10 +195,7 @@ def test_same_seed_same_room_across_processes_with_different_hash_seeds() -> Non
         "import json\nfrom rldynamics.envs.sokoban import SokobanEnv\n"
         "env = SokobanEnv(dim_room=[6, 6])\nprint(json.dumps([env.reset(s) for s in range(20)]))"
     )
-    for hash_seed in ("1", "12345"):
-        env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONHASHSEED": hash_seed}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert json.loads(out.stdout) == _renders(range(20))
+    assert all(out == _renders(range(20)) for out in json_under_hash_seeds(code))
 
 
 @pytest.mark.parametrize(("dim_room", "num_boxes"), [((6, 6), 1), ((7, 7), 2), ((8, 8), 3)])
