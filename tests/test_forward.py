@@ -62,3 +62,74 @@ def test_chunked_log_softmax_matches_one_chunk(setup, monkeypatch):
         monkeypatch.setattr(forward, "CHUNK_ELEMENTS", 1)  # one token per chunk
         many, _ = token_logprobs(model, ids, attn, positions=mask)
     assert torch.equal(one, many)
+
+
+class Recording(torch.nn.Module):
+    """A causal LM that records the shape of every `input_ids` it is given."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config, self.shapes = model, model.config, []
+
+    def forward(self, input_ids, attention_mask, logits_to_keep=0, past_key_values=None, position_ids=None,
+                use_cache=None):
+        self.shapes.append(tuple(input_ids.shape))
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep,
+                          past_key_values=past_key_values, position_ids=position_ids, use_cache=use_cache)
+
+
+def _uneven_prefix_batch(vocab: int):
+    """Rows of two groups whose prompts differ in length (5 and 9 tokens), responses in two turns, right padding.
+
+    Returns ids [6, 24], attention [6, 24], response mask [6, 24]."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, vocab, (5,), generator=gen), torch.randint(3, vocab, (9,), generator=gen)]
+    ids = torch.zeros(6, 24, dtype=torch.long)
+    attn = torch.zeros(6, 24, dtype=torch.long)
+    mask = torch.zeros(6, 24)
+    for i, (g, turns) in enumerate([(0, [3, 2]), (0, [1]), (0, [4, 4]), (1, [2, 5]), (1, [6]), (1, [1, 1])]):
+        row = [prompts[g]]
+        flags = [torch.zeros(len(prompts[g]))]
+        for k, n in enumerate(turns):
+            row.append(torch.randint(3, vocab, (n,), generator=gen))
+            flags.append(torch.ones(n))
+            if k < len(turns) - 1:  # an observation between the two responses
+                row.append(torch.randint(3, vocab, (3,), generator=gen))
+                flags.append(torch.zeros(3))
+        row, flags = torch.cat(row), torch.cat(flags)
+        ids[i, : len(row)], attn[i, : len(row)], mask[i, : len(row)] = row, 1, flags
+    return ids, attn, mask
+
+
+@pytest.mark.parametrize("data", ["rollout", "uneven_prefixes"])
+def test_shared_prefix_forward_equals_the_full_forward(setup, data):
+    """Each distinct prompt is forwarded once and the rest of each row on its cache: same log-probs, entropies
+    and gradients as forwarding every row whole (float rounding apart)."""
+    model, ids, attn, mask = setup
+    if data == "uneven_prefixes":
+        ids, attn, mask = _uneven_prefix_batch(model.config.vocab_size)
+    first, labels = forward.prefix_groups(ids, mask)
+    assert len(set(labels)) == 2 < len(labels)  # two distinct prompts, shared by the rows of each group
+    lp, ent, grads = _loss_and_grads(model, ids, attn, mask)
+    recording = Recording(model)
+    lp_s, ent_s, grads_s = _loss_and_grads(recording, ids, attn, mask, positions=mask)
+    width = int(attn.sum(1).max())
+    assert recording.shapes == [(2, int(first.max())), (len(ids), int((attn.sum(1) - first).max()))], width
+    torch.testing.assert_close(lp_s, lp * mask, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ent_s, ent * mask, rtol=1e-5, atol=1e-6)
+    assert (lp_s[mask == 0] == 0).all() and (ent_s[mask == 0] == 0).all()
+    for g, g_s in zip(grads, grads_s, strict=True):
+        torch.testing.assert_close(g_s, g, rtol=1e-4, atol=1e-6)
+    recording.shapes.clear()
+    lp_u, _, _ = _loss_and_grads(recording, ids, attn, mask, positions=mask, shared_prefix=False)
+    assert recording.shapes == [(len(ids), width)]  # switched off: one forward of whole rows
+    torch.testing.assert_close(lp_u, lp_s, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_without_a_shared_prefix_take_one_plain_forward(setup):
+    model, ids, attn, mask = setup
+    rows = torch.tensor([0, 2])  # one row of each group: nothing shared
+    recording = Recording(model)
+    with torch.no_grad():
+        token_logprobs(recording, ids[rows], attn[rows], positions=mask[rows])
+    assert recording.shapes == [(2, int(attn[rows].sum(1).max()))]

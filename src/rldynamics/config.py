@@ -132,6 +132,8 @@ class TrainConfig:
     """Sampling temperature of training rollouts."""
     shuffle: bool = False
     """Shuffle sequences before splitting into mini-batches (seeded)."""
+    shared_prefix: bool = True
+    """Forward a prompt shared by a group's trajectories once per micro-batch (update, log-prob passes, analysis)."""
 
 
 @dataclass

@@ -94,7 +94,8 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
                    component_advantages: dict[str, torch.Tensor] | None = None,
                    component_weights: dict[str, float] | None = None,
                    terms: tuple[str, ...] = ("task", "entropy", "kl"), zero_bucket: bool = False,
-                   per_group: bool = False, resamples: int = bootstrap.RESAMPLES) -> ProbeResult:
+                   per_group: bool = False, resamples: int = bootstrap.RESAMPLES,
+                   shared_prefix: bool = True) -> ProbeResult:
     """Per-bucket gradient norms, cosines, losses and sketches of the loss components, without training.
 
     Args:
@@ -117,6 +118,7 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
         zero_bucket: zero-variance groups form ``bucket_0`` and ties stay together (``assign_buckets``).
         per_group: compute every group's gradient alone (``group_norms``) and, with ``resamples`` > 0, bootstrap
             intervals over groups (``<bucket>/<metric>/ci_low|ci_high``; seeded with ``sketch_seed``).
+        shared_prefix: forward a prompt shared by rows of a micro-batch once (``models.forward.token_logprobs``).
 
     Returns:
         A :class:`ProbeResult`; empty when the batch has no rows.
@@ -129,12 +131,13 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
                       temperature=temperature, num_buckets=num_buckets, bucket_mode=bucket_mode, prefix=prefix,
                       sketch_dim=sketch_dim, sketch_seed=sketch_seed, keep_gradients=keep_gradients,
                       components=component_advantages or {}, weights=component_weights or {}, terms=terms,
-                      zero_bucket=zero_bucket, per_group=per_group, resamples=resamples)
+                      zero_bucket=zero_bucket, per_group=per_group, resamples=resamples,
+                      shared_prefix=shared_prefix)
 
 
 def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperature, num_buckets, bucket_mode,
            prefix, sketch_dim, sketch_seed, keep_gradients, components, weights, terms, zero_bucket, per_group,
-           resamples) -> ProbeResult:
+           resamples, shared_prefix) -> ProbeResult:
     """Body of :func:`gradient_probe` (runs inside a forked RNG)."""
     stds = present_groups(batch, group_std)
     if not stds:
@@ -158,7 +161,8 @@ def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperatu
     result = ProbeResult(metrics={}, groups=[], sketches={})
     per_bucket: dict[str, dict[str, float]] = {}
     per_bucket_rg: dict[str, dict[str, float]] = {}
-    kwargs = dict(names=names, components=components, micro_batch_size=micro_batch_size, temperature=temperature)
+    kwargs = dict(names=names, components=components, micro_batch_size=micro_batch_size, temperature=temperature,
+                  shared_prefix=shared_prefix)
     if per_group and distributed():
         raise ValueError("the per-group analysis (analysis.per_group) runs in one process only")
     for k, ((name, groups), rows, share) in enumerate(zip(named, bucket_rows, shares, strict=True)):
@@ -196,7 +200,8 @@ def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperatu
 
 def _bucket_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, algo: AlgoConfig,
                       params: list[torch.Tensor], *, names: list[str], components: dict[str, torch.Tensor],
-                      micro_batch_size: int, temperature: float) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+                      micro_batch_size: int, temperature: float,
+                      shared_prefix: bool) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Signed, unweighted gradient ``[P]`` and unweighted loss value of each term over the bucket ``rows``.
 
     One forward per micro-batch; every term is differentiated from the same graph and scaled by the
@@ -212,7 +217,7 @@ def _bucket_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: Ac
         if share == 0.0:  # no response tokens: contributes nothing to the aggregated loss
             continue
         terms, _ = loss_terms(model, batch, rows[positions], inputs, algo, temperature=temperature,
-                              component_advantages=components)
+                              component_advantages=components, shared_prefix=shared_prefix)
         for i, n in enumerate(names):
             losses[i] += share * terms[n].item()
             if not terms[n].requires_grad:

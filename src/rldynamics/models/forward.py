@@ -10,12 +10,14 @@ import inspect
 
 import torch
 from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from rldynamics.algo.losses import entropy_from_logits
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
-                   with_entropy: bool = False, positions: torch.Tensor | None = None,
+                   with_entropy: bool = False, positions: torch.Tensor | None = None, shared_prefix: bool = True,
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the given tokens (and the entropy of each predictive distribution).
 
@@ -27,11 +29,16 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             columns past the last attended one are trimmed, the LM head and the log-softmax run only at the
             positions that predict those tokens, in chunks of at most `CHUNK_ELEMENTS` logits (so a large
             vocabulary never materialises [N, L, V] float32), and every other entry is 0.
+        shared_prefix: with `positions`, rows whose tokens before their first response token are identical
+            (the members of a group share their prompt) forward that prefix once: its key/value cache is
+            copied to each member's row and only the rest of each row is forwarded (`shared_prefix_split`);
+            gradients flow through the shared prefix. Equal to the unshared forward up to float rounding.
     Returns:
         logprobs [N, L] and entropy [N, L] (or None), zero in column 0.
     """
     if positions is not None:
-        return _selected_logprobs(model, input_ids, attention_mask, positions.bool(), temperature, with_entropy)
+        return _selected_logprobs(model, input_ids, attention_mask, positions.bool(), temperature, with_entropy,
+                                  shared_prefix)
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # [N, L-1, V]
     logits = logits / temperature  # [N, L-1, V]
     logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [N, L-1]
@@ -44,32 +51,109 @@ CHUNK_ELEMENTS = 2**25  # float32 logits per chunk of the selected log-softmax (
 
 
 def _selected_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
-                       temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       temperature: float, with_entropy: bool, shared_prefix: bool,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` computed only where `positions` [N, L] is set (zeros elsewhere)."""
     n, length = input_ids.shape
     width = int(attention_mask.any(0).nonzero().max()) + 1 if attention_mask.any() else 1  # trailing padding dropped
     ids, attn, wanted = input_ids[:, :width], attention_mask[:, :width], positions[:, 1:width]  # [N, W], [N, W-1]
     wanted = wanted & attn[:, 1:].bool()  # [N, W-1] token t, predicted at position t-1
-    keep = torch.nn.functional.pad(wanted, (0, 1))  # [N, W] the predicting positions
-    logits = _logits_at(model, ids, attn, keep)  # [M, V]
-    targets = ids[:, 1:][wanted]  # [M]
-    logp, ent = _chunked_logprobs(logits, targets, temperature, with_entropy)  # [M], [M] | None
+    split = shared_prefix_split(ids, wanted) if shared_prefix and _caches_plainly(model) else None
+    if split is None:
+        logits = _logits_at(model, ids, attn, torch.nn.functional.pad(wanted, (0, 1)))  # [M, V]
+        rows, cols = wanted.nonzero(as_tuple=True)  # [M], [M] row-major, the order of the logits
+    else:
+        logits, rows, cols = _shared_prefix_logits(model, ids, attn, wanted, *split)  # [M, V], [M], [M]
+    logp, ent = _chunked_logprobs(logits, ids[rows, cols + 1], temperature, with_entropy)  # [M], [M] | None
 
     def place(values: torch.Tensor) -> torch.Tensor:
-        grid = values.new_zeros(n, width - 1).masked_scatter(wanted, values)  # [N, W-1]
+        grid = values.new_zeros(n, width - 1).index_put((rows, cols), values)  # [N, W-1]
         return torch.nn.functional.pad(grid, (1, length - width))  # [N, L]
 
     return place(logp), (place(ent) if with_entropy else None)
 
 
-def _logits_at(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def prefix_groups(input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Each row's prefix length (the index of its first response token; 0 without one) and a prefix id per row.
+
+    Rows get the same id iff they have the same prefix length and identical tokens before it (the members of a
+    group share their first prompt). Ids are numbered in order of first appearance. ([N], N ints)
+    """
+    has = positions.bool().any(1)  # [N]
+    first = torch.where(has, positions.bool().int().argmax(1), 0)  # [N]
+    ids: dict[tuple, int] = {}
+    labels = [ids.setdefault((f, tuple(row[:f])), len(ids)) if f > 0 else -1 - i
+              for i, (f, row) in enumerate(zip(first.tolist(), input_ids.tolist(), strict=True))]
+    return first, labels
+
+
+def shared_prefix_split(ids: torch.Tensor, wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                             torch.Tensor] | None:
+    """How `ids` [n, W] splits into shared prefixes, or None when no two rows share one (or a row has no
+    wanted position, `wanted` [n, W-1] being indexed by the predicting position).
+
+    Returns (first [n]: each row's prefix length, distinct [U]: one row per distinct prefix,
+    inverse [n]: the distinct prefix of each row).
+    """
+    first, labels = prefix_groups(ids, torch.nn.functional.pad(wanted, (1, 0)))  # [n]
+    if min(labels) < 0 or len(set(labels)) == len(labels):
+        return None
+    inverse = torch.tensor(labels, dtype=torch.long, device=ids.device)  # [n]
+    distinct = torch.tensor([labels.index(u) for u in range(len(set(labels)))], device=ids.device)  # [U]
+    return first, distinct, inverse
+
+
+def _caches_plainly(model) -> bool:
+    """Whether `model` takes a `past_key_values` DynamicCache whose every layer keeps all positions (no sliding
+    window cropping), so a prefix's cache can be extended by the rest of a row."""
+    if "past_key_values" not in inspect.signature(model.forward).parameters or not hasattr(model, "config"):
+        return False
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+
+
+def _shared_prefix_logits(model, ids: torch.Tensor, attn: torch.Tensor, wanted: torch.Tensor, first: torch.Tensor,
+                          distinct: torch.Tensor, inverse: torch.Tensor,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits at the `wanted` [n, W-1] positions with each distinct prefix forwarded once.
+
+    The U distinct prefixes (right-padded to the longest, P) are forwarded with a cache; its rows are copied to
+    the n rows (`inverse`), and each row's suffix (its tokens from `first`, left-aligned, S wide) is forwarded on
+    top with its own positions `first + j`. The prefix's last logits predict each row's first response token.
+    Returns (logits [M, V], rows [M], cols [M]) with cols indexing `wanted`.
+    """
+    n, width = ids.shape
+    plen = first[distinct]  # [U]
+    span = torch.arange(int(plen.max()), device=ids.device)  # [P]
+    prefix_attn = (span[None, :] < plen[:, None]).long()  # [U, P] right-padded prefixes
+    last = span[None, :] == plen[:, None] - 1  # [U, P] the position predicting the first response token
+    cache = DynamicCache(config=model.config)
+    head = _logits_at(model, ids[distinct, : span.numel()], prefix_attn, last, past_key_values=cache,
+                      use_cache=True)  # [U, V]
+    cache.batch_select_indices(inverse)  # [n, heads, P, dim] per layer, differentiable copies
+    lengths = attn.sum(1)  # [n]
+    suffix = torch.arange(int((lengths - first).max()), device=ids.device)  # [S]
+    cols = first[:, None] + suffix[None, :]  # [n, S] token index of each suffix slot
+    inside = cols < lengths[:, None]  # [n, S]
+    keep = inside & (cols < width - 1) & wanted.gather(1, cols.clamp(max=width - 2))  # [n, S] predicts a wanted token
+    mask = torch.cat([prefix_attn[inverse], inside.long()], 1)  # [n, P + S] the row's prefix, then its suffix
+    tail = _logits_at(model, ids.gather(1, cols.clamp(max=width - 1)), mask, keep, past_key_values=cache,
+                      position_ids=cols, use_cache=True)  # [M - n, V]
+    tail_rows, tail_slots = keep.nonzero(as_tuple=True)  # [M - n] row-major, the order of `tail`
+    rows = torch.cat([torch.arange(n, device=ids.device), tail_rows])  # [M]
+    cols = torch.cat([first - 1, first[tail_rows] + tail_slots])  # [M]
+    return torch.cat([head[inverse], tail]), rows, cols  # [M, V], [M], [M]
+
+
+def _logits_at(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor,
+               **kwargs) -> torch.Tensor:
     """Logits [M, V] at the `keep` [N, L] positions, row by row; the LM head runs only there when the model
-    takes a boolean `logits_to_keep` (transformers' causal LMs), else the full logits are indexed."""
+    takes a boolean `logits_to_keep` (transformers' causal LMs), else the full logits are indexed. `kwargs` go
+    to the model (a cache and positions)."""
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, **kwargs).logits
         if logits.dim() == 2 and logits.shape[0] == int(keep.sum()):
             return logits  # [M, V]
-    return model(input_ids=input_ids, attention_mask=attention_mask).logits[keep]  # [M, V]
+    return model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits[keep]  # [M, V]
 
 
 def _chunked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -116,18 +200,57 @@ def by_length(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.argsort(attention_mask.sum(1), stable=True)  # [N]
 
 
+def row_order(input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, micro_batch_size: int,
+              shared_prefix: bool = True) -> torch.Tensor:
+    """The order in which rows are cut into micro-batches of `micro_batch_size`. [N]
+
+    By length (`by_length`), unless rows share prefixes (`token_logprobs(shared_prefix=True)`) and keeping the
+    rows of each prefix together (prefixes ordered by their longest row, rows by length within) forwards fewer
+    tokens: a micro-batch then forwards each of its distinct prefixes once and every row from its prefix on.
+    """
+    order = by_length(attention_mask)  # [N]
+    if not shared_prefix:
+        return order
+    first, labels = prefix_groups(input_ids, positions)
+    if len(set(labels)) == len(labels):
+        return order
+    lengths = attention_mask.sum(1).tolist()
+    longest: dict[int, int] = {}
+    for label, length in zip(labels, lengths, strict=True):
+        longest[label] = max(longest.get(label, 0), length)
+    grouped = torch.tensor(sorted(range(len(labels)), key=lambda i: (longest[labels[i]], labels[i], lengths[i])))
+    cost = [_forwarded_tokens(o.tolist(), lengths, first.tolist(), labels, micro_batch_size) for o in (order, grouped)]
+    return grouped if cost[1] < cost[0] else order
+
+
+def _forwarded_tokens(order: list[int], lengths: list[int], first: list[int], labels: list[int], size: int) -> int:
+    """Token positions forwarded when `order` is cut into micro-batches of `size` (shared prefixes forwarded once)."""
+    total = 0
+    for start in range(0, len(order), size):
+        rows = order[start:start + size]
+        if len({labels[i] for i in rows}) == len(rows):  # nothing shared: whole rows to the longest
+            total += len(rows) * max(lengths[i] for i in rows)
+            continue
+        prefixes = {labels[i]: first[i] for i in rows}
+        total += len(prefixes) * max(prefixes.values()) + len(rows) * max(lengths[i] - first[i] for i in rows)
+    return total
+
+
 @torch.no_grad()
 def batch_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, micro_batch_size: int,
                    temperature: float = 1.0, with_entropy: bool = False, positions: torch.Tensor | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`token_logprobs` over a whole batch in micro-batches, without gradients. ([N, L], [N, L] | None)"""
+                   shared_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` over a whole batch in micro-batches (`row_order`), without gradients.
+    ([N, L], [N, L] | None)"""
     device = next(model.parameters()).device
-    order = by_length(attention_mask) if positions is not None else torch.arange(input_ids.shape[0])  # [N]
+    order = (torch.arange(input_ids.shape[0]) if positions is None else
+             row_order(input_ids, attention_mask, positions, micro_batch_size, shared_prefix))  # [N]
     logps, ents = [], []
     for rows in micro_batches(order, micro_batch_size):
         lp, ent = token_logprobs(model, input_ids[rows].to(device), attention_mask[rows].to(device),
                                  temperature=temperature, with_entropy=with_entropy,
-                                 positions=None if positions is None else positions[rows].to(device))
+                                 positions=None if positions is None else positions[rows].to(device),
+                                 shared_prefix=shared_prefix)
         logps.append(lp.cpu())
         ents.append(ent.cpu() if ent is not None else None)
     back = torch.argsort(order)  # [N] original row order

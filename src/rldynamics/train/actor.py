@@ -5,7 +5,9 @@ Design choices:
   forms the training loss in exactly one place. The gradient probe calls `loss_terms` too, so the loss
   it differentiates is the loss that is trained.
 - Micro-batches take the mini-batch's rows from shortest to longest, and each forward is trimmed to its own
-  longest row (`models.forward`), so short rows are not padded to the longest row of the batch.
+  longest row (`models.forward`), so short rows are not padded to the longest row of the batch; when rows share
+  their prompt (a group's members), the rows of a prompt stay together if that forwards fewer tokens, and each
+  distinct prompt of a micro-batch is forwarded once (`train.shared_prefix`, `models.forward.row_order`).
 - Aggregation is exact over a mini-batch, whatever the micro-batch size: each micro-batch's terms are
   multiplied by `sub_batch_share`, the share of the mini-batch's aggregation weight its rows carry,
   so the sum over micro-batches equals the loss of the whole mini-batch aggregated at once.
@@ -20,7 +22,7 @@ import torch
 
 from rldynamics.algo.losses import aggregate, aggregation_weights, kl_penalty, policy_loss
 from rldynamics.config import AlgoConfig, TrainConfig
-from rldynamics.models.forward import by_length, micro_batches, token_logprobs
+from rldynamics.models.forward import micro_batches, row_order, token_logprobs
 from rldynamics.rollout.batch import RolloutBatch
 
 
@@ -60,18 +62,20 @@ def sub_batch_share(mask: torch.Tensor, rows: torch.Tensor, mode: str) -> float:
 
 def loss_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, cfg: AlgoConfig, *,
                temperature: float, component_advantages: dict[str, torch.Tensor] | None = None,
-               ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+               shared_prefix: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Unweighted loss terms of the micro-batch `rows`, aggregated with `cfg.loss_agg_mode`.
 
     Returns ({"pg", "entropy", "kl"(if a reference is given), "reward/<name>" per entry of
     `component_advantages` (the pg loss with that component's advantages, [N, L] each)}, policy metrics).
-    All terms come from one forward pass.
+    All terms come from one forward pass (`token_logprobs`, with a group's shared prompt forwarded once when
+    `shared_prefix`).
     """
     device = next(model.parameters()).device
     mask = batch.response_mask[rows].to(device)  # [n, L]
     logprobs, entropy = token_logprobs(model, batch.input_ids[rows].to(device),
                                        batch.attention_mask[rows].to(device), temperature=temperature,
-                                       with_entropy=True, positions=mask)  # [n, L], [n, L]
+                                       with_entropy=True, positions=mask,
+                                       shared_prefix=shared_prefix)  # [n, L], [n, L]
     old = logprobs.detach() if inputs.old_logprobs is None else inputs.old_logprobs[rows].to(device)  # [n, L]
 
     def pg_loss(advantages: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
@@ -133,12 +137,15 @@ def _mini_batch_step(model, optimizer, params, batch, mini, inputs, algo, train)
     optimizer.zero_grad(set_to_none=True)
     stats = {"pg_loss": 0.0, "entropy_loss": 0.0, "kl_loss": 0.0, "pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0,
              "ppo_kl": 0.0}
-    for positions in micro_batches(by_length(batch.attention_mask[mini]), train.micro_batch_size):
+    order = row_order(batch.input_ids[mini], batch.attention_mask[mini], batch.response_mask[mini],
+                      train.micro_batch_size, train.shared_prefix)  # [m]
+    for positions in micro_batches(order, train.micro_batch_size):
         rows = mini[positions]  # [n]
         share = sub_batch_share(batch.response_mask[mini], positions, algo.loss_agg_mode)
         if share == 0.0:
             continue
-        terms, metrics = loss_terms(model, batch, rows, inputs, algo, temperature=train.temperature)
+        terms, metrics = loss_terms(model, batch, rows, inputs, algo, temperature=train.temperature,
+                                    shared_prefix=train.shared_prefix)
         (share * weighted_total(terms, algo)).backward()
         stats["pg_loss"] += share * terms["pg"].item()
         stats["entropy_loss"] += share * terms["entropy"].item()

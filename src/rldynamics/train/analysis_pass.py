@@ -119,7 +119,8 @@ def probe(s, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, floa
                           component_advantages=components, component_weights=weights,
                           terms=tuple(cfg.analysis.terms), keep_gradients=cfg.analysis.dump_gradients,
                           zero_bucket=cfg.analysis.zero_bucket,
-                          per_group=cfg.analysis.per_group, resamples=cfg.analysis.bootstrap_resamples)
+                          per_group=cfg.analysis.per_group, resamples=cfg.analysis.bootstrap_resamples,
+                          shared_prefix=cfg.train.shared_prefix)
 
 
 def _separate_batch_passes(s, step: int, metrics: dict[str, float], prepare) -> list:

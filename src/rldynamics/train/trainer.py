@@ -272,13 +272,15 @@ def prepare_update(s: Session, batch: RolloutBatch, m: dict, kept_ratio: float, 
         with timed(m, "old_log_prob"):
             inputs.old_logprobs, entropy = batch_logprobs(s.model, batch.input_ids, batch.attention_mask,
                                                           micro_batch_size=micro, temperature=cfg.train.temperature,
-                                                          with_entropy=True, positions=batch.response_mask)  # [N, L]
+                                                          with_entropy=True, positions=batch.response_mask,
+                                                          shared_prefix=cfg.train.shared_prefix)  # [N, L]
         m["actor/entropy"] = aggregate(entropy, batch.response_mask, cfg.algo.loss_agg_mode).item()
     if s.ref_model is not None:
         with timed(m, "ref"):
             inputs.ref_logprobs, _ = batch_logprobs(s.ref_model, batch.input_ids, batch.attention_mask,
                                                     micro_batch_size=micro, temperature=cfg.train.temperature,
-                                                    positions=batch.response_mask)
+                                                    positions=batch.response_mask,
+                                                    shared_prefix=cfg.train.shared_prefix)
         m["rollout/ref_log_prob"] = masked_mean(inputs.ref_logprobs, batch.response_mask).item()
     values = None
     if s.critic is not None:
