@@ -10,7 +10,7 @@ from rldynamics.models.loading import load_model_and_tokenizer
 from rldynamics.models.tiny import ensure_tiny_model
 from rldynamics.rollout.agent import generate
 from rldynamics.rollout.chat import ChatPrompts
-from rldynamics.rollout.prefill import shared_prompt_cache
+from rldynamics.rollout.prefill import TurnCaches, shared_prompt_cache
 from rldynamics.train.warmstart import tiny_corpus
 
 
@@ -63,3 +63,51 @@ def test_generate_samples_what_plain_generate_samples(setup):
     plain = [row[:next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))] for row in plain]
     assert shared == plain
     assert len({tuple(r) for r in shared[:3]}) > 1  # group members still sample their own tokens
+
+
+def _two_turns(model, tokenizer, prompts, caches, seed=5):
+    """Turn 1 from `prompts`, then turn 2 from each prompt + its response + an observation; both turns' samples."""
+    stop_ids = ChatPrompts(tokenizer, model=model).stop_ids
+    keys = list(range(len(prompts)))
+    torch.manual_seed(seed)
+    first = generate(model, tokenizer, prompts, 8, 1.0, stop_ids, caches=caches, keys=keys if caches else None)
+    observation = tokenizer("\nReward: 0\nTurn 2:\nState:\n#_P#")["input_ids"]
+    following = [p + r + observation[: 3 + i] for i, (p, r) in enumerate(zip(prompts, first, strict=True))]
+    second = generate(model, tokenizer, following, 8, 1.0, stop_ids, caches=caches, keys=keys if caches else None)
+    return first, following, second
+
+
+def test_turn_caches_sample_what_a_full_prefill_samples(setup):
+    model, tokenizer, prompts = setup
+    caches = TurnCaches(model)
+    first, following, second = _two_turns(model, tokenizer, prompts, caches)
+    assert (first, second) == _two_turns(model, tokenizer, prompts, None)[::2]
+    assert all(caches.rows[k][0] == following[k] + second[k][:-1] for k in range(len(prompts)))
+
+
+def test_turn_cache_gives_the_full_forward_logits(setup):
+    """The next turn's cache (rows of different lengths and offsets) + the uncached tail = the full forward."""
+    model, tokenizer, prompts = setup
+    caches = TurnCaches(model)
+    _, following, second = _two_turns(model, tokenizer, prompts, caches)
+    third = [f + s + [7, 8, 9][: 1 + i % 3] for i, (f, s) in enumerate(zip(following, second, strict=True))]
+    ids, attn = _left_pad(third, tokenizer.pad_token_id)  # [B, W]
+    keys = list(range(len(third)))
+    cache = caches.batch_cache(keys, third)
+    common = cache.get_seq_length()
+    assert 0 < common < ids.shape[1] - 1  # most of every row comes from its cache
+    positions = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 0)  # [B, W]
+    with torch.no_grad():
+        tail = model(input_ids=ids[:, common:], attention_mask=attn, position_ids=positions[:, common:],
+                     past_key_values=cache).logits  # [B, W - C, V]
+        full = model(input_ids=ids, attention_mask=attn, position_ids=positions).logits[:, common:]  # [B, W - C, V]
+    real = attn[:, common:].bool()  # [B, W - C]
+    torch.testing.assert_close(tail[real], full[real], rtol=1e-5, atol=1e-5)
+
+
+def test_a_prompt_that_does_not_continue_its_cache_is_recomputed(setup):
+    model, tokenizer, prompts = setup
+    caches = TurnCaches(model)
+    _, following, _ = _two_turns(model, tokenizer, prompts, caches)
+    other = [list(reversed(f)) for f in following]  # no longer starts with the cached ids
+    assert caches.batch_cache(list(range(len(other))), other) is None

@@ -58,7 +58,7 @@ def _selected_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     width = int(attention_mask.any(0).nonzero().max()) + 1 if attention_mask.any() else 1  # trailing padding dropped
     ids, attn, wanted = input_ids[:, :width], attention_mask[:, :width], positions[:, 1:width]  # [N, W], [N, W-1]
     wanted = wanted & attn[:, 1:].bool()  # [N, W-1] token t, predicted at position t-1
-    split = shared_prefix_split(ids, wanted) if shared_prefix and _caches_plainly(model) else None
+    split = shared_prefix_split(ids, wanted) if shared_prefix and caches_plainly(model) else None
     if split is None:
         logits = _logits_at(model, ids, attn, torch.nn.functional.pad(wanted, (0, 1)))  # [M, V]
         rows, cols = wanted.nonzero(as_tuple=True)  # [M], [M] row-major, the order of the logits
@@ -103,7 +103,7 @@ def shared_prefix_split(ids: torch.Tensor, wanted: torch.Tensor) -> tuple[torch.
     return first, distinct, inverse
 
 
-def _caches_plainly(model) -> bool:
+def caches_plainly(model) -> bool:
     """Whether `model` takes a `past_key_values` DynamicCache whose every layer keeps all positions (no sliding
     window cropping), so a prefix's cache can be extended by the rest of a row."""
     if "past_key_values" not in inspect.signature(model.forward).parameters or not hasattr(model, "config"):

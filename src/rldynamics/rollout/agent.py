@@ -18,13 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from rldynamics.config import EnvConfig, reward_names
 from rldynamics.envs import make_env
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.rollout.chat import ChatPrompts, Conversation
 from rldynamics.rollout.parse import ParsedTurn, parse_answer, parse_response
-from rldynamics.rollout.prefill import shared_prompt_cache
+from rldynamics.rollout.prefill import TurnCaches, shared_prompt_cache
 from rldynamics.rollout.rewards import resolve_weights, weighted_sum
 from rldynamics.rollout.sampling import sampling_guard
 
@@ -106,17 +107,20 @@ def rollout(model, tokenizer, seeds: list[int], group_size: int, cfg: EnvConfig,
     names = reward_names(probe_env, cfg)
     ctx = RolloutContext(cfg=cfg, chat=chat, tokenizer=tokenizer, weights=resolve_weights(probe_env, cfg, names))
     trajs = [_start(ctx, seed, g, names) for g, seed in enumerate(seeds) for _ in range(group_size)]
+    caches = TurnCaches(model) if respond is None else None
     for turn in range(1, cfg.max_turns + 1):
-        active = [t for t in trajs if not t.done]
+        active = [i for i, t in enumerate(trajs) if not t.done]
         if not active:
             break
         if respond is None:
-            responses = generate(model, tokenizer, [t.ids for t in active], cfg.max_new_tokens, temperature,
-                                 chat.stop_ids)
+            responses = generate(model, tokenizer, [trajs[i].ids for i in active], cfg.max_new_tokens, temperature,
+                                 chat.stop_ids, caches=caches, keys=active)
         else:
-            responses = respond(active)
-        for traj, response in zip(active, responses, strict=True):
-            _play_turn(ctx, traj, response, turn)
+            responses = respond([trajs[i] for i in active])
+        for i, response in zip(active, responses, strict=True):
+            _play_turn(ctx, trajs[i], response, turn)
+            if trajs[i].done and caches is not None:
+                caches.drop(i)
     return _to_batch(trajs, tokenizer, names, ctx.weights)
 
 
@@ -182,8 +186,14 @@ def _play_turn(ctx: RolloutContext, traj: Trajectory, response: list[int], turn:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-             stop_ids: list[int]) -> list[list[int]]:
-    """Sample one response per prompt (left-padded batch); each response ends at its first stop id (kept)."""
+             stop_ids: list[int], *, caches: TurnCaches | None = None, keys: list[int] | None = None,
+             ) -> list[list[int]]:
+    """Sample one response per prompt (left-padded batch); each response ends at its first stop id (kept).
+
+    With `caches` (and one trajectory key per prompt), the tokens each prompt shares with its trajectory's
+    earlier turns come from its cache and the cache is updated with this turn's tokens; otherwise a prompt
+    shared by several rows is prefilled once (`shared_prompt_cache`).
+    """
     pad = tokenizer.pad_token_id
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)  # [B, W]
@@ -193,7 +203,11 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
         attention[i, width - len(p):] = 1
     device = next(model.parameters()).device
     input_ids, attention = input_ids.to(device), attention.to(device)
-    cache = shared_prompt_cache(model, input_ids, attention)  # a group's shared prompt is encoded once
+    cache = caches.batch_cache(keys, prompts) if caches is not None and caches.rows else None
+    if cache is None:
+        cache = shared_prompt_cache(model, input_ids, attention)  # a group's shared prompt is encoded once
+    if cache is None and caches is not None and caches.enabled:
+        cache = DynamicCache(config=model.config)  # filled by generate, then kept for the next turn
     out = model.generate(
         input_ids=input_ids, attention_mask=attention, do_sample=True,
         temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
@@ -205,6 +219,8 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     for row in out[:, width:].tolist():
         cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
         responses.append(row[:cut])
+    if caches is not None:
+        caches.keep(cache, keys, prompts, responses)
     return responses
 
 

@@ -15,6 +15,8 @@ import inspect
 import torch
 from transformers import DynamicCache
 
+from rldynamics.models.forward import caches_plainly
+
 
 @torch.no_grad()
 def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> DynamicCache | None:
@@ -37,3 +39,66 @@ def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Te
           use_cache=True, **kwargs)
     cache.batch_select_indices(inverse)
     return cache
+
+
+class TurnCaches:
+    """Each trajectory's key/value cache from its earlier turns, so a later turn forwards only its new tokens.
+
+    After a turn's `generate`, `keep` stores, per trajectory, the cache entries of its prompt and response (all
+    but the last sampled token, which generate never forwards) with the ids they encode. Before the next turn,
+    `batch_cache` lays them out left-padded under that turn's prompts: positions follow `generate`'s rules for a
+    left-padded batch (a token's position is the number of tokens before it in its own row), so a token's cached
+    keys and values do not depend on the padding around it. The cache covers the first C columns of the padded
+    batch, C being the most that every row has cached (generate starts from one common cache length); a row whose
+    prompt does not start with its cached ids (or that has none) recomputes its tokens. Models whose cache drops
+    positions (sliding windows) keep nothing and prefill every turn in full.
+    """
+
+    def __init__(self, model):
+        self.enabled = caches_plainly(model)
+        self.config = model.config
+        self.rows: dict[int, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = {}  # key -> (ids, [(k, v)])
+
+    def batch_cache(self, keys: list[int], prompts: list[list[int]]) -> DynamicCache | None:
+        """A DynamicCache for the left-padded batch of `prompts` (one per trajectory in `keys`), or None."""
+        width = max(len(p) for p in prompts)
+        cached = [self._reusable(k, p) for k, p in zip(keys, prompts, strict=True)]
+        common = min(min(width - len(p) + n for p, n in zip(prompts, cached, strict=True)), width - 1)  # C
+        if common <= 0:  # generate needs at least one uncached token to predict from
+            return None
+        like = self.rows[keys[cached.index(max(cached))]][1]  # one row's [(k [H, n, D], v)] per layer
+        layers = []
+        for layer, (ref, _) in enumerate(like):
+            pairs = [self._row_layer(k, layer, width - len(p), common, ref) for k, p in zip(keys, prompts, strict=True)]
+            layers.append((torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])))  # [B, H, C, D]
+        return DynamicCache(layers, config=self.config)
+
+    def keep(self, cache: DynamicCache, keys: list[int], prompts: list[list[int]], responses: list[list[int]]) -> None:
+        """Store each row's entries of the cache `generate` filled for the left-padded `prompts`."""
+        if not self.enabled:
+            return
+        width = max(len(p) for p in prompts)
+        for row, (key, prompt, response) in enumerate(zip(keys, prompts, responses, strict=True)):
+            start, end = width - len(prompt), width + len(response) - 1  # the row's forwarded tokens
+            self.rows[key] = (prompt + response[:-1], [(layer.keys[row, :, start:end], layer.values[row, :, start:end])
+                                                       for layer in cache.layers])
+
+    def drop(self, key: int) -> None:
+        """Forget a finished trajectory's cache."""
+        self.rows.pop(key, None)
+
+    def _reusable(self, key: int, prompt: list[int]) -> int:
+        """How many leading tokens of `prompt` the cache of `key` holds (0 when it holds other ids)."""
+        ids = self.rows.get(key, ([], []))[0]
+        return len(ids) if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids else 0
+
+    def _row_layer(self, key: int, layer: int, pad: int, common: int,
+                   like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A row's keys and values for `layer` over the first `common` padded columns: zeros under its `pad`
+        columns of left padding, then its first `common - pad` cached tokens. ([H, C, D], [H, C, D])"""
+        real = max(common - pad, 0)
+        zeros = like.new_zeros(like.shape[0], common - real, like.shape[2])  # [H, C - real, D]
+        if real == 0:
+            return zeros, zeros
+        k, v = self.rows[key][1][layer]  # [H, n, D]
+        return torch.cat([zeros, k[:, :real]], 1), torch.cat([zeros, v[:, :real]], 1)
