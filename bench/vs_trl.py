@@ -32,11 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
-SIZES = {  # name -> (hidden, layers, env groups); None = the embedded tiny model of the default preset
-    "tiny": (None, None, 8),
-    "h256": (256, 4, 8),
-    "h512": (512, 8, 2),
-}
+from sizes import model_dir
+
+GROUPS = {"tiny": 8, "h256": 8, "h512": 2}  # env groups per step at each size (bench/sizes.py)
 GROUP_SIZE, MICRO, NEW_TOKENS, LR = 8, 16, 24, 1e-6
 PHASES = ("gen", "old_log_prob", "adv", "update_actor")
 
@@ -142,26 +140,6 @@ def run_trl(model_path: str, groups: int, steps: int) -> dict:
     return {"step": steps_s[1:]}
 
 
-def model_dir(size: str, root: Path) -> str:
-    """The weights of a size: the tiny model's cached directory, or a fresh seeded Qwen2 saved under `root`."""
-    from rldynamics.config import make_config
-    from rldynamics.models.loading import load_model_and_tokenizer
-    from rldynamics.models.tiny import build_tiny_model
-    from rldynamics.train.setup import base_model_path
-
-    tiny = base_model_path(make_config())
-    hidden, layers, _ = SIZES[size]
-    if hidden is None:
-        return tiny
-    _, tokenizer = load_model_and_tokenizer(tiny)
-    model = build_tiny_model(tokenizer, hidden_size=hidden, num_layers=layers, num_heads=hidden // 64,
-                             num_kv_heads=max(1, hidden // 128), intermediate_size=4 * hidden, seed=0)
-    path = root / size
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 def worker(side: str, model_path: str, groups: int, steps: int) -> dict:
     """Run one side in a fresh process (one torch thread) and return its timings."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
@@ -176,7 +154,7 @@ def worker(side: str, model_path: str, groups: int, steps: int) -> dict:
 
 def compare(size: str, path: str, rounds: int, steps: int) -> None:
     """Alternate the two trainers for `rounds` rounds and print the medians, the ratio and our phases."""
-    groups = SIZES[size][2]
+    groups = GROUPS[size]
     ours, trl, phases = [], [], {p: [] for p in PHASES}
     for r in range(rounds):
         for side in (("ours", "trl") if r % 2 == 0 else ("trl", "ours")):
@@ -212,8 +190,6 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes.split(","):
-            if size not in SIZES:
-                raise SystemExit(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
             compare(size, model_dir(size, Path(tmp)), args.rounds, args.steps)
 
 
