@@ -714,7 +714,9 @@ def load_config(path: str | Path) -> Config:
 
 def help_text() -> str:
     """Every key with its default and docstring, for `rldyn train --help-config`."""
-    return "\n".join(f"  {key}={default!s:<12} {doc}" for key, default, doc in documented_keys(Config()))
+    keys = documented_keys(Config())
+    width = max(len(f"{key}={default!s}") for key, default, _ in keys)
+    return "\n".join(f"  {f'{key}={default!s}':<{width}}  {doc}" for key, default, doc in keys)
 
 
 def envs_help() -> str:
