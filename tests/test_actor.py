@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from conftest import micro_model_batch
+from rldynamics.algo.losses import term_coefs, weighted_total
+from rldynamics.algo.shares import sub_batch_share
+from rldynamics.analysis.objective import ActorInputs
 from rldynamics.config import make_config
 from rldynamics.models.forward import batch_logprobs
-from rldynamics.train.actor import ActorInputs, single_pass, sub_batch_share, update_actor, weighted_total
+from rldynamics.train.actor import single_pass, update_actor
 from rldynamics.train.early_stop import EarlyStopper
 
 
@@ -53,21 +56,17 @@ def test_sub_batch_shares_sum_to_one():
 
 
 def test_weighted_total_combines_terms_with_their_coefficients():
-    cfg = make_config().algo
-    cfg.entropy_coef, cfg.kl_coef = 0.01, 0.5
     pg, ent, kl = (torch.tensor(v, requires_grad=True) for v in (2.0, 3.0, 4.0))
-    total = weighted_total({"pg": pg, "entropy": ent, "kl": kl}, cfg)
+    total = weighted_total({"pg": pg, "entropy": ent, "kl": kl}, term_coefs(0.01, 0.5))
     assert total.item() == pytest.approx(2.0 - 0.01 * 3.0 + 0.5 * 4.0)
     total.backward()
     assert (pg.grad.item(), ent.grad.item(), kl.grad.item()) == pytest.approx((1.0, -0.01, 0.5))
 
 
 def test_weighted_total_leaves_out_zero_coefficient_terms():
-    cfg = make_config().algo
-    cfg.entropy_coef, cfg.kl_coef = 0.0, 0.0
     pg = torch.tensor(2.0, requires_grad=True)
     ent = torch.tensor(float("nan"), requires_grad=True)  # 0 * nan would poison the loss
-    total = weighted_total({"pg": pg, "entropy": ent}, cfg)
+    total = weighted_total({"pg": pg, "entropy": ent}, term_coefs(0.0, 0.0))
     total.backward()
     assert total.item() == 2.0 and pg.grad.item() == 1.0 and ent.grad is None
 

@@ -17,13 +17,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rldynamics.algo.losses import AGG_MODES
+from rldynamics.analysis.objective import ActorInputs, actor_terms
 from rldynamics.analysis.probe import ProbeResult, gradient_probe
 from rldynamics.analysis.sketch import GradientSketcher
 from rldynamics.config import AlgoConfig
 from rldynamics.models.forward import batch_logprobs
 from rldynamics.models.tiny import build_tiny_model, build_tiny_tokenizer
 from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.train.actor import ActorInputs, loss_terms
 
 GRID = "######\n#_OX√#\n#_P__#\n#S___#\n######"
 GROUP_SIZES = (2, 3, 2, 3, 2)  # 5 groups, 12 rows
@@ -114,7 +114,7 @@ def test_derived_all_equals_direct_gradient(model, data, mode):
     batch, inputs, _ = data
     algo = algo_cfg(mode)
     result = probe(model, data, algo=algo, keep_gradients=True, micro_batch_size=2, num_buckets=3)
-    terms, _ = loss_terms(model, batch, torch.arange(len(batch)), inputs, algo, temperature=1.0)
+    terms, _ = actor_terms(model, batch, torch.arange(len(batch)), inputs, algo, temperature=1.0)
     for comp, (term, sign) in SIGNS.items():
         parts = torch.autograd.grad(terms[term], params_of(model), retain_graph=True, allow_unused=True)
         direct = sign * torch.cat([p.reshape(-1) for p in parts])  # [P]
@@ -134,7 +134,7 @@ def test_bucket_gradient_matches_backward_on_fresh_copy(model, data, mode):
         rows = bucket_rows(result, batch, bucket)
         for comp, (term, sign) in SIGNS.items():
             fresh = copy.deepcopy(model)
-            terms, _ = loss_terms(fresh, batch, rows, inputs, algo, temperature=1.0)
+            terms, _ = actor_terms(fresh, batch, rows, inputs, algo, temperature=1.0)
             (sign * terms[term]).backward()
             expected = torch.cat([p.grad.reshape(-1) for p in params_of(fresh)])  # [P]
             got = result.gradients[f"{bucket}/{comp}"]  # [P]
@@ -425,7 +425,7 @@ def test_per_group_gradients_rebuild_the_bucket_gradient(model, data, mode):
             # each group's norm is that of its own rows differentiated alone, on a fresh copy
             rows = torch.isin(batch.group_ids, torch.tensor(gids[:1])).nonzero().squeeze(1)
             fresh = copy.deepcopy(model)
-            terms, _ = loss_terms(fresh, batch, rows, inputs, algo, temperature=1.0)
+            terms, _ = actor_terms(fresh, batch, rows, inputs, algo, temperature=1.0)
             (sign * terms[term]).backward()
             alone = float(torch.cat([p.grad.reshape(-1) for p in params_of(fresh)]).norm())
             assert grouped.group_norms[gids[0]][key] == pytest.approx(alone, rel=1e-4)

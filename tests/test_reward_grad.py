@@ -11,13 +11,13 @@ import torch
 
 from rldynamics.algo.advantages import grpo_advantages
 from rldynamics.algo.losses import policy_loss
+from rldynamics.analysis.objective import ActorInputs
 from rldynamics.analysis.probe import gradient_probe
 from rldynamics.analysis.reward_grad import layer_groups, reward_grad_metrics
 from rldynamics.config import AlgoConfig
 from rldynamics.models.forward import batch_logprobs, token_logprobs
 from rldynamics.models.tiny import build_tiny_model, build_tiny_tokenizer
 from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.train.actor import ActorInputs
 from rldynamics.train.stages import component_advantages
 
 LENGTH = 16
@@ -164,7 +164,7 @@ def test_training_run_logs_component_gradients(fast_overrides):
     assert 'id="reward-components"' in page and "constant within every group" in page  # step is always 0
 
 
-def test_components_alone_skip_the_loss_terms(model):
+def test_components_alone_skip_the_actor_terms(model):
     batch = make_batch(model, random_components())
     full = run_probe(model, batch, algo_cfg(norm_by_std=True), num_buckets=2)
     alone = run_probe(model, batch, algo_cfg(norm_by_std=True), num_buckets=2, terms=())

@@ -6,7 +6,7 @@ Semantics (``DESIGN.md`` §4.2–4.4, metric names from ``reference/ragen_behavi
   out); with ``zero_bucket`` the zero-variance groups come first as ``bucket_0``; ``all`` is the whole batch.
 - The gradient of a bucket and component is the gradient, w.r.t. all trainable parameters, of that
   component's loss aggregated over the bucket exactly as a training mini-batch made of that bucket alone
-  (same ``loss_agg_mode``). Each micro-batch is forwarded ONCE through ``train.actor.loss_terms`` and each
+  (same ``loss_agg_mode``). Each micro-batch is forwarded ONCE through ``analysis.objective.actor_terms`` and each
   term is differentiated with ``torch.autograd.grad``, scaled by the micro-batch's ``sub_batch_share``;
   the result does not depend on ``micro_batch_size``.
 - Components are signed as they enter the training loss: task = ∇pg, entropy = −∇H (a bonus),
@@ -40,23 +40,23 @@ Semantics (``DESIGN.md`` §4.2–4.4, metric names from ``reference/ragen_behavi
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from rldynamics.algo.losses import term_coefs
+from rldynamics.algo.shares import bucket_shares, chunk_shares, distributed, global_sum, present_groups, sub_batch_share
 from rldynamics.analysis import bootstrap
 from rldynamics.analysis.bucket_names import bucket_name
 from rldynamics.analysis.buckets import assign_buckets
+from rldynamics.analysis.objective import ActorInputs, actor_terms, coefs
 from rldynamics.analysis.reward_grad import layer_groups, reward_grad_metrics
-from rldynamics.analysis.shares import bucket_shares, chunk_shares, distributed, global_sum, present_groups
 from rldynamics.analysis.sketch import GradientSketcher
 from rldynamics.config import AlgoConfig
 from rldynamics.models.forward import micro_batches
 from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.train.actor import ActorInputs, loss_terms, sub_batch_share, term_coefs
 
 COMPONENT_OF_TERM = {"pg": "task", "entropy": "entropy", "kl": "kl"}
 LOSS_NAME_OF_TERM = {"pg": "policy", "entropy": "entropy", "kl": "kl"}
@@ -136,7 +136,7 @@ def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperatu
            prefix, sketch_dim, sketch_seed, keep_gradients, components, weights, terms, zero_bucket, per_group,
            resamples) -> ProbeResult:
     """Body of :func:`gradient_probe` (runs inside a forked RNG)."""
-    stds = present_groups(batch, group_std)
+    stds = present_groups(batch.group_ids, group_std)
     if not stds:
         return ProbeResult(metrics={}, groups=[], sketches={})
     gids = sorted(stds)
@@ -211,8 +211,8 @@ def _bucket_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: Ac
     for positions, share in zip(chunks, chunk_shares(mask, chunks, algo.loss_agg_mode), strict=True):
         if share == 0.0:  # no response tokens: contributes nothing to the aggregated loss
             continue
-        terms, _ = loss_terms(model, batch, rows[positions], inputs, algo, temperature=temperature,
-                              component_advantages=components)
+        terms, _ = actor_terms(model, batch, rows[positions], inputs, algo, temperature=temperature,
+                               component_advantages=components)
         for i, n in enumerate(names):
             losses[i] += share * terms[n].item()
             if not terms[n].requires_grad:
@@ -232,7 +232,7 @@ def _bucket_metrics(grads: dict[str, torch.Tensor], losses: dict[str, float], al
                     tokens: float, total_rows: float, stds: list[float]) -> dict[str, float]:
     """RAGEN-named metrics of one bucket from its signed raw gradients ``[P]`` and unweighted losses."""
     grads = {n: g for n, g in grads.items() if n in COMPONENT_OF_TERM}  # the reward components are reported apart
-    coefs = term_coefs(algo)
+    weights = coefs(algo)
     raw = {n: float(torch.linalg.vector_norm(g)) for n, g in grads.items()}
     out = _norm_metrics(grads, algo)
     for n in grads:
@@ -240,8 +240,8 @@ def _bucket_metrics(grads: dict[str, torch.Tensor], losses: dict[str, float], al
         out[f"per_sample/{comp}"] = out[comp] / count if count > 0 else 0.0
         out[f"per_token/{comp}"] = out[comp] / tokens if tokens > 0 else 0.0
     for n in grads:
-        out[f"loss/{LOSS_NAME_OF_TERM[n]}"] = coefs[n] * losses[n]
-    out["loss/total"] = sum(coefs[n] * losses[n] for n in grads)
+        out[f"loss/{LOSS_NAME_OF_TERM[n]}"] = weights[n] * losses[n]
+    out["loss/total"] = sum(weights[n] * losses[n] for n in grads)
     out.update(sample_count=count, sample_pct=count / total_rows if total_rows > 0 else 0.0,
                reward_std_mean=sum(stds) / len(stds), reward_std_min=min(stds), reward_std_max=max(stds),
                group_rv_count=float(len(stds)))
@@ -276,8 +276,8 @@ def _norm_metrics(grads: dict[str, torch.Tensor], algo: AlgoConfig) -> dict[str,
 
 def _term_scales(algo: AlgoConfig) -> dict[str, float]:
     """Magnitude of each signed term's coefficient in the loss: pg 1, entropy ``entropy_coef``, kl ``kl_coef``."""
-    coefs, signs = term_coefs(algo), _term_signs(algo)
-    return {n: coefs[n] * signs[n] for n in coefs}
+    weights, signs = coefs(algo), _term_signs(algo)
+    return {n: weights[n] * signs[n] for n in weights}
 
 
 @dataclass
@@ -365,7 +365,7 @@ def _record(result: ProbeResult, bucket: str, grads: dict[str, torch.Tensor], sk
 
 def _term_signs(algo: AlgoConfig) -> dict[str, float]:
     """Sign with which each unweighted term enters the training loss (+pg, −entropy, +kl), from `term_coefs`."""
-    unit = term_coefs(dataclasses.replace(algo, entropy_coef=1.0, kl_coef=1.0))
+    unit = term_coefs(1.0, 1.0)
     return {n: math.copysign(1.0, c) for n, c in unit.items()}
 
 

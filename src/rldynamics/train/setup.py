@@ -28,6 +28,8 @@ import torch
 from rldynamics.config import Config, ConfigError, config_diff, load_config, save_config, to_dict
 from rldynamics.models.loading import load_model_and_tokenizer, load_value_model
 from rldynamics.models.tiny import ensure_tiny_model
+from rldynamics.tracking.console import StepConsole
+from rldynamics.tracking.grad_dump import GradientDumper
 from rldynamics.tracking.run_dir import RunLock, RunWriter
 from rldynamics.tracking.sinks import TensorBoardSink, WandbSink, check_installed
 from rldynamics.train.checkpoint import (
@@ -38,9 +40,32 @@ from rldynamics.train.checkpoint import (
     remove_stale,
     verify_checkpoint,
 )
+from rldynamics.train.stages import seed_step
 from rldynamics.train.warmstart import ensure_warm_start, tiny_corpus
 
 RESUME_MAY_CHANGE = ("train.steps", "checkpoint.", "log.", "early_stop.", "filter.empty_stop_steps", "model.device")
+
+
+@dataclass
+class Session:
+    """Everything a step needs: config, models, optimizers, run writer."""
+
+    cfg: Config
+    run_dir: Path
+    writer: RunWriter | None  # opened once the run directory is locked
+    model: torch.nn.Module
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    ref_model: torch.nn.Module | None = None
+    critic: torch.nn.Module | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
+    console: StepConsole | None = None
+    first_step: int = 1
+    dumper: GradientDumper | None = None  # analysis.dump_gradients: started by the first dump
+
+    def seed_step(self, step: int) -> int:
+        """The step whose env seeds and sampling seed `step` uses (`stages.seed_step`)."""
+        return seed_step(step, self.first_step, self.cfg.analysis.only)
 
 
 @dataclass
@@ -147,10 +172,8 @@ def check_resume_settings(cfg: Config, run_dir: Path) -> None:
                           "from the weights: model.path=<checkpoint>/actor")
 
 
-def make_session(cfg: Config, run_dir: Path, start: Start):
+def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
     """Build the training session for `cfg`, resuming `start`; writes nothing (`open_run` does, under the lock)."""
-    from rldynamics.train.trainer import Session
-
     device = resolve_device(cfg.model.device)
     torch.manual_seed(cfg.seed)
     base = base_model_path(cfg)
@@ -172,7 +195,7 @@ def make_session(cfg: Config, run_dir: Path, start: Start):
                    ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer)
 
 
-def open_run(s, start: Start) -> None:
+def open_run(s: Session, start: Start) -> None:
     """The first writes (run directory locked): what was written after the resumed step dropped (everything when
     starting from step 0; a damaged log line stops here, before any change), stale temporary checkpoints
     removed, metric mirrors opened, config.yaml written."""

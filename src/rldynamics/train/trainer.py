@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from rldynamics.algo.filter import loss_scale
 from rldynamics.algo.losses import aggregate, masked_mean
+from rldynamics.analysis.objective import ActorInputs
 from rldynamics.config import Config
 from rldynamics.models.forward import batch_logprobs, batch_values
 from rldynamics.rollout.agent import env_metric_summary, rollout
@@ -40,19 +40,18 @@ from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.rollout.rewards import reward_component_metrics, reward_rows, reward_stats
 from rldynamics.rollout.sampling import NonFiniteLogits
 from rldynamics.tracking.console import StepConsole
-from rldynamics.tracking.grad_dump import GradientDumper
-from rldynamics.tracking.run_dir import RunLock, RunWriter
+from rldynamics.tracking.run_dir import RunLock
 from rldynamics.train import setup
-from rldynamics.train.actor import ActorInputs, single_pass, update_actor
+from rldynamics.train.actor import single_pass, update_actor
 from rldynamics.train.analysis_pass import analysis_due, run_analysis
 from rldynamics.train.checkpoint import crash_point, save_checkpoint
 from rldynamics.train.critic import update_critic
 from rldynamics.train.early_stop import EarlyStopper
+from rldynamics.train.setup import Session
 from rldynamics.train.stages import (
     advantages_and_returns,
     data_metrics,
     filter_batch,
-    seed_step,
     step_seed,
     train_seeds,
     val_seeds,
@@ -61,28 +60,6 @@ from rldynamics.train.stages import (
 EXITED = "exited_after_gradient_analysis"
 NON_FINITE_LOGITS = "non_finite_logits"
 NON_FINITE_PARAMETERS = "non_finite_parameters"
-
-
-@dataclass
-class Session:
-    """Everything a step needs: config, models, optimizers, run writer."""
-
-    cfg: Config
-    run_dir: Path
-    writer: RunWriter | None  # opened once the run directory is locked
-    model: torch.nn.Module
-    tokenizer: object
-    optimizer: torch.optim.Optimizer
-    ref_model: torch.nn.Module | None = None
-    critic: torch.nn.Module | None = None
-    critic_optimizer: torch.optim.Optimizer | None = None
-    console: StepConsole | None = None
-    first_step: int = 1
-    dumper: GradientDumper | None = None  # analysis.dump_gradients: started by the first dump
-
-    def seed_step(self, step: int) -> int:
-        """The step whose env seeds and sampling seed `step` uses (`stages.seed_step`)."""
-        return seed_step(step, self.first_step, self.cfg.analysis.only)
 
 
 @contextmanager

@@ -1,8 +1,11 @@
-"""Aggregation shares and reductions for the gradient probe, in one process or under ``torch.distributed``.
+"""Aggregation shares and global sums: how a sub-batch's loss enters the loss of the whole batch.
 
-One process: a chunk's share is ``sub_batch_share``. Distributed: each rank holds a shard of the batch, and
-shares are taken against the aggregation of the rows of every rank together (rebuilt from gathered per-row
-token counts); sums of floats are all-reduced.
+Every aggregation mode weights tokens uniformly within the rows it sees, so a loss aggregated over a batch is the
+share-weighted sum of the same loss aggregated over each part of a partition (``sub_batch_share``). The update
+(micro-batches of a mini-batch) and the gradient probe (micro-batches of a bucket, buckets of the batch) use these
+shares, in one process or under ``torch.distributed``: there each rank holds a shard of the batch, shares are taken
+against the aggregation of the rows of every rank together (rebuilt from gathered per-row token counts) and sums
+of floats are all-reduced.
 """
 
 from __future__ import annotations
@@ -11,8 +14,18 @@ import torch
 import torch.distributed as dist
 
 from rldynamics.algo.losses import aggregation_weights
-from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.train.actor import sub_batch_share
+
+
+def sub_batch_share(mask: torch.Tensor, rows: torch.Tensor, mode: str) -> float:
+    """Weight of `rows` in `aggregate(., mask, mode)` relative to aggregating `rows` alone.
+
+    Every aggregation mode weights tokens uniformly within the rows it sees, so
+    `aggregate(v, mask, mode) == sum over chunks of share(chunk) * aggregate(v[chunk], mask[chunk], mode)`.
+    Returns 0 for rows without response tokens.
+    """
+    whole = aggregation_weights(mask, mode)[rows].sum()  # []
+    alone = aggregation_weights(mask[rows], mode).sum()  # []
+    return float(whole / alone) if alone > 0 else 0.0
 
 
 def distributed() -> bool:
@@ -36,9 +49,9 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def present_groups(batch: RolloutBatch, group_std: dict[int, float]) -> dict[int, float]:
-    """``group id -> reward std`` for the groups in ``batch`` (on any rank, when distributed)."""
-    present = sorted(set(batch.group_ids.tolist()))
+def present_groups(group_ids: torch.Tensor, group_std: dict[int, float]) -> dict[int, float]:
+    """``group id -> reward std`` for the groups among ``group_ids`` [N] (on any rank, when distributed)."""
+    present = sorted(set(group_ids.tolist()))
     missing = [g for g in present if g not in group_std]
     if missing:
         raise ValueError(f"group_std has no reward std for group ids {missing[:10]}")
