@@ -28,6 +28,8 @@ examples:
   rldyn train analysis.enabled=true analysis.every=5  # gradient analysis every 5 steps
   rldyn train --preset math-tiny                    # math word problems (rldynamic's reward components), CPU
   rldyn train --preset gsm8k-grpo model.path=/models/Qwen2.5-3B-Instruct env.math.source=/data/gsm8k/train.jsonl
+  rldyn train --nproc 8 --preset sokoban-ppo model.path=/models/Qwen2.5-3B   # 8 GPUs, FSDP2 (README: Multi-device)
+  torchrun --nproc-per-node 8 -m rldynamics.cli train --preset sokoban-ppo   # the same, launched by hand
 """
 
 
@@ -76,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--preset", default=None, help=f"preset name (default: {DEFAULT_PRESET})")
     train.add_argument("--config", default=None, help="YAML file merged after the preset, before overrides "
                                                       "(overrides may come before or after it)")
+    train.add_argument("--nproc", type=int, default=1, metavar="W",
+                       help="ranks on this machine (default 1): runs `torchrun --standalone --nproc-per-node W` "
+                            "over this command (one GPU per rank; gloo on CPU); see README: Multi-device")
     train.add_argument("--help-config", action="store_true", help="list every config key and exit")
     train.add_argument("--ragen", action="store_true",
                        help="with --help-config: list the RAGEN / verl override names accepted and what they become")
@@ -147,22 +152,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_job(command: str, job) -> int:
-    """Run `job()` (which returns a run directory); report bad input as one clear line and exit code 2."""
+    """Run `job()` (which returns a run directory); report bad input as one clear line and exit code 2.
+
+    Under torchrun the process joins the process group first; rank 0 alone prints."""
     from transformers.utils import logging as hf_logging
 
+    from rldynamics import dist
     from rldynamics.config import ConfigError
 
     hf_logging.disable_progress_bar()  # per-file load/save bars would drown the training progress bar
+    dist.init_from_env()
+    say = print if dist.is_main() else (lambda *a, **k: None)
     try:
         run_dir = job()
     except ConfigError as e:
-        print(f"rldyn {command}: config error: {_one_line(e)}", file=sys.stderr)
+        say(f"rldyn {command}: config error: {_one_line(e)}", file=sys.stderr)
         return 2
     except (FileExistsError, FileNotFoundError, ValueError, OSError, ImportError) as e:
-        print(f"rldyn {command}: {_one_line(e)}", file=sys.stderr)
+        say(f"rldyn {command}: {_one_line(e)}", file=sys.stderr)
         return 2
-    print(f"run directory: {run_dir}")
+    finally:
+        dist.close()
+    say(f"run directory: {run_dir}")
     return 0
+
+
+def _launch(nproc: int, argv: list[str]) -> int:
+    """`rldyn train --nproc W ...`: the same command in W ranks under torchrun; returns torchrun's exit code."""
+    import subprocess
+
+    if nproc < 1:
+        print(f"rldyn train: --nproc must be >= 1, got {nproc}", file=sys.stderr)
+        return 2
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "rldynamics.cli", "train", *argv]
+    return subprocess.call(command)
 
 
 def _one_line(error: Exception) -> str:
@@ -172,6 +196,8 @@ def _one_line(error: Exception) -> str:
 def cmd_train(args: argparse.Namespace) -> int:
     from rldynamics.config import help_text, make_config, preset_names
 
+    if args.nproc != 1 and not (args.help_config or args.ragen):
+        return _launch(args.nproc, _without_nproc(args.argv))
     if args.help_config and args.ragen:
         from rldynamics.ragen_keys import help_table
 
@@ -253,9 +279,24 @@ def cmd_envs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The `rldyn train` arguments less `--nproc W` / `--nproc=W` (each rank runs the rest)."""
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == "--nproc":
+            skip = True
+        elif not item.startswith("--nproc="):
+            out.append(item)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args, extra = parser.parse_known_args(argv)
+    args.argv = argv[argv.index("train") + 1:] if args.command == "train" else []
     # argparse takes one run of positionals: items after an option (`--config F a=1`, `sweep NAME --values V a=1`)
     # come back here; train and probe take them as key=value overrides, sweep as its items
     if extra:

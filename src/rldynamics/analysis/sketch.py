@@ -30,22 +30,34 @@ class GradientSketcher:
         params_shapes: shapes of the parameters, in the order their gradients are flattened.
         dim: number of sketch bins (≥ 1).
         seed: seed of the projection; the same ``(params_shapes, dim, seed)`` gives the same projection.
+        spans: the coordinates of the flat layout this sketcher sees, as increasing global [start, end) spans (a
+            rank's shard, ``models.sharding.grad_spans``); None = all. ``sketch`` then takes the local vector (those
+            coordinates in order) and returns its part of the sketch: the sum of the parts over a partition of the
+            coordinates is the sketch of the whole vector. The tables hold only these coordinates.
     """
 
-    def __init__(self, params_shapes: Sequence[Sequence[int]], dim: int = 1024, seed: int = 0) -> None:
+    def __init__(self, params_shapes: Sequence[Sequence[int]], dim: int = 1024, seed: int = 0,
+                 spans: list[tuple[int, int]] | None = None) -> None:
         if dim < 1:
             raise ValueError(f"sketch dim must be >= 1, got {dim}")
         self.dim = dim
         self.seed = seed
         numels = [int(torch.Size(shape).numel()) for shape in params_shapes]
+        spans = [(0, sum(numels))] if spans is None else spans
         generator = torch.Generator().manual_seed(seed)
         index_parts, sign_parts = [], []
+        offset = 0
         for numel in numels:  # per parameter, so a prefix of the shapes gives a prefix of the projection
-            index_parts.append(torch.randint(0, dim, (numel,), generator=generator, dtype=torch.int32))  # [n]
+            index = torch.randint(0, dim, (numel,), generator=generator, dtype=torch.int32)  # [n]
             bits = torch.randint(0, 2, (numel,), generator=generator, dtype=torch.int8)  # [n]
-            sign_parts.append(bits * 2 - 1)  # [n] int8 in {-1, +1}
-        self.index = torch.cat(index_parts) if index_parts else torch.zeros(0, dtype=torch.int32)  # [P]
-        self.sign = torch.cat(sign_parts) if sign_parts else torch.zeros(0, dtype=torch.int8)  # [P]
+            for start, end in spans:  # the coordinates of this parameter that are kept
+                a, b = max(start, offset) - offset, min(end, offset + numel) - offset
+                if a < b:
+                    index_parts.append(index[a:b])  # [b - a]
+                    sign_parts.append(bits[a:b] * 2 - 1)  # [b - a] int8 in {-1, +1}
+            offset += numel
+        self.index = torch.cat(index_parts) if index_parts else torch.zeros(0, dtype=torch.int32)  # [p]
+        self.sign = torch.cat(sign_parts) if sign_parts else torch.zeros(0, dtype=torch.int8)  # [p]
         self.numel = self.index.numel()
 
     def to(self, device: torch.device | str) -> GradientSketcher:

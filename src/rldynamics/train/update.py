@@ -6,6 +6,11 @@
   is that of the whole mini-batch aggregated at once, whatever the micro-batch size.
 - The gradient is clipped to `max_grad_norm` (the pre-clip norm is the `grad_norm` statistic); a non-finite norm
   skips the optimizer step and counts it in `skipped_steps`.
+- Several ranks: every rank holds the whole batch and takes every `world`-th row of each mini-batch's (length)
+  order; shares are still taken against the whole mini-batch, so the gradients summed over ranks (FSDP2's
+  reduce-scatter, or `sync_gradients` for replicas) and the statistics summed over ranks are those of one
+  process. Sharded models run a forward/backward only in step with every rank: a rank with fewer micro-batches
+  (or one without response tokens) runs its first row with weight 0.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from collections.abc import Callable
 
 import torch
 
+from rldynamics import dist
 from rldynamics.algo.shares import sub_batch_share
-from rldynamics.models.forward import by_length, micro_batches
+from rldynamics.models.forward import by_length
+from rldynamics.models.sharding import clip_gradients, is_sharded, sync_gradients
 from rldynamics.rollout.batch import RolloutBatch
 
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
@@ -38,8 +45,8 @@ def optimize(model, optimizer, batch: RolloutBatch, minis: list[torch.Tensor], l
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
     for mini in minis:
-        step = _step(optimizer, params, batch, mini, loss_of, stats, micro_batch_size, max_grad_norm, agg_mode,
-                     sort_by_length)
+        step = _step(model, optimizer, params, batch, mini, loss_of, stats, micro_batch_size, max_grad_norm,
+                     agg_mode, sort_by_length)
         for k, v in step.items():
             sums[k] = sums.get(k, 0.0) + v
     count = len(minis)
@@ -49,21 +56,24 @@ def optimize(model, optimizer, batch: RolloutBatch, minis: list[torch.Tensor], l
     return out
 
 
-def _step(optimizer, params, batch: RolloutBatch, mini: torch.Tensor, loss_of: LossFn, stats: tuple[str, ...],
-          micro_batch_size: int, max_grad_norm: float, agg_mode: str, sort_by_length: bool) -> dict[str, float]:
+def _step(model, optimizer, params, batch: RolloutBatch, mini: torch.Tensor, loss_of: LossFn,
+          stats: tuple[str, ...], micro_batch_size: int, max_grad_norm: float, agg_mode: str,
+          sort_by_length: bool) -> dict[str, float]:
     """Accumulate the mini-batch gradient, clip, and step (skipped when the norm is not finite)."""
     optimizer.zero_grad(set_to_none=True)
     out = dict.fromkeys(stats, 0.0)
     order = by_length(batch.attention_mask[mini]) if sort_by_length else torch.arange(len(mini))  # [n]
-    for positions in micro_batches(order, micro_batch_size):
-        share = sub_batch_share(batch.response_mask[mini], positions, agg_mode)
-        if share == 0.0:
+    for positions in dist.rank_chunks(order, micro_batch_size, lockstep=is_sharded(model)):
+        share = 0.0 if positions is None else sub_batch_share(batch.response_mask[mini], positions, agg_mode)
+        if share == 0.0 and not is_sharded(model):
             continue
-        loss, values = loss_of(mini[positions])
+        loss, values = loss_of(mini[order[:1] if positions is None else positions])
         (share * loss).backward()
         for k, v in values.items():
-            out[k] += share * v
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+            out[k] += share * v if share else 0.0
+    sync_gradients(model)
+    out = dict(zip(out, dist.global_sum(list(out.values())), strict=True))
+    grad_norm = clip_gradients(params, max_grad_norm)
     out["grad_norm"] = grad_norm
     finite = math.isfinite(grad_norm)
     if finite:
@@ -71,3 +81,4 @@ def _step(optimizer, params, batch: RolloutBatch, mini: torch.Tensor, loss_of: L
     out["skipped_steps"] = float(not finite)
     optimizer.zero_grad(set_to_none=True)
     return out
+
