@@ -173,7 +173,8 @@ def _run_job(command: str, job) -> int:
         return 2
     finally:
         dist.close()
-    say(f"run directory: {run_dir}")
+    if run_dir is not None:
+        say(f"run directory: {run_dir}")
     return 0
 
 
@@ -196,8 +197,6 @@ def _one_line(error: Exception) -> str:
 def cmd_train(args: argparse.Namespace) -> int:
     from rldynamics.config import help_text, make_config, preset_names
 
-    if args.nproc != 1 and not (args.help_config or args.ragen):
-        return _launch(args.nproc, _without_nproc(args.argv))
     if args.help_config and args.ragen:
         from rldynamics.ragen_keys import help_table
 
@@ -209,25 +208,37 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"{help_text()}\n\nRAGEN / verl override names are accepted too: rldyn train --help-config --ragen")
         return 0
 
-    def job():
-        _print_ragen_translation(args.overrides)
-        cfg = make_config(args.preset or DEFAULT_PRESET, args.config, args.overrides)  # fails before any work
+    def config(launcher: bool = False):
         from rldynamics.train.setup import resume_base
-        from rldynamics.train.trainer import train
 
+        if not launcher:
+            _print_ragen_translation(args.overrides)
+        cfg = make_config(args.preset or DEFAULT_PRESET, args.config, args.overrides)  # fails before any work
         if cfg.checkpoint.resume:  # a resumed run starts from its saved settings, changed only where asked
             cfg = make_config(args.preset, args.config, args.overrides, base=resume_base(cfg))
-        return train(cfg)
+        return cfg
+
+    if args.nproc != 1:  # the launcher checks what it can, once, then starts the ranks
+        from rldynamics.train.setup import check_world
+
+        return _run_job("train", lambda: check_world(config(launcher=True), args.nproc)) or (
+            _launch(args.nproc, _without_nproc(args.argv)))
+
+    def job():
+        from rldynamics.train.trainer import train
+
+        return train(config())
 
     return _run_job("train", job)
 
 
 def _print_ragen_translation(overrides: list[str]) -> None:
     """Say once what the RAGEN / verl keys among `overrides` became (nothing when there are none)."""
+    from rldynamics import dist
     from rldynamics.config import ragen_translation
 
     lines = ragen_translation(overrides)
-    if lines:
+    if lines and dist.is_main():
         print("RAGEN / verl keys translated:\n" + "\n".join(f"  {line}" for line in lines))
 
 

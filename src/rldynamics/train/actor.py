@@ -16,6 +16,7 @@ from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.train.update import optimize
 
 STATS = ("pg_loss", "entropy_loss", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+TOKEN_STATS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")  # token-level means
 
 
 def single_pass(train: TrainConfig, batch_size: int) -> bool:
@@ -48,7 +49,8 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
     for _ in range(train.ppo_epochs):
         order = torch.randperm(len(batch), generator=generator) if train.shuffle else torch.arange(len(batch))
         minis += micro_batches(order, train.mini_batch_size)
-    stats = optimize(model, optimizer, batch, minis, loss_of, stats=STATS, micro_batch_size=train.micro_batch_size,
+    stats = optimize(model, optimizer, batch, minis, loss_of, stats=STATS, token_stats=TOKEN_STATS,
+                     micro_batch_size=train.micro_batch_size,
                      max_grad_norm=train.max_grad_norm, agg_mode=algo.loss_agg_mode)
     out = {f"actor/{k}": v for k, v in stats.items()}
     out["actor/lr"] = optimizer.param_groups[0]["lr"]

@@ -124,14 +124,12 @@ def base_model_path(cfg: Config) -> str:
     return ensure_warm_start(path, cfg) if m.warm_start_episodes > 0 else path
 
 
-def check_world(cfg: Config) -> None:
-    """Settings a run of several ranks cannot honour are refused before any work (ConfigError naming the key)."""
-    ranks = dist.world()
+def check_world(cfg: Config, ranks: int | None = None) -> None:
+    """Settings a run of several ranks (default: this process group's) cannot honour are refused before any work
+    (ConfigError naming the key)."""
+    ranks = dist.world() if ranks is None else ranks
     if ranks == 1:
         return
-    if cfg.analysis.per_group:
-        raise ConfigError(f"analysis.per_group=true runs in one process only ({ranks} ranks here): it needs every "
-                          "group's gradient alone; set analysis.per_group=false or run without torchrun")
     if cfg.analysis.dump_gradients:
         raise ConfigError(f"analysis.dump_gradients=true writes whole gradients, which {ranks} ranks never gather; "
                           "set analysis.dump_gradients=false or run without torchrun")

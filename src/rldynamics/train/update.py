@@ -4,6 +4,8 @@
   `sort_by_length`, so each forward is trimmed to its own longest row); each micro-batch's loss is multiplied by
   `sub_batch_share`, the share of the mini-batch's aggregation weight its rows carry, so the accumulated gradient
   is that of the whole mini-batch aggregated at once, whatever the micro-batch size.
+- Statistics are exact too: a loss value is weighted like the loss (`sub_batch_share`), a token-level mean
+  (clip fractions, `ppo_kl`, `vpred_mean`) by the micro-batch's share of the mini-batch's response tokens.
 - The gradient is clipped to `max_grad_norm` (the pre-clip norm is the `grad_norm` statistic); a non-finite norm
   skips the optimizer step and counts it in `skipped_steps`.
 - Several ranks: every rank holds the whole batch and takes every `world`-th row of each mini-batch's (length)
@@ -30,14 +32,15 @@ LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
 
 def optimize(model, optimizer, batch: RolloutBatch, minis: list[torch.Tensor], loss_of: LossFn, *,
-             stats: tuple[str, ...], micro_batch_size: int, max_grad_norm: float, agg_mode: str,
-             sort_by_length: bool = True) -> dict[str, float]:
+             stats: tuple[str, ...], token_stats: tuple[str, ...] = (), micro_batch_size: int, max_grad_norm: float,
+             agg_mode: str, sort_by_length: bool = True) -> dict[str, float]:
     """One optimizer step per mini-batch of `minis` (row indices of `batch`); returns the step statistics.
 
     Args:
         loss_of: rows [n] -> (loss aggregated over those rows alone, {statistic: value}); called once per
             micro-batch that has response tokens.
-        stats: the statistics `loss_of` reports.
+        stats: the statistics `loss_of` reports, each a loss value aggregated like the loss, or, those also in
+            `token_stats`, a mean over the rows' response tokens.
     Returns:
         The mean over optimizer steps of each statistic (share-weighted over a step's micro-batches) and of
         `grad_norm`, `skipped_steps` (a count) and `num_updates`.
@@ -45,8 +48,8 @@ def optimize(model, optimizer, batch: RolloutBatch, minis: list[torch.Tensor], l
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
     for mini in minis:
-        step = _step(model, optimizer, params, batch, mini, loss_of, stats, micro_batch_size, max_grad_norm,
-                     agg_mode, sort_by_length)
+        step = _step(model, optimizer, params, batch, mini, loss_of, stats, token_stats, micro_batch_size,
+                     max_grad_norm, agg_mode, sort_by_length)
         for k, v in step.items():
             sums[k] = sums.get(k, 0.0) + v
     count = len(minis)
@@ -57,8 +60,8 @@ def optimize(model, optimizer, batch: RolloutBatch, minis: list[torch.Tensor], l
 
 
 def _step(model, optimizer, params, batch: RolloutBatch, mini: torch.Tensor, loss_of: LossFn,
-          stats: tuple[str, ...], micro_batch_size: int, max_grad_norm: float, agg_mode: str,
-          sort_by_length: bool) -> dict[str, float]:
+          stats: tuple[str, ...], token_stats: tuple[str, ...], micro_batch_size: int, max_grad_norm: float,
+          agg_mode: str, sort_by_length: bool) -> dict[str, float]:
     """Accumulate the mini-batch gradient, clip, and step (skipped when the norm is not finite)."""
     optimizer.zero_grad(set_to_none=True)
     out = dict.fromkeys(stats, 0.0)
@@ -69,8 +72,11 @@ def _step(model, optimizer, params, batch: RolloutBatch, mini: torch.Tensor, los
             continue
         loss, values = loss_of(mini[order[:1] if positions is None else positions])
         (share * loss).backward()
+        if share == 0.0:
+            continue
+        tokens = sub_batch_share(batch.response_mask[mini], positions, "token-mean")
         for k, v in values.items():
-            out[k] += share * v if share else 0.0
+            out[k] += (tokens if k in token_stats else share) * v
     sync_gradients(model)
     out = dict(zip(out, dist.global_sum(list(out.values())), strict=True))
     grad_norm = clip_gradients(params, max_grad_norm)
