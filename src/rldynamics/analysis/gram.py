@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from rldynamics.dist import collective_device, distributed
 
+CHUNK = 2**20  # coordinates per float64 block: K x 8 MiB of temporaries whatever the parameter count
+
 
 def local_slices(spans: list[tuple[int, int]], groups: dict[str, list[tuple[int, int]]]
                  ) -> dict[str, list[tuple[int, int]]]:
@@ -48,8 +50,9 @@ def gram(vectors: list[torch.Tensor], slices: dict[str, list[tuple[int, int]]]) 
     out = torch.zeros(len(slices), k, k, dtype=torch.float64)  # [G, K, K]
     for g, parts in enumerate(slices.values()):
         for start, end in parts:
-            block = torch.stack([v[start:end].double() for v in vectors])  # [K, n]
-            out[g] += (block @ block.T).cpu()  # [K, K]
+            for a in range(start, end, CHUNK):  # float64 copies of at most CHUNK coordinates at a time
+                block = torch.stack([v[a:min(a + CHUNK, end)].double() for v in vectors])  # [K, n]
+                out[g] += (block @ block.T).cpu()  # [K, K]
     if distributed():
         total = out.to(collective_device())  # [G, K, K]
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
