@@ -12,7 +12,7 @@ VALUE_RULES = """\
 values: text keys keep the text as typed (log.name=no is "no"); whole numbers are decimal (010 is 10);
 numbers must be finite; switches take true/false, yes/no or on/off; null (or nothing) unsets a key whose
 default is null; lists are YAML lists ([6, 6]). A resumed run keeps its config.yaml: only train.steps,
-checkpoint.*, log.*, early_stop.*, filter.empty_stop_steps and model.device may change."""
+checkpoint.*, log.*, early_stop.*, filter.empty_stop_steps, model.device and model.shard may change."""
 
 TRAIN_EPILOG = """\
 examples:
@@ -70,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train an LLM agent with PPO/GRPO. Settings are `key=value` overrides on a preset; "
                     "the run directory (config, metrics, samples, checkpoints) is written under log.run_dir. "
                     "A resumed run (checkpoint.resume=latest|PATH) keeps the settings of its config.yaml; only "
-                    "train.steps, checkpoint.*, log.*, early_stop.*, filter.empty_stop_steps and model.device "
-                    "may be changed, other changes are refused.",
+                    "train.steps, checkpoint.*, log.*, early_stop.*, filter.empty_stop_steps, model.device and "
+                    "model.shard may be changed, other changes are refused. Several ranks: --nproc W, or torchrun "
+                    "(README: Multi-device).",
         epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.lr=1e-5")
@@ -135,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CPU: runs at a time, the cores split between them (default: 1)")
     sweep.add_argument("--devices", default=None, metavar="0,1,...",
                        help="GPU ids; each run gets its own --devices-per-run of them (CUDA_VISIBLE_DEVICES)")
-    sweep.add_argument("--devices-per-run", type=int, default=1, metavar="D", help="GPUs per run (default: 1)")
+    sweep.add_argument("--devices-per-run", type=int, default=1, metavar="D",
+                       help="GPUs per run (default: 1); a run on several trains on all of them (rldyn train --nproc D)")
     sweep.add_argument("--preset", default="sokoban-tiny", help="preset of every run (default: sokoban-tiny)")
     sweep.add_argument("--config", default=None, help="YAML file merged after the preset, before overrides")
     sweep.add_argument("--out", default=None, help="sweep directory (default: sweeps/<NAME>-<preset>)")

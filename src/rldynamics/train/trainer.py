@@ -30,7 +30,7 @@ of different checkpoints analyse the same puzzles.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -89,9 +89,8 @@ def train(cfg: Config, run_dir: Path | None = None) -> Path:
     stopper = EarlyStopper.for_run(cfg)
     setup.load_early_stop(stopper, start)
     s = setup.make_session(cfg, run_dir, start)  # writes nothing
-    lock = RunLock(run_dir) if s.main else None
-    dist.on_main(_open, s, start, lock)
-    try:
+    with ExitStack() as held:
+        dist.on_main(_open, s, start, held)
         try:
             run_steps(s, start.step, stopper)
         finally:
@@ -101,20 +100,13 @@ def train(cfg: Config, run_dir: Path | None = None) -> Path:
             s.writer.close()
             if cfg.log.report:
                 _write_report(s.run_dir)
-    finally:
-        if lock is not None:
-            lock.__exit__(None, None, None)
     return s.run_dir
 
 
-def _open(s: Session, start: setup.Start, lock: RunLock) -> None:
-    """Lock the run directory (one writer per run) and make the first writes (`setup.open_run`)."""
-    lock.__enter__()
-    try:
-        setup.open_run(s, start)
-    except BaseException:
-        lock.__exit__(None, None, None)
-        raise
+def _open(s: Session, start: setup.Start, held: ExitStack) -> None:
+    """Lock the run directory for as long as `held` is (one writer per run), then make the first writes."""
+    lock = held.enter_context(RunLock(s.run_dir))
+    setup.open_run(s, start)
     if lock.stale:
         print(f"note: {s.run_dir} was last opened by {lock.stale}, which ended without closing it")
     if start.in_place and start.checkpoint is None:
