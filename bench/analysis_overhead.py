@@ -36,12 +36,14 @@ from collections.abc import Callable
 
 import torch
 
+from rldynamics.algo.shares import sub_batch_share
+from rldynamics.analysis.objective import ActorInputs, actor_terms, coefs
 from rldynamics.analysis.probe import gradient_probe
 from rldynamics.config import AlgoConfig, TrainConfig
 from rldynamics.models.forward import batch_logprobs, micro_batches
 from rldynamics.models.tiny import build_tiny_model, build_tiny_tokenizer
 from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.train.actor import ActorInputs, loss_terms, sub_batch_share, term_coefs, update_actor
+from rldynamics.train.actor import update_actor
 from rldynamics.train.stages import component_advantages
 
 GRID = "######\n#_OX√#\n#_P__#\n#S___#\n######"
@@ -100,7 +102,7 @@ def naive_probe(model, batch, inputs, buckets: dict[str, torch.Tensor], algo: Al
                 temperature: float) -> dict[str, float]:
     """RAGEN's protocol: per bucket (incl. `all`) and component, a fresh forward + backward per micro-batch."""
     params = [p for p in model.parameters() if p.requires_grad]
-    coefs = term_coefs(algo)
+    weights = coefs(algo)
     out = {}
     for name, rows in buckets.items():
         mask = batch.response_mask[rows]  # [n_b, L]
@@ -110,8 +112,8 @@ def naive_probe(model, batch, inputs, buckets: dict[str, torch.Tensor], algo: Al
                 share = sub_batch_share(mask, positions, algo.loss_agg_mode)
                 if share == 0.0:
                     continue
-                terms, _ = loss_terms(model, batch, rows[positions], inputs, algo, temperature=temperature)
-                (share * coefs[term] * terms[term]).backward()
+                terms, _ = actor_terms(model, batch, rows[positions], inputs, algo, temperature=temperature)
+                (share * weights[term] * terms[term]).backward()
             grads = [p.grad for p in params if p.grad is not None]
             out[f"{name}/{comp}"] = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
                                                                                 for g in grads])))

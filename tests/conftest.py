@@ -59,3 +59,26 @@ def fast_overrides(tiny_cache, tmp_path, monkeypatch) -> list[str]:
     """Overrides for a seconds-long training run writing under tmp_path."""
     monkeypatch.setenv("RLDYN_CACHE", tiny_cache)
     return [*FAST, f"log.run_dir={tmp_path / 'runs'}"]
+
+
+def run_ranks(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | None = None) -> str:
+    """Run `torchrun --standalone --nproc-per-node nproc ARGS...` (a script path or `-m module ...`) and return its
+    output; fail (never hang) when it exits non-zero or runs past `timeout` seconds (every rank is then killed)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{nproc} ranks ran past {timeout} s: {' '.join(args)}\n{out[-3000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"{nproc} ranks failed (exit {proc.returncode}): {' '.join(args)}\n{out[-5000:]}")
+    return out

@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from conftest import micro_model_batch
+from rldynamics.algo.losses import term_coefs, weighted_total
+from rldynamics.algo.shares import sub_batch_share
+from rldynamics.analysis.objective import ActorInputs
 from rldynamics.config import make_config
 from rldynamics.models.forward import batch_logprobs
-from rldynamics.train.actor import ActorInputs, single_pass, sub_batch_share, update_actor, weighted_total
+from rldynamics.train.actor import single_pass, update_actor
 from rldynamics.train.early_stop import EarlyStopper
 
 
@@ -42,6 +45,23 @@ def test_update_does_not_depend_on_micro_batch_size(setup, mode):
         assert metrics["actor/grad_norm"] == pytest.approx(results[-1][1]["actor/grad_norm"], rel=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_update_statistics_do_not_depend_on_micro_batch_size(setup, mode):
+    """Loss values are weighted like the loss, token-level means (clip fractions, ppo_kl) by tokens: the statistics
+    of one optimizer step are those of the whole mini-batch, however it is cut (micro-batches, ranks)."""
+    model, batch, inputs = setup
+    gen = torch.Generator().manual_seed(3)
+    off = ActorInputs(old_logprobs=inputs.old_logprobs + 0.3 * torch.randn(inputs.old_logprobs.shape, generator=gen),
+                      advantages=inputs.advantages)  # ratios away from 1: clipping happens
+    keys = ("actor/pg_loss", "actor/entropy_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl")
+    results = [_update(model, batch, off, [f"train.micro_batch_size={m}", f"algo.loss_agg_mode={mode}",
+                                           "train.ppo_epochs=1"])[1] for m in (1, 4, 6)]
+    assert results[-1]["actor/pg_clipfrac"] > 0 and results[-1]["actor/ppo_kl"] != 0
+    for metrics in results[:-1]:
+        for key in keys:
+            assert metrics[key] == pytest.approx(results[-1][key], rel=1e-5, abs=1e-7), key
+
+
 def test_sub_batch_shares_sum_to_one():
     mask = torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
     for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
@@ -53,21 +73,17 @@ def test_sub_batch_shares_sum_to_one():
 
 
 def test_weighted_total_combines_terms_with_their_coefficients():
-    cfg = make_config().algo
-    cfg.entropy_coef, cfg.kl_coef = 0.01, 0.5
     pg, ent, kl = (torch.tensor(v, requires_grad=True) for v in (2.0, 3.0, 4.0))
-    total = weighted_total({"pg": pg, "entropy": ent, "kl": kl}, cfg)
+    total = weighted_total({"pg": pg, "entropy": ent, "kl": kl}, term_coefs(0.01, 0.5))
     assert total.item() == pytest.approx(2.0 - 0.01 * 3.0 + 0.5 * 4.0)
     total.backward()
     assert (pg.grad.item(), ent.grad.item(), kl.grad.item()) == pytest.approx((1.0, -0.01, 0.5))
 
 
 def test_weighted_total_leaves_out_zero_coefficient_terms():
-    cfg = make_config().algo
-    cfg.entropy_coef, cfg.kl_coef = 0.0, 0.0
     pg = torch.tensor(2.0, requires_grad=True)
     ent = torch.tensor(float("nan"), requires_grad=True)  # 0 * nan would poison the loss
-    total = weighted_total({"pg": pg, "entropy": ent}, cfg)
+    total = weighted_total({"pg": pg, "entropy": ent}, term_coefs(0.0, 0.0))
     total.backward()
     assert total.item() == 2.0 and pg.grad.item() == 1.0 and ent.grad is None
 

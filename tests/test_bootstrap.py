@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rldynamics.analysis import bootstrap
+from rldynamics.analysis.gram import group_gram
 
 
 def test_combined_norms_equal_the_norm_of_the_weighted_sum():
@@ -54,10 +55,15 @@ def synthetic_bucket(num_groups: int, seed: int) -> tuple[torch.Tensor, dict[str
     return shares, {"pg": pg, "entropy": entropy}, point
 
 
+def _gram(grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[str]]:
+    """The per-group Gram matrix [K, K, m, m] of the terms' [m, P] gradients, and the term names."""
+    return group_gram(list(grads.values())), list(grads)
+
+
 @pytest.mark.parametrize("num_groups", [3, 12, 48])
 def test_intervals_contain_the_point_estimate(num_groups):
     shares, grads, point = synthetic_bucket(num_groups, seed=num_groups)
-    out = bootstrap.bucket_intervals(shares, grads, {"pg": 1.0, "entropy": 0.1}, point, normalised=True,
+    out = bootstrap.bucket_intervals(shares, *_gram(grads), {"pg": 1.0, "entropy": 0.1}, point, normalised=True,
                                      resamples=400, seed=0)
     for key, value in point.items():
         assert out[f"{key}/ci_low"] <= value <= out[f"{key}/ci_high"], key
@@ -69,7 +75,7 @@ def test_intervals_shrink_with_more_groups():
     widths = []
     for num_groups in (4, 16, 64):
         shares, grads, point = synthetic_bucket(num_groups, seed=7)
-        out = bootstrap.bucket_intervals(shares, grads, {"pg": 1.0, "entropy": 0.1}, point, normalised=True,
+        out = bootstrap.bucket_intervals(shares, *_gram(grads), {"pg": 1.0, "entropy": 0.1}, point, normalised=True,
                                          resamples=400, seed=0)
         widths.append(out["task/ci_high"] - out["task/ci_low"])
     assert widths[0] > 1.5 * widths[1] > 1.5 * 1.5 * widths[2]  # SE ~ 1/sqrt(m): about halves per 4x groups
@@ -77,6 +83,6 @@ def test_intervals_shrink_with_more_groups():
 
 def test_single_group_gives_no_interval():
     shares, grads, point = synthetic_bucket(1, seed=0)
-    out = bootstrap.bucket_intervals(shares, grads, {"pg": 1.0, "entropy": 0.1}, point, normalised=True,
+    out = bootstrap.bucket_intervals(shares, *_gram(grads), {"pg": 1.0, "entropy": 0.1}, point, normalised=True,
                                      resamples=50, seed=0)
     assert math.isnan(out["task/ci_low"]) and math.isnan(out["task/ci_high"])

@@ -70,10 +70,10 @@ def _two_turns(model, tokenizer, prompts, caches, seed=5):
     stop_ids = ChatPrompts(tokenizer, model=model).stop_ids
     keys = list(range(len(prompts)))
     torch.manual_seed(seed)
-    first = generate(model, tokenizer, prompts, 8, 1.0, stop_ids, caches=caches, keys=keys if caches else None)
+    first = generate(model, tokenizer, prompts, 8, 1.0, stop_ids, caches=caches, cache_keys=keys if caches else None)
     observation = tokenizer("\nReward: 0\nTurn 2:\nState:\n#_P#")["input_ids"]
     following = [p + r + observation[: 3 + i] for i, (p, r) in enumerate(zip(prompts, first, strict=True))]
-    second = generate(model, tokenizer, following, 8, 1.0, stop_ids, caches=caches, keys=keys if caches else None)
+    second = generate(model, tokenizer, following, 8, 1.0, stop_ids, caches=caches, cache_keys=keys if caches else None)
     return first, following, second
 
 

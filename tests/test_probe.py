@@ -10,20 +10,19 @@ import copy
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rldynamics.algo.losses import AGG_MODES
+from rldynamics.analysis.objective import ActorInputs, actor_terms
 from rldynamics.analysis.probe import ProbeResult, gradient_probe
 from rldynamics.analysis.sketch import GradientSketcher
 from rldynamics.config import AlgoConfig
 from rldynamics.models.forward import batch_logprobs
 from rldynamics.models.tiny import build_tiny_model, build_tiny_tokenizer
 from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.train.actor import ActorInputs, loss_terms
 
 GRID = "######\n#_OX√#\n#_P__#\n#S___#\n######"
 GROUP_SIZES = (2, 3, 2, 3, 2)  # 5 groups, 12 rows
@@ -114,7 +113,7 @@ def test_derived_all_equals_direct_gradient(model, data, mode):
     batch, inputs, _ = data
     algo = algo_cfg(mode)
     result = probe(model, data, algo=algo, keep_gradients=True, micro_batch_size=2, num_buckets=3)
-    terms, _ = loss_terms(model, batch, torch.arange(len(batch)), inputs, algo, temperature=1.0)
+    terms, _ = actor_terms(model, batch, torch.arange(len(batch)), inputs, algo, temperature=1.0)
     for comp, (term, sign) in SIGNS.items():
         parts = torch.autograd.grad(terms[term], params_of(model), retain_graph=True, allow_unused=True)
         direct = sign * torch.cat([p.reshape(-1) for p in parts])  # [P]
@@ -134,7 +133,7 @@ def test_bucket_gradient_matches_backward_on_fresh_copy(model, data, mode):
         rows = bucket_rows(result, batch, bucket)
         for comp, (term, sign) in SIGNS.items():
             fresh = copy.deepcopy(model)
-            terms, _ = loss_terms(fresh, batch, rows, inputs, algo, temperature=1.0)
+            terms, _ = actor_terms(fresh, batch, rows, inputs, algo, temperature=1.0)
             (sign * terms[term]).backward()
             expected = torch.cat([p.grad.reshape(-1) for p in params_of(fresh)])  # [P]
             got = result.gradients[f"{bucket}/{comp}"]  # [P]
@@ -363,45 +362,46 @@ def test_probe_sketches_are_sketches_of_the_gradients(model, data):
         torch.testing.assert_close(result.sketches[key], sk.sketch(grad))
 
 
-# ---- distributed (gloo, 2 processes) ------------------------------------------------------------------------
+# ---- several ranks (gloo, 2 processes) ------------------------------------------------------------------------
+
+# case -> (loss_agg_mode, probe arguments); run by tests/dist_probe_worker.py on 2 ranks, replicas and FSDP2 shards
+DIST_CASES = {
+    "token-mean": ("token-mean", dict(micro_batch_size=2, num_buckets=3, sketch_dim=32)),
+    "seq-mean-token-sum-norm/components": ("seq-mean-token-sum-norm", dict(micro_batch_size=5, num_buckets=2,
+                                                                           sketch_dim=16)),
+    "seq-mean-token-mean/per_group": ("seq-mean-token-mean", dict(micro_batch_size=2, num_buckets=2, sketch_dim=0,
+                                                                  per_group=True, resamples=50)),
+}
 
 
-DIST_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+def components_of(batch: RolloutBatch) -> dict[str, torch.Tensor]:
+    """Two made-up reward components' advantages for the batch of `make_batch`. name -> [N, L]"""
+    gen = torch.Generator().manual_seed(11)
+    return {k: torch.randn(batch.response_mask.shape, generator=gen) * batch.response_mask for k in ("a", "b")}
 
 
-def _dist_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    """Probe one shard of the batch (the split cuts a group in two) and write the metrics of each mode."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        tokenizer = build_tiny_tokenizer(sokoban_corpus())
-        model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, intermediate_size=64)
-        batch, inputs, stds = make_batch(model)
-        rows = torch.arange(0, 6) if rank == 0 else torch.arange(6, len(batch))  # [n_rank]
-        shard_inputs = ActorInputs(*(t[rows] for t in (inputs.old_logprobs, inputs.advantages, inputs.ref_logprobs)))
-        out = {}
-        for mode in DIST_MODES:
-            result = gradient_probe(model, batch.select(rows), shard_inputs, stds, algo=algo_cfg(mode),
-                                    micro_batch_size=2, temperature=1.0, num_buckets=3, sketch_dim=32)
-            out[mode] = {"metrics": result.metrics, "sketch": result.sketches["all/task"].tolist()}
-        with open(f"{out_dir}/rank{rank}.json", "w") as f:
-            json.dump(out, f)
-    finally:
-        dist.destroy_process_group()
+def test_probe_over_two_ranks_equals_one_process(model, data, tmp_path):
+    """Each rank probes every other row and holds half of each gradient (replicas: a slice of the flat vector;
+    FSDP2: each parameter's row shard); the all-reduced norms, cosines, losses, sketches, reward-component
+    matrices, per-group norms and bootstrap intervals are those of one process."""
+    from conftest import run_ranks
 
-
-def test_distributed_probe_equals_single_process(model, data, tmp_path):
-    mp.spawn(_dist_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    run_ranks([str(Path(__file__).with_name("dist_probe_worker.py")), str(tmp_path)], timeout=240)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for mode in DIST_MODES:
-        single = probe(model, data, algo=algo_cfg(mode), micro_batch_size=5, num_buckets=3, sketch_dim=32)
+    batch = data[0]
+    for case, (mode, kwargs) in DIST_CASES.items():
+        single = probe(model, data, algo=algo_cfg(mode), component_advantages=components_of(batch)
+                       if "components" in case else None, **kwargs)
         for out in ranks:
-            got = out[mode]["metrics"]
-            assert got.keys() == single.metrics.keys()
-            for key, value in single.metrics.items():
-                assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-7), (mode, key)
-            torch.testing.assert_close(torch.tensor(out[mode]["sketch"]), single.sketches["all/task"],
-                                       rtol=1e-4, atol=1e-6)
+            for shard in (False, True):
+                got = out[f"{case}/shard={shard}"]
+                assert got["metrics"].keys() == single.metrics.keys()
+                for key, value in single.metrics.items():
+                    assert got["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-7, nan_ok=True), (case, key)
+                for key, sketch in single.sketches.items():
+                    torch.testing.assert_close(torch.tensor(got["sketches"][key]), sketch, rtol=1e-4, atol=1e-6)
+                for gid, norms in single.group_norms.items():
+                    assert got["group_norms"][str(gid)] == pytest.approx(norms, rel=1e-4, abs=1e-7, nan_ok=True)
 
 
 # ---- per-group gradients and bootstrap intervals --------------------------------------------------------------
@@ -425,7 +425,7 @@ def test_per_group_gradients_rebuild_the_bucket_gradient(model, data, mode):
             # each group's norm is that of its own rows differentiated alone, on a fresh copy
             rows = torch.isin(batch.group_ids, torch.tensor(gids[:1])).nonzero().squeeze(1)
             fresh = copy.deepcopy(model)
-            terms, _ = loss_terms(fresh, batch, rows, inputs, algo, temperature=1.0)
+            terms, _ = actor_terms(fresh, batch, rows, inputs, algo, temperature=1.0)
             (sign * terms[term]).backward()
             alone = float(torch.cat([p.grad.reshape(-1) for p in params_of(fresh)]).norm())
             assert grouped.group_norms[gids[0]][key] == pytest.approx(alone, rel=1e-4)

@@ -11,13 +11,14 @@ import torch
 
 from rldynamics.algo.advantages import grpo_advantages
 from rldynamics.algo.losses import policy_loss
+from rldynamics.analysis.gram import gram, local_slices
+from rldynamics.analysis.objective import ActorInputs
 from rldynamics.analysis.probe import gradient_probe
 from rldynamics.analysis.reward_grad import layer_groups, reward_grad_metrics
 from rldynamics.config import AlgoConfig
 from rldynamics.models.forward import batch_logprobs, token_logprobs
 from rldynamics.models.tiny import build_tiny_model, build_tiny_tokenizer
 from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.train.actor import ActorInputs
 from rldynamics.train.stages import component_advantages
 
 LENGTH = 16
@@ -131,7 +132,8 @@ def test_layer_groups_and_conflict_fraction():
                       "final_norm": [(10, 11)], "head": [(11, 14)]}
     a = torch.tensor([1.0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 1, 1, 0, 0])  # [P]
     b = torch.tensor([1.0, 0, 0, 0, -1, 0, 0, 0, 1, 0, -1, 1, 0, 0])  # [P]: opposes a in layer_0, final_norm
-    metrics, matrices = reward_grad_metrics({"a": a, "b": b}, a + b, {"a": 1.0, "b": 1.0}, groups)
+    grams = gram([a, b, a + b], local_slices([(0, 14)], groups))  # [G, 3, 3]
+    metrics, matrices = reward_grad_metrics(grams, ["a", "b"], True, {"a": 1.0, "b": 1.0}, list(groups))
     assert metrics["neg_layer_frac/a__b"] == pytest.approx(2 / 5)
     assert matrices["layer_cos"]["a__b"] == [1.0, -1.0, 1.0, -1.0, 1.0]
     assert metrics["cos/a__b"] == pytest.approx(1 / 5)  # (1 - 1 + 1 - 1 + 1) / (sqrt 5 * sqrt 5)
@@ -164,7 +166,7 @@ def test_training_run_logs_component_gradients(fast_overrides):
     assert 'id="reward-components"' in page and "constant within every group" in page  # step is always 0
 
 
-def test_components_alone_skip_the_loss_terms(model):
+def test_components_alone_skip_the_actor_terms(model):
     batch = make_batch(model, random_components())
     full = run_probe(model, batch, algo_cfg(norm_by_std=True), num_buckets=2)
     alone = run_probe(model, batch, algo_cfg(norm_by_std=True), num_buckets=2, terms=())

@@ -80,6 +80,7 @@ def test_slots_split_cores_and_devices():
     assert [(s.name, s.env["OMP_NUM_THREADS"]) for s in cpu] == [("cpu 0", "1"), ("cpu 1", "1")]
     gpu = make_slots(devices=["0", "1", "2", "3"], devices_per_run=2, cores=16)
     assert [(s.env["CUDA_VISIBLE_DEVICES"], s.env["OMP_NUM_THREADS"]) for s in gpu] == [("0,1", "8"), ("2,3", "8")]
+    assert [s.ranks for s in gpu] == [2, 2] and [s.ranks for s in cpu] == [1, 1]  # two GPUs: rldyn train --nproc 2
     for bad in (dict(devices=["0", "1", "2"], devices_per_run=2), dict(parallel=2, devices=["0"]),
                 dict(devices_per_run=2), dict(parallel=0)):
         with pytest.raises(SweepError):

@@ -12,7 +12,7 @@ VALUE_RULES = """\
 values: text keys keep the text as typed (log.name=no is "no"); whole numbers are decimal (010 is 10);
 numbers must be finite; switches take true/false, yes/no or on/off; null (or nothing) unsets a key whose
 default is null; lists are YAML lists ([6, 6]). A resumed run keeps its config.yaml: only train.steps,
-checkpoint.*, log.*, early_stop.*, filter.empty_stop_steps and model.device may change."""
+checkpoint.*, log.*, early_stop.*, filter.empty_stop_steps, model.device and model.shard may change."""
 
 TRAIN_EPILOG = """\
 examples:
@@ -28,6 +28,8 @@ examples:
   rldyn train analysis.enabled=true analysis.every=5  # gradient analysis every 5 steps
   rldyn train --preset math-tiny                    # math word problems (rldynamic's reward components), CPU
   rldyn train --preset gsm8k-grpo model.path=/models/Qwen2.5-3B-Instruct env.math.source=/data/gsm8k/train.jsonl
+  rldyn train --nproc 8 --preset sokoban-ppo model.path=/models/Qwen2.5-3B   # 8 GPUs, FSDP2 (README: Multi-device)
+  torchrun --nproc-per-node 8 -m rldynamics.cli train --preset sokoban-ppo   # the same, launched by hand
 """
 
 
@@ -68,14 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train an LLM agent with PPO/GRPO. Settings are `key=value` overrides on a preset; "
                     "the run directory (config, metrics, samples, checkpoints) is written under log.run_dir. "
                     "A resumed run (checkpoint.resume=latest|PATH) keeps the settings of its config.yaml; only "
-                    "train.steps, checkpoint.*, log.*, early_stop.*, filter.empty_stop_steps and model.device "
-                    "may be changed, other changes are refused.",
+                    "train.steps, checkpoint.*, log.*, early_stop.*, filter.empty_stop_steps, model.device and "
+                    "model.shard may be changed, other changes are refused. Several ranks: --nproc W, or torchrun "
+                    "(README: Multi-device).",
         epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.lr=1e-5")
     train.add_argument("--preset", default=None, help=f"preset name (default: {DEFAULT_PRESET})")
     train.add_argument("--config", default=None, help="YAML file merged after the preset, before overrides "
                                                       "(overrides may come before or after it)")
+    train.add_argument("--nproc", type=int, default=1, metavar="W",
+                       help="ranks on this machine (default 1): runs `torchrun --standalone --nproc-per-node W` "
+                            "over this command (one GPU per rank; gloo on CPU); see README: Multi-device")
     train.add_argument("--help-config", action="store_true", help="list every config key and exit")
     train.add_argument("--ragen", action="store_true",
                        help="with --help-config: list the RAGEN / verl override names accepted and what they become")
@@ -130,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CPU: runs at a time, the cores split between them (default: 1)")
     sweep.add_argument("--devices", default=None, metavar="0,1,...",
                        help="GPU ids; each run gets its own --devices-per-run of them (CUDA_VISIBLE_DEVICES)")
-    sweep.add_argument("--devices-per-run", type=int, default=1, metavar="D", help="GPUs per run (default: 1)")
+    sweep.add_argument("--devices-per-run", type=int, default=1, metavar="D",
+                       help="GPUs per run (default: 1); a run on several trains on all of them (rldyn train --nproc D)")
     sweep.add_argument("--preset", default="sokoban-tiny", help="preset of every run (default: sokoban-tiny)")
     sweep.add_argument("--config", default=None, help="YAML file merged after the preset, before overrides")
     sweep.add_argument("--out", default=None, help="sweep directory (default: sweeps/<NAME>-<preset>)")
@@ -147,22 +154,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_job(command: str, job) -> int:
-    """Run `job()` (which returns a run directory); report bad input as one clear line and exit code 2."""
+    """Run `job()` (which returns a run directory); report bad input as one clear line and exit code 2.
+
+    Under torchrun the process joins the process group first; rank 0 alone prints."""
     from transformers.utils import logging as hf_logging
 
+    from rldynamics import dist
     from rldynamics.config import ConfigError
 
     hf_logging.disable_progress_bar()  # per-file load/save bars would drown the training progress bar
+    dist.init_from_env()
+    say = print if dist.is_main() else (lambda *a, **k: None)
     try:
         run_dir = job()
     except ConfigError as e:
-        print(f"rldyn {command}: config error: {_one_line(e)}", file=sys.stderr)
+        say(f"rldyn {command}: config error: {_one_line(e)}", file=sys.stderr)
         return 2
     except (FileExistsError, FileNotFoundError, ValueError, OSError, ImportError) as e:
-        print(f"rldyn {command}: {_one_line(e)}", file=sys.stderr)
+        say(f"rldyn {command}: {_one_line(e)}", file=sys.stderr)
         return 2
-    print(f"run directory: {run_dir}")
+    finally:
+        dist.close()
+    if run_dir is not None:
+        say(f"run directory: {run_dir}")
     return 0
+
+
+def _launch(nproc: int, argv: list[str]) -> int:
+    """`rldyn train --nproc W ...`: the same command in W ranks under torchrun; returns torchrun's exit code."""
+    import subprocess
+
+    if nproc < 1:
+        print(f"rldyn train: --nproc must be >= 1, got {nproc}", file=sys.stderr)
+        return 2
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "rldynamics.cli", "train", *argv]
+    return subprocess.call(command)
 
 
 def _one_line(error: Exception) -> str:
@@ -183,25 +210,37 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"{help_text()}\n\nRAGEN / verl override names are accepted too: rldyn train --help-config --ragen")
         return 0
 
-    def job():
-        _print_ragen_translation(args.overrides)
-        cfg = make_config(args.preset or DEFAULT_PRESET, args.config, args.overrides)  # fails before any work
+    def config(launcher: bool = False):
         from rldynamics.train.setup import resume_base
-        from rldynamics.train.trainer import train
 
+        if not launcher:
+            _print_ragen_translation(args.overrides)
+        cfg = make_config(args.preset or DEFAULT_PRESET, args.config, args.overrides)  # fails before any work
         if cfg.checkpoint.resume:  # a resumed run starts from its saved settings, changed only where asked
             cfg = make_config(args.preset, args.config, args.overrides, base=resume_base(cfg))
-        return train(cfg)
+        return cfg
+
+    if args.nproc != 1:  # the launcher checks what it can, once, then starts the ranks
+        from rldynamics.train.setup import check_world
+
+        return _run_job("train", lambda: check_world(config(launcher=True), args.nproc)) or (
+            _launch(args.nproc, _without_nproc(args.argv)))
+
+    def job():
+        from rldynamics.train.trainer import train
+
+        return train(config())
 
     return _run_job("train", job)
 
 
 def _print_ragen_translation(overrides: list[str]) -> None:
     """Say once what the RAGEN / verl keys among `overrides` became (nothing when there are none)."""
+    from rldynamics import dist
     from rldynamics.config import ragen_translation
 
     lines = ragen_translation(overrides)
-    if lines:
+    if lines and dist.is_main():
         print("RAGEN / verl keys translated:\n" + "\n".join(f"  {line}" for line in lines))
 
 
@@ -253,9 +292,24 @@ def cmd_envs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The `rldyn train` arguments less `--nproc W` / `--nproc=W` (each rank runs the rest)."""
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == "--nproc":
+            skip = True
+        elif not item.startswith("--nproc="):
+            out.append(item)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args, extra = parser.parse_known_args(argv)
+    args.argv = argv[argv.index("train") + 1:] if args.command == "train" else []
     # argparse takes one run of positionals: items after an option (`--config F a=1`, `sweep NAME --values V a=1`)
     # come back here; train and probe take them as key=value overrides, sweep as its items
     if extra:

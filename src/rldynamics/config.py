@@ -48,7 +48,9 @@ class ModelConfig:
     chat_template: str | None = None
     """Prompt format: null = the tokenizer's own chat template | chatml | path to a Jinja template file."""
     device: str = "auto"
-    """Device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N."""
+    """Device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N (under torchrun: auto | cuda | cpu)."""
+    shard: bool = True
+    """Under torchrun: FSDP2-shard weights, grads and optimizer state (false: a full replica per rank, grads summed)."""
     tiny_hidden_size: int = 64
     """Tiny model only: hidden size of the embedded Qwen2-architecture model."""
     tiny_layers: int = 2
@@ -134,6 +136,8 @@ class TrainConfig:
     """Shuffle sequences before splitting into mini-batches (seeded)."""
     shared_prefix: bool = True
     """Forward a prompt shared by a group's trajectories once per micro-batch (update, log-prob passes, analysis)."""
+    row_seeded_sampling: bool = False
+    """Every trajectory samples from its own seeded stream: same run on any number of ranks (README: Multi-device)."""
 
 
 @dataclass

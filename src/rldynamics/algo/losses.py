@@ -228,6 +228,66 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) ->
     return k2 + (value - k2).detach()  # [N, T]  forward = value, backward = ∇k2
 
 
+def loss_terms(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    ref_logprobs: torch.Tensor | None = None,
+    component_advantages: dict[str, torch.Tensor] | None = None,
+    kind: str = "ppo",
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    clip_c: float | None = 3.0,
+    agg: str = "token-mean",
+    kl_type: str = "low_var_kl",
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The unweighted terms of the actor loss, each aggregated with ``agg`` (``DESIGN.md`` §4.1).
+
+    Args:
+        logprobs: ``[N, T]`` current-policy token log-probs (carries the gradient).
+        entropy: ``[N, T]`` entropy of each predictive distribution (carries the gradient).
+        old_logprobs: ``[N, T]`` behaviour-policy log-probs; ``None`` = the update is on the behaviour policy
+            itself, so ``logprobs`` detached stand in for them (ratio exactly 1).
+        advantages: ``[N, T]``.
+        response_mask: ``[N, T]`` tokens that are trained on.
+        ref_logprobs: ``[N, T]`` reference-policy log-probs; gives the ``kl`` term.
+        component_advantages: name -> ``[N, T]``: the pg loss with each named reward component's own advantages.
+        kind, clip_low, clip_high, clip_c: see :func:`policy_loss`; kl_type: see :func:`kl_penalty`.
+
+    Returns:
+        ``({"pg", "entropy", "kl" (with a reference), "reward/<name>" per component}, pg metrics)``.
+    """
+    old = logprobs.detach() if old_logprobs is None else old_logprobs  # [N, T]
+
+    def pg_loss(adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        return policy_loss(logprobs, old, adv, response_mask, kind=kind, clip_low=clip_low, clip_high=clip_high,
+                           clip_c=clip_c, agg=agg)
+
+    pg, metrics = pg_loss(advantages)
+    terms = {"pg": pg, "entropy": aggregate(entropy, response_mask, agg)}
+    if ref_logprobs is not None:
+        terms["kl"] = aggregate(kl_penalty(logprobs, ref_logprobs, kl_type), response_mask, agg)
+    for name, adv in (component_advantages or {}).items():
+        terms[f"reward/{name}"] = pg_loss(adv)[0]
+    return terms, metrics
+
+
+def term_coefs(entropy_coef: float, kl_coef: float) -> dict[str, float]:
+    """The coefficient of each term of :func:`loss_terms` in the training loss (entropy is a bonus, hence negative)."""
+    return {"pg": 1.0, "entropy": -entropy_coef, "kl": kl_coef}
+
+
+def weighted_total(terms: dict[str, torch.Tensor], coefs: dict[str, float]) -> torch.Tensor:
+    """The training loss ``Σ coefs[name] · terms[name]`` (pg - entropy_coef·entropy + kl_coef·kl): formed here only.
+
+    Terms with a zero coefficient are left out, so backward does not run through their graphs.
+    """
+    return sum(coefs[name] * value for name, value in terms.items() if coefs[name] != 0.0)  # pg always has 1
+
+
 def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
     """Entropy of the softmax distribution, ``H = logsumexp(z) - Σ softmax(z)·z``, in float32.
 

@@ -84,14 +84,16 @@ def normal_interval(point: float, samples: torch.Tensor, low: float = 0.0,
     return max(low, point - half), min(high, point + half)
 
 
-def bucket_intervals(shares: torch.Tensor, grads: dict[str, torch.Tensor], scales: dict[str, float],
+def bucket_intervals(shares: torch.Tensor, gram: torch.Tensor, names: list[str], scales: dict[str, float],
                      point: dict[str, float], *, normalised: bool, resamples: int = RESAMPLES,
                      seed: int = 0) -> dict[str, float]:
     """95 % bootstrap intervals over a bucket's groups of its norms and of ``reg_share`` (module docstring).
 
     Args:
         shares: ``[m]`` each group's share of the bucket gradient.
-        grads: term (``pg``, ``entropy``, ``kl``; any subset) -> ``[m, P]`` signed, unweighted per-group gradients.
+        gram: ``[K, K, m, m]`` inner products of the terms' signed, unweighted per-group gradients
+            (``analysis.gram.group_gram``).
+        names: the K terms (``pg``, ``entropy``, ``kl``; any subset), in the order of ``gram``.
         scales: term -> the coefficient magnitude it enters the loss with (pg 1, entropy ``entropy_coef``, ...).
         point: the bucket's own metrics (``task``, ``entropy``, ``raw/entropy``, ``regularizer``, ``reg_share``, ...).
         normalised: ``resample_weights``'s flag. resamples: R ≥ 2. seed: the resampling seed.
@@ -101,10 +103,7 @@ def bucket_intervals(shares: torch.Tensor, grads: dict[str, torch.Tensor], scale
         ``raw/kl``, ``regularizer``, ``reg_share`` present in ``point``; nan for a bucket of fewer than 2 groups
         (one group gives no spread to resample).
     """
-    names = list(grads)
     m = int(shares.numel())
-    stacked = torch.stack([grads[n].to(torch.float64) for n in names])  # [K, m, P]
-    gram = torch.einsum("cjp,dkp->cdjk", stacked, stacked)  # [K, K, m, m]
     counts = resample_counts(m, resamples, torch.Generator().manual_seed(seed))  # [R, m]
     weights = resample_weights(shares, counts, normalised)  # [R, m]
 

@@ -6,8 +6,8 @@ Semantics (``DESIGN.md`` §4.2–4.4, metric names from ``reference/ragen_behavi
   out); with ``zero_bucket`` the zero-variance groups come first as ``bucket_0``; ``all`` is the whole batch.
 - The gradient of a bucket and component is the gradient, w.r.t. all trainable parameters, of that
   component's loss aggregated over the bucket exactly as a training mini-batch made of that bucket alone
-  (same ``loss_agg_mode``). Each micro-batch is forwarded ONCE through ``train.actor.loss_terms`` and each
-  term is differentiated with ``torch.autograd.grad``, scaled by the micro-batch's ``sub_batch_share``;
+  (same ``loss_agg_mode``). Each micro-batch is forwarded ONCE through ``analysis.objective.actor_terms``
+  and each term is differentiated with ``torch.autograd.grad``, scaled by the micro-batch's ``sub_batch_share``;
   the result does not depend on ``micro_batch_size``.
 - Components are signed as they enter the training loss: task = ∇pg, entropy = −∇H (a bonus),
   kl = +∇KL. The reported ``task``/``entropy``/``kl`` norms are coefficient-weighted (RAGEN-compatible,
@@ -27,36 +27,44 @@ Semantics (``DESIGN.md`` §4.2–4.4, metric names from ``reference/ragen_behavi
   of ``reg_share`` are computed without further passes (``analysis/bootstrap.py``; ``.../ci_low``,
   ``.../ci_high``; ``all`` gets none). Cost: the same rows are forwarded, in one call per group (more, smaller
   micro-batches), and the vectors of one bucket's groups are held at a time: memory ``m_b × 3 × P`` floats for
-  the largest bucket's ``m_b`` groups (``bench/analysis_overhead.py``, phase f). One process only.
+  the largest bucket's ``m_b`` groups (``bench/analysis_overhead.py``, phase f), divided over the ranks.
 - Reward components (optional): with ``component_advantages`` the task loss is also differentiated with each
   named reward component's own advantages on the same forward pass (``reward/<name>`` terms), and
   ``analysis.reward_grad`` turns them into ``reward_grad/<bucket>/*`` metrics and matrices.
-- Read-only: ``.grad`` is never touched, nothing is stepped, and every RNG stream is restored.
-- Distributed (``torch.distributed`` initialised): each rank holds a shard of the batch; buckets are
-  assigned over the union of all ranks' groups, shares use globally summed aggregation weights and the
-  share-weighted gradient vectors and losses are all-reduced (SUM), so every rank gets the global
-  numbers. The model must be replicated (one full copy per rank).
+- Every metric is a function of inner products (``analysis/gram.py``): norms, cosines and the regulariser's norm
+  come from each bucket's Gram matrix, the reward-component cosines from one per layer group.
+- Read-only: nothing is stepped, every RNG stream is restored, and ``.grad`` is left as found (one process and
+  replicas never touch it).
+- Several ranks (``torch.distributed`` initialised; every rank passes the whole batch): each rank forwards every
+  ``world``-th row of a bucket and keeps only its shard of each gradient vector (``models.sharding.grad_spans``),
+  so no rank ever holds a whole gradient: the analysis buffers are O(P / world) per rank plus O(buckets ×
+  terms²) scalars. Norms and cosines all-reduce Gram matrices, sketches their partial sums, losses their partial
+  sums; the numbers are those of one process. An FSDP2-sharded model has no full gradient anywhere: each term
+  gets its own forward and backward per micro-batch, whose gradient FSDP2 reduce-scatters into the parameters'
+  ``.grad`` shards (read, then cleared: saved before and restored after the probe); replicas differentiate as
+  one process does and keep their slice of the summed vectors. ``keep_gradients`` needs one process.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from rldynamics import dist
+from rldynamics.algo.losses import term_coefs
+from rldynamics.algo.shares import sub_batch_share
 from rldynamics.analysis import bootstrap
 from rldynamics.analysis.bucket_names import bucket_name
 from rldynamics.analysis.buckets import assign_buckets
+from rldynamics.analysis.gram import cosine, gram, group_gram, local_slices, norm
+from rldynamics.analysis.objective import ActorInputs, actor_terms, coefs
 from rldynamics.analysis.reward_grad import layer_groups, reward_grad_metrics
-from rldynamics.analysis.shares import bucket_shares, chunk_shares, distributed, global_sum, present_groups
 from rldynamics.analysis.sketch import GradientSketcher
 from rldynamics.config import AlgoConfig
-from rldynamics.models.forward import micro_batches
+from rldynamics.models.sharding import grad_spans, is_sharded, local_flat_grad, replica_shard
 from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.train.actor import ActorInputs, loss_terms, sub_batch_share, term_coefs
 
 COMPONENT_OF_TERM = {"pg": "task", "entropy": "entropy", "kl": "kl"}
 LOSS_NAME_OF_TERM = {"pg": "policy", "entropy": "entropy", "kl": "kl"}
@@ -125,69 +133,95 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if keep_gradients and dist.distributed():
+        raise ValueError("keep_gradients needs whole gradients, which a probe over several ranks never gathers")
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices, device_type="cuda"):  # dropout draws are undone on return
-        return _probe(model, batch, inputs, group_std, algo=algo, micro_batch_size=micro_batch_size,
-                      temperature=temperature, num_buckets=num_buckets, bucket_mode=bucket_mode, prefix=prefix,
-                      sketch_dim=sketch_dim, sketch_seed=sketch_seed, keep_gradients=keep_gradients,
-                      components=component_advantages or {}, weights=component_weights or {}, terms=terms,
-                      zero_bucket=zero_bucket, per_group=per_group, resamples=resamples,
-                      shared_prefix=shared_prefix)
+    saved = [p.grad for p in model.parameters()]  # a sharded probe accumulates in .grad: put back on return
+    try:
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):  # dropout draws are undone on return
+            return _probe(model, batch, inputs, group_std, algo=algo, micro_batch_size=micro_batch_size,
+                          temperature=temperature, num_buckets=num_buckets, bucket_mode=bucket_mode, prefix=prefix,
+                          sketch_dim=sketch_dim, sketch_seed=sketch_seed, keep_gradients=keep_gradients,
+                          components=component_advantages or {}, weights=component_weights or {}, terms=terms,
+                          zero_bucket=zero_bucket, per_group=per_group, resamples=resamples,
+                          shared_prefix=shared_prefix)
+    finally:
+        for p, grad in zip(model.parameters(), saved, strict=True):
+            p.grad = grad
+
+
+@dataclass
+class _Layout:
+    """Which coordinates of the flat gradient this rank holds, and the projections that read them."""
+
+    params: list[torch.Tensor]
+    spans: list[tuple[int, int]]  # global [start, end) coordinates of the local vector (`grad_spans`)
+    slices: dict[str, list[tuple[int, int]]]  # layer group -> local [start, end) slices
+    sketcher: GradientSketcher | None
+
+    @property
+    def size(self) -> int:
+        return sum(end - start for start, end in self.spans)
+
+
+def _layout(model, sketch_dim: int, sketch_seed: int) -> _Layout:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    spans = grad_spans(model, params)
+    groups = layer_groups([n for n, _ in named], [p.numel() for p in params])
+    sketcher = GradientSketcher([p.shape for p in params], sketch_dim, sketch_seed, spans) if sketch_dim > 0 else None
+    return _Layout(params, spans, local_slices(spans, groups), sketcher)
 
 
 def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperature, num_buckets, bucket_mode,
            prefix, sketch_dim, sketch_seed, keep_gradients, components, weights, terms, zero_bucket, per_group,
            resamples, shared_prefix) -> ProbeResult:
     """Body of :func:`gradient_probe` (runs inside a forked RNG)."""
-    stds = present_groups(batch, group_std)
+    stds = _present_groups(batch.group_ids, group_std)
     if not stds:
         return ProbeResult(metrics={}, groups=[], sketches={})
     gids = sorted(stds)
     scores = torch.tensor([stds[g] for g in gids], dtype=torch.float64)  # [G]
     split = assign_buckets(scores, mode=bucket_mode, num_buckets=num_buckets, zero_bucket=zero_bucket)
     named = [(bucket_name(k, zero_bucket), [gids[i] for i in idx]) for k, idx in enumerate(split) if idx]
-    buckets = [groups for _, groups in named]
-    params = [p for p in model.parameters() if p.requires_grad]
-    sketcher = GradientSketcher([p.shape for p in params], sketch_dim, sketch_seed) if sketch_dim > 0 else None
+    layout = _layout(model, sketch_dim, sketch_seed)
     names = [n for n, c in COMPONENT_OF_TERM.items() if c in terms and (n != "kl" or inputs.ref_logprobs is not None)]
     names += [f"reward/{k}" for k in components]
-    groups_of_params = layer_groups([n for n, p in model.named_parameters() if p.requires_grad],
-                                    [p.numel() for p in params])
-    bucket_rows = [torch.isin(batch.group_ids, torch.tensor(b)).nonzero().squeeze(1) for b in buckets]  # B x [n_b]
-    shares = bucket_shares(batch.response_mask, bucket_rows, algo.loss_agg_mode)
-    total_rows = global_sum([float(len(batch))])[0]
-    all_grads = {n: _zeros(params) for n in names}  # name -> [P]
+    bucket_rows = [torch.isin(batch.group_ids, torch.tensor(b)).nonzero().squeeze(1) for _, b in named]  # B x [n_b]
+    shares = [sub_batch_share(batch.response_mask, rows, algo.loss_agg_mode) for rows in bucket_rows]
+    total_rows = float(len(batch))
+    all_grads = {n: _zeros(layout) for n in names}  # name -> [p]
     all_losses = dict.fromkeys(names, 0.0)
     result = ProbeResult(metrics={}, groups=[], sketches={})
     per_bucket: dict[str, dict[str, float]] = {}
     per_bucket_rg: dict[str, dict[str, float]] = {}
     kwargs = dict(names=names, components=components, micro_batch_size=micro_batch_size, temperature=temperature,
                   shared_prefix=shared_prefix)
-    if per_group and distributed():
-        raise ValueError("the per-group analysis (analysis.per_group) runs in one process only")
     for k, ((name, groups), rows, share) in enumerate(zip(named, bucket_rows, shares, strict=True)):
         if per_group:
-            grads, losses, singles = _group_gradients(model, batch, rows, inputs, algo, params, **kwargs)
+            grads, losses, singles = _group_gradients(model, batch, rows, inputs, algo, layout, **kwargs)
         else:
-            grads, losses = _bucket_gradients(model, batch, rows, inputs, algo, params, **kwargs)
+            grads, losses = _bucket_gradients(model, batch, rows, inputs, algo, layout, **kwargs)
         for n in names:
-            all_grads[n].add_(grads[n], alpha=share)  # [P]
+            all_grads[n].add_(grads[n], alpha=share)  # [p]
             all_losses[n] += share * losses[n]
-        count, tokens = global_sum([float(rows.numel()), float(batch.response_mask[rows].sum())])
-        per_bucket[name] = _bucket_metrics(grads, losses, algo, count=count, tokens=tokens, total_rows=total_rows,
+        grams = gram([grads[n] for n in names], layout.slices)  # [G, K, K]
+        per_bucket[name] = _bucket_metrics(grams.sum(0), names, losses, algo, count=float(rows.numel()),
+                                           tokens=float(batch.response_mask[rows].sum()), total_rows=total_rows,
                                            stds=[stds[g] for g in groups])
         if per_group:
-            _group_results(result, name, per_bucket[name], singles, stds, algo, resamples, sketch_seed + k)
+            _group_results(result, per_bucket[name], singles, algo, resamples, sketch_seed + k)
             del singles
-        _reward_grad(result, per_bucket_rg, name, grads, components, weights, groups_of_params)
-        _record(result, name, grads, sketcher, keep_gradients)
+        _reward_grad(result, per_bucket_rg, name, grams, names, components, weights, layout)
+        _record(result, name, grads, layout, keep_gradients)
         result.groups.extend((name, g, stds[g]) for g in groups)
         del grads  # free this bucket's vectors before the next bucket allocates its own
-    tokens = global_sum([float(batch.response_mask.sum())])[0]
-    all_metrics = _bucket_metrics(all_grads, all_losses, algo, count=total_rows, tokens=tokens,
-                                  total_rows=total_rows, stds=[stds[g] for g in gids])
-    _record(result, "all", all_grads, sketcher, keep_gradients)
-    _reward_grad(result, per_bucket_rg, "all", all_grads, components, weights, groups_of_params)
+    grams = gram([all_grads[n] for n in names], layout.slices)  # [G, K, K]
+    all_metrics = _bucket_metrics(grams.sum(0), names, all_losses, algo, count=total_rows,
+                                  tokens=float(batch.response_mask.sum()), total_rows=total_rows,
+                                  stds=[stds[g] for g in gids])
+    _record(result, "all", all_grads, layout, keep_gradients)
+    _reward_grad(result, per_bucket_rg, "all", grams, names, components, weights, layout)
     for bucket, values in {"all": all_metrics, **per_bucket}.items():
         result.metrics.update({f"{prefix}/{bucket}/{key}": v for key, v in values.items()})
     rg_prefix = prefix.replace("grad_norm", "reward_grad")
@@ -198,96 +232,148 @@ def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperatu
     return result
 
 
+def _present_groups(group_ids: torch.Tensor, group_std: dict[int, float]) -> dict[int, float]:
+    """``group id -> reward std`` for the groups among ``group_ids`` [N]."""
+    present = sorted(set(group_ids.tolist()))
+    missing = [g for g in present if g not in group_std]
+    if missing:
+        raise ValueError(f"group_std has no reward std for group ids {missing[:10]}")
+    return {g: float(group_std[g]) for g in present}
+
+
 def _bucket_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, algo: AlgoConfig,
-                      params: list[torch.Tensor], *, names: list[str], components: dict[str, torch.Tensor],
+                      layout: _Layout, *, names: list[str], components: dict[str, torch.Tensor],
                       micro_batch_size: int, temperature: float,
                       shared_prefix: bool) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Signed, unweighted gradient ``[P]`` and unweighted loss value of each term over the bucket ``rows``.
+    """This rank's part ``[p]`` of the signed, unweighted gradient of each term over the bucket ``rows``, and the
+    term's unweighted loss value.
 
-    One forward per micro-batch; every term is differentiated from the same graph and scaled by the
-    micro-batch's share of the bucket's aggregation weight (all-reduced over ranks when distributed).
+    Each micro-batch's terms are scaled by its share of the bucket's aggregation weight; each rank takes every
+    contiguous block of rows (``dist.rank_chunks``), and the parts are summed over ranks (module docstring).
     """
-    signs = _term_signs(algo)
-    grads = {n: _zeros(params) for n in names}  # name -> [P]
-    views = {n: _param_views(grads[n], params) for n in names}
-    losses = torch.zeros(len(names), dtype=torch.float64)  # [K]
     mask = batch.response_mask[rows]  # [n_b, L]
-    chunks = micro_batches(torch.arange(rows.numel()), micro_batch_size)
-    for positions, share in zip(chunks, chunk_shares(mask, chunks, algo.loss_agg_mode), strict=True):
+    sharded = is_sharded(model)
+    chunks = dist.rank_chunks(torch.arange(rows.numel()), micro_batch_size, lockstep=sharded)
+    shares = [0.0 if c is None else sub_batch_share(mask, c, algo.loss_agg_mode) for c in chunks]
+    signs = _term_signs(algo)
+    losses = torch.zeros(len(names), dtype=torch.float64)  # [K]
+
+    def forward(positions: torch.Tensor | None, share: float) -> dict[str, torch.Tensor]:
+        terms, _ = actor_terms(model, batch, rows[positions if positions is not None else slice(0, 1)], inputs, algo,
+                               temperature=temperature, component_advantages=components, shared_prefix=shared_prefix)
+        if share:
+            losses.add_(torch.tensor([share * terms[n].item() for n in names], dtype=torch.float64))  # [K]
+        return terms
+
+    if sharded:
+        grads = _sharded_gradients(forward, chunks, shares, names, signs, layout)
+    else:
+        grads = _plain_gradients(forward, chunks, shares, names, signs, layout)
+    return grads, dict(zip(names, dist.global_sum(losses.tolist()), strict=True))
+
+
+def _plain_gradients(forward, chunks, shares, names, signs, layout: _Layout) -> dict[str, torch.Tensor]:
+    """One process or replicas: one forward per micro-batch, ``torch.autograd.grad`` of each term; replicas then sum
+    the whole vectors over ranks and keep their slice."""
+    params = layout.params
+    full = {n: _zeros_full(params) for n in names}  # name -> [P]
+    views = {n: _param_views(full[n], params) for n in names}
+    for positions, share in zip(chunks, shares, strict=True):
         if share == 0.0:  # no response tokens: contributes nothing to the aggregated loss
             continue
-        terms, _ = loss_terms(model, batch, rows[positions], inputs, algo, temperature=temperature,
-                              component_advantages=components, shared_prefix=shared_prefix)
+        terms = forward(positions, share)
         for i, n in enumerate(names):
-            losses[i] += share * terms[n].item()
             if not terms[n].requires_grad:
                 continue
             parts = torch.autograd.grad(terms[n], params, retain_graph=i < len(names) - 1, allow_unused=True)
             for view, part in zip(views[n], parts, strict=True):
                 if part is not None:
                     view.add_(part.float(), alpha=share * signs.get(n, 1.0))  # param shape (reward/*: +1)
-    if distributed():
-        for n in names:
-            dist.all_reduce(grads[n], op=dist.ReduceOp.SUM)  # [P]
-        losses = torch.tensor(global_sum(losses.tolist()), dtype=torch.float64)  # [K]
-    return grads, dict(zip(names, losses.tolist(), strict=True))
+    if not dist.distributed():
+        return full
+    return {n: replica_shard(full[n]) for n in names}
 
 
-def _bucket_metrics(grads: dict[str, torch.Tensor], losses: dict[str, float], algo: AlgoConfig, *, count: float,
-                    tokens: float, total_rows: float, stds: list[float]) -> dict[str, float]:
-    """RAGEN-named metrics of one bucket from its signed raw gradients ``[P]`` and unweighted losses."""
-    grads = {n: g for n, g in grads.items() if n in COMPONENT_OF_TERM}  # the reward components are reported apart
-    coefs = term_coefs(algo)
-    raw = {n: float(torch.linalg.vector_norm(g)) for n, g in grads.items()}
-    out = _norm_metrics(grads, algo)
-    for n in grads:
+def _sharded_gradients(forward, chunks, shares, names, signs, layout: _Layout) -> dict[str, torch.Tensor]:
+    """FSDP2: per term, a forward and a backward per micro-batch in step with every rank; FSDP2 sums the ranks'
+    parts into the ``.grad`` shards, which are read and cleared."""
+    params = layout.params
+    grads = {}
+    for i, n in enumerate(names):
+        for positions, share in zip(chunks, shares, strict=True):
+            terms = forward(positions, share if i == 0 else 0.0)  # the losses are taken once
+            loss = terms[n] * (share * signs.get(n, 1.0))
+            if not loss.requires_grad:
+                loss = loss + 0.0 * terms["pg"]  # a term without a graph: every rank must still run backward
+            loss.backward()
+        grads[n] = local_flat_grad(params)  # [p]
+        for p in params:
+            p.grad = None
+    return grads
+
+
+def _bucket_metrics(whole: torch.Tensor, names: list[str], losses: dict[str, float], algo: AlgoConfig, *,
+                    count: float, tokens: float, total_rows: float, stds: list[float]) -> dict[str, float]:
+    """RAGEN-named metrics of one bucket from the Gram matrix ``whole`` [K, K] of its signed raw gradients (terms
+    ``names``) and its unweighted losses."""
+    terms = [n for n in names if n in COMPONENT_OF_TERM]  # the reward components are reported apart
+    index = {n: names.index(n) for n in terms}
+    weights = coefs(algo)
+    out = _norm_metrics(whole, index, algo)
+    for n in terms:
         comp = COMPONENT_OF_TERM[n]
         out[f"per_sample/{comp}"] = out[comp] / count if count > 0 else 0.0
         out[f"per_token/{comp}"] = out[comp] / tokens if tokens > 0 else 0.0
-    for n in grads:
-        out[f"loss/{LOSS_NAME_OF_TERM[n]}"] = coefs[n] * losses[n]
-    out["loss/total"] = sum(coefs[n] * losses[n] for n in grads)
+    for n in terms:
+        out[f"loss/{LOSS_NAME_OF_TERM[n]}"] = weights[n] * losses[n]
+    out["loss/total"] = sum(weights[n] * losses[n] for n in terms)
     out.update(sample_count=count, sample_pct=count / total_rows if total_rows > 0 else 0.0,
                reward_std_mean=sum(stds) / len(stds), reward_std_min=min(stds), reward_std_max=max(stds),
                group_rv_count=float(len(stds)))
-    names = list(grads)
-    for n in names:
-        out[f"zero_grad/{COMPONENT_OF_TERM[n]}"] = float(raw[n] == 0.0)
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            dot = float(torch.dot(grads[a], grads[b]))
-            out[f"cos/{COMPONENT_OF_TERM[a]}_{COMPONENT_OF_TERM[b]}"] = (
-                dot / (raw[a] * raw[b]) if raw[a] > 0 and raw[b] > 0 else math.nan)  # undefined for a zero vector
+    for n in terms:
+        out[f"zero_grad/{COMPONENT_OF_TERM[n]}"] = float(whole[index[n], index[n]] == 0.0)
+    for i, a in enumerate(terms):
+        for b in terms[i + 1:]:  # undefined (NaN) for a zero vector
+            out[f"cos/{COMPONENT_OF_TERM[a]}_{COMPONENT_OF_TERM[b]}"] = cosine(whole, index[a], index[b])
     return out
 
 
-def _norm_metrics(grads: dict[str, torch.Tensor], algo: AlgoConfig) -> dict[str, float]:
-    """The norms of signed raw gradients ``[P]`` (pg / entropy / kl): ``task``, ``entropy``, ``kl``
-    (coefficient-weighted), ``raw/entropy``, ``raw/kl``, and with pg ``regularizer`` and ``reg_share``."""
+def _norm_metrics(whole: torch.Tensor, index: dict[str, int], algo: AlgoConfig) -> dict[str, float]:
+    """The norms of signed raw gradients (pg / entropy / kl at ``index`` of the Gram matrix ``whole`` [K, K]):
+    ``task``, ``entropy``, ``kl`` (coefficient-weighted), ``raw/entropy``, ``raw/kl``, and with pg ``regularizer``
+    and ``reg_share``."""
     scale = _term_scales(algo)
     out: dict[str, float] = {}
-    for n, g in grads.items():
-        raw = float(torch.linalg.vector_norm(g))
+    for n, i in index.items():
+        raw = norm(whole, _unit(whole, i))
         out[COMPONENT_OF_TERM[n]] = scale[n] * raw
         if n != "pg":
             out[f"raw/{COMPONENT_OF_TERM[n]}"] = raw
-    if "pg" in grads:
-        reg = sum(scale[n] * g for n, g in grads.items() if n != "pg")  # [P]
-        out["regularizer"] = float(torch.linalg.vector_norm(reg)) if isinstance(reg, torch.Tensor) else 0.0
+    if "pg" in index:
+        reg = torch.zeros(whole.shape[0], dtype=torch.float64)  # [K]
+        for n, i in index.items():
+            if n != "pg":
+                reg[i] = scale[n]
+        out["regularizer"] = norm(whole, reg)
         denom = out["task"] + out["regularizer"]
         out["reg_share"] = out["regularizer"] / denom if denom > 0 else math.nan  # 0/0: both gradients are zero
     return out
 
 
+def _unit(whole: torch.Tensor, i: int) -> torch.Tensor:
+    """The i-th unit vector of the Gram matrix's dimension. [K]"""
+    return torch.nn.functional.one_hot(torch.tensor(i), whole.shape[0]).double()  # [K]
+
+
 def _term_scales(algo: AlgoConfig) -> dict[str, float]:
     """Magnitude of each signed term's coefficient in the loss: pg 1, entropy ``entropy_coef``, kl ``kl_coef``."""
-    coefs, signs = term_coefs(algo), _term_signs(algo)
-    return {n: coefs[n] * signs[n] for n in coefs}
+    weights, signs = coefs(algo), _term_signs(algo)
+    return {n: weights[n] * signs[n] for n in weights}
 
 
 @dataclass
 class _GroupGradient:
-    """One group's gradients (signed, unweighted ``[P]`` per term) and its place in its bucket."""
+    """One group's gradients (this rank's part ``[p]`` of each signed, unweighted term) and its place in its bucket."""
 
     group_id: int
     share: float
@@ -297,15 +383,15 @@ class _GroupGradient:
 
 
 def _group_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, algo: AlgoConfig,
-                     params: list[torch.Tensor], **kwargs) -> tuple[dict[str, torch.Tensor], dict[str, float],
-                                                                    list[_GroupGradient]]:
+                     layout: _Layout, **kwargs) -> tuple[dict[str, torch.Tensor], dict[str, float],
+                                                         list[_GroupGradient]]:
     """The bucket ``rows``' gradients and losses as the share-weighted sum of its groups' own, and the groups'.
 
     ``g_b = Σ_j s_j g_j`` with ``s_j = sub_batch_share(bucket mask, rows of group j)``: exact in every
     ``loss_agg_mode``, as ``all`` is exact from the buckets. kwargs: those of ``_bucket_gradients``.
     """
     names = kwargs["names"]
-    grads = {n: _zeros(params) for n in names}  # name -> [P]
+    grads = {n: _zeros(layout) for n in names}  # name -> [p]
     losses = dict.fromkeys(names, 0.0)
     mask = batch.response_mask[rows]  # [n_b, L]
     bucket_gids = batch.group_ids[rows]  # [n_b]
@@ -313,40 +399,45 @@ def _group_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: Act
     for gid in sorted(set(bucket_gids.tolist())):
         positions = (bucket_gids == gid).nonzero().squeeze(1)  # [n_j]
         share = sub_batch_share(mask, positions, algo.loss_agg_mode)
-        g_j, l_j = _bucket_gradients(model, batch, rows[positions], inputs, algo, params, **kwargs)
+        g_j, l_j = _bucket_gradients(model, batch, rows[positions], inputs, algo, layout, **kwargs)
         for n in names:
-            grads[n].add_(g_j[n], alpha=share)  # [P]
+            grads[n].add_(g_j[n], alpha=share)  # [p]
             losses[n] += share * l_j[n]
         singles.append(_GroupGradient(gid, share, int(positions.numel()), float(mask[positions].sum()),
                                       {n: g for n, g in g_j.items() if n in COMPONENT_OF_TERM}))
     return grads, losses, singles
 
 
-def _group_results(result: ProbeResult, bucket: str, metrics: dict[str, float], singles: list[_GroupGradient],
-                   stds: dict[int, float], algo: AlgoConfig, resamples: int, seed: int) -> None:
+def _group_results(result: ProbeResult, metrics: dict[str, float], singles: list[_GroupGradient],
+                   algo: AlgoConfig, resamples: int, seed: int) -> None:
     """Per-group norms into ``result.group_norms`` and the bucket's bootstrap intervals into ``metrics``."""
-    for single in singles:
-        result.group_norms[single.group_id] = {"share": single.share, "rows": float(single.rows),
-                                               "tokens": single.tokens, **_norm_metrics(single.grads, algo)}
-    if resamples < 2 or not singles or not singles[0].grads:
+    names = list(singles[0].grads) if singles else []
+    if not names:
         return
-    names = list(singles[0].grads)
-    stacked = {n: torch.stack([single.grads[n] for single in singles]) for n in names}  # name -> [m, P]
+    grams = group_gram([torch.stack([single.grads[n] for single in singles]) for n in names])  # [K, K, m, m]
+    index = {n: i for i, n in enumerate(names)}
+    for j, single in enumerate(singles):
+        result.group_norms[single.group_id] = {"share": single.share, "rows": float(single.rows),
+                                               "tokens": single.tokens, **_norm_metrics(grams[:, :, j, j], index, algo)}
+    if resamples < 2:
+        return
     shares = torch.tensor([single.share for single in singles], dtype=torch.float64)  # [m]
-    metrics.update(bootstrap.bucket_intervals(shares, stacked, _term_scales(algo), metrics,
+    metrics.update(bootstrap.bucket_intervals(shares, grams, names, _term_scales(algo), metrics,
                                               normalised=algo.loss_agg_mode != "seq-mean-token-sum-norm",
                                               resamples=resamples, seed=seed))
 
 
-def _reward_grad(result: ProbeResult, metrics: dict[str, dict[str, float]], bucket: str,
-                 grads: dict[str, torch.Tensor], components: dict[str, torch.Tensor], weights: dict[str, float],
-                 groups: dict[str, list[tuple[int, int]]]) -> None:
-    """The reward-component metrics and matrices of one bucket (nothing without components)."""
+def _reward_grad(result: ProbeResult, metrics: dict[str, dict[str, float]], bucket: str, grams: torch.Tensor,
+                 names: list[str], components: dict[str, torch.Tensor], weights: dict[str, float],
+                 layout: _Layout) -> None:
+    """The reward-component metrics and matrices of one bucket from its Gram matrices per layer group ``grams``
+    [G, K, K] over ``names`` (nothing without components)."""
     if not components:
         return
-    comp = {k: grads[f"reward/{k}"] for k in components}
+    picked = [names.index(f"reward/{k}") for k in components] + ([names.index("pg")] if "pg" in names else [])
     metrics[bucket], result.reward_grad[bucket] = reward_grad_metrics(
-        comp, grads.get("pg"), {k: weights.get(k, 1.0) for k in components}, groups)
+        grams[:, picked][:, :, picked], list(components), "pg" in names, {k: weights.get(k, 1.0) for k in components},
+        list(layout.slices))
 
 
 def _actor_mirror(all_metrics: dict[str, float]) -> dict[str, float]:
@@ -357,24 +448,31 @@ def _actor_mirror(all_metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _record(result: ProbeResult, bucket: str, grads: dict[str, torch.Tensor], sketcher: GradientSketcher | None,
+def _record(result: ProbeResult, bucket: str, grads: dict[str, torch.Tensor], layout: _Layout,
             keep_gradients: bool) -> None:
-    """Store the sketches (and, if asked, copies) of one bucket's component gradients."""
+    """Store the sketches (summed over ranks) and, if asked, copies of one bucket's component gradients."""
     for n, g in grads.items():
         key = f"{bucket}/{COMPONENT_OF_TERM.get(n, n)}"
-        if sketcher is not None:
-            result.sketches[key] = sketcher.sketch(g).cpu()  # [dim]
+        if layout.sketcher is not None:  # the sketch is linear: the whole vector's is the sum of the parts'
+            part = layout.sketcher.sketch(g).tolist()  # dim floats
+            result.sketches[key] = torch.tensor(dist.global_sum(part), dtype=torch.float32)  # [dim]
         if keep_gradients:
             result.gradients[key] = g.detach().cpu().clone()  # [P]
 
 
 def _term_signs(algo: AlgoConfig) -> dict[str, float]:
     """Sign with which each unweighted term enters the training loss (+pg, −entropy, +kl), from `term_coefs`."""
-    unit = term_coefs(dataclasses.replace(algo, entropy_coef=1.0, kl_coef=1.0))
+    unit = term_coefs(1.0, 1.0)
     return {n: math.copysign(1.0, c) for n, c in unit.items()}
 
 
-def _zeros(params: list[torch.Tensor]) -> torch.Tensor:
+def _zeros(layout: _Layout) -> torch.Tensor:
+    """A float32 zero vector with one slot per coordinate this rank holds. [p]"""
+    device = layout.params[0].device if layout.params else torch.device("cpu")
+    return torch.zeros(layout.size, dtype=torch.float32, device=device)  # [p]
+
+
+def _zeros_full(params: list[torch.Tensor]) -> torch.Tensor:
     """A flat float32 zero vector with one slot per trainable parameter entry. [P]"""
     device = params[0].device if params else torch.device("cpu")
     return torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)  # [P]

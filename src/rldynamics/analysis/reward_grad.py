@@ -24,6 +24,8 @@ import re
 
 import torch
 
+from rldynamics.analysis.gram import cosine
+
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -54,58 +56,46 @@ def layer_groups(param_names: list[str], numels: list[int]) -> dict[str, list[tu
     return {g: groups[g] for g in order if g in groups}
 
 
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    """cos(a, b) in float64; NaN when either vector is exactly zero."""
-    na, nb = float(torch.linalg.vector_norm(a.double())), float(torch.linalg.vector_norm(b.double()))
-    if na == 0.0 or nb == 0.0:
-        return math.nan
-    return float(torch.dot(a.double(), b.double())) / (na * nb)
-
-
-def _slice(vector: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
-    """The coordinates of ``vector`` in ``spans``, concatenated. [n]"""
-    return torch.cat([vector[s:e] for s, e in spans])  # [n]
-
-
-def reward_grad_metrics(grads: dict[str, torch.Tensor], total: torch.Tensor | None, weights: dict[str, float],
-                        groups: dict[str, list[tuple[int, int]]]) -> tuple[dict[str, float], dict]:
-    """Metrics and matrices of one bucket's component gradients.
+def reward_grad_metrics(grams: torch.Tensor, names: list[str], with_total: bool, weights: dict[str, float],
+                        groups: list[str]) -> tuple[dict[str, float], dict]:
+    """Metrics and matrices of one bucket's component gradients, from their inner products per layer group.
 
     Args:
-        grads: component name -> ``[P]`` gradient of the task loss with that component's advantages.
-        total: ``[P]`` gradient of the task loss with the trained (combined) advantages; None (the task term was not
-            analysed) leaves out everything that compares with it.
+        grams: ``[G, K, K]`` inner products within each layer group (``analysis.gram.gram``) of the gradients of the
+            task loss with each component's advantages (``names``, in order), then, when ``with_total``, of the task
+            loss with the trained (combined) advantages (index K-1). Without the total (the task term was not
+            analysed) everything that compares with it is left out.
         weights: component name -> weight in the trained reward.
-        groups: ``layer_groups`` of the flat layout.
+        groups: the G layer-group names (``layer_groups``).
 
     Returns:
         ``(metrics, matrices)``: flat metrics without a prefix (see the module docstring) and a JSON-ready
         dict with the cosine matrix, cosines with the total and per-layer-group cosine profiles (None where
         undefined).
     """
-    names = list(grads)
-    norms = {k: float(torch.linalg.vector_norm(g.double())) for k, g in grads.items()}
-    out: dict[str, float] = {} if total is None else {"norm/total": float(torch.linalg.vector_norm(total.double()))}
-    for k in names:
+    whole = grams.sum(0)  # [K, K]
+    total = len(names) if with_total else None
+    norms = {k: float(whole[i, i].clamp_min(0.0).sqrt()) for i, k in enumerate(names)}
+    out: dict[str, float] = {} if total is None else {"norm/total": float(whole[total, total].clamp_min(0.0).sqrt())}
+    for i, k in enumerate(names):
         out[f"norm/{k}"] = norms[k]
         out[f"weighted_norm/{k}"] = abs(weights[k]) * norms[k]
         out[f"zero_grad/{k}"] = float(norms[k] == 0.0)
         if total is not None:
-            out[f"cos_total/{k}"] = cosine(grads[k], total)
-    cos = [[cosine(grads[a], grads[b]) for b in names] for a in names]
+            out[f"cos_total/{k}"] = cosine(whole, i, total)
+    cos = [[cosine(whole, i, j) for j in range(len(names))] for i in range(len(names))]
     layer_cos: dict[str, list[float]] = {}
     for i, a in enumerate(names):
         for j in range(i + 1, len(names)):
             b = names[j]
             out[f"cos/{a}__{b}"] = cos[i][j]
-            profile = [cosine(_slice(grads[a], spans), _slice(grads[b], spans)) for spans in groups.values()]
+            profile = [cosine(g, i, j) for g in grams]
             layer_cos[f"{a}__{b}"] = profile
             defined = [c for c in profile if not math.isnan(c)]
             out[f"neg_layer_frac/{a}__{b}"] = sum(c < 0 for c in defined) / len(defined) if defined else math.nan
-    layer_cos_total = {} if total is None else {
-        k: [cosine(_slice(grads[k], s), _slice(total, s)) for s in groups.values()] for k in names}
+    layer_cos_total = {} if total is None else {k: [cosine(g, i, total) for g in grams] for i, k in enumerate(names)}
     matrices = {
-        "components": names,
+        "components": list(names),
         "weights": [weights[k] for k in names],
         "norm": [norms[k] for k in names],
         "norm_total": out.get("norm/total"),

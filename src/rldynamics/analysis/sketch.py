@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+CHUNK = 2**22  # coordinates projected at a time: bounds the float32 temporaries of a sketch
 
 class GradientSketcher:
     """A fixed count-sketch projection of flat vectors laid out as the concatenation of ``params_shapes``.
@@ -30,23 +31,35 @@ class GradientSketcher:
         params_shapes: shapes of the parameters, in the order their gradients are flattened.
         dim: number of sketch bins (≥ 1).
         seed: seed of the projection; the same ``(params_shapes, dim, seed)`` gives the same projection.
+        spans: the coordinates of the flat layout this sketcher sees, as increasing global [start, end) spans (a
+            rank's shard, ``models.sharding.grad_spans``); None = all. ``sketch`` then takes the local vector (those
+            coordinates in order) and returns its part of the sketch: the sum of the parts over a partition of the
+            coordinates is the sketch of the whole vector. The tables hold only these coordinates.
     """
 
-    def __init__(self, params_shapes: Sequence[Sequence[int]], dim: int = 1024, seed: int = 0) -> None:
+    def __init__(self, params_shapes: Sequence[Sequence[int]], dim: int = 1024, seed: int = 0,
+                 spans: list[tuple[int, int]] | None = None) -> None:
         if dim < 1:
             raise ValueError(f"sketch dim must be >= 1, got {dim}")
         self.dim = dim
         self.seed = seed
         numels = [int(torch.Size(shape).numel()) for shape in params_shapes]
+        spans = [(0, sum(numels))] if spans is None else spans
         generator = torch.Generator().manual_seed(seed)
-        index_parts, sign_parts = [], []
+        self.numel = sum(end - start for start, end in spans)
+        self.index = torch.empty(self.numel, dtype=torch.int32)  # [p]
+        self.sign = torch.empty(self.numel, dtype=torch.int8)  # [p]
+        offset, filled = 0, 0
         for numel in numels:  # per parameter, so a prefix of the shapes gives a prefix of the projection
-            index_parts.append(torch.randint(0, dim, (numel,), generator=generator, dtype=torch.int32))  # [n]
+            index = torch.randint(0, dim, (numel,), generator=generator, dtype=torch.int32)  # [n]
             bits = torch.randint(0, 2, (numel,), generator=generator, dtype=torch.int8)  # [n]
-            sign_parts.append(bits * 2 - 1)  # [n] int8 in {-1, +1}
-        self.index = torch.cat(index_parts) if index_parts else torch.zeros(0, dtype=torch.int32)  # [P]
-        self.sign = torch.cat(sign_parts) if sign_parts else torch.zeros(0, dtype=torch.int8)  # [P]
-        self.numel = self.index.numel()
+            for start, end in spans:  # the coordinates of this parameter that are kept
+                a, b = max(start, offset) - offset, min(end, offset + numel) - offset
+                if a < b:
+                    self.index[filled:filled + b - a] = index[a:b]  # [b - a]
+                    self.sign[filled:filled + b - a] = bits[a:b] * 2 - 1  # [b - a] int8 in {-1, +1}
+                    filled += b - a
+            offset += numel
 
     def to(self, device: torch.device | str) -> GradientSketcher:
         """Move the projection tables to ``device`` (in place); returns self."""
@@ -67,6 +80,8 @@ class GradientSketcher:
             raise ValueError(f"expected a flat vector of {self.numel} entries, got shape {tuple(flat_grad.shape)}")
         if self.index.device != flat_grad.device:
             self.to(flat_grad.device)
-        signed = flat_grad.float() * self.sign  # [P]
         out = torch.zeros(self.dim, dtype=torch.float32, device=flat_grad.device)  # [dim]
-        return out.index_add_(0, self.index, signed)  # [dim]
+        for start in range(0, self.numel, CHUNK):  # in order, so the sums are those of one pass
+            end = start + CHUNK
+            out.index_add_(0, self.index[start:end], flat_grad[start:end].float() * self.sign[start:end])  # [dim]
+        return out  # [dim]

@@ -130,13 +130,18 @@ class ValueModel(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
         hidden = out.last_hidden_state  # [N, T, H]
-        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)  # [N, T]
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).clone()  # [N, T] (not a view: FSDP2 hooks)
 
-    def save_pretrained(self, save_directory: str | Path) -> None:
-        """Write the backbone with ``save_pretrained`` (safetensors) and the head to ``value_head.safetensors``."""
+    def save_pretrained(self, save_directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the backbone with ``save_pretrained`` (safetensors) and the head to ``value_head.safetensors``.
+
+        ``state_dict``: the full weights to write (keys ``backbone.*``, ``head.*``), e.g. gathered from ranks; None
+        writes the module's own."""
         save_directory = Path(save_directory)
-        self.backbone.save_pretrained(save_directory)
-        head = {"weight": self.head.weight.detach().cpu().contiguous(), "bias": self.head.bias.detach().cpu()}
+        state = self.state_dict() if state_dict is None else state_dict
+        backbone = {k[len("backbone."):]: v for k, v in state.items() if k.startswith("backbone.")}
+        self.backbone.save_pretrained(save_directory, state_dict=backbone if state_dict is not None else None)
+        head = {"weight": state["head.weight"].detach().cpu().contiguous(), "bias": state["head.bias"].detach().cpu()}
         save_file(head, str(save_directory / VALUE_HEAD_FILE), metadata={"hidden_size": str(self.head.in_features)})
 
     @classmethod

@@ -9,7 +9,10 @@ Design choices:
   components are summed over turns, and the trained score is their weighted sum
   (`rollout.rewards.weighted_sum`), placed on the last sampled token (`RolloutBatch.token_rewards`).
 - Generation uses the HF `generate` API (any causal LM); sampling is seeded by the caller through
-  `torch.manual_seed`, so a rollout is a pure function of (model, seeds, sampling seed).
+  `torch.manual_seed`, so a rollout is a pure function of (model, seeds, sampling seed). With `row_seed` each
+  trajectory samples from its own keyed stream instead (`rollout.sampling.RowSeededNoise`, keyed on
+  (row_seed, global row, turn)), so a trajectory does not depend on the other rows of the batch: a rollout of
+  groups `first_group ...` is then the corresponding part of the rollout of all groups.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from rldynamics.rollout.chat import ChatPrompts, Conversation
 from rldynamics.rollout.parse import ParsedTurn, parse_answer, parse_response
 from rldynamics.rollout.prefill import TurnCaches, shared_prompt_cache
 from rldynamics.rollout.rewards import resolve_weights, weighted_sum
-from rldynamics.rollout.sampling import sampling_guard
+from rldynamics.rollout.sampling import row_key, sampling_guard
 
 SYSTEM_PREFIX = "You're a helpful assistant. "
 INVALID_NOTE = "No valid action provided previously. Environment state remains the same. Please try again.\n"
@@ -60,6 +63,7 @@ class Trajectory:
     env: object
     seed: int
     group_id: int
+    row: int  # global row index: group_id * group_size + member
     conversation: Conversation
     rewards: dict[str, float]
     ids: list[int] = field(default_factory=list)
@@ -91,7 +95,8 @@ class RolloutContext:
 
 
 def rollout(model, tokenizer, seeds: list[int], group_size: int, cfg: EnvConfig, *, temperature: float = 1.0,
-            respond: Callable[[list[Trajectory]], list[list[int]]] | None = None) -> RolloutBatch:
+            respond: Callable[[list[Trajectory]], list[list[int]]] | None = None, row_seed: int | None = None,
+            first_group: int = 0) -> RolloutBatch:
     """Run `len(seeds)` groups of `group_size` envs for up to `cfg.max_turns` turns; return their batch.
 
     Args:
@@ -101,20 +106,25 @@ def rollout(model, tokenizer, seeds: list[int], group_size: int, cfg: EnvConfig,
         temperature: sampling temperature.
         respond: optional policy replacing the model: maps the active trajectories to response token ids
             (each ending with a stop token); used for scripted demonstrations.
+        row_seed: None = sample from the global torch RNG (seeded by the caller); an int = every trajectory
+            samples from its own stream keyed on (row_seed, global row, turn).
+        first_group: group id of the first group (a shard of a larger rollout); global rows follow from it.
     """
     chat = ChatPrompts(tokenizer, enable_think=cfg.enable_think, model=model)
     probe_env = make_env(cfg.name, **cfg.options())
     names = reward_names(probe_env, cfg)
     ctx = RolloutContext(cfg=cfg, chat=chat, tokenizer=tokenizer, weights=resolve_weights(probe_env, cfg, names))
-    trajs = [_start(ctx, seed, g, names) for g, seed in enumerate(seeds) for _ in range(group_size)]
+    trajs = [_start(ctx, seed, first_group + g, (first_group + g) * group_size + j, names)
+             for g, seed in enumerate(seeds) for j in range(group_size)]
     caches = TurnCaches(model) if respond is None else None
     for turn in range(1, cfg.max_turns + 1):
         active = [i for i, t in enumerate(trajs) if not t.done]
         if not active:
             break
         if respond is None:
+            keys = None if row_seed is None else [row_key(row_seed, trajs[i].row, turn) for i in active]
             responses = generate(model, tokenizer, [trajs[i].ids for i in active], cfg.max_new_tokens, temperature,
-                                 chat.stop_ids, caches=caches, keys=active)
+                                 chat.stop_ids, row_keys=keys, caches=caches, cache_keys=active)
         else:
             responses = respond([trajs[i] for i in active])
         for i, response in zip(active, responses, strict=True):
@@ -124,13 +134,13 @@ def rollout(model, tokenizer, seeds: list[int], group_size: int, cfg: EnvConfig,
     return _to_batch(trajs, tokenizer, names, ctx.weights)
 
 
-def _start(ctx: RolloutContext, seed: int, group_id: int, names: tuple[str, ...]) -> Trajectory:
+def _start(ctx: RolloutContext, seed: int, group_id: int, row: int, names: tuple[str, ...]) -> Trajectory:
     """A fresh env reset to `seed` and the token ids of its first prompt."""
     env = make_env(ctx.cfg.name, **ctx.cfg.options())
     observation = env.reset(seed)
     conversation, prompt = ctx.chat.start(system_message(env, ctx.cfg),
                                           state_message(env, 1, observation, ctx.cfg.max_actions_per_traj))
-    traj = Trajectory(env=env, seed=seed, group_id=group_id, conversation=conversation,
+    traj = Trajectory(env=env, seed=seed, group_id=group_id, row=row, conversation=conversation,
                       rewards=dict.fromkeys(names, 0.0), observation=observation)
     traj.add(ctx.encode(prompt), sampled=False)
     return traj
@@ -186,13 +196,14 @@ def _play_turn(ctx: RolloutContext, traj: Trajectory, response: list[int], turn:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-             stop_ids: list[int], *, caches: TurnCaches | None = None, keys: list[int] | None = None,
-             ) -> list[list[int]]:
+             stop_ids: list[int], row_keys: list[int] | None = None, *, caches: TurnCaches | None = None,
+             cache_keys: list[int] | None = None) -> list[list[int]]:
     """Sample one response per prompt (left-padded batch); each response ends at its first stop id (kept).
 
-    With `caches` (and one trajectory key per prompt), the tokens each prompt shares with its trajectory's
-    earlier turns come from its cache and the cache is updated with this turn's tokens; otherwise a prompt
-    shared by several rows is prefilled once (`shared_prompt_cache`).
+    `row_keys` (one per prompt): each row samples from its own keyed stream (`rollout.sampling`) instead of
+    the global torch RNG. With `caches` (and one trajectory key per prompt in `cache_keys`), the tokens each
+    prompt shares with its trajectory's earlier turns come from its cache and the cache is updated with this
+    turn's tokens; otherwise a prompt shared by several rows is prefilled once (`shared_prompt_cache`).
     """
     pad = tokenizer.pad_token_id
     width = max(len(p) for p in prompts)
@@ -203,24 +214,24 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
         attention[i, width - len(p):] = 1
     device = next(model.parameters()).device
     input_ids, attention = input_ids.to(device), attention.to(device)
-    cache = caches.batch_cache(keys, prompts) if caches is not None and caches.rows else None
+    cache = caches.batch_cache(cache_keys, prompts) if caches is not None and caches.rows else None
     if cache is None:
         cache = shared_prompt_cache(model, input_ids, attention)  # a group's shared prompt is encoded once
     if cache is None and caches is not None and caches.enabled:
         cache = DynamicCache(config=model.config)  # filled by generate, then kept for the next turn
+    sampler = {"do_sample": False} if row_keys is not None else {"do_sample": True, "top_p": 1.0, "top_k": 0}
     out = model.generate(
-        input_ids=input_ids, attention_mask=attention, do_sample=True,
-        temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
-        pad_token_id=pad, logits_processor=sampling_guard(temperature),  # the guard applies the temperature
-        **({"past_key_values": cache} if cache is not None else {}),
-    )  # [B, W + new]
+        input_ids=input_ids, attention_mask=attention, temperature=1.0, max_new_tokens=max_new_tokens,
+        eos_token_id=stop_ids, pad_token_id=pad, logits_processor=sampling_guard(temperature, row_keys),
+        **sampler, **({"past_key_values": cache} if cache is not None else {}),
+    )  # [B, W + new]: the guard applies the temperature (and with row keys the noise: greedy then samples)
     stops = set(stop_ids)
     responses = []
     for row in out[:, width:].tolist():
         cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
         responses.append(row[:cut])
     if caches is not None:
-        caches.keep(cache, keys, prompts, responses)
+        caches.keep(cache, cache_keys, prompts, responses)
     return responses
 
 

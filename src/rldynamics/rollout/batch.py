@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+PER_TOKEN = ("input_ids", "attention_mask", "response_mask")  # the [N, L] fields
+
 
 @dataclass
 class RolloutBatch:
@@ -63,6 +65,24 @@ class RolloutBatch:
                 picked[f.name] = [value[i] for i in rows.tolist()] if value else []
         return replace(self, **picked)
 
+    @staticmethod
+    def concat(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+        """The rows of `parts` one after another (a rollout gathered from ranks); per-token tensors are right-padded
+        (`pad_id`, attention and masks 0) to the widest part. The batch-level fields are those of the first part."""
+        width = max(p.input_ids.shape[1] for p in parts)
+        joined = {}
+        for f in fields(RolloutBatch):
+            values = [getattr(p, f.name) for p in parts]
+            if f.name in PER_TOKEN:
+                pad = pad_id if f.name == "input_ids" else 0
+                joined[f.name] = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1]), value=pad)
+                                            for v in values])  # [N, width]
+            elif isinstance(values[0], torch.Tensor):
+                joined[f.name] = torch.cat(values)
+            elif isinstance(values[0], list):
+                joined[f.name] = [x for v in values for x in v]
+        return replace(parts[0], **joined)
+
     def group_rows(self) -> dict[int, list[int]]:
         """Row indices of each group id, in order of first appearance."""
         rows: dict[int, list[int]] = {}
@@ -79,4 +99,5 @@ class RolloutBatch:
         ids = list(rows)
         matrix = torch.stack([self.scores[r] for r in rows.values()]) if rows else torch.zeros(0, 0)  # [G, n]
         return ids, matrix.float()
+
 

@@ -1,10 +1,17 @@
-"""Sampling guard: temperature scaling plus a check that the sampling probabilities are defined.
+"""Sampling: the guard (temperature, defined probabilities) and per-row seeded sampling.
 
-HF `generate` raises a bare RuntimeError deep inside `torch.multinomial` ("probability tensor contains either
-inf, nan or element < 0") when a policy's logits overflow (an exploded update such as `train.lr=1e6`, or a
-temperature so small that logits / temperature overflow), and on CUDA the same condition is a device-side
-assert that poisons the process. `SamplingGuard` divides the scores by the temperature itself (so it sees what
-is sampled from) and raises `NonFiniteLogits` first, which the trainer handles like a non-finite gradient.
+- Guard: HF `generate` raises a bare RuntimeError deep inside `torch.multinomial` ("probability tensor contains
+  either inf, nan or element < 0") when a policy's logits overflow (an exploded update such as `train.lr=1e6`, or
+  a temperature so small that logits / temperature overflow), and on CUDA the same condition is a device-side
+  assert that poisons the process. `SamplingGuard` divides the scores by the temperature itself (so it sees what
+  is sampled from) and raises `NonFiniteLogits` first, which the trainer handles like a non-finite gradient.
+- Row-seeded sampling (`train.row_seeded_sampling`): HF's sampler draws every row of a batch from one torch RNG
+  stream, so the tokens of a row depend on which other rows are generated with it (a rank of a multi-process run
+  holds other rows than a single process). `RowSeededNoise` makes each row's draws a function of its own key
+  alone: Gumbel-max sampling, `argmax(z / T + G)` with `G = -log(-log(U))`, is an exact sample of softmax(z / T),
+  and `U` is a counter-based hash of (row key, token index, vocabulary id), so `generate` then runs greedy.
+  The keys come from (run seed, step, stream, global row, turn) (`row_key`); the same key gives the same tokens
+  on any device and in any batch layout, up to ties that float rounding of the logits can break.
 """
 
 from __future__ import annotations
@@ -32,6 +39,63 @@ class SamplingGuard(LogitsProcessor):
         return scores
 
 
-def sampling_guard(temperature: float) -> LogitsProcessorList:
-    """The `logits_processor` argument of `generate` (pass `temperature=1.0` there: the guard applies it)."""
-    return LogitsProcessorList([SamplingGuard(temperature)])
+def sampling_guard(temperature: float, row_keys: list[int] | None = None) -> LogitsProcessorList:
+    """The `logits_processor` argument of `generate` (pass `temperature=1.0` there: the guard applies it).
+
+    With `row_keys` (one per row of the batch, `row_key`) the processors end with `RowSeededNoise`: run
+    `generate` greedy (`do_sample=False`) and each row is sampled from its own keyed stream.
+    """
+    processors = [SamplingGuard(temperature)]
+    if row_keys is not None:
+        processors.append(RowSeededNoise(row_keys))
+    return LogitsProcessorList(processors)
+
+
+MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (a bijection with full avalanche; Wellons' `lowbias32` constants) of int64 values in
+    [0, 2^32); every product stays below 2^63. Same shape as `x`."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & MASK32
+    return x ^ (x >> 15)
+
+
+def row_key(*parts: int) -> int:
+    """A 32-bit key of a row's sampling stream from integers such as (seed, step, stream, global row, turn)."""
+    h = torch.zeros((), dtype=torch.int64)
+    for part in parts:
+        h = _mix32(h ^ (part & MASK32))
+        h = _mix32(h ^ ((part >> 32) & MASK32))
+    return int(h)
+
+
+def keyed_gumbel(keys: torch.Tensor, index: int, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise [B, V] (float32) that depends only on each row's key, the token index and the id.
+
+    Args:
+        keys: [B] int64 row keys in [0, 2^32) (`row_key`).
+        index: which new token of the rows this noise is for.
+        vocab: V.
+    """
+    step = _mix32(keys ^ _mix32(torch.tensor(index, dtype=torch.int64, device=keys.device)))  # [B]
+    ids = torch.arange(vocab, dtype=torch.int64, device=keys.device)  # [V]
+    bits = _mix32(_mix32(step[:, None] ^ ids[None, :]) ^ step[:, None])  # [B, V]
+    uniform = (bits.double() + 0.5) / 2.0**32  # [B, V] in (0, 1)
+    return (-torch.log(-torch.log(uniform))).float()  # [B, V]
+
+
+class RowSeededNoise(LogitsProcessor):
+    """Adds each row's keyed Gumbel noise to the (temperature-scaled) scores: greedy decoding then samples."""
+
+    def __init__(self, row_keys: list[int]):
+        self.keys = torch.tensor(row_keys, dtype=torch.int64)  # [B]
+        self.index = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        noise = keyed_gumbel(self.keys.to(scores.device), self.index, scores.shape[-1])  # [B, V]
+        self.index += 1
+        return scores.float() + noise  # [B, V]

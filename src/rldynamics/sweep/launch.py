@@ -43,6 +43,7 @@ class Slot:
 
     name: str
     env: dict[str, str]
+    ranks: int = 1  # GPUs of the slot: a run on several is launched with `rldyn train --nproc` (FSDP2)
 
 
 def cpu_count() -> int:
@@ -65,7 +66,8 @@ def make_slots(parallel: int | None = None, devices: list[str] | None = None, de
         groups = [devices[i:i + devices_per_run] for i in range(0, len(devices), devices_per_run)]
         threads = str(max(1, cores // len(groups)))
         return [Slot(f"cuda {','.join(g)}",
-                     {"CUDA_VISIBLE_DEVICES": ",".join(g), **dict.fromkeys(THREAD_VARS, threads)}) for g in groups]
+                     {"CUDA_VISIBLE_DEVICES": ",".join(g), **dict.fromkeys(THREAD_VARS, threads)}, ranks=len(g))
+                for g in groups]
     if devices_per_run != 1:
         raise SweepError("--devices-per-run needs --devices (the GPU ids to split between runs)")
     parallel = 1 if parallel is None else parallel
@@ -105,8 +107,10 @@ class Job:
         return self.shown
 
 
-def _command(sweep: SweepPlan, plan: RunPlan) -> list[str]:
+def _command(sweep: SweepPlan, plan: RunPlan, ranks: int = 1) -> list[str]:
     cmd = [sys.executable, "-m", "rldynamics.cli", "train", "--preset", sweep.preset]
+    if ranks > 1:
+        cmd += ["--nproc", str(ranks)]
     if sweep.config_file:
         cmd += ["--config", sweep.config_file]
     return cmd + plan.train_overrides()
@@ -146,7 +150,7 @@ class Launcher:
         runs.write_status(plan.path, sweep=self.sweep.protocol.name, keys=list(self.sweep.protocol.keys),
                           point=plan.point.label, value=plan.point.value, index=plan.index, seed=plan.seed,
                           overrides=plan.overrides, attempts=attempt, state="running", returncode=None, error="")
-        cmd = _command(self.sweep, plan)
+        cmd = _command(self.sweep, plan, slot.ranks)
         env = {**os.environ, **slot.env, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
         with open(plan.path / runs.LOG_FILE, "a") as log:
             log.write(f"=== rldyn sweep: attempt {attempt} on {slot.name} ({note})\n=== {' '.join(cmd)}\n")

@@ -28,12 +28,12 @@ import torch
 from safetensors.torch import save_file
 
 from rldynamics.algo.filter import loss_scale
+from rldynamics.analysis.objective import ActorInputs
 from rldynamics.analysis.probe import ProbeResult, gradient_probe
 from rldynamics.config import Config
-from rldynamics.rollout.agent import rollout
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.tracking.grad_dump import GradientDumper
-from rldynamics.train.actor import ActorInputs
+from rldynamics.train.sharded import rollout_groups
 from rldynamics.train.stages import component_advantages, filter_batch, step_seed, train_seeds
 
 ANALYSIS_SEED_OFFSET = 500_000  # separate analysis batches use their own env seeds
@@ -72,7 +72,6 @@ def run_analysis(s, step: int, batch: RolloutBatch | None, inputs: ActorInputs |
         passes = _separate_batch_passes(s, step, metrics, prepare)
     elif batch is not None and len(batch) > 0:
         passes = [("grad_norm", batch, inputs, group_std, kept_ratio)]
-    out_dir = s.writer.analysis_dir(step)
     rows, sketches, reward_grad, dump = [], {}, {}, {}
     for prefix, b, inp, stds, kept in passes:
         result = probe(s, b, inp, stds, prefix, kept)
@@ -84,6 +83,9 @@ def run_analysis(s, step: int, batch: RolloutBatch | None, inputs: ActorInputs |
         sketches.update({f"{prefix}/{k}": v.contiguous() for k, v in result.sketches.items()})
         if result.reward_grad:
             reward_grad[prefix] = result.reward_grad
+    if not s.main:  # every rank took part in the probe; rank 0 writes
+        return metrics
+    out_dir = s.writer.analysis_dir(step)
     write_artefacts(out_dir, metrics, rows, sketches, reward_grad)
     if dump:
         if s.dumper is None:
@@ -130,9 +132,9 @@ def _separate_batch_passes(s, step: int, metrics: dict[str, float], prepare) -> 
     size = cfg.analysis.group_size or cfg.train.group_size
     k = s.seed_step(step)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(step_seed(cfg.seed, k, stream=3))
-        raw = rollout(s.model, s.tokenizer, train_seeds(cfg.train.seed_base + ANALYSIS_SEED_OFFSET, groups, k),
-                      size, cfg.env, temperature=cfg.train.temperature)
+        raw = rollout_groups(cfg, s.model, s.tokenizer,
+                             train_seeds(cfg.train.seed_base + ANALYSIS_SEED_OFFSET, groups, k), size,
+                             cfg.train.temperature, step_seed(cfg.seed, k, stream=3))
     metrics.update({"grad_analysis/source_env_groups": float(groups), "grad_analysis/source_group_size": float(size),
                     "grad_analysis/source_batch_size": float(len(raw))})
     kept, filter_m, stds = filter_batch(raw, cfg.filter)

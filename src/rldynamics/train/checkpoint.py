@@ -4,7 +4,7 @@ Layout of `checkpoints/step_<N>/`:
     actor/             model + tokenizer (`AutoModelForCausalLM.from_pretrained(...)` works on it)
     critic/            value model (GAE only)
     optimizer.pt       actor (and critic) optimizer state dicts: tensors and plain containers only
-    rng.pt             torch RNG state
+    rng.pt             torch RNG state (`torch`; written by several ranks also `ranks`: every rank's, in order)
     trainer_state.json step, early-stop state
     manifest.json      size and SHA-256 of every other file; written last
 
@@ -14,6 +14,12 @@ by `remove_stale` when the run starts again. Loading verifies first (`verify_che
 file's size, the structure of the JSON and safetensors files, each checksum), then loads with
 `torch.load(weights_only=True)` (no pickle code execution) and checks the optimizer state against the model.
 Every problem is one `CheckpointError` line naming the file and what is wrong, raised before any work.
+
+Several ranks (torchrun): every rank calls `save_checkpoint`, which gathers the full weights and optimizer states
+on rank 0 (collectives); rank 0 alone writes, in the same format as one process. A checkpoint therefore resumes on
+any number of ranks: the weights are loaded by every rank and sharded, the optimizer state is read by rank 0 and
+sent to each rank in its shards; each rank takes its own RNG state back when the number of ranks is the same
+(rank 0's otherwise: every sampling stream is reseeded at each step, so nothing depends on it).
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from rldynamics import dist
+from rldynamics.models.sharding import full_optimizer_state, full_state_dict, is_sharded, load_full_optimizer_state
 
 MANIFEST = "manifest.json"
 FORMAT = "rldynamics-checkpoint/1"
@@ -51,21 +60,29 @@ def crash_point(point: str, step: int) -> None:
 
 
 def save_checkpoint(directory: Path, step: int, *, model, tokenizer, optimizer, critic=None, critic_optimizer=None,
-                    trainer_state: dict | None = None, keep_last: int = 0) -> Path:
+                    trainer_state: dict | None = None, keep_last: int = 0) -> Path | None:
     """Write `directory/step_<step>` atomically (manifest last, then a rename) and return its path; then keep
-    only the newest `keep_last` checkpoints (0 = keep all)."""
+    only the newest `keep_last` checkpoints (0 = keep all). Several ranks: every rank calls it (the states are
+    gathered collectively); rank 0 writes and returns the path, the others return None."""
+    weights = full_state_dict(model)
+    optim = {"actor": full_optimizer_state(model, optimizer)}
+    critic_weights = None
+    if critic is not None:
+        critic_weights = full_state_dict(critic)
+        optim["critic"] = full_optimizer_state(critic, critic_optimizer)
+    rng = dist.gather(torch.get_rng_state())
+    if not dist.is_main():
+        return None
     final = directory / f"step_{step}"
     tmp = directory / f".tmp_step_{step}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "actor", safe_serialization=True)
+    model.save_pretrained(tmp / "actor", safe_serialization=True, state_dict=weights)
     tokenizer.save_pretrained(tmp / "actor")
-    optim = {"actor": optimizer.state_dict()}
     if critic is not None:
-        critic.save_pretrained(tmp / "critic")
-        optim["critic"] = critic_optimizer.state_dict()
+        critic.save_pretrained(tmp / "critic", state_dict=critic_weights)
     torch.save(optim, tmp / "optimizer.pt")
-    torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
+    torch.save({"torch": rng[0], **({"ranks": rng} if len(rng) > 1 else {})}, tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(trainer_state or {})}, indent=2))
     crash_point("checkpoint_files", step)
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
@@ -152,21 +169,40 @@ def _checkpoint_dir(path: str | Path) -> Path:
     return path
 
 
-def load_trainer_state(path: Path, *, optimizer, critic_optimizer=None) -> dict:
-    """Restore optimizer and RNG state from a verified checkpoint; returns the trainer state (with `step`)."""
-    optim = _torch_load(path / "optimizer.pt")
-    if not isinstance(optim, dict) or "actor" not in optim or (critic_optimizer is not None and "critic" not in optim):
-        raise CheckpointError(f"{path / 'optimizer.pt'}: expected the actor" +
-                              (" and critic" if critic_optimizer is not None else "") + " optimizer states")
-    _load_optimizer(optimizer, optim["actor"], path / "optimizer.pt", "actor")
-    if critic_optimizer is not None:
-        _load_optimizer(critic_optimizer, optim["critic"], path / "optimizer.pt", "critic")
+def load_trainer_state(path: Path, *, model, optimizer, critic=None, critic_optimizer=None) -> dict:
+    """Restore optimizer and RNG state from a verified checkpoint; returns the trainer state (with `step`).
+
+    Several ranks: for sharded models rank 0 alone reads and checks `optimizer.pt` (an error is raised on every
+    rank) and each rank receives its shards of the states; replicas read the file themselves."""
+    read = dist.main_checked if is_sharded(model) else (lambda fn, *args: fn(*args))
+    optim = read(_read_optimizers, path, optimizer, critic_optimizer)
+    for name, net, opt in (("actor", model, optimizer), ("critic", critic, critic_optimizer)):
+        if opt is not None:
+            try:
+                load_full_optimizer_state(net, opt, None if optim is None else optim[name])
+            except (ValueError, KeyError, TypeError, RuntimeError) as e:
+                raise CheckpointError(f"{path / 'optimizer.pt'}: the {name} optimizer state does not fit "
+                                      f"({str(e).splitlines()[0]})") from None
     rng = _torch_load(path / "rng.pt")
     try:
-        torch.set_rng_state(rng["torch"])
-    except (TypeError, KeyError, IndexError, RuntimeError) as e:
+        ranks = rng.get("ranks", [])
+        torch.set_rng_state(ranks[dist.rank()] if len(ranks) == dist.world() else rng["torch"])
+    except (TypeError, KeyError, IndexError, RuntimeError, AttributeError) as e:
         raise CheckpointError(f"{path / 'rng.pt'}: not a torch RNG state ({str(e).splitlines()[0]})") from None
     return _trainer_state(path / "trainer_state.json")
+
+
+def _read_optimizers(path: Path, optimizer, critic_optimizer=None) -> dict:
+    """The actor (and critic) optimizer states of a checkpoint, each checked against its optimizer's parameters."""
+    file = path / "optimizer.pt"
+    optim = _torch_load(file)
+    if not isinstance(optim, dict) or "actor" not in optim or (critic_optimizer is not None and "critic" not in optim):
+        raise CheckpointError(f"{file}: expected the actor" + (" and critic" if critic_optimizer is not None else "")
+                              + " optimizer states")
+    _check_optimizer(optimizer, optim["actor"], file, "actor")
+    if critic_optimizer is not None:
+        _check_optimizer(critic_optimizer, optim["critic"], file, "critic")
+    return optim
 
 
 def _sha256(file: Path) -> str:
@@ -253,8 +289,8 @@ def _torch_load(file: Path):
                               f"{str(e).splitlines()[0][:100] if str(e) else 'no detail'})") from None
 
 
-def _load_optimizer(optimizer, state, file: Path, name: str) -> None:
-    """`optimizer.load_state_dict(state)` after checking that every saved tensor fits its parameter."""
+def _check_optimizer(optimizer, state, file: Path, name: str) -> None:
+    """Check that `state` is an optimizer state of `optimizer`'s parameters: every saved tensor fits its parameter."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     try:
         saved = [i for group in state["param_groups"] for i in group["params"]]
@@ -270,7 +306,3 @@ def _load_optimizer(optimizer, state, file: Path, name: str) -> None:
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
                 raise CheckpointError(f"{file}: {name} optimizer {key!r} of parameter {index} has shape "
                                       f"{list(value.shape)}, the model's parameter {list(param.shape)}")
-    try:
-        optimizer.load_state_dict(state)
-    except (ValueError, KeyError, TypeError, RuntimeError) as e:
-        raise CheckpointError(f"{file}: the {name} optimizer state does not fit ({str(e).splitlines()[0]})") from None

@@ -11,6 +11,9 @@ Everything is checked and loaded before anything is written to the run directory
 
 A start that fails leaves the run directory as it was (or absent).
 
+Several ranks (torchrun): rank 0 makes the checks and the writes; every rank loads the models (from the same files)
+and wraps them for the process group (`models.sharding.wrap`: FSDP2 with `model.shard=true`, replicas otherwise).
+
 Resuming (`checkpoint.resume=latest` or a checkpoint path of the same run) continues the run with the settings
 in its `config.yaml`. Only the keys in `RESUME_MAY_CHANGE` (how long the run goes on, when it stops, where and
 how it logs, the device) may differ; any other difference is refused with the list of keys, and nothing is
@@ -25,9 +28,13 @@ from pathlib import Path
 
 import torch
 
+from rldynamics import dist
 from rldynamics.config import Config, ConfigError, config_diff, load_config, save_config, to_dict
 from rldynamics.models.loading import load_model_and_tokenizer, load_value_model
+from rldynamics.models.sharding import wrap
 from rldynamics.models.tiny import ensure_tiny_model
+from rldynamics.tracking.console import StepConsole
+from rldynamics.tracking.grad_dump import GradientDumper
 from rldynamics.tracking.run_dir import RunLock, RunWriter
 from rldynamics.tracking.sinks import TensorBoardSink, WandbSink, check_installed
 from rldynamics.train.checkpoint import (
@@ -38,9 +45,39 @@ from rldynamics.train.checkpoint import (
     remove_stale,
     verify_checkpoint,
 )
+from rldynamics.train.stages import seed_step
 from rldynamics.train.warmstart import ensure_warm_start, tiny_corpus
 
-RESUME_MAY_CHANGE = ("train.steps", "checkpoint.", "log.", "early_stop.", "filter.empty_stop_steps", "model.device")
+RESUME_MAY_CHANGE = ("train.steps", "checkpoint.", "log.", "early_stop.", "filter.empty_stop_steps", "model.device",
+                     "model.shard")
+
+
+@dataclass
+class Session:
+    """Everything a step needs: config, models, optimizers, run writer."""
+
+    cfg: Config
+    run_dir: Path
+    writer: RunWriter | None  # opened once the run directory is locked
+    model: torch.nn.Module
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    ref_model: torch.nn.Module | None = None
+    critic: torch.nn.Module | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
+    console: StepConsole | None = None
+    first_step: int = 1
+    dumper: GradientDumper | None = None  # analysis.dump_gradients: started by the first dump
+    main: bool = True  # rank 0 (or one process): the one that writes the run directory
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Append the metrics row of `step` (rank 0 only)."""
+        if self.main:
+            self.writer.log(step, metrics)
+
+    def seed_step(self, step: int) -> int:
+        """The step whose env seeds and sampling seed `step` uses (`stages.seed_step`)."""
+        return seed_step(step, self.first_step, self.cfg.analysis.only)
 
 
 @dataclass
@@ -58,7 +95,14 @@ class Start:
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` = cuda when available, else cpu; a device this machine does not have is a ConfigError."""
+    """`auto` = cuda when available, else cpu; a device this machine does not have is a ConfigError.
+
+    Several ranks: `auto` and `cuda` mean each rank's own GPU (`cuda:LOCAL_RANK`)."""
+    if dist.distributed() and name in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda", dist.local_rank())
+    if dist.distributed() and name.startswith("cuda:"):
+        raise ConfigError(f"model.device={name}: under torchrun each rank uses its own GPU (cuda:LOCAL_RANK); "
+                          "use model.device=auto or cuda")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
@@ -78,6 +122,23 @@ def base_model_path(cfg: Config) -> str:
     path = str(ensure_tiny_model(lambda: tiny_corpus(cfg.env), hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers,
                                  intermediate_size=4 * m.tiny_hidden_size))
     return ensure_warm_start(path, cfg) if m.warm_start_episodes > 0 else path
+
+
+def check_world(cfg: Config, ranks: int | None = None) -> None:
+    """Settings a run of several ranks (default: this process group's) cannot honour are refused before any work
+    (ConfigError naming the key)."""
+    ranks = dist.world() if ranks is None else ranks
+    if ranks == 1:
+        return
+    if cfg.analysis.dump_gradients:
+        raise ConfigError(f"analysis.dump_gradients=true writes whole gradients, which {ranks} ranks never gather; "
+                          "set analysis.dump_gradients=false or run without torchrun")
+    groups = {"train.env_groups": cfg.train.env_groups, "val.env_groups": cfg.val.env_groups,
+              "analysis.env_groups": cfg.analysis.env_groups}
+    for key, value in groups.items():
+        if value is not None and value < ranks:
+            raise ConfigError(f"{key}={value} is fewer groups than the {ranks} ranks (each rank rolls out whole "
+                              f"groups); set {key} >= {ranks} or use fewer ranks")
 
 
 def resolve_run_dir(cfg: Config) -> Path:
@@ -147,32 +208,32 @@ def check_resume_settings(cfg: Config, run_dir: Path) -> None:
                           "from the weights: model.path=<checkpoint>/actor")
 
 
-def make_session(cfg: Config, run_dir: Path, start: Start):
+def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
     """Build the training session for `cfg`, resuming `start`; writes nothing (`open_run` does, under the lock)."""
-    from rldynamics.train.trainer import Session
-
     device = resolve_device(cfg.model.device)
     torch.manual_seed(cfg.seed)
-    base = base_model_path(cfg)
+    base = dist.on_main(base_model_path, cfg)  # the tiny model is built (and warm-started) once, by rank 0
     ckpt = start.checkpoint
     model, tokenizer = load_model_and_tokenizer(str(ckpt / "actor") if ckpt else base, dtype=cfg.model.dtype,
                                                 device=str(device), chat_template=cfg.model.chat_template)
+    model = wrap(model, cfg.model.shard)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     ref_model = None
     if cfg.algo.kl_coef > 0 or cfg.analysis.enabled:  # the probe measures the KL gradient even at coef 0
         ref_model, _ = load_model_and_tokenizer(base, dtype=cfg.model.dtype, device=str(device))
-        ref_model.requires_grad_(False)
+        ref_model = wrap(ref_model.requires_grad_(False), cfg.model.shard)
     critic = critic_optimizer = None
     if cfg.algo.adv_estimator == "gae":
         critic = load_value_model(str(ckpt / "critic") if ckpt else base, dtype=cfg.model.dtype, device=str(device))
+        critic = wrap(critic, cfg.model.shard)
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic.lr, weight_decay=0.0)
     if ckpt is not None:
-        load_trainer_state(ckpt, optimizer=optimizer, critic_optimizer=critic_optimizer)
+        load_trainer_state(ckpt, model=model, optimizer=optimizer, critic=critic, critic_optimizer=critic_optimizer)
     return Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=optimizer,
-                   ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer)
+                   ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer, main=dist.is_main())
 
 
-def open_run(s, start: Start) -> None:
+def open_run(s: Session, start: Start) -> None:
     """The first writes (run directory locked): what was written after the resumed step dropped (everything when
     starting from step 0; a damaged log line stops here, before any change), stale temporary checkpoints
     removed, metric mirrors opened, config.yaml written."""

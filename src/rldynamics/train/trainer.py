@@ -16,6 +16,11 @@ sampling scores (`rollout/non_finite_logits`) or parameters after an update (`ac
 end the run early with that reason, without saving the broken state as a checkpoint. A validation whose
 scores are non-finite is logged as `val-env/<env>/non_finite_logits` and skipped.
 
+Several ranks (`torchrun`, `train/sharded.py`): every rank holds the whole batch; rollouts are split by whole
+groups, the no-grad passes, the updates and the analysis by rows; rank 0 alone writes the run directory, the
+console and the checkpoints. With `train.row_seeded_sampling` a run gives the same batches, metrics and weights
+(within float reduction order) on any number of ranks.
+
 Probe mode (`analysis.only`, what `rldyn probe` runs): nothing is updated, early stopping is off, no
 checkpoint is written, a run resumed from a checkpoint keeps the checkpoint's step number (RAGEN's
 probe), and its k-th step draws the env seeds and sampling seed of step k (`stages.seed_step`), so probes
@@ -25,34 +30,36 @@ of different checkpoints analyse the same puzzles.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
 
+from rldynamics import dist
 from rldynamics.algo.filter import loss_scale
 from rldynamics.algo.losses import aggregate, masked_mean
+from rldynamics.analysis.objective import ActorInputs
 from rldynamics.config import Config
 from rldynamics.models.forward import batch_logprobs, batch_values
-from rldynamics.rollout.agent import env_metric_summary, rollout
+from rldynamics.models.sharding import all_finite
+from rldynamics.rollout.agent import env_metric_summary
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.rollout.rewards import reward_component_metrics, reward_rows, reward_stats
 from rldynamics.rollout.sampling import NonFiniteLogits
 from rldynamics.tracking.console import StepConsole
-from rldynamics.tracking.grad_dump import GradientDumper
-from rldynamics.tracking.run_dir import RunLock, RunWriter
+from rldynamics.tracking.run_dir import RunLock
 from rldynamics.train import setup
-from rldynamics.train.actor import ActorInputs, single_pass, update_actor
+from rldynamics.train.actor import single_pass, update_actor
 from rldynamics.train.analysis_pass import analysis_due, run_analysis
 from rldynamics.train.checkpoint import crash_point, save_checkpoint
 from rldynamics.train.critic import update_critic
 from rldynamics.train.early_stop import EarlyStopper
+from rldynamics.train.setup import Session
+from rldynamics.train.sharded import rollout_groups, row_pass
 from rldynamics.train.stages import (
     advantages_and_returns,
     data_metrics,
     filter_batch,
-    seed_step,
     step_seed,
     train_seeds,
     val_seeds,
@@ -61,28 +68,6 @@ from rldynamics.train.stages import (
 EXITED = "exited_after_gradient_analysis"
 NON_FINITE_LOGITS = "non_finite_logits"
 NON_FINITE_PARAMETERS = "non_finite_parameters"
-
-
-@dataclass
-class Session:
-    """Everything a step needs: config, models, optimizers, run writer."""
-
-    cfg: Config
-    run_dir: Path
-    writer: RunWriter | None  # opened once the run directory is locked
-    model: torch.nn.Module
-    tokenizer: object
-    optimizer: torch.optim.Optimizer
-    ref_model: torch.nn.Module | None = None
-    critic: torch.nn.Module | None = None
-    critic_optimizer: torch.optim.Optimizer | None = None
-    console: StepConsole | None = None
-    first_step: int = 1
-    dumper: GradientDumper | None = None  # analysis.dump_gradients: started by the first dump
-
-    def seed_step(self, step: int) -> int:
-        """The step whose env seeds and sampling seed `step` uses (`stages.seed_step`)."""
-        return seed_step(step, self.first_step, self.cfg.analysis.only)
 
 
 @contextmanager
@@ -94,27 +79,38 @@ def timed(metrics: dict[str, float], name: str):
 
 
 def train(cfg: Config, run_dir: Path | None = None) -> Path:
-    """Run training as configured (into `run_dir` if given); returns the run directory."""
-    run_dir = run_dir or setup.resolve_run_dir(cfg)
-    start = setup.plan_start(cfg, run_dir)  # reads only; raises before any work
+    """Run training as configured (into `run_dir` if given); returns the run directory.
+
+    Under torchrun every rank calls it; the checks and the run directory are rank 0's (`dist.on_main`), so a
+    start that fails raises the same error on every rank before any work."""
+    setup.check_world(cfg)
+    run_dir = dist.on_main(lambda: run_dir or setup.resolve_run_dir(cfg))
+    start = dist.on_main(setup.plan_start, cfg, run_dir)  # reads only; raises before any work
     stopper = EarlyStopper.for_run(cfg)
     setup.load_early_stop(stopper, start)
     s = setup.make_session(cfg, run_dir, start)  # writes nothing
-    with RunLock(run_dir) as lock:
-        setup.open_run(s, start)
-        if lock.stale:
-            print(f"note: {run_dir} was last opened by {lock.stale}, which ended without closing it")
-        if start.in_place and start.checkpoint is None:
-            print(f"note: {run_dir} has no checkpoint yet; training it again from step 0")
+    with ExitStack() as held:
+        dist.on_main(_open, s, start, held)
         try:
             run_steps(s, start.step, stopper)
         finally:
             if s.dumper is not None:
                 s.dumper.close()  # every queued gradient dump is on disk (or its error raised) before the run ends
-        s.writer.close()
-        if cfg.log.report:
-            _write_report(s.run_dir)
+        if s.main:
+            s.writer.close()
+            if cfg.log.report:
+                _write_report(s.run_dir)
     return s.run_dir
+
+
+def _open(s: Session, start: setup.Start, held: ExitStack) -> None:
+    """Lock the run directory for as long as `held` is (one writer per run), then make the first writes."""
+    lock = held.enter_context(RunLock(s.run_dir))
+    setup.open_run(s, start)
+    if lock.stale:
+        print(f"note: {s.run_dir} was last opened by {lock.stale}, which ended without closing it")
+    if start.in_place and start.checkpoint is None:
+        print(f"note: {s.run_dir} has no checkpoint yet; training it again from step 0")
 
 
 def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
@@ -122,8 +118,8 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
     cfg, env = s.cfg, s.cfg.env.name
     s.first_step = start if cfg.analysis.only and start > 0 else start + 1  # a probe keeps the checkpoint's step
     if cfg.val.before_train and (start == 0 or cfg.analysis.only):
-        s.writer.log(start, validate(s))
-    with StepConsole(cfg.train.steps, env, enabled=cfg.log.progress) as console:
+        s.log(start, validate(s))
+    with StepConsole(cfg.train.steps, env, enabled=cfg.log.progress and s.main) as console:
         s.console = console
         console.advance(s.first_step - 1, {})
         for step in range(s.first_step, cfg.train.steps + 1):
@@ -133,7 +129,7 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
             except NonFiniteLogits:
                 metrics, stop = {"rollout/non_finite_logits": 1.0}, NON_FINITE_LOGITS
             if stop == EXITED:
-                s.writer.log(step, metrics)
+                s.log(step, metrics)
                 console.print(f"[yellow]exited after the gradient analysis of step {step}")
                 break
             if stop is None and cfg.val.every > 0 and (step % cfg.val.every == 0 or step == cfg.train.steps):
@@ -143,7 +139,7 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
             if stop is not None:
                 metrics[f"early_stopped/{stop}"] = 1.0
             metrics["timing_s/step"] = time.perf_counter() - t0
-            s.writer.log(step, metrics)  # before the checkpoint: a resumed run never lacks this row
+            s.log(step, metrics)  # before the checkpoint: a resumed run never lacks this row
             crash_point("logged", step)
             if stop not in (NON_FINITE_LOGITS, NON_FINITE_PARAMETERS) and _checkpoint_due(cfg, step, stop is not None):
                 console.phase("checkpoint")
@@ -185,14 +181,14 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     cfg, m = s.cfg, {}
     s.console.phase("rollout")
     with timed(m, "gen"):
-        torch.manual_seed(step_seed(cfg.seed, s.seed_step(step)))
-        batch = rollout(s.model, s.tokenizer,
-                        train_seeds(cfg.train.seed_base, cfg.train.env_groups, s.seed_step(step)),
-                        cfg.train.group_size, cfg.env, temperature=cfg.train.temperature)
+        batch = rollout_groups(cfg, s.model, s.tokenizer,
+                               train_seeds(cfg.train.seed_base, cfg.train.env_groups, s.seed_step(step)),
+                               cfg.train.group_size, cfg.train.temperature, step_seed(cfg.seed, s.seed_step(step)))
     m.update(env_metric_summary(batch, f"train/{cfg.env.name}", cfg.train.group_size))
     m.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids))
     rows = reward_rows(batch, step, s.tokenizer)
-    s.writer.log_rewards(rows)
+    if s.main:
+        s.writer.log_rewards(rows)
     m.update(reward_stats(rows, batch.reward_names))
     _log_samples(s, step, batch)
     crash_point("samples", step)
@@ -229,16 +225,10 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
                                   torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1))))
         if inputs.old_logprobs is None:  # one step on the rollout policy: its entropy is the update's
             m["actor/entropy"] = m["actor/entropy_loss"]
-        if not _all_finite(s.model, s.critic):  # an optimizer step overflowed: nothing left to train or save
+        if not all_finite(s.model, s.critic):  # an optimizer step overflowed: nothing left to train or save
             m["actor/non_finite_parameters"] = 1.0
             return m, NON_FINITE_PARAMETERS
     return m, None
-
-
-def _all_finite(*models) -> bool:
-    """True when every parameter of the given models (None skipped) is finite."""
-    params = [p for m in models if m is not None for p in m.parameters()]
-    return bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
 
 
 def _analyse(s: Session, step: int, m: dict, batch, inputs, group_std, kept_ratio: float) -> str | None:
@@ -270,22 +260,23 @@ def prepare_update(s: Session, batch: RolloutBatch, m: dict, kept_ratio: float, 
     inputs = ActorInputs(old_logprobs=None, advantages=torch.zeros_like(batch.response_mask))
     if old_pass:
         with timed(m, "old_log_prob"):
-            inputs.old_logprobs, entropy = batch_logprobs(s.model, batch.input_ids, batch.attention_mask,
-                                                          micro_batch_size=micro, temperature=cfg.train.temperature,
-                                                          with_entropy=True, positions=batch.response_mask,
-                                                          shared_prefix=cfg.train.shared_prefix)  # [N, L]
+            inputs.old_logprobs, entropy = row_pass((s.model,), batch, lambda rows: batch_logprobs(
+                s.model, batch.input_ids[rows], batch.attention_mask[rows], micro_batch_size=micro,
+                temperature=cfg.train.temperature, with_entropy=True, positions=batch.response_mask[rows],
+                shared_prefix=cfg.train.shared_prefix))  # [N, L]
         m["actor/entropy"] = aggregate(entropy, batch.response_mask, cfg.algo.loss_agg_mode).item()
     if s.ref_model is not None:
         with timed(m, "ref"):
-            inputs.ref_logprobs, _ = batch_logprobs(s.ref_model, batch.input_ids, batch.attention_mask,
-                                                    micro_batch_size=micro, temperature=cfg.train.temperature,
-                                                    positions=batch.response_mask,
-                                                    shared_prefix=cfg.train.shared_prefix)
+            inputs.ref_logprobs, = row_pass((s.ref_model,), batch, lambda rows: batch_logprobs(
+                s.ref_model, batch.input_ids[rows], batch.attention_mask[rows], micro_batch_size=micro,
+                temperature=cfg.train.temperature, positions=batch.response_mask[rows],
+                shared_prefix=cfg.train.shared_prefix)[:1])  # [N, L]
         m["rollout/ref_log_prob"] = masked_mean(inputs.ref_logprobs, batch.response_mask).item()
     values = None
     if s.critic is not None:
         with timed(m, "values"):
-            values = batch_values(s.critic, batch.input_ids, batch.attention_mask, micro_batch_size=micro)  # [N, L]
+            values, = row_pass((s.critic,), batch, lambda rows: (batch_values(
+                s.critic, batch.input_ids[rows], batch.attention_mask[rows], micro_batch_size=micro),))  # [N, L]
     with timed(m, "adv"):
         advantages, returns = advantages_and_returns(batch, values, cfg.algo)  # [N, L]
         inputs.advantages = advantages * loss_scale(kept_ratio, cfg.filter.loss_scaling)  # [N, L]
@@ -294,7 +285,7 @@ def prepare_update(s: Session, batch: RolloutBatch, m: dict, kept_ratio: float, 
 
 def _log_samples(s: Session, step: int, batch: RolloutBatch) -> None:
     k = s.cfg.log.samples_per_step
-    if k > 0:
+    if k > 0 and s.main:
         picks = range(0, len(batch), max(1, len(batch) // k))
         s.writer.log_samples(step, [{"seed": batch.seeds[i], "reward": batch.scores[i].item(),
                                      "success": batch.env_metrics[i]["success"], "text": batch.texts[i]}
@@ -311,10 +302,9 @@ def validate(s: Session) -> dict[str, float]:
         s.console.phase("validation")
     start = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(step_seed(cfg.seed, 0, stream=2))
         try:
-            batch = rollout(s.model, s.tokenizer, val_seeds(cfg.val.seed_base, cfg.val.env_groups),
-                            cfg.val.group_size, cfg.env, temperature=cfg.val.temperature)
+            batch = rollout_groups(cfg, s.model, s.tokenizer, val_seeds(cfg.val.seed_base, cfg.val.env_groups),
+                                   cfg.val.group_size, cfg.val.temperature, step_seed(cfg.seed, 0, stream=2))
         except NonFiniteLogits:
             return {f"val-env/{cfg.env.name}/non_finite_logits": 1.0}
     metrics = env_metric_summary(batch, f"val-env/{cfg.env.name}", cfg.val.group_size)

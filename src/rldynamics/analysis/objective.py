@@ -1,0 +1,60 @@
+"""The actor's objective on some rows of a rollout: one forward pass, then the unweighted loss terms.
+
+The actor update (`train/actor.py`) and the gradient probe (`analysis/probe.py`) both call `actor_terms`, so the
+loss the probe differentiates is the loss that is trained. The forward pass is `models.forward.token_logprobs`,
+the terms are the pure `algo.losses.loss_terms`, weighted in one place by `algo.losses.weighted_total`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rldynamics.algo.losses import loss_terms, term_coefs
+from rldynamics.config import AlgoConfig
+from rldynamics.models.forward import token_logprobs
+from rldynamics.rollout.batch import RolloutBatch
+
+
+@dataclass
+class ActorInputs:
+    """Per-token tensors the actor loss needs besides the rollout itself (all [N, L], on CPU).
+
+    `old_logprobs` None means the update is on-policy (`train.actor.single_pass`): the loss uses its own
+    log-probs, detached, as the old ones (ratio exactly 1), so no separate old-log-prob pass is needed.
+    """
+
+    old_logprobs: torch.Tensor | None
+    advantages: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None
+
+
+def actor_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, cfg: AlgoConfig, *,
+                temperature: float, component_advantages: dict[str, torch.Tensor] | None = None,
+                shared_prefix: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Unweighted loss terms of the rows `rows` [n] of `batch`, aggregated with `cfg.loss_agg_mode`.
+
+    Returns ({"pg", "entropy", "kl" (if a reference is given), "reward/<name>" per entry of
+    `component_advantages` ([N, L] each)}, policy metrics), all from one forward pass (with a prompt shared by
+    several rows forwarded once when `shared_prefix`).
+    """
+    device = next(model.parameters()).device
+
+    def at(values: torch.Tensor | None) -> torch.Tensor | None:
+        return None if values is None else values[rows].to(device)  # [n, L]
+
+    mask = at(batch.response_mask)  # [n, L]
+    logprobs, entropy = token_logprobs(model, at(batch.input_ids), at(batch.attention_mask), temperature=temperature,
+                                       with_entropy=True, positions=mask,
+                                       shared_prefix=shared_prefix)  # [n, L], [n, L]
+    return loss_terms(logprobs, entropy, at(inputs.old_logprobs), at(inputs.advantages), mask,
+                      ref_logprobs=at(inputs.ref_logprobs),
+                      component_advantages={k: at(a) for k, a in (component_advantages or {}).items()},
+                      kind=cfg.policy_loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
+                      agg=cfg.loss_agg_mode, kl_type=cfg.kl_type)
+
+
+def coefs(cfg: AlgoConfig) -> dict[str, float]:
+    """The coefficient of each term in the training loss (`algo.losses.term_coefs` of the config)."""
+    return term_coefs(cfg.entropy_coef, cfg.kl_coef)

@@ -1,0 +1,135 @@
+"""Training over two ranks (torchrun, gloo, FSDP2) against one process: same batches, metrics and weights;
+checkpoints that resume exactly on the same number of ranks and work on another; the launcher's errors.
+
+The runs are small (tiny 1-layer model, 2 groups x 3 one-turn math replies, 3 steps) but exercise every part:
+sharded rollouts and validation, the critic (GAE whitening over the global batch), the KL reference, the gradient
+analysis with reward components, per-step checkpoints. `train.row_seeded_sampling=true` makes the batches
+independent of how rows are split over ranks.
+
+Tolerance (stated in the README, Multi-device): the rollouts are identical; the rest differs by float rounding
+of sums taken in another order (gradients summed over ranks, micro-batches of other rows): after 3 steps every
+metric agrees within 1e-3 relative or 1e-6 absolute (loss values near 0), the weights within 1e-6 in relative L2
+norm and 1e-5 per entry (measured: 2e-8 and 1.7e-7 for the actor, 1.2e-7 and 5e-7 for the critic). A batch whose
+rewards are all equal is not a fair test: GAE whitening then divides float noise by a near-zero spread, and
+Adam's normalisation turns noise-level gradients into full-size steps, in one process as well (another
+micro-batch size moves such a run as much as another number of ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import FAST, run_ranks
+from rldynamics.config import make_config
+from rldynamics.tracking.run_dir import read_metrics
+from rldynamics.train.trainer import train
+
+LR = 3e-4
+PRESET = "math-tiny"  # one-turn arithmetic replies: the length component varies, so the rewards do from step 1
+RUN = [*FAST, "train.steps=3", "train.group_size=3", "train.mini_batch_size=64", "train.micro_batch_size=2",
+       "train.ppo_epochs=1", f"train.lr={LR}", "train.row_seeded_sampling=true", "model.tiny_layers=1",
+       "model.tiny_hidden_size=32", "env.max_turns=1", "env.max_new_tokens=10", "env.math.length_target=20",
+       "val.env_groups=2", "val.every=3", "val.before_train=false", "algo.adv_estimator=gae", "algo.kl_coef=0.01",
+       "algo.entropy_coef=0.001", "analysis.enabled=true", "analysis.every=1", "analysis.reward_grad=true",
+       "analysis.num_buckets=2", "checkpoint.every=1", "log.samples_per_step=100"]
+
+
+def _weights(run, step: int) -> dict[str, torch.Tensor]:
+    ckpt = run / "checkpoints" / f"step_{step}"
+    return {f"{part}/{k}": v for part in ("actor", "critic") for k, v in
+            load_file(str(ckpt / part / "model.safetensors")).items()}
+
+
+def _rows(run) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith("timing_s/")} for row in read_metrics(run)]
+
+
+def _texts(run) -> list[str]:
+    return [json.loads(line)["text"] for line in (run / "samples.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same run on two ranks (FSDP2, launched with torchrun) and in one process."""
+    root = tmp_path_factory.mktemp("dist")
+    cache = str(root / "cache")
+    common = [*RUN, f"log.run_dir={root}"]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RLDYN_CACHE", cache)
+    one = train(make_config(PRESET, overrides=[*common, "log.name=one"]))  # builds the cached tiny model first
+    run_ranks(["-m", "rldynamics.cli", "train", "--preset", PRESET, *common, "log.name=two"], timeout=300,
+              env={"RLDYN_CACHE": cache})
+    yield root, one, root / "two"
+    mp.undo()
+
+
+def test_two_ranks_give_the_one_process_run(runs):
+    _, one, two = runs
+    assert _texts(two) == _texts(one) and len(_texts(one)) == 3 * 2 * 3  # every trajectory of every step
+    a, b = _rows(one), _rows(two)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
+    assert a[0].keys() == b[0].keys() and "grad_norm/all/task" in a[0] and "critic/vf_loss" in a[0]
+    assert "reward_grad/all/cos_total/length" in a[0] and "val-env/math/success" in a[2]
+    assert a[0]["critic/score/max"] > a[0]["critic/score/min"]  # rewards that vary: a fair test (module docstring)
+    for x, y in zip(a, b, strict=True):
+        for key, value in x.items():
+            assert y[key] == pytest.approx(value, rel=1e-3, abs=1e-6, nan_ok=True), (x["step"], key)
+    wa, wb = _weights(one, 3), _weights(two, 3)
+    assert wa.keys() == wb.keys()
+    diff = math.sqrt(sum(float((wa[k] - wb[k]).double().square().sum()) for k in wa))
+    size = math.sqrt(sum(float(wa[k].double().square().sum()) for k in wa))
+    assert diff / size < 1e-6
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
+    assert any(not torch.equal(wa[k], _weights(one, 1)[k]) for k in wa)  # it trained
+
+
+def test_checkpoints_resume_exactly_on_two_ranks_and_on_one(runs, tmp_path, monkeypatch):
+    """A two-rank checkpoint is an ordinary one (HF weights, one-process optimizer format): resumed on two ranks
+    it continues bit for bit; resumed in one process it continues within the stated tolerance (module docstring)."""
+    root, _, two = runs
+    monkeypatch.setenv("RLDYN_CACHE", str(root / "cache"))
+    final = _weights(two, 3)
+    again, single = tmp_path / "again", tmp_path / "single"
+    for copy in (again, single):
+        shutil.copytree(two, copy)
+        shutil.rmtree(copy / "checkpoints" / "step_3")
+    run_ranks(["-m", "rldynamics.cli", "train", "--preset", PRESET, *RUN, f"log.run_dir={tmp_path}",
+               f"checkpoint.resume={again / 'checkpoints' / 'step_2'}"], timeout=300,
+              env={"RLDYN_CACHE": str(root / "cache")})
+    resumed = _weights(again, 3)
+    assert all(torch.equal(resumed[k], final[k]) for k in final)  # same number of ranks: exact
+    assert _rows(again)[-1] == pytest.approx(_rows(two)[-1], nan_ok=True)
+    train(make_config(PRESET, overrides=[*RUN, f"log.run_dir={tmp_path}",
+                                 f"checkpoint.resume={single / 'checkpoints' / 'step_2'}"]))
+    other = _weights(single, 3)
+    assert max(float((other[k] - final[k]).abs().max()) for k in final) < 1e-5
+
+
+def test_launcher_and_ranks_report_errors_once_and_end(tmp_path):
+    """`rldyn train --nproc 2`: a setting two ranks cannot honour is refused by the launcher before any rank
+    starts; an error found by rank 0 once the ranks run (a run directory that already holds a run) is raised on
+    every rank, printed once, and ends the job (exit code not 0, no hang)."""
+    import subprocess
+    import sys
+
+    def launch(*overrides: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rldynamics.cli", "train", "--nproc", "2", *overrides,
+                               f"log.run_dir={tmp_path}"], capture_output=True, text=True, timeout=180)
+
+    def errors(done: subprocess.CompletedProcess) -> list[str]:
+        return [line for line in done.stderr.splitlines() if line.startswith("rldyn train:")]
+
+    bad = launch("train.env_groups=1")
+    assert bad.returncode == 2 and errors(bad) == [
+        "rldyn train: config error: train.env_groups=1 is fewer groups than the 2 ranks (each rank rolls out "
+        "whole groups); set train.env_groups >= 2 or use fewer ranks"]
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "metrics.jsonl").write_text('{"step": 0}\n')
+    taken = launch("log.name=taken")
+    assert taken.returncode != 0 and len(errors(taken)) == 1 and "already holds a run" in errors(taken)[0]
