@@ -4,7 +4,8 @@ checkpoints that resume exactly on the same number of ranks and work on another;
 The runs are small (tiny 1-layer model, 2 groups x 3 one-turn math replies, 3 steps) but exercise every part:
 sharded rollouts and validation, the critic (GAE whitening over the global batch), the KL reference, the gradient
 analysis with reward components, per-step checkpoints. `train.row_seeded_sampling=true` makes the batches
-independent of how rows are split over ranks.
+independent of how rows are split over ranks. `train.shared_prefix=false`: an FSDP2-sharded update forwards whole
+rows (`analysis.objective.actor_terms`), so the one-process run does too, and both compute the same sums.
 
 Tolerance (stated in the README, Multi-device): the rollouts are identical; the rest differs by float rounding
 of sums taken in another order (gradients summed over ranks, micro-batches of other rows): after 3 steps every
@@ -33,7 +34,8 @@ from rldynamics.train.trainer import train
 LR = 3e-4
 PRESET = "math-tiny"  # one-turn arithmetic replies: the length component varies, so the rewards do from step 1
 RUN = [*FAST, "train.steps=3", "train.group_size=3", "train.mini_batch_size=64", "train.micro_batch_size=2",
-       "train.ppo_epochs=1", f"train.lr={LR}", "train.row_seeded_sampling=true", "model.tiny_layers=1",
+       "train.ppo_epochs=1", f"train.lr={LR}", "train.row_seeded_sampling=true", "train.shared_prefix=false",
+       "model.tiny_layers=1",
        "model.tiny_hidden_size=32", "env.max_turns=1", "env.max_new_tokens=10", "env.math.length_target=20",
        "val.env_groups=2", "val.every=3", "val.before_train=false", "algo.adv_estimator=gae", "algo.kl_coef=0.01",
        "algo.entropy_coef=0.001", "analysis.enabled=true", "analysis.every=1", "analysis.reward_grad=true",

@@ -14,6 +14,7 @@ import torch
 from rldynamics.algo.losses import loss_terms, term_coefs
 from rldynamics.config import AlgoConfig
 from rldynamics.models.forward import token_logprobs
+from rldynamics.models.sharding import is_sharded
 from rldynamics.rollout.batch import RolloutBatch
 
 
@@ -37,7 +38,9 @@ def actor_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInp
 
     Returns ({"pg", "entropy", "kl" (if a reference is given), "reward/<name>" per entry of
     `component_advantages` ([N, L] each)}, policy metrics), all from one forward pass (with a prompt shared by
-    several rows forwarded once when `shared_prefix`).
+    several rows forwarded once when `shared_prefix`, except on an FSDP2-sharded model: there every forward is a
+    collective of all ranks, which must call the model equally often, and whether rows share a prompt is up to
+    each rank's rows).
     """
     device = next(model.parameters()).device
 
@@ -47,7 +50,7 @@ def actor_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInp
     mask = at(batch.response_mask)  # [n, L]
     logprobs, entropy = token_logprobs(model, at(batch.input_ids), at(batch.attention_mask), temperature=temperature,
                                        with_entropy=True, positions=mask,
-                                       shared_prefix=shared_prefix)  # [n, L], [n, L]
+                                       shared_prefix=shared_prefix and not is_sharded(model))  # [n, L], [n, L]
     return loss_terms(logprobs, entropy, at(inputs.old_logprobs), at(inputs.advantages), mask,
                       ref_logprobs=at(inputs.ref_logprobs),
                       component_advantages={k: at(a) for k, a in (component_advantages or {}).items()},
