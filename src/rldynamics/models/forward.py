@@ -169,8 +169,8 @@ def _chunked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: 
     for start in range(0, logits.shape[0], step):
         args = (logits[start:start + step], targets[start:start + step], temperature, with_entropy)
         parts.append(checkpoint(_logprob_chunk, *args, use_reentrant=False) if recompute else _logprob_chunk(*args))
-    if not parts:
-        empty = logits.new_zeros(0, dtype=torch.float32)  # [0]
+    if not parts:  # no wanted position: empty, but on the forward's graph (a sharded backward runs on every rank)
+        empty = logits.float().sum(-1)  # [0]
         return empty, (empty if with_entropy else None)
     logp = torch.cat([p[0] for p in parts])  # [M]
     return logp, (torch.cat([p[1] for p in parts]) if with_entropy else None)
