@@ -426,16 +426,17 @@ def _vs_rv(ax, sd: StepData, series: dict[str, str], ylabel: str, *, x_values: n
     Buckets are not a series, so points are never joined. RV is on a log axis (`x_values`, default the step's RVs,
     sets its range, so rows of a grid line up) and zero-RV buckets sit apart, left of a dotted divider. The norm
     axis is linear from 0 in every panel, so a ratio between two points reads as that ratio. Several series (and
-    runs overlaid with `dodge`, in decades) sit slightly apart on x, so their whiskers do not cover each other.
+    runs overlaid with `dodge`, a fraction of the axis width) sit slightly apart on x, so their whiskers do not cover each other.
     """
-    ax.set_xlabel("bucket RV mean (log scale; RV=0 apart)")
+    ax.set_xlabel("bucket RV mean (log scale" + ("; RV=0 apart)" if sd.zero_rv.any() else ")"))
     ax.set_ylabel(ylabel)
     rv, zero = sd.values("reward_std_mean"), sd.zero_rv
     x_base, x_zero = _rv_positions(ax, rv, zero, rv if x_values is None else x_values)
+    span = float(np.log10(ax.get_xlim()[1] / ax.get_xlim()[0]))  # offsets are fractions of the axis width
     markers = ["o", "s", "^", "v"]
     drawn = []
     for k, ((name, metric), default_marker) in enumerate(zip(series.items(), markers, strict=False)):
-        x = x_base * 10 ** (dodge + 0.03 * (k - (len(series) - 1) / 2))
+        x = x_base * 10 ** ((dodge + 0.02 * (k - (len(series) - 1) / 2)) * span)
         y = regularizer_values(sd.row, sd.buckets) if metric == "regularizer" else sd.values(metric)
         ok = np.isfinite(x) & np.isfinite(y)
         if not ok.any():
@@ -633,7 +634,7 @@ def fig_paper_grid(runs: list[RunData], steps: list[int]) -> Figure:
             color = RUN_COLORS[i % len(RUN_COLORS)] if several else None
             marker = RUN_MARKERS[i % len(RUN_MARKERS)] if several else None
             _rv_ranges(a, sd, color or "k", offset=(k - (len(data) - 1) / 2) * 0.15, slots=slots)
-            dodge = 0.03 * (k - (len(data) - 1) / 2)
+            dodge = 0.02 * (k - (len(data) - 1) / 2)
             _vs_rv(b, sd, {"task": "task"}, "task grad norm", x_values=all_rv, color=color, marker=marker,
                    label_points=k == 0, legend=False, dodge=dodge)
             _vs_rv(c, sd, {"entropy + KL": "regularizer"}, "entropy+KL grad norm", x_values=all_rv, color=color,
