@@ -292,3 +292,13 @@ def test_fuzzed_overrides_give_a_config_error_or_the_meant_value(items):
         for part in key.split("."):
             value = getattr(value, part)
         assert value == meant and type(value) is type(meant), (key, raw, value)
+
+
+def test_tiny_ppo_preset_is_the_tiny_preset_with_the_ppo_changes():
+    from rldynamics.config import config_diff
+
+    changed = {key for key, _, _ in config_diff(make_config("sokoban-tiny"), make_config("sokoban-tiny-ppo"))}
+    assert changed == {"algo.adv_estimator", "train.env_groups", "train.group_size", "train.steps", "critic.lr",
+                       "critic.ppo_epochs", "critic.warmup_steps"}
+    ppo = make_config("sokoban-tiny-ppo")
+    assert ppo.algo.adv_estimator == "gae" and ppo.train.env_groups * ppo.train.group_size == 64

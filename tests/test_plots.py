@@ -420,13 +420,29 @@ def test_figures_do_not_mislead(tmp_path):
     assert task_ax.collections, "whiskers from the logged intervals"
     share = fig_reg_share(load_run(path))
     assert share.axes[0].get_yscale() == "log"
+    assert share.axes[0].get_xticks().tolist() == [1, 4]  # ticks at the analysis steps, not at the side-by-side offsets
     groups = fig_groups(sd)
     assert groups is not None and all(ax.get_xscale() == "log" for ax in groups.axes)
-    assert "slope 0.5" in " ".join(t.get_text() for t in groups.axes[0].texts)  # task = 0.4·√RV exactly
+    assert "slope 0.5" in groups.axes[0].get_title()  # task = 0.4·√RV exactly
+    assert "slope ≤ 1 on this axis" in groups.get_suptitle()  # the bound against σ, not against the variance
     assert fit_slope(np.array([1.0, 4.0, 9.0]), np.array([2.0, 4.0, 6.0]))[0] == pytest.approx(0.5)
     assert fig_groups(step_data(load_run(path), 1)) is None  # no per-group norms at step 1
     assert plot_command(path, None, False, None, False, None) == 0
     _assert_png(path / "plots" / "gradient_analysis_groups_step_4.png")
+
+
+def test_bar_axis_scale_follows_the_bars_not_the_whiskers():
+    # KL norms 2.4e-4..7.5e-4 (one bucket's interval reaching down to 1e-5): bars on a linear axis from 0, not
+    # a log axis on which 2.4e-4 and 7.5e-4 look nearly equal
+    from rldynamics.plots.analysis import bars, new_figure
+
+    ax = new_figure(4, 3).add_subplot()
+    values = np.array([3.7e-4, 2.4e-4, 7.5e-4])
+    bars(ax, ["Q1", "Q2", "Q3"], values, "r", ci=(np.array([2e-4, 1e-4, 1e-5]), np.array([5e-4, 4e-4, 1.5e-3])))
+    assert ax.get_yscale() == "linear" and ax.get_ylim()[0] <= 0.0 and ax.get_ylim()[1] >= 1.5e-3
+    ax = new_figure(4, 3).add_subplot()
+    bars(ax, ["Q1", "Q2"], np.array([1e-6, 1.0]), "r")  # bars themselves over six decades: log
+    assert ax.get_yscale() == "log"
 
 
 def test_paper_overlays_two_runs_at_the_same_steps(tmp_path):
@@ -446,3 +462,19 @@ def test_paper_overlays_two_runs_at_the_same_steps(tmp_path):
     out = tmp_path / "paper"
     assert plot_command([first, second], None, False, out, True, [1, 4]) == 0
     _assert_png(out / "paper_grid.png")
+
+
+def test_gradient_tables_script_stacks_runs_by_analysis_round(tmp_path):
+    first = make_run(tmp_path / "grpo", steps=4, analysis=(1, 4), name="grpo")
+    second = make_run(tmp_path / "gae", steps=6, analysis=(3, 6), name="gae")  # analysed at other step numbers
+    _add_intervals_and_group_norms(first, 4)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gradient_tables.py"
+    out = subprocess.run([sys.executable, str(script), str(first), str(second), "--by-step"], capture_output=True,
+                         text=True, check=True).stdout
+    rounds = out.split("### ")[1:]
+    assert [r.splitlines()[0] for r in rounds] == ["analysis 1", "analysis 2",
+                                                    "per-group log-log slopes against the group reward std"]
+    assert "| grpo (1) | Q1 |" in rounds[0] and "| gae (3) | Q1 |" in rounds[0]
+    assert "| grpo (4) | Q4 |" in rounds[1] and "| gae (6) | all |" in rounds[1]
+    assert "| grpo | 4 | 0.5 ± " in rounds[2] and "(6) |" in rounds[2]  # task = 0.4·√RV over the 6 groups with RV > 0
+    assert "| gae | 3 | – | – |" in rounds[2]  # no per-group norms: no slope

@@ -17,7 +17,7 @@ import torch
 
 from rldynamics.algo.losses import AGG_MODES
 from rldynamics.analysis.objective import ActorInputs, actor_terms
-from rldynamics.analysis.probe import ProbeResult, gradient_probe
+from rldynamics.analysis.probe import ProbeResult, gradient_probe, numerically_zero
 from rldynamics.analysis.sketch import GradientSketcher
 from rldynamics.config import AlgoConfig
 from rldynamics.models.forward import batch_logprobs
@@ -312,6 +312,27 @@ def test_zero_gradients_give_undefined_cosines_not_zero(model, data):
     m = gradient_probe(model, batch, none, stds, algo=quiet, micro_batch_size=1, temperature=1.0,
                        sketch_dim=0).metrics
     assert m["grad_norm/all/regularizer"] == 0.0 and math.isnan(m["grad_norm/all/reg_share"])
+
+
+def test_kl_gradient_at_rounding_level_counts_as_zero(model, data):
+    # the reference pass and the probe's forward round differently, so at pi = pi_ref the k3 gradient comes out
+    # ~1e-7 of the others instead of 0: flagged as zero with undefined cosines; a real difference is not
+    batch, inputs, stds = data
+    own, _ = batch_logprobs(model, batch.input_ids, batch.attention_mask, micro_batch_size=1)  # [N, L]
+    noise = 1e-6 * torch.randn(own.shape, generator=torch.Generator().manual_seed(0))  # [N, L]
+    for shift, zero in ((noise, True), (1e-2 + noise, False)):
+        at = dataclasses.replace(inputs, ref_logprobs=own + shift)
+        m = gradient_probe(model, batch, at, stds, algo=algo_cfg(), micro_batch_size=1, temperature=1.0,
+                           num_buckets=2, sketch_dim=0).metrics
+        for b in ("all", "bucket_1", "bucket_2"):
+            key = f"grad_norm/{b}"
+            assert m[f"{key}/zero_grad/kl"] == float(zero)
+            assert math.isnan(m[f"{key}/cos/task_kl"]) == zero and math.isnan(m[f"{key}/cos/entropy_kl"]) == zero
+            if zero:
+                largest = max(m[f"{key}/task"], m[f"{key}/raw/entropy"])  # raw norms (the task weight is 1)
+                assert 0.0 < m[f"{key}/raw/kl"] < 1e-5 * largest  # tiny but not exactly 0
+    assert numerically_zero(0.0, [0.0, 0.0]) and numerically_zero(1e-9, [1.0, 1e-9])
+    assert not numerically_zero(1e-4, [1.0, 1e-4])
 
 
 def test_other_prefix_is_not_mirrored(model, data):

@@ -154,3 +154,19 @@ def test_metric_names_mean_what_ragen_means(fast_overrides):
     rows = read_metrics(empty)
     assert [r["rollout/empty_after_filter"] for r in rows] == [1.0, 1.0, 1.0]
     assert [r["rollout/consecutive_empty_after_filter_steps"] for r in rows] == [1.0, 2.0, 3.0]
+
+
+def test_explained_variance_and_its_terms_by_hand():
+    from rldynamics.rollout.batch import RolloutBatch
+    from rldynamics.train.stages import data_metrics
+
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])  # [2, 3]: three response tokens
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    batch = RolloutBatch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=mask,
+                         scores=torch.tensor([4.0, 1.0]), group_ids=torch.tensor([0, 0]))
+    returns = torch.tensor([[0.0, 4.0, 4.0], [0.0, 1.0, 0.0]])  # masked: 4, 4, 1 (mean 3, variance 2)
+    values = torch.tensor([[9.0, 3.0, 2.0], [9.0, 1.0, 9.0]])  # residuals 1, 2, 0 (mean 1, variance 2/3)
+    m = data_metrics(batch, torch.zeros(2, 3), returns, values)
+    assert m["critic/returns/var"] == pytest.approx(2.0)
+    assert m["critic/vf_residual_var"] == pytest.approx(2.0 / 3.0)
+    assert m["critic/vf_explained_var"] == pytest.approx(1.0 - (2.0 / 3.0) / 2.0)

@@ -12,11 +12,14 @@ Semantics (``DESIGN.md`` §4.2–4.4, metric names from ``reference/ragen_behavi
 - Components are signed as they enter the training loss: task = ∇pg, entropy = −∇H (a bonus),
   kl = +∇KL. The reported ``task``/``entropy``/``kl`` norms are coefficient-weighted (RAGEN-compatible,
   i.e. ``entropy_coef·‖∇H‖``); ``raw/*`` are unweighted, so a zero coefficient still shows the direction.
-- A cosine involving a gradient that is exactly the zero vector is undefined and logged as NaN (never 0,
+- A cosine involving a gradient that is the zero vector is undefined and logged as NaN (never 0,
   which would read as "orthogonal"); ``zero_grad/<component>`` = 1 flags each such gradient. Typical
   cases: the k3 KL gradient at π = π_ref (the first step, a probe of the initial model) and the GRPO task
-  gradient of zero-variance groups. ``reg_share`` is NaN only when task and regulariser are both zero
-  (0/0); with one of them zero it is a real 0 or 1 (a zero-variance bucket: the regulariser is the update).
+  gradient of zero-variance groups. A gradient counts as zero when its raw norm is 0 or below ``ZERO_REL_TOL``
+  (1e-5) times the largest raw norm of the bucket's terms: the k3 gradient at π = π_ref is 0 in exact
+  arithmetic but comes out ~1e-7 of the others from rounding, and its direction is noise. ``reg_share`` is NaN
+  only when task and regulariser are both zero (0/0); with one of them zero it is a real 0 or 1 (a zero-variance
+  bucket: the regulariser is the update).
 - ``all`` is derived, not recomputed: buckets partition the batch, so
   ``g_all = Σ_b share_b · g_b`` with ``share_b = sub_batch_share(all_mask, rows_b, mode)``; losses of
   ``all`` are combined the same way. Memory stays at three ``all`` vectors plus the current bucket's.
@@ -68,6 +71,7 @@ from rldynamics.rollout.batch import RolloutBatch
 
 COMPONENT_OF_TERM = {"pg": "task", "entropy": "entropy", "kl": "kl"}
 LOSS_NAME_OF_TERM = {"pg": "policy", "entropy": "entropy", "kl": "kl"}
+ZERO_REL_TOL = 1e-5  # a raw gradient norm below this fraction of the bucket's largest is rounding noise (0)
 
 
 @dataclass
@@ -330,12 +334,23 @@ def _bucket_metrics(whole: torch.Tensor, names: list[str], losses: dict[str, flo
     out.update(sample_count=count, sample_pct=count / total_rows if total_rows > 0 else 0.0,
                reward_std_mean=sum(stds) / len(stds), reward_std_min=min(stds), reward_std_max=max(stds),
                group_rv_count=float(len(stds)))
+    raw = {n: norm(whole, _unit(whole, index[n])) for n in terms}
+    zero = {n: numerically_zero(raw[n], raw.values()) for n in terms}
     for n in terms:
-        out[f"zero_grad/{COMPONENT_OF_TERM[n]}"] = float(whole[index[n], index[n]] == 0.0)
+        out[f"zero_grad/{COMPONENT_OF_TERM[n]}"] = float(zero[n])
     for i, a in enumerate(terms):
         for b in terms[i + 1:]:  # undefined (NaN) for a zero vector
-            out[f"cos/{COMPONENT_OF_TERM[a]}_{COMPONENT_OF_TERM[b]}"] = cosine(whole, index[a], index[b])
+            out[f"cos/{COMPONENT_OF_TERM[a]}_{COMPONENT_OF_TERM[b]}"] = (
+                math.nan if zero[a] or zero[b] else cosine(whole, index[a], index[b]))
     return out
+
+
+def numerically_zero(value: float, norms, rel_tol: float = ZERO_REL_TOL) -> bool:
+    """True when a raw gradient norm is 0 or at float rounding level: at most `rel_tol` × the largest raw norm of
+    the bucket's terms (`norms`). The k3 KL gradient at π = π_ref is 0 in exact arithmetic, but the probe's
+    forward and the reference pass round differently, which leaves a gradient ~1e-7 of the others (a noise
+    direction whose cosines mean nothing)."""
+    return value == 0.0 or value <= rel_tol * max(norms)
 
 
 def _norm_metrics(whole: torch.Tensor, index: dict[str, int], algo: AlgoConfig) -> dict[str, float]:

@@ -166,12 +166,12 @@ def bars(ax, labels: list[str], values: np.ndarray, color: str, *, ylabel: str =
         heights = np.where(finite, values, 0.0)
         container = ax.bar(x, heights, color=color, alpha=0.85)
         ax.axhline(0.0, color="0.3", lw=0.6)
-        whiskers = _error_bars(ax, x, values, ci)
+        _error_bars(ax, x, values, ci)
         if not zero_only(ax, values):
             if value_labels:
                 ax.bar_label(container, labels=[fmt(v) if f else "" for v, f in zip(values, finite, strict=True)],
                              fontsize=7, padding=2)
-            auto_scale(ax, np.concatenate([values[finite], whiskers]))
+            auto_scale(ax, values[finite])  # from the bars alone: a whisker reaching 0 must not turn bars log
             ax.margins(y=0.15)
     for xi, v, f in zip(x, values, finite, strict=True):
         if not f and finite.any():
@@ -419,21 +419,25 @@ def _rv_panel(ax, sd: StepData) -> None:
 
 def _vs_rv(ax, sd: StepData, series: dict[str, str], ylabel: str, *, x_values: np.ndarray | None = None,
            color: str | None = None, marker: str | None = None, label_points: bool = True,
-           legend: bool = True) -> bool:
+           legend: bool = True, dodge: float = 0.0) -> bool:
     """Each metric of `series` (legend name -> bucket metric) against the bucket RV mean, as points with 95 %
     whiskers where logged; returns whether anything was drawn.
 
     Buckets are not a series, so points are never joined. RV is on a log axis (`x_values`, default the step's RVs,
     sets its range, so rows of a grid line up) and zero-RV buckets sit apart, left of a dotted divider. The norm
-    axis is linear from 0 in every panel, so a ratio between two points reads as that ratio.
+    axis is linear from 0 in every panel, so a ratio between two points reads as that ratio. Several series (and
+    runs overlaid with `dodge`, a fraction of the axis width) sit slightly apart on x, so their whiskers do not
+    cover each other.
     """
-    ax.set_xlabel("bucket RV mean (log scale; RV=0 apart)")
+    ax.set_xlabel("bucket RV mean (log scale" + ("; RV=0 apart)" if sd.zero_rv.any() else ")"))
     ax.set_ylabel(ylabel)
     rv, zero = sd.values("reward_std_mean"), sd.zero_rv
-    x, x_zero = _rv_positions(ax, rv, zero, rv if x_values is None else x_values)
+    x_base, x_zero = _rv_positions(ax, rv, zero, rv if x_values is None else x_values)
+    span = float(np.log10(ax.get_xlim()[1] / ax.get_xlim()[0]))  # offsets are fractions of the axis width
     markers = ["o", "s", "^", "v"]
     drawn = []
-    for (name, metric), default_marker in zip(series.items(), markers, strict=False):
+    for k, ((name, metric), default_marker) in enumerate(zip(series.items(), markers, strict=False)):
+        x = x_base * 10 ** ((dodge + 0.02 * (k - (len(series) - 1) / 2)) * span)
         y = regularizer_values(sd.row, sd.buckets) if metric == "regularizer" else sd.values(metric)
         ok = np.isfinite(x) & np.isfinite(y)
         if not ok.any():
@@ -487,16 +491,28 @@ def _rv_positions(ax, rv: np.ndarray, zero: np.ndarray, scale_from: np.ndarray) 
 
 def fig_groups(sd: StepData) -> Figure | None:
     """Per-group task and regulariser norms vs the group's RV (log-log) with fitted slopes; None without
-    per-group norms (`analysis.per_group`)."""
+    per-group norms (`analysis.per_group`).
+
+    The x axis is the group reward std σ (RAGEN's "RV"). RAGEN-2's Cauchy–Schwarz bound is ‖g‖ ≤ c·√Var = c·σ
+    for advantages that scale with the rewards (Dr.GRPO, GAE): a slope of at most 1 against σ (0.5 against the
+    variance); GRPO's std normalisation removes the scale (slope 0 expected)."""
     g = read_group_norms(sd.path, sd.step) if sd.path is not None else {}
     if not g:
         return None
-    fig = new_figure(13, 4.8)
-    for ax, (metric, name) in zip(fig.subplots(1, 2), (("task", "task"), ("regularizer", "entropy + KL")),
-                                  strict=True):
-        _group_scatter(ax, g, metric, name)
-    fig.suptitle(f"{sd.run_name} — step {sd.step}: per-group gradient norm vs reward std "
-                 "(RAGEN-2: task ∝ √RV at most, i.e. slope ≤ 0.5; regulariser flat, slope 0)")
+    fig = new_figure(13, 5.2)
+    label = {b: bucket_label(b, sd.mode, sd.zero_bucket) for b in dict.fromkeys(g["bucket"].tolist())}
+    axes = fig.subplots(1, 2)
+    for ax, (metric, name) in zip(axes, (("task", "task"), ("regularizer", "entropy + KL")), strict=True):
+        _group_scatter(ax, g, metric, name, label)
+    handles: dict[str, object] = {}
+    for ax in axes:
+        for handle, text in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(text, handle)
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=len(handles), fontsize=8)
+    fig.suptitle(f"{sd.run_name} — step {sd.step}: per-group gradient norm vs group reward std σ\n"
+                 "RAGEN-2: task ≤ c·σ (= c·√variance) for unnormalised advantages, slope ≤ 1 on this axis "
+                 "(≤ 0.5 against the variance); regulariser independent of σ, slope 0", fontsize=10)
     return fig
 
 
@@ -511,28 +527,30 @@ def fit_slope(rv: np.ndarray, norm: np.ndarray) -> tuple[float, float, int]:
     return float(coef[0]), float(math.sqrt(cov[0, 0])), n
 
 
-def _group_scatter(ax, g: dict[str, np.ndarray], metric: str, name: str) -> None:
-    """One per-group panel: positive-RV groups on log-log axes coloured by bucket, the fit, zero-RV groups apart."""
+def _group_scatter(ax, g: dict[str, np.ndarray], metric: str, name: str, label: dict[str, str]) -> None:
+    """One per-group panel: positive-RV groups on log-log axes coloured by bucket (`label`: bucket -> legend text),
+    the fit, zero-RV groups apart; the fit and the groups not drawn are stated in the panel title."""
     rv, y = g.get("reward_std"), g.get(metric)
-    ax.set_title(f"{name} gradient norm per group", fontsize=10)
+    title = f"{name} gradient norm per group"
     if rv is None or y is None or not np.isfinite(y).any():
+        ax.set_title(title, fontsize=10)
         note(ax, f"{metric} not logged per group")
         return
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("group reward std (log; RV=0 apart)")
+    ax.set_xlabel("group reward std σ (log; RV=0 apart)")
     ax.set_ylabel(f"{name} grad norm (log)")
-    buckets = list(dict.fromkeys(g["bucket"].tolist()))
     pos_y = y[np.isfinite(y) & (y > 0)]
     if pos_y.size == 0:
+        ax.set_title(title, fontsize=10)
         note(ax, "every group's norm is exactly 0")
         return
     positive_rv = rv[np.isfinite(rv) & (rv > 0)]
     slot = (positive_rv.min() if positive_rv.size else 1.0) / 4.0
-    for k, b in enumerate(buckets):
+    for k, b in enumerate(label):
         sel = (g["bucket"] == b) & np.isfinite(y) & (y > 0)
         x = np.where(rv[sel] > 0, rv[sel], slot)
-        ax.scatter(x, y[sel], s=14, alpha=0.75, color=f"C{k % 10}", label=b.replace("bucket_", "b"))
+        ax.scatter(x, y[sel], s=14, alpha=0.75, color=f"C{k % 10}", label=label[b])
     zero_norm = int((np.isfinite(y) & (y == 0)).sum())
     slope, se, n = fit_slope(rv, y)
     text = [f"fit over {n} groups with RV > 0: slope {fmt(slope)} ± {fmt(se)}"]
@@ -540,7 +558,7 @@ def _group_scatter(ax, g: dict[str, np.ndarray], metric: str, name: str) -> None
         xs = np.geomspace(positive_rv.min(), positive_rv.max(), 20)
         ok = (rv > 0) & (y > 0) & np.isfinite(y)
         intercept = float(np.mean(np.log(y[ok]) - slope * np.log(rv[ok])))
-        ax.plot(xs, np.exp(intercept) * xs ** slope, "k--", lw=1.0, label=f"slope {slope:.2f}")
+        ax.plot(xs, np.exp(intercept) * xs ** slope, "k--", lw=1.0, label="least-squares fit")
     high = float(positive_rv.max()) if positive_rv.size else 1.0
     if (rv == 0).any():
         ax.axvline(slot * 2.0, color="0.5", lw=0.8, ls=":")
@@ -548,8 +566,7 @@ def _group_scatter(ax, g: dict[str, np.ndarray], metric: str, name: str) -> None
     ax.set_xlim(slot / 2.0 if (rv == 0).any() else slot * 2.0, high * 2.0)
     if zero_norm:
         text.append(f"{zero_norm} group(s) with norm exactly 0 not drawn (log axis)")
-    ax.text(0.01, 0.01, "\n".join(text), transform=ax.transAxes, fontsize=7, va="bottom")
-    ax.legend(fontsize=6, ncols=2, loc="lower right")
+    ax.set_title(title + "\n" + "; ".join(text), fontsize=9)
 
 
 STEP_FIGURES = {
@@ -618,10 +635,11 @@ def fig_paper_grid(runs: list[RunData], steps: list[int]) -> Figure:
             color = RUN_COLORS[i % len(RUN_COLORS)] if several else None
             marker = RUN_MARKERS[i % len(RUN_MARKERS)] if several else None
             _rv_ranges(a, sd, color or "k", offset=(k - (len(data) - 1) / 2) * 0.15, slots=slots)
+            dodge = 0.02 * (k - (len(data) - 1) / 2)
             _vs_rv(b, sd, {"task": "task"}, "task grad norm", x_values=all_rv, color=color, marker=marker,
-                   label_points=k == 0, legend=False)
+                   label_points=k == 0, legend=False, dodge=dodge)
             _vs_rv(c, sd, {"entropy + KL": "regularizer"}, "entropy+KL grad norm", x_values=all_rv, color=color,
-                   marker=marker, label_points=k == 0, legend=False)
+                   marker=marker, label_points=k == 0, legend=False, dodge=dodge)
         a.set_xticks(np.arange(len(slots)), [bucket_label(b, data[0][1].mode, data[0][1].zero_bucket) for b in slots])
         absent = [runs[i].name for i in range(len(runs)) if i not in {i for i, _ in data}]
         a.set_ylabel(f"step {step}\nbucket RV", fontsize=9)
@@ -637,6 +655,13 @@ def fig_paper_grid(runs: list[RunData], steps: list[int]) -> Figure:
     for r in range(len(rows) - 1):
         for ax in axes[r, 1:]:
             ax.set_xlabel("")
+    for col in (1, 2):  # one norm scale per column, so a change over the steps reads as that change
+        top = max(ax.get_ylim()[1] for ax in axes[:, col])
+        for ax in axes[:, col]:
+            ax.set_ylim(0.0, top)
+    fig.suptitle(f"{', '.join(run.name for run in runs)}: gradient analysis at steps {', '.join(map(str, steps))}"
+                 + ("  (whiskers: 95 % bootstrap intervals over groups)" if any(
+                     sd.ci("task") is not None for _, data in rows for _, sd in data) else ""), fontsize=11)
     axes[0, 0].set_title("(a) reward variance per bucket (mean, min–max)", fontsize=10)
     axes[0, 1].set_title("(b) task gradient vs RV", fontsize=10)
     axes[0, 2].set_title("(c) regulariser gradient vs RV", fontsize=10)
@@ -658,7 +683,8 @@ def _bucket_axis_caption(data: list[StepData]) -> str:
     """RAGEN's caption for quantile buckets; fixed_rv buckets are named by their reward-std interval."""
     if data and all(sd.mode == "fixed_rv" for sd in data):
         return "fixed reward-std intervals (empty intervals left out)"
-    return f"RV quantile buckets (Q1 → Q{max((len(sd.buckets) for sd in data), default=0)})"
+    top = max((sum(not label.startswith("RV=0") for label in sd.labels) for sd in data), default=0)
+    return f"RV quantile buckets (Q1 → Q{top}" + (", RV=0 apart)" if any(sd.zero_rv.any() for sd in data) else ")")
 
 
 def write_paper_grid(runs: list[RunData], steps: list[int], out: str | Path, dpi: int = DPI) -> Path:

@@ -243,7 +243,8 @@ def fig_reg_share(run: RunData, steps: list[int] | None = None) -> Figure | None
         for xi, color in zeros:
             ax.plot([xi], [0.02], marker="v", color=color, transform=ax.get_xaxis_transform(), clip_on=False)
     ax.set_title("regulariser share of the gradient  ‖reg‖ / (‖task‖ + ‖reg‖)  (log scale; ▼ = 0)", fontsize=10)
-    _step_axis(ax, "analysis step (buckets side by side)")
+    _step_axis(ax, "analysis step (buckets side by side, lowest RV left)")
+    ax.set_xticks(steps)  # ticks only where an analysis ran: the side-by-side offsets are not steps
     ax.set_ylabel("reg_share")
     _shared_legend(fig, [ax], _label_order(run, steps))
     fig.suptitle(f"{run.name}: regulariser share per bucket")

@@ -5,7 +5,8 @@
   a step uses (its own, except in probe mode).
 - `filter_batch`: score groups, keep whole groups (rldynamics.algo.filter), return the kept batch.
 - `advantages_and_returns`: dispatch to the estimator of `algo.adv_estimator`.
-- `data_metrics`: verl-style `critic/score/*`, `critic/advantages/*`, `response_length/*` summaries.
+- `data_metrics`: verl-style `critic/score/*`, `critic/advantages/*`, `response_length/*` summaries, and with a
+  critic `critic/vf_explained_var` with its two terms (`critic/returns/var`, `critic/vf_residual_var`).
 """
 
 from __future__ import annotations
@@ -120,4 +121,8 @@ def data_metrics(batch: RolloutBatch, advantages: torch.Tensor, returns: torch.T
         resid = masked_mean((returns - values - masked_mean(returns - values, mask)) ** 2, mask)  # []
         var = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)  # []
         out["critic/vf_explained_var"] = (1 - resid / (var + 1e-8)).item()
+        # the two terms, so explained variance can be pooled over steps (1 - Σ residual / Σ returns var): a batch
+        # of 64 with few successes has a tiny return variance and a per-step ratio far below 0
+        out["critic/returns/var"] = var.item()
+        out["critic/vf_residual_var"] = resid.item()
     return out
