@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from rldynamics.models.tiny import save_tokenizer
+
 MANIFEST = "manifest.json"
 FORMAT = "rldynamics-checkpoint/1"
 REQUIRED = ("trainer_state.json", "optimizer.pt", "rng.pt", "actor/config.json")
@@ -59,7 +61,7 @@ def save_checkpoint(directory: Path, step: int, *, model, tokenizer, optimizer, 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp / "actor", safe_serialization=True)
-    tokenizer.save_pretrained(tmp / "actor")
+    save_tokenizer(tokenizer, tmp / "actor")
     optim = {"actor": optimizer.state_dict()}
     if critic is not None:
         critic.save_pretrained(tmp / "critic")
