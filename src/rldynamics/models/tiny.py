@@ -131,12 +131,14 @@ def build_tiny_model(
     num_kv_heads: int = 2,
     intermediate_size: int = 384,
     max_position_embeddings: int = 2048,
+    tie_embeddings: bool = True,
     seed: int = 0,
 ) -> Qwen2ForCausalLM:
     """Build a randomly initialised small Qwen2 causal LM whose vocabulary matches ``tokenizer``.
 
-    Embeddings are tied to the LM head. Initialisation is seeded inside a forked RNG, so the same
-    arguments give bit-identical weights and the caller's global torch RNG is left as it was.
+    Embeddings are tied to the LM head unless ``tie_embeddings=False``. Initialisation is seeded inside a
+    forked RNG, so the same arguments give bit-identical weights and the caller's global torch RNG is left as
+    it was.
     """
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     config = Qwen2Config(
@@ -147,7 +149,7 @@ def build_tiny_model(
         num_key_value_heads=num_kv_heads,
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_embeddings,
         bos_token_id=pad_id,  # as in Qwen2: no separate BOS, <|endoftext|> fills the role
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -170,7 +172,7 @@ def _init_weights(model: Qwen2ForCausalLM, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     std = model.config.initializer_range
     with torch.no_grad():
-        for name, param in model.named_parameters():  # tied lm_head is the embedding: visited once
+        for name, param in model.named_parameters():  # a tied lm_head is the embedding: visited once
             if param.dim() >= 2:
                 param.normal_(0.0, std, generator=generator)
             elif "norm" in name:
