@@ -3,6 +3,7 @@ stop tokens, masks and think parsing, on tokenizers and models built in code."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -11,9 +12,16 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rldynamics.config import make_config
+from rldynamics.envs import make_env
 from rldynamics.models.loading import load_model_and_tokenizer
-from rldynamics.models.tiny import CHATML_TEMPLATE, build_tiny_model, build_tiny_tokenizer
-from rldynamics.rollout.agent import rollout
+from rldynamics.models.tiny import (
+    CHATML_TEMPLATE,
+    TOKENIZER_CODE,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    save_tokenizer,
+)
+from rldynamics.rollout.agent import rollout, state_message, system_message
 from rldynamics.rollout.chat import ChatPrompts
 from rldynamics.train.warmstart import solver_policy, tiny_corpus
 
@@ -169,18 +177,60 @@ def test_chatml_fallback_and_template_file(tmp_path, tiny_cache_dir):
         load_model_and_tokenizer(str(tiny_cache_dir), chat_template=str(tmp_path / "missing.jinja"))
 
 
-def test_tiny_checkpoint_tokenizer_reloads_with_identical_ids(tiny_cache_dir):
-    """Our loader and transformers' generic fast tokenizer give the saved ids; bare AutoTokenizer does not (it
-    rebuilds every qwen2 checkpoint's tokenizer as Qwen2Tokenizer), which the README warns about."""
+def _varied_texts(tokenizer) -> list[str]:
+    """Chat-rendered first prompts and observations of every env (every observation format of the grid envs), a
+    multi-turn conversation with replies, and seeded random unicode (combining marks, ligatures, wide forms, emoji,
+    CJK, controls, runs of whitespace: the characters where NFC or another pre-tokeniser would split differently)."""
+    texts = []
+    for name, extra in [("sokoban", f) for f in ("grid", "coord", "grid_coord")] + [
+            ("frozenlake", f) for f in ("grid", "coord", "grid_coord")] + [("countdown", None), ("bandit", None),
+                                                                          ("math", None)]:
+        key = [f"env.{name}.observation_format={extra}"] if extra else []
+        cfg = make_config(overrides=[f"env.name={name}", *key])
+        env = make_env(name, **cfg.env.options())
+        for seed in range(3):
+            observation = env.reset(seed)
+            user = state_message(env, 1, observation, cfg.env.max_actions_per_traj)
+            messages = [{"role": "system", "content": system_message(env, cfg.env)}, {"role": "user", "content": user}]
+            texts += [observation, tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)]
+    texts.append(tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Turn 1:\nState:\n#_OX√#\n(1, 2)"},
+         {"role": "assistant", "content": "<think>go</think><answer>Up || Left</answer>"},
+         {"role": "user", "content": "Reward: -0.1\nTurn 2:"}], tokenize=False, add_generation_prompt=True))
+    rng = random.Random(0)
+    pool = ("abcXYZ019 (,)_#√|<>/\n\r\t  \u00e9e\u0301\u212b\ufb01\uff21\uff10\u00bd\u2460\u4e2d\u6587\u3042"
+            "\u0928\u093f\U0001f600\U0001f44d\u200d\u00a0\u2028\x00\x7f")
+    texts += ["".join(rng.choice(pool) for _ in range(rng.randint(1, 60))) for _ in range(200)]
+    code_points = [c for c in range(1, 0x2FFFF) if not 0xD800 <= c < 0xE000]  # any character but the surrogates
+    texts += ["".join(chr(rng.choice(code_points)) for _ in range(rng.randint(1, 30))) for _ in range(200)]
+    return texts
+
+
+@pytest.mark.parametrize("trust_remote_code", [False, True])
+def test_tiny_checkpoint_tokenizer_gives_identical_ids_through_bare_auto_tokenizer(tmp_path, tiny_cache_dir,
+                                                                                 trust_remote_code):
+    """Bare `AutoTokenizer.from_pretrained` on a tiny model directory and on a training checkpoint saved from it
+    gives our tokenizer's ids, text and chat template (transformers would rebuild a qwen2 tokenizer as
+    Qwen2Tokenizer with Qwen's pre-tokeniser without the saved `auto_map`)."""
     _, ours = load_model_and_tokenizer(str(tiny_cache_dir))
-    generic = PreTrainedTokenizerFast.from_pretrained(str(tiny_cache_dir))
-    text = ours.apply_chat_template([{"role": "user", "content": "Turn 1:\nState:\n#_OX√#\n(1, 2) Up || Left"}],
-                                    tokenize=False, add_generation_prompt=True) + "<answer>Up</answer><|im_end|>"
-    ids = ours(text, add_special_tokens=False)["input_ids"]
-    assert generic(text, add_special_tokens=False)["input_ids"] == ids
-    assert ours.decode(ids) == text
-    bare = AutoTokenizer.from_pretrained(str(tiny_cache_dir))
-    assert type(bare).__name__ == "Qwen2Tokenizer"  # if transformers stops forcing this, the README note can go
+    save_tokenizer(ours, tmp_path)  # as a checkpoint saves it
+    texts = _varied_texts(ours)
+    for directory in (tiny_cache_dir, tmp_path):
+        bare = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
+        assert type(bare).__name__ != "Qwen2Tokenizer"
+        assert bare.chat_template == ours.chat_template == CHATML_TEMPLATE
+        assert (bare.eos_token, bare.pad_token, len(bare)) == (ours.eos_token, ours.pad_token, len(ours))
+        for text in texts:
+            ids = ours(text, add_special_tokens=False)["input_ids"]
+            assert bare(text, add_special_tokens=False)["input_ids"] == ids, text
+            assert bare.decode(ids) == ours.decode(ids) == text, text
+
+
+def test_saved_hub_style_tokenizer_gets_no_auto_map(tmp_path):
+    """Only the tiny tokenizer gets the `auto_map` and the class file; other tokenizers save as they are."""
+    save_tokenizer(_tokenizer("llama3"), tmp_path)
+    assert "auto_map" not in json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert not (tmp_path / TOKENIZER_CODE.name).exists()
 
 
 @pytest.fixture(scope="module")

@@ -322,6 +322,23 @@ def tokenizer():
     return build_tiny_tokenizer(tiny_corpus(make_config("frozenlake-tiny").env, num_seeds=20))
 
 
+@pytest.mark.parametrize("size", [4, 6])
+def test_tiny_tokenizer_reads_every_coordinate_as_one_token(size: int) -> None:
+    """Each cell coordinate, written as the coord observation writes it, is one token of the tiny tokenizer: goal
+    and player then sit at fixed offsets from the end of the prompt (the tiny model could not learn the board
+    while some coordinates were two tokens)."""
+    from rldynamics.models.tiny import build_tiny_tokenizer
+    from rldynamics.train.warmstart import tiny_corpus
+
+    cfg = make_config("frozenlake-tiny", overrides=[f"env.frozenlake.size={size}"])
+    tok = build_tiny_tokenizer(tiny_corpus(cfg.env))
+    env = make_env(cfg.env.name, **cfg.env.options())
+    env.reset(0)
+    assert "Player: (" in env.render()
+    pieces = [tok.tokenize(f"Goal: ({r}, {c})") for r in range(size) for c in range(size)]
+    assert all(len(p) == 3 for p in pieces), [p for p in pieces if len(p) != 3]
+
+
 WORDS = st.sampled_from(["<answer>", "</answer>", "<think>", "</think>", "||", "Left", "down", " Up ", "RIGHT",
                          "<|im_end|>", "\n", "X"])
 

@@ -125,6 +125,23 @@ def test_model_matches_tokenizer_and_is_deterministic(tokenizer):
     assert not torch.equal(state_a["model.layers.0.mlp.up_proj.weight"], state_c["model.layers.0.mlp.up_proj.weight"])
 
 
+def test_untied_model_has_its_own_head_and_reloads(tokenizer, tmp_path):
+    """`tie_embeddings=False`: a separate LM head drawn after every other parameter (which match the tied build),
+    its own cache entry, and the same logits after a reload."""
+    tied, untied = build_tiny_model(tokenizer, seed=3), build_tiny_model(tokenizer, seed=3, tie_embeddings=False)
+    assert not untied.config.tie_word_embeddings
+    assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
+    assert not torch.equal(untied.lm_head.weight, untied.model.embed_tokens.weight)
+    tied_state = tied.state_dict()
+    assert all(torch.equal(v, tied_state[k]) for k, v in untied.state_dict().items() if k != "lm_head.weight")
+    path = ensure_tiny_model(sokoban_corpus, tmp_path, tie_embeddings=False)
+    assert path != ensure_tiny_model(sokoban_corpus, tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.tensor([tokenizer.encode(GRID)])
+    with torch.no_grad():
+        assert torch.equal(build_tiny_model(tokenizer, tie_embeddings=False)(ids).logits, reloaded(ids).logits)
+
+
 def test_saved_model_reloads_with_identical_logits(tokenizer, tiny_dir):
     built = build_tiny_model(tokenizer)
     reloaded = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)

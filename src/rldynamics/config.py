@@ -55,6 +55,8 @@ class ModelConfig:
     """Tiny model only: hidden size of the embedded Qwen2-architecture model."""
     tiny_layers: int = 2
     """Tiny model only: transformer layers."""
+    tiny_tie_embeddings: bool = True
+    """Tiny model only: the LM head shares the input embedding matrix (as in Qwen2's small models)."""
     warm_start_episodes: int = 8192
     """Tiny model only: solver demonstrations (episodes) for the supervised warm start (0 = none)."""
     warm_start_turns: int = 1

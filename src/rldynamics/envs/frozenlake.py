@@ -335,8 +335,10 @@ class FrozenLakeEnv:
         return path
 
     def corpus_extras(self) -> list[str]:
-        """Extra tokenizer-corpus texts: every cell coordinate, often enough to become one token each."""
-        return [cell_coordinates(self.size, self.size)] * 50
+        """Extra tokenizer-corpus texts: every cell coordinate as observations write it (after a space), often
+        enough to become one token each. (At 50 copies, 5 of the 16 coordinates of a 4x4 board stayed two tokens,
+        row and column, so goal and player sat at varying offsets from the end of the prompt.)"""
+        return [" " + cell_coordinates(self.size, self.size)] * 200
 
     def get_state(self) -> FrozenLakeState:
         """The current (immutable) state; pass it to `set_state` to restore it later."""

@@ -19,10 +19,11 @@ Design choices:
 - ``ensure_tiny_model`` caches the built model under a key of (builder version, model kwargs,
   corpus hash) and publishes it with one atomic directory rename, so concurrent runs either see a
   complete directory or none.
-- Load the saved tokenizer with ``models.loading.load_model_and_tokenizer`` (or
-  ``PreTrainedTokenizerFast.from_pretrained``), not bare ``AutoTokenizer``: transformers 5 maps
-  ``model_type=qwen2`` to ``Qwen2Tokenizer``, which replaces the saved pre-tokeniser with Qwen's
-  regex and adds NFC normalisation, so ids would differ and round-trips would break.
+- The saved tokenizer gives the same ids through bare ``AutoTokenizer.from_pretrained``. transformers 5
+  maps ``model_type=qwen2`` to ``Qwen2Tokenizer``, which would replace the saved pre-tokeniser with Qwen's
+  regex and add NFC normalisation (other ids, broken round-trips); the tokenizer config's ``auto_map``
+  (``TINY_AUTO_MAP``) skips that mapping, and ``save_tokenizer`` writes the small class it names
+  (``tokenization_rldyn_tiny.py``) beside it, for loads with ``trust_remote_code=True``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 # Bump when the tokenizer or model construction changes: old cache entries are then ignored.
-BUILDER_VERSION = "tiny-v2"
+BUILDER_VERSION = "tiny-v3"
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -70,6 +71,12 @@ CHATML_TEMPLATE = (
 )
 
 MARKER_FILE = "rldyn_tiny.json"
+
+# transformers 5 rebuilds a qwen2 checkpoint's tokenizer as Qwen2Tokenizer (Qwen's pre-tokeniser) unless the
+# tokenizer config has an `auto_map` entry for AutoTokenizer (models/auto/tokenization_auto.py): then it loads the
+# declared TokenizersBackend from tokenizer.json as saved (or, with trust_remote_code, the class named here).
+TOKENIZER_CODE = Path(__file__).with_name("tokenization_rldyn_tiny.py")
+TINY_AUTO_MAP = {"AutoTokenizer": [None, f"{TOKENIZER_CODE.stem}.RldynTinyTokenizer"]}
 
 
 def build_tiny_tokenizer(corpus: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
@@ -111,6 +118,7 @@ def build_tiny_tokenizer(corpus: Iterable[str], vocab_size: int = 512) -> PreTra
         chat_template=CHATML_TEMPLATE,
         clean_up_tokenization_spaces=False,
         model_max_length=2048,
+        auto_map=TINY_AUTO_MAP,
     )
 
 
@@ -123,12 +131,14 @@ def build_tiny_model(
     num_kv_heads: int = 2,
     intermediate_size: int = 384,
     max_position_embeddings: int = 2048,
+    tie_embeddings: bool = True,
     seed: int = 0,
 ) -> Qwen2ForCausalLM:
     """Build a randomly initialised small Qwen2 causal LM whose vocabulary matches ``tokenizer``.
 
-    Embeddings are tied to the LM head. Initialisation is seeded inside a forked RNG, so the same
-    arguments give bit-identical weights and the caller's global torch RNG is left as it was.
+    Embeddings are tied to the LM head unless ``tie_embeddings=False``. Initialisation is seeded inside a
+    forked RNG, so the same arguments give bit-identical weights and the caller's global torch RNG is left as
+    it was.
     """
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     config = Qwen2Config(
@@ -139,7 +149,7 @@ def build_tiny_model(
         num_key_value_heads=num_kv_heads,
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_embeddings,
         bos_token_id=pad_id,  # as in Qwen2: no separate BOS, <|endoftext|> fills the role
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -162,7 +172,7 @@ def _init_weights(model: Qwen2ForCausalLM, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     std = model.config.initializer_range
     with torch.no_grad():
-        for name, param in model.named_parameters():  # tied lm_head is the embedding: visited once
+        for name, param in model.named_parameters():  # a tied lm_head is the embedding: visited once
             if param.dim() >= 2:
                 param.normal_(0.0, std, generator=generator)
             elif "norm" in name:
@@ -222,12 +232,19 @@ def ensure_tiny_model(
     try:
         tokenizer = build_tiny_tokenizer(corpus, vocab_size=vocab_size)
         build_tiny_model(tokenizer, **model_kwargs).save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
         (tmp / MARKER_FILE).write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
         _publish(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def save_tokenizer(tokenizer, directory: str | Path) -> None:
+    """``tokenizer.save_pretrained(directory)``, plus the class file that a tiny tokenizer's ``auto_map`` names."""
+    tokenizer.save_pretrained(directory)
+    if tokenizer.init_kwargs.get("auto_map") == TINY_AUTO_MAP:
+        shutil.copyfile(TOKENIZER_CODE, Path(directory) / TOKENIZER_CODE.name)
 
 
 def _publish(tmp: Path, final: Path) -> None:

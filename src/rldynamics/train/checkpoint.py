@@ -37,6 +37,7 @@ import torch
 
 from rldynamics import dist
 from rldynamics.models.sharding import full_optimizer_state, full_state_dict, is_sharded, load_full_optimizer_state
+from rldynamics.models.tiny import save_tokenizer
 
 MANIFEST = "manifest.json"
 FORMAT = "rldynamics-checkpoint/1"
@@ -78,7 +79,7 @@ def save_checkpoint(directory: Path, step: int, *, model, tokenizer, optimizer, 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp / "actor", safe_serialization=True, state_dict=weights)
-    tokenizer.save_pretrained(tmp / "actor")
+    save_tokenizer(tokenizer, tmp / "actor")
     if critic is not None:
         critic.save_pretrained(tmp / "critic", state_dict=critic_weights)
     torch.save(optim, tmp / "optimizer.pt")

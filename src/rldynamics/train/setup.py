@@ -120,7 +120,7 @@ def base_model_path(cfg: Config) -> str:
         return cfg.model.path
     m = cfg.model
     path = str(ensure_tiny_model(lambda: tiny_corpus(cfg.env), hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers,
-                                 intermediate_size=4 * m.tiny_hidden_size))
+                                 intermediate_size=4 * m.tiny_hidden_size, tie_embeddings=m.tiny_tie_embeddings))
     return ensure_warm_start(path, cfg) if m.warm_start_episodes > 0 else path
 
 

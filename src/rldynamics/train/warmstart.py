@@ -27,6 +27,7 @@ from rldynamics.config import Config, EnvConfig, to_dict
 from rldynamics.envs import make_env
 from rldynamics.envs.base import random_action
 from rldynamics.models.forward import token_logprobs
+from rldynamics.models.tiny import save_tokenizer
 from rldynamics.rollout.agent import rollout, state_message, system_message
 from rldynamics.rollout.chat import ChatPrompts
 from rldynamics.tracking.console import progress_bar
@@ -109,7 +110,7 @@ def ensure_warm_start(base_path: str, cfg: Config, log=print) -> str:
     tmp = final.with_name(final.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    save_tokenizer(tokenizer, tmp)
     try:
         os.rename(tmp, final)
     except OSError:  # another process published it first
