@@ -17,6 +17,7 @@ checkpoint.*, log.*, early_stop.*, filter.empty_stop_steps, model.device and mod
 TRAIN_EPILOG = """\
 examples:
   rldyn train                                       # embedded default: tiny model, Sokoban, CPU, minutes
+  rldyn train --preset sokoban-tiny-ppo             # the same with PPO (GAE + critic), CPU, about 40 minutes
   rldyn train --preset sokoban-ppo model.path=/models/Qwen2.5-3B filter.value=0.9
   rldyn train --preset frozenlake-tiny env.frozenlake.success_rate=0.5   # FrozenLake, half the moves slip
   rldyn train train.steps=5 val.env_groups=32 log.name=smoke
