@@ -81,12 +81,22 @@ def sokoban_rows(tokenizer, model, groups: int, steps: int):
     rows = []
     for step in range(1, steps + 1):
         for seed in train_seeds(make_config().train.seed_base, groups, step):
-            traj = _start(ctx, seed, 0, names)
+            traj = _start(ctx, seed, 0, 0, names)
             text = traj.conversation.rendered + chat.think_prefix  # the first prompt, as rollout encodes it
             if tokenizer(text)["input_ids"] != traj.ids:
                 raise SystemExit(f"prompt of seed {seed} tokenises differently in TRL's path")
             rows.append({"prompt": text, "seed": seed})
     return rows, ctx, names
+
+
+def sokoban_score(ctx, names: tuple[str, ...], seed: int, response: list[int]) -> float:
+    """The trained score of one reply to the first prompt of `seed`: our env's turn, as our rollout scores it."""
+    from rldynamics.rollout.agent import _play_turn, _start
+    from rldynamics.rollout.rewards import weighted_sum
+
+    traj = _start(ctx, seed, 0, 0, names)
+    _play_turn(ctx, traj, response, 1)
+    return weighted_sum(traj.rewards, ctx.weights)
 
 
 def run_trl(model_path: str, groups: int, steps: int) -> dict:
@@ -96,19 +106,12 @@ def run_trl(model_path: str, groups: int, steps: int) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from rldynamics.models.loading import load_model_and_tokenizer
-    from rldynamics.rollout.agent import _play_turn, _start
-    from rldynamics.rollout.rewards import weighted_sum
 
     model, tokenizer = load_model_and_tokenizer(model_path)
     rows, ctx, names = sokoban_rows(tokenizer, model, groups, steps)
 
     def sokoban_reward(prompts, completions, completion_ids, seed, **_) -> list[float]:
-        out = []
-        for ids, s in zip(completion_ids, seed, strict=True):
-            traj = _start(ctx, s, 0, names)
-            _play_turn(ctx, traj, list(ids), 1)
-            out.append(weighted_sum(traj.rewards, ctx.weights))
-        return out
+        return [sokoban_score(ctx, names, s, list(ids)) for ids, s in zip(completion_ids, seed, strict=True)]
 
     class StepTimes(TrainerCallback):
         def __init__(self):
