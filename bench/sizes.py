@@ -18,7 +18,7 @@ def model_dir(size: str, root: Path) -> str:
     """The weights of a size: the tiny model's cached directory, or a fresh seeded Qwen2 saved under `root`."""
     from rldynamics.config import make_config
     from rldynamics.models.loading import load_model_and_tokenizer
-    from rldynamics.models.tiny import build_tiny_model
+    from rldynamics.models.tiny import build_tiny_model, save_tokenizer
     from rldynamics.train.setup import base_model_path
 
     if size not in SIZES:
@@ -32,5 +32,5 @@ def model_dir(size: str, root: Path) -> str:
                              num_kv_heads=max(1, hidden // 128), intermediate_size=4 * hidden, seed=0)
     path = root / size
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_tokenizer(tokenizer, path)  # as every tiny checkpoint is saved (plain AutoTokenizer loads it)
     return str(path)

@@ -402,8 +402,8 @@ def components_of(batch: RolloutBatch) -> dict[str, torch.Tensor]:
 
 
 def test_probe_over_two_ranks_equals_one_process(model, data, tmp_path):
-    """Each rank probes every other row and holds half of each gradient (replicas: a slice of the flat vector;
-    FSDP2: each parameter's row shard); the all-reduced norms, cosines, losses, sketches, reward-component
+    """Each rank probes a contiguous block of rows and holds half of each gradient (replicas: a slice of the flat
+    vector; FSDP2: each parameter's row shard); the all-reduced norms, cosines, losses, sketches, reward-component
     matrices, per-group norms and bootstrap intervals are those of one process."""
     from conftest import run_ranks
 

@@ -6,13 +6,14 @@ import argparse
 import sys
 
 from rldynamics import __version__
+from rldynamics.config import resume_may_change
 
 DEFAULT_PRESET = "sokoban-tiny"
-VALUE_RULES = """\
+VALUE_RULES = f"""\
 values: text keys keep the text as typed (log.name=no is "no"); whole numbers are decimal (010 is 10);
 numbers must be finite; switches take true/false, yes/no or on/off; null (or nothing) unsets a key whose
-default is null; lists are YAML lists ([6, 6]). A resumed run keeps its config.yaml: only train.steps,
-checkpoint.*, log.*, early_stop.*, filter.empty_stop_steps, model.device and model.shard may change."""
+default is null; lists are YAML lists ([6, 6]). A resumed run keeps its config.yaml: only
+{resume_may_change()} may change."""
 
 TRAIN_EPILOG = """\
 examples:
@@ -71,9 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train an LLM agent with PPO/GRPO. Settings are `key=value` overrides on a preset; "
                     "the run directory (config, metrics, samples, checkpoints) is written under log.run_dir. "
                     "A resumed run (checkpoint.resume=latest|PATH) keeps the settings of its config.yaml; only "
-                    "train.steps, checkpoint.*, log.*, early_stop.*, filter.empty_stop_steps, model.device and "
-                    "model.shard may be changed, other changes are refused. Several ranks: --nproc W, or torchrun "
-                    "(README: Multi-device).",
+                    f"{resume_may_change()} may be changed, other changes are refused. Several ranks: --nproc W, "
+                    "or torchrun (README: Multi-device).",
         epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.lr=1e-5")

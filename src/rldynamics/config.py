@@ -700,6 +700,17 @@ def to_dict(cfg: Config) -> dict[str, Any]:
     return data
 
 
+RESUME_MAY_CHANGE = ("train.steps", "checkpoint.", "log.", "early_stop.", "filter.empty_stop_steps", "model.device",
+                     "model.shard")  # what a resumed run may change: how long it goes on, when it stops, where and
+# how it logs, the device; every other key keeps the run's config.yaml (a prefix ending in "." covers a section)
+
+
+def resume_may_change() -> str:
+    """`RESUME_MAY_CHANGE` as users read it: "train.steps, checkpoint.*, ... and model.shard"."""
+    keys = [k + "*" if k.endswith(".") else k for k in RESUME_MAY_CHANGE]
+    return ", ".join(keys[:-1]) + " and " + keys[-1]
+
+
 def config_diff(a: Config, b: Config) -> list[tuple[str, Any, Any]]:
     """(dotted key, value in a, value in b) for every key whose values differ."""
     return [(key, _get(a, key), _get(b, key)) for key in all_keys() if _get(a, key) != _get(b, key)]

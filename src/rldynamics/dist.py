@@ -134,13 +134,6 @@ def main_checked(fn: Callable[..., Any], *args: Any) -> Any:
     return value
 
 
-def block(count: int) -> range:
-    """This rank's contiguous block of ``count`` items (whole blocks in rank order; sizes differ by at most 1)."""
-    size, extra = divmod(count, world())
-    start = rank() * size + min(rank(), extra)
-    return range(start, start + size + (rank() < extra))
-
-
 def rank_seed(seed: int) -> int:
     """The global-RNG seed of this rank for a stream seeded with ``seed`` (``seed`` itself on rank 0)."""
     return (seed + rank() * 1_000_000_007) % (2**63 - 1)

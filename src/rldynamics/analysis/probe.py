@@ -38,14 +38,15 @@ Semantics (``DESIGN.md`` §4.2–4.4, metric names from ``reference/ragen_behavi
   come from each bucket's Gram matrix, the reward-component cosines from one per layer group.
 - Read-only: nothing is stepped, every RNG stream is restored, and ``.grad`` is left as found (one process and
   replicas never touch it).
-- Several ranks (``torch.distributed`` initialised; every rank passes the whole batch): each rank forwards every
-  ``world``-th row of a bucket and keeps only its shard of each gradient vector (``models.sharding.grad_spans``),
-  so no rank ever holds a whole gradient: the analysis buffers are O(P / world) per rank plus O(buckets ×
-  terms²) scalars. Norms and cosines all-reduce Gram matrices, sketches their partial sums, losses their partial
-  sums; the numbers are those of one process. An FSDP2-sharded model has no full gradient anywhere: each term
-  gets its own forward and backward per micro-batch, whose gradient FSDP2 reduce-scatters into the parameters'
-  ``.grad`` shards (read, then cleared: saved before and restored after the probe); replicas differentiate as
-  one process does and keep their slice of the summed vectors. ``keep_gradients`` needs one process.
+- Several ranks (``torch.distributed`` initialised; every rank passes the whole batch): each rank forwards a
+  contiguous block of a bucket's rows (``dist.rank_chunks``) and keeps only its shard of each gradient vector
+  (``models.sharding.grad_spans``), so no rank ever holds a whole gradient: the analysis buffers are O(P / world)
+  per rank plus O(buckets × terms²) scalars. Norms and cosines all-reduce Gram matrices, sketches their partial
+  sums, losses their partial sums; the numbers are those of one process. An FSDP2-sharded model has no full
+  gradient anywhere: each term gets its own forward and backward per micro-batch, whose gradient FSDP2
+  reduce-scatters into the parameters' ``.grad`` shards (read, then cleared: saved before and restored after the
+  probe); replicas differentiate as one process does and keep their slice of the summed vectors.
+  ``keep_gradients`` needs one process.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ import torch
 
 CHUNK = 2**22  # coordinates projected at a time: bounds the float32 temporaries of a sketch
 
+
 class GradientSketcher:
     """A fixed count-sketch projection of flat vectors laid out as the concatenation of ``params_shapes``.
 

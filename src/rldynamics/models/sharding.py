@@ -157,7 +157,7 @@ def grad_spans(model: torch.nn.Module, params: list[torch.Tensor]) -> list[tuple
         return [(0, total)]
     world, rank = dist.get_world_size(), dist.get_rank()
     if not is_sharded(model):
-        chunk = -(-total // world)
+        chunk = _replica_chunk(total)
         return [(min(rank * chunk, total), min((rank + 1) * chunk, total))]
     spans, offset = [], 0
     for p in params:
@@ -183,5 +183,10 @@ def local_flat_grad(params: list[torch.Tensor]) -> torch.Tensor:
 def replica_shard(flat: torch.Tensor) -> torch.Tensor:
     """Replicas: the sum over ranks of a full flat vector [P], then this rank's `grad_spans` part of it. [p]"""
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    chunk = -(-flat.numel() // dist.get_world_size())
+    chunk = _replica_chunk(flat.numel())
     return flat[dist.get_rank() * chunk:(dist.get_rank() + 1) * chunk].clone()  # [p]
+
+
+def _replica_chunk(total: int) -> int:
+    """Coordinates of the flat vector [P] each replica keeps (the last rank may keep fewer): ceil(P / world)."""
+    return -(-total // dist.get_world_size())

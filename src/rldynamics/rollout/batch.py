@@ -99,5 +99,3 @@ class RolloutBatch:
         ids = list(rows)
         matrix = torch.stack([self.scores[r] for r in rows.values()]) if rows else torch.zeros(0, 0)  # [G, n]
         return ids, matrix.float()
-
-

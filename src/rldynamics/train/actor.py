@@ -43,7 +43,7 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
                                      shared_prefix=train.shared_prefix)
         values = {"pg_loss": terms["pg"].item(), "entropy_loss": terms["entropy"].item(),
                   **({"kl_loss": terms["kl"].item()} if "kl" in terms else {}),
-                  **{k: metrics[k] for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}}
+                  **{k: metrics[k] for k in TOKEN_STATS}}
         return weighted_total(terms, weights), values
 
     minis = []

@@ -29,7 +29,16 @@ from pathlib import Path
 import torch
 
 from rldynamics import dist
-from rldynamics.config import Config, ConfigError, config_diff, load_config, save_config, to_dict
+from rldynamics.config import (
+    RESUME_MAY_CHANGE,
+    Config,
+    ConfigError,
+    config_diff,
+    load_config,
+    resume_may_change,
+    save_config,
+    to_dict,
+)
 from rldynamics.models.loading import load_model_and_tokenizer, load_value_model
 from rldynamics.models.sharding import wrap
 from rldynamics.models.tiny import ensure_tiny_model
@@ -47,9 +56,6 @@ from rldynamics.train.checkpoint import (
 )
 from rldynamics.train.stages import seed_step
 from rldynamics.train.warmstart import ensure_warm_start, tiny_corpus
-
-RESUME_MAY_CHANGE = ("train.steps", "checkpoint.", "log.", "early_stop.", "filter.empty_stop_steps", "model.device",
-                     "model.shard")
 
 
 @dataclass
@@ -202,10 +208,9 @@ def check_resume_settings(cfg: Config, run_dir: Path) -> None:
     differ = [f"{key} (run: {old!r}, given: {new!r})" for key, old, new in config_diff(_saved_config(cfg, run_dir), cfg)
               if not key.startswith(RESUME_MAY_CHANGE)]
     if differ:
-        may = ", ".join(k + "*" if k.endswith(".") else k for k in RESUME_MAY_CHANGE)
         raise ConfigError(f"cannot resume {run_dir} with other settings: {'; '.join(differ)}. A resumed run keeps "
-                          f"its config.yaml (only {may} may change); to go on with other settings start a new run "
-                          "from the weights: model.path=<checkpoint>/actor")
+                          f"its config.yaml (only {resume_may_change()} may change); to go on with other settings "
+                          "start a new run from the weights: model.path=<checkpoint>/actor")
 
 
 def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:

@@ -1,12 +1,13 @@
 """A step's heavy work split over the ranks of a torchrun job; every rank ends with the same whole batch.
 
-- `rollout_groups`: each rank rolls out a contiguous block of whole groups (`dist.block`: seeds sharded in order)
-  and the parts are gathered in rank order, so every rank holds the global batch (rows in the order one process
+- `rollout_groups`: each rank rolls out a contiguous block of whole groups (`dist.rank_block` of the seeds, in
+  order) and the parts are gathered in rank order, so every rank holds the global batch (rows in the order one process
   would make them) and filtering, group statistics, advantages (GAE whitening too) and aggregation weights see
   the whole batch. With `train.row_seeded_sampling` each trajectory samples from its own keyed stream and the
   gathered batch is the one-process batch, whatever the number of ranks; otherwise rank r seeds the global torch
   RNG with `dist.rank_seed(seed)` (rank 0: `seed`, as one process does).
-- `row_pass`: a no-grad per-token pass (old / reference log-probs, values) over rows `rank::world`, gathered.
+- `row_pass`: a no-grad per-token pass (old / reference log-probs, values) over a contiguous block of rows
+  per rank (`dist.rank_block`), gathered.
 - Both run on gathered weights (`models.sharding.gathered`): no collective happens while ranks work on their own
   rows, so they may generate different numbers of tokens. In one process they are the plain calls.
 """
@@ -31,7 +32,7 @@ def rollout_groups(cfg: Config, model, tokenizer, seeds: list[int], group_size: 
 
     Raises NonFiniteLogits on every rank when any rank's policy scores were not finite.
     """
-    groups = dist.block(len(seeds))
+    groups = dist.rank_block(len(seeds))
     row_seed = seed if cfg.train.row_seeded_sampling else None
     if row_seed is None:
         torch.manual_seed(dist.rank_seed(seed))

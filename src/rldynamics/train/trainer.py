@@ -260,17 +260,11 @@ def prepare_update(s: Session, batch: RolloutBatch, m: dict, kept_ratio: float, 
     inputs = ActorInputs(old_logprobs=None, advantages=torch.zeros_like(batch.response_mask))
     if old_pass:
         with timed(m, "old_log_prob"):
-            inputs.old_logprobs, entropy = row_pass((s.model,), batch, lambda rows: batch_logprobs(
-                s.model, batch.input_ids[rows], batch.attention_mask[rows], micro_batch_size=micro,
-                temperature=cfg.train.temperature, with_entropy=True, positions=batch.response_mask[rows],
-                shared_prefix=cfg.train.shared_prefix))  # [N, L]
+            inputs.old_logprobs, entropy = _logprob_pass(cfg, s.model, batch, with_entropy=True)  # [N, L] each
         m["actor/entropy"] = aggregate(entropy, batch.response_mask, cfg.algo.loss_agg_mode).item()
     if s.ref_model is not None:
         with timed(m, "ref"):
-            inputs.ref_logprobs, = row_pass((s.ref_model,), batch, lambda rows: batch_logprobs(
-                s.ref_model, batch.input_ids[rows], batch.attention_mask[rows], micro_batch_size=micro,
-                temperature=cfg.train.temperature, positions=batch.response_mask[rows],
-                shared_prefix=cfg.train.shared_prefix)[:1])  # [N, L]
+            inputs.ref_logprobs, = _logprob_pass(cfg, s.ref_model, batch, with_entropy=False)  # [N, L]
         m["rollout/ref_log_prob"] = masked_mean(inputs.ref_logprobs, batch.response_mask).item()
     values = None
     if s.critic is not None:
@@ -281,6 +275,20 @@ def prepare_update(s: Session, batch: RolloutBatch, m: dict, kept_ratio: float, 
         advantages, returns = advantages_and_returns(batch, values, cfg.algo)  # [N, L]
         inputs.advantages = advantages * loss_scale(kept_ratio, cfg.filter.loss_scaling)  # [N, L]
     return inputs, values, returns
+
+
+def _logprob_pass(cfg: Config, model, batch: RolloutBatch, *, with_entropy: bool) -> tuple[torch.Tensor, ...]:
+    """The log-probs (and entropies) of `batch`'s response tokens under `model`, without gradients, the rows split
+    over the ranks (`row_pass`). ([N, L], and [N, L] with `with_entropy`)"""
+
+    def compute(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logprobs, entropy = batch_logprobs(
+            model, batch.input_ids[rows], batch.attention_mask[rows], micro_batch_size=cfg.train.micro_batch_size,
+            temperature=cfg.train.temperature, with_entropy=with_entropy, positions=batch.response_mask[rows],
+            shared_prefix=cfg.train.shared_prefix)  # [n, L], [n, L] | None
+        return (logprobs, entropy) if with_entropy else (logprobs,)
+
+    return row_pass((model,), batch, compute)
 
 
 def _log_samples(s: Session, step: int, batch: RolloutBatch) -> None:
