@@ -44,7 +44,11 @@ class ModelConfig:
     path: str = "tiny"
     """HF model id or local directory; `tiny` = the embedded default model built locally."""
     dtype: str = "float32"
-    """Parameter dtype: float32 | bfloat16 | float16 | auto."""
+    """Compute dtype: float32 | bfloat16 (mixed precision: weights, gradients and AdamW state stay float32, forward
+    and backward run in bfloat16, as verl does) | auto (bfloat16 for a bfloat16 or float16 checkpoint)."""
+    gradient_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward instead of keeping them (less memory, one more
+    forward; verl's enable_gradient_checkpointing). Gradients are the same."""
     chat_template: str | None = None
     """Prompt format: null = the tokenizer's own chat template | chatml | path to a Jinja template file."""
     device: str = "auto"
@@ -322,7 +326,7 @@ class Config:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.dtype": ("float32", "bfloat16", "float16", "auto"),
+    "model.dtype": ("float32", "bfloat16", "auto"),
     "algo.adv_estimator": ("gae", "grpo", "rloo", "reinforce_pp"),
     "algo.policy_loss": ("ppo", "cispo"),
     "algo.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
@@ -595,6 +599,9 @@ def _convert_container(value: Any, hint: Any, key: str, source: str, current: An
 
 def validate(cfg: Config) -> Config:
     """Check choices and ranges; raise ConfigError naming the key and the allowed values."""
+    if cfg.model.dtype == "float16":
+        raise ConfigError("model.dtype=float16 is not supported: float16 training needs loss scaling, which rldynamics "
+                          "does not do; use model.dtype=bfloat16 (float32 weights, bfloat16 compute)")
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:

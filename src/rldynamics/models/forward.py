@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from rldynamics.algo.losses import entropy_from_logits
+from rldynamics.models.precision import checkpointing
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
@@ -58,7 +59,8 @@ def _selected_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     width = int(attention_mask.any(0).nonzero().max()) + 1 if attention_mask.any() else 1  # trailing padding dropped
     ids, attn, wanted = input_ids[:, :width], attention_mask[:, :width], positions[:, 1:width]  # [N, W], [N, W-1]
     wanted = wanted & attn[:, 1:].bool()  # [N, W-1] token t, predicted at position t-1
-    split = shared_prefix_split(ids, wanted) if shared_prefix and caches_plainly(model) else None
+    plain = shared_prefix and caches_plainly(model) and not checkpointing(model)  # a checkpointed block takes no cache
+    split = shared_prefix_split(ids, wanted) if plain else None
     if split is None:
         logits = _logits_at(model, ids, attn, torch.nn.functional.pad(wanted, (0, 1)))  # [M, V]
         rows, cols = wanted.nonzero(as_tuple=True)  # [M], [M] row-major, the order of the logits

@@ -37,6 +37,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from rldynamics.models.gguf import ensure_gguf_model, is_gguf_source
+from rldynamics.models.precision import float32_region
 from rldynamics.models.tiny import CHATML_TEMPLATE, ensure_tiny_model
 
 DTYPES: dict[str, torch.dtype | str] = {
@@ -50,9 +52,12 @@ GENERIC_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
 
 def resolve_model_path(path: str, corpus_fn: Callable[[], Iterable[str]], cache_dir: str | Path | None = None) -> str:
-    """Map ``"tiny"`` to the cached embedded model directory (building it if needed); return others unchanged."""
+    """Map ``"tiny"`` to the cached embedded model directory (building it if needed) and ``smollm2`` or a ``.gguf``
+    file to its converted directory (``models.gguf``); return others unchanged."""
     if path == "tiny":
         return str(ensure_tiny_model(corpus_fn, cache_dir))
+    if is_gguf_source(path):
+        return str(ensure_gguf_model(path, cache_dir))
     return path
 
 
@@ -130,7 +135,8 @@ class ValueModel(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
         hidden = out.last_hidden_state  # [N, T, H]
-        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).clone()  # [N, T] (not a view: FSDP2 hooks)
+        with float32_region(self):  # the head stays float32 under mixed precision
+            return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).clone()  # [N, T] (not a view: FSDP2 hooks)
 
     def save_pretrained(self, save_directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write the backbone with ``save_pretrained`` (safetensors) and the head to ``value_head.safetensors``.

@@ -39,7 +39,8 @@ from rldynamics.config import (
     save_config,
     to_dict,
 )
-from rldynamics.models.loading import load_model_and_tokenizer, load_value_model
+from rldynamics.models.loading import load_model_and_tokenizer, load_value_model, resolve_model_path
+from rldynamics.models.precision import compute_dtype_name, compute_in, enable_checkpointing
 from rldynamics.models.sharding import wrap
 from rldynamics.models.tiny import ensure_tiny_model
 from rldynamics.tracking.console import StepConsole
@@ -121,9 +122,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def base_model_path(cfg: Config) -> str:
-    """The initial weights: a local dir / hub id, or the embedded tiny model (built, warm-started, cached)."""
+    """The initial weights: a local dir / hub id, a GGUF checkpoint or the packaged SmolLM2 (converted once and
+    cached), or the embedded tiny model (built, warm-started, cached)."""
     if cfg.model.path != "tiny":
-        return cfg.model.path
+        return resolve_model_path(cfg.model.path, corpus_fn=lambda: ())
     m = cfg.model
     path = str(ensure_tiny_model(lambda: tiny_corpus(cfg.env), hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers,
                                  intermediate_size=4 * m.tiny_hidden_size, tie_embeddings=m.tiny_tie_embeddings))
@@ -219,23 +221,39 @@ def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
     torch.manual_seed(cfg.seed)
     base = dist.on_main(base_model_path, cfg)  # the tiny model is built (and warm-started) once, by rank 0
     ckpt = start.checkpoint
-    model, tokenizer = load_model_and_tokenizer(str(ckpt / "actor") if ckpt else base, dtype=cfg.model.dtype,
-                                                device=str(device), chat_template=cfg.model.chat_template)
-    model = wrap(model, cfg.model.shard)
+    model, tokenizer = load_model_and_tokenizer(str(ckpt / "actor") if ckpt else base, device=str(device),
+                                                chat_template=cfg.model.chat_template)
+    model = wrap(prepare(model, cfg, base), cfg.model.shard)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     ref_model = None
     if cfg.algo.kl_coef > 0 or cfg.analysis.enabled:  # the probe measures the KL gradient even at coef 0
-        ref_model, _ = load_model_and_tokenizer(base, dtype=cfg.model.dtype, device=str(device))
-        ref_model = wrap(ref_model.requires_grad_(False), cfg.model.shard)
+        ref_model, _ = load_model_and_tokenizer(base, device=str(device))
+        ref_model = wrap(prepare(ref_model.requires_grad_(False), cfg, base), cfg.model.shard)
     critic = critic_optimizer = None
     if cfg.algo.adv_estimator == "gae":
-        critic = load_value_model(str(ckpt / "critic") if ckpt else base, dtype=cfg.model.dtype, device=str(device))
-        critic = wrap(critic, cfg.model.shard)
+        critic = load_value_model(str(ckpt / "critic") if ckpt else base, device=str(device))
+        critic = wrap(prepare(critic, cfg, base), cfg.model.shard)
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic.lr, weight_decay=0.0)
     if ckpt is not None:
         load_trainer_state(ckpt, model=model, optimizer=optimizer, critic=critic, critic_optimizer=critic_optimizer)
     return Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=optimizer,
                    ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer, main=dist.is_main())
+
+
+def prepare(model: torch.nn.Module, cfg: Config, base: str) -> torch.nn.Module:
+    """A float32 model (loaded so, whatever the checkpoint stores) set to compute in `model.dtype` (mixed precision)
+    and, with `model.gradient_checkpointing`, to recompute its blocks in backward."""
+    stored = _checkpoint_dtype(base) if cfg.model.dtype == "auto" else None
+    model = compute_in(model, compute_dtype_name(cfg.model.dtype, stored))
+    return enable_checkpointing(model) if cfg.model.gradient_checkpointing else model
+
+
+def _checkpoint_dtype(path: str) -> torch.dtype | None:
+    """The dtype a model directory or hub id says its weights are stored in (None when it does not say)."""
+    from transformers import AutoConfig
+
+    dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
 def open_run(s: Session, start: Start) -> None:

@@ -1,0 +1,115 @@
+"""Mixed precision (float32 weights, bfloat16 compute) and activation checkpointing: updates are kept, gradients exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import micro_model_batch
+from rldynamics.config import ConfigError, make_config
+from rldynamics.models.forward import token_logprobs
+from rldynamics.models.precision import compute_in, enable_checkpointing
+from rldynamics.train.setup import base_model_path
+from rldynamics.train.trainer import train
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return micro_model_batch(tmp_path_factory.mktemp("cache"), 2)  # two turns, groups share their prompt
+
+
+def _changed_fraction(run, base) -> float:
+    after = load_file(str(run / "checkpoints" / "step_2" / "actor" / "model.safetensors"))
+    before = load_file(str(base / "model.safetensors"))
+    changed = sum(int((after[k].float() != before[k].float()).sum()) for k in after)
+    return changed / sum(v.numel() for v in after.values())
+
+
+def test_a_small_bfloat16_step_changes_almost_every_weight(fast_overrides):
+    """lr 1e-6 is far below bfloat16's resolution for these weights: stepping bfloat16 weights would keep ~1 % of the
+    updates; float32 master weights keep them all, and the checkpoint stores them."""
+    common = [*fast_overrides, "train.lr=1e-6", "checkpoint.every=2", "algo.adv_estimator=grpo", "filter.strategy=none",
+              "train.env_groups=4", "train.group_size=4", "train.mini_batch_size=16", "train.micro_batch_size=8",
+              "algo.entropy_coef=0.01"]  # every weight has a gradient
+    base = base_model_path(make_config(overrides=common))
+    run = train(make_config(overrides=[*common, "log.name=mixed", "model.dtype=bfloat16"]))
+    assert _changed_fraction(run, Path(base)) > 0.95
+    weights = load_file(str(run / "checkpoints" / "step_2" / "actor" / "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in weights.values())
+
+    # The same step applied to bfloat16 weights loses most of it (what `model.dtype=bfloat16` used to do).
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    kept = sum(int((v != before[k]).sum()) for k, v in model.state_dict().items()) / sum(v.numel() for v in before.values())
+    assert kept < 0.2
+
+
+def test_compute_in_bfloat16_keeps_float32_parameters(setup):
+    model, _, batch = setup
+    ids, attn = batch.input_ids[:2], batch.attention_mask[:2]
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=attn).logits
+    import copy
+
+    mixed = compute_in(copy.deepcopy(model), "bfloat16")
+    with torch.no_grad():
+        low = mixed(input_ids=ids, attention_mask=attn).logits
+    assert all(p.dtype == torch.float32 for p in mixed.parameters())
+    assert low.dtype == torch.bfloat16
+    assert not torch.equal(low.float(), full)  # it really ran in bfloat16 ...
+    torch.testing.assert_close(low.float(), full, rtol=0.05, atol=0.05)  # ... and stays close
+
+
+def _grads(model, ids, attn, mask, shared_prefix=True):
+    model.zero_grad(set_to_none=True)
+    lp, ent = token_logprobs(model, ids, attn, temperature=0.7, with_entropy=True, positions=mask,
+                             shared_prefix=shared_prefix)  # [N, L]
+    weights = torch.linspace(-1, 2, ids.shape[1])  # [L]
+    ((lp * weights * mask).sum() + (ent * mask).sum()).backward()
+    return lp.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(setup):
+    """The blocks recompute their activations in backward (counted) and the gradients do not change."""
+    import copy
+
+    model, _, batch = setup
+    ids, attn, mask = batch.input_ids, batch.attention_mask, batch.response_mask
+    lp, grads = _grads(model, ids, attn, mask)
+    ckpt = enable_checkpointing(copy.deepcopy(model))
+    calls = []
+    block = ckpt.model.layers[0]
+    block.register_forward_pre_hook(lambda *_: calls.append(1))  # outside the checkpoint: one call per forward
+    inner = block.self_attn
+    inner.register_forward_pre_hook(lambda *_: calls.append(2))  # inside: again when backward recomputes
+    lp_c, grads_c = _grads(ckpt, ids, attn, mask)
+    assert calls.count(1) == 1 and calls.count(2) == 2  # one plain forward (no shared prefix), one recompute
+    torch.testing.assert_close(lp_c, lp, rtol=1e-5, atol=1e-6)
+    for g, g_c in zip(grads, grads_c, strict=True):
+        torch.testing.assert_close(g_c, g, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # no-grad passes keep their caches (generation, old log-probs): nothing recomputed
+        token_logprobs(ckpt, ids, attn, positions=mask)
+
+
+def test_checkpointed_training_equals_plain_training(fast_overrides):
+    common = [*fast_overrides, "checkpoint.every=2", "algo.adv_estimator=gae", "algo.kl_coef=0.01"]
+    plain = train(make_config(overrides=[*common, "log.name=plain"]))
+    ckpt = train(make_config(overrides=[*common, "log.name=ckpt", "model.gradient_checkpointing=true"]))
+    a = load_file(str(plain / "checkpoints" / "step_2" / "actor" / "model.safetensors"))
+    b = load_file(str(ckpt / "checkpoints" / "step_2" / "actor" / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
+
+
+def test_float16_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="model.dtype=bfloat16"):
+        make_config(overrides=["model.dtype=float16"])
