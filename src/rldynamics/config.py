@@ -169,9 +169,11 @@ class AlgoConfig:
     policy_loss: str = "ppo"
     """ppo (dual-clip when clip_c is set) | cispo."""
     clip_low: float = 0.2
-    """Lower clip range: ratio >= 1 - clip_low."""
+    """Lower clip range (ppo): ratio >= 1 - clip_low."""
     clip_high: float = 0.28
-    """Upper clip range: ratio <= 1 + clip_high (clip-higher)."""
+    """Upper clip range: ratio <= 1 + clip_high (clip-higher); cispo: the IS weight's cap."""
+    cispo_clip_low: float | None = None
+    """cispo: lower bound 1 - cispo_clip_low of the IS weight, or null for none (as published)."""
     clip_c: float | None = 3.0
     """Dual-clip constant for negative advantages (> 1), or null to disable."""
     loss_agg_mode: str = "token-mean"
@@ -357,7 +359,7 @@ RANGES: dict[str, tuple[float, bool, float | None]] = {
     **dict.fromkeys(("train.lr", "critic.lr", "train.weight_decay", "algo.clip_high", "algo.kl_coef", "filter.value",
                      "early_stop.rv_ratio"),
                     (0, True, None)),
-    **dict.fromkeys(("model.warm_start_noise", "algo.clip_low", "algo.gamma", "algo.lam",
+    **dict.fromkeys(("model.warm_start_noise", "algo.clip_low", "algo.cispo_clip_low", "algo.gamma", "algo.lam",
                      "early_stop.val_success_threshold"), (0, True, 1)),
     "algo.clip_c": (1, False, None),
 }
