@@ -87,6 +87,15 @@ def test_aggregate_bad_arguments():
         aggregate(torch.ones(2, 2), torch.ones(2, 3), "token-mean")
 
 
+def test_seq_mean_token_sum_norm_is_batch_size_times_trls_dr_grpo():
+    """README "Differences from RAGEN": Σ(l·m) / T here, Σ(l·m) / (B·T) in TRL's `dr_grpo` (B sequences, T tokens)."""
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(5, 7, generator=gen)
+    mask = torch.rand(5, 7, generator=gen) < 0.6
+    trl_dr_grpo = (values * mask).sum() / (values.shape[0] * values.shape[1])
+    torch.testing.assert_close(aggregate(values, mask, "seq-mean-token-sum-norm"), 5 * trl_dr_grpo)
+
+
 # --- PPO -------------------------------------------------------------------------------------
 
 PPO_ADV = torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0, 50.0]])
