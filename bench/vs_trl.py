@@ -74,7 +74,7 @@ def sokoban_rows(tokenizer, model, groups: int, steps: int):
     from rldynamics.train.stages import train_seeds
 
     cfg = make_config(overrides=["env.max_turns=1", f"env.max_new_tokens={NEW_TOKENS}"]).env
-    chat = ChatPrompts(tokenizer, enable_think=cfg.enable_think, model=model)
+    chat = ChatPrompts(tokenizer, enable_think=cfg.enable_think, open_answer=cfg.open_answer, model=model)
     env = make_env(cfg.name, **cfg.options())
     names = reward_names(env, cfg)
     ctx = RolloutContext(cfg=cfg, chat=chat, tokenizer=tokenizer, weights=resolve_weights(env, cfg, names))
@@ -82,7 +82,7 @@ def sokoban_rows(tokenizer, model, groups: int, steps: int):
     for step in range(1, steps + 1):
         for seed in train_seeds(make_config().train.seed_base, groups, step):
             traj = _start(ctx, seed, 0, 0, names)
-            text = traj.conversation.rendered + chat.think_prefix  # the first prompt, as rollout encodes it
+            text = traj.conversation.rendered + chat.reply_prefix  # the first prompt, as rollout encodes it
             if tokenizer(text)["input_ids"] != traj.ids:
                 raise SystemExit(f"prompt of seed {seed} tokenises differently in TRL's path")
             rows.append({"prompt": text, "seed": seed})

@@ -62,6 +62,20 @@ def test_update_statistics_do_not_depend_on_micro_batch_size(setup, mode):
             assert metrics[key] == pytest.approx(results[-1][key], rel=1e-5, abs=1e-7), key
 
 
+def test_cispo_weight_has_no_lower_bound_unless_configured(setup):
+    """algo.cispo_clip_low reaches the actor's loss: without it only ratios above 1 + clip_high are clipped."""
+    model, batch, inputs = setup
+    gen = torch.Generator().manual_seed(3)
+    off = ActorInputs(old_logprobs=inputs.old_logprobs + 0.3 * torch.randn(inputs.old_logprobs.shape, generator=gen),
+                      advantages=inputs.advantages)
+    ratio = torch.exp(inputs.old_logprobs - off.old_logprobs)[batch.response_mask > 0]  # the first update's ratios
+    for extra, clipped in (([], ratio > 1.28), (["algo.cispo_clip_low=0.2"], (ratio > 1.28) | (ratio < 0.8))):
+        metrics = _update(model, batch, off, ["algo.policy_loss=cispo", "train.micro_batch_size=6",
+                                              "train.ppo_epochs=1", *extra])[1]
+        assert metrics["actor/pg_clipfrac"] == pytest.approx(clipped.float().mean().item(), abs=1.5 / len(ratio))
+    assert ((ratio < 0.8).float().mean() * len(ratio)) >= 3  # the two cases differ by more than the tolerance
+
+
 def test_sub_batch_shares_sum_to_one():
     mask = torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
     for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):

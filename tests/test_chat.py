@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from rldynamics.config import make_config
+from rldynamics.config import ConfigError, make_config
 from rldynamics.envs import make_env
 from rldynamics.models.loading import load_model_and_tokenizer
 from rldynamics.models.tiny import (
@@ -158,6 +158,61 @@ def test_think_opener_in_the_prompt_counts_when_parsing(family):
     assert all(m["action_is_valid"] == 1.0 and m["num_actions"] == 2.0 for m in batch.env_metrics)
     assert "format_penalty" in batch.reward_names
     assert batch.reward_components[:, batch.reward_names.index("format_penalty")].eq(0).all()
+
+
+def test_every_turn_of_a_think_conversation_opens_think_and_trains_the_sampled_tokens(family):
+    """Multi-turn with enable_think: every turn's generation prompt ends with `<think>`, every reply
+    `plan</think><answer>..` parses as well formed, the masked tokens are exactly the sampled ones, and the
+    stream is the template's rendering of the conversation with each assistant message `<think>` + reply."""
+    name, tokenizer, _ = family
+    cfg = _env_cfg("env.enable_think=true", "env.max_actions_per_turn=1")
+    closing = ChatPrompts(tokenizer, enable_think=True).closing_ids()
+    prompts, sampled = [], []
+
+    def respond(trajs):
+        prompts.extend(tokenizer.decode(t.ids, skip_special_tokens=False) for t in trajs)
+        out = [tokenizer("plan</think><answer>Up</answer>", add_special_tokens=False)["input_ids"] + closing
+               for _ in trajs]
+        sampled.extend(out)
+        return out
+
+    batch = rollout(None, tokenizer, [3], 1, cfg, respond=respond)
+    assert batch.env_metrics[0]["num_turns"] == 3 and len(prompts) == 3
+    assert all(p.endswith("<think>") for p in prompts), [p[-40:] for p in prompts]
+    assert batch.env_metrics[0]["action_is_valid"] == 1.0
+    assert batch.reward_components[0, batch.reward_names.index("format_penalty")] == 0
+    ids = batch.input_ids[0].tolist()
+    assert [ids[s:e] for s, e in _spans(batch.response_mask[0].tolist())] == sampled  # trained == sampled
+    users = _user_messages(tokenizer, batch.texts[0], name)
+    messages = [{"role": "system", "content": users.pop(0)}] if name != "gemma" else []
+    for user, reply in zip(users, _replies(tokenizer, batch), strict=True):
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": "<think>" + reply}]
+    expected = tokenizer.apply_chat_template(messages, tokenize=False).rstrip("\n")
+    assert tokenizer.decode(batch.input_ids[0][batch.attention_mask[0] > 0], skip_special_tokens=False) == expected
+
+
+@pytest.mark.parametrize("open_answer", [False, True])
+def test_open_answer_ends_every_prompt_with_the_answer_tag(family, open_answer):
+    """env.open_answer (RAGEN's no-think prompt): every turn's prompt ends with `<answer>` and the reply
+    `Up || Left</answer>` is well formed; without it that reply has no opening tag and is malformed."""
+    _, tokenizer, _ = family
+    cfg = _env_cfg(f"env.open_answer={str(open_answer).lower()}", "env.max_turns=2", "env.max_actions_per_traj=4")
+    closing = ChatPrompts(tokenizer).closing_ids()
+    prompts = []
+
+    def respond(trajs):
+        prompts.extend(tokenizer.decode(t.ids, skip_special_tokens=False) for t in trajs)
+        return [tokenizer("Up || Left</answer>", add_special_tokens=False)["input_ids"] + closing for _ in trajs]
+
+    batch = rollout(None, tokenizer, [5], 1, cfg, respond=respond)
+    assert len(prompts) == 2 and all(p.endswith("<answer>") == open_answer for p in prompts)
+    assert batch.env_metrics[0]["action_is_valid"] == float(open_answer)
+    assert batch.env_metrics[0]["num_actions"] == (4.0 if open_answer else 0.0)
+
+
+def test_open_answer_with_think_is_a_config_error():
+    with pytest.raises(ConfigError, match="env.open_answer=true needs env.enable_think=false"):
+        make_config(overrides=["env.open_answer=true", "env.enable_think=true"])
 
 
 def test_missing_chat_template_is_a_clear_error():

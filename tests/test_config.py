@@ -46,6 +46,7 @@ def test_presets_differ_where_documented():
         ("filter.strategy=top_q", "top_p"),
         ("train.env_groups=0", "positive"),
         ("algo.clip_c=0.5", "clip_c"),
+        ("algo.cispo_clip_low=1.5", "algo.cispo_clip_low"),
         ("nonsense", "key=value"),
     ],
 )

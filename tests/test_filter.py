@@ -148,6 +148,41 @@ def test_min_p():
     assert kept([0.0, 0.0], strategy="min_p", value=0.5, include_zero=False) == []
 
 
+def test_min_p_float64_scores_keep_what_ragens_float32_arithmetic_keeps():
+    # smallest at value 1: RAGEN keeps score <= min / (1 + 1e-10) + 1e-10, which is min itself in float32; float64
+    # arithmetic (2.54375 / 1.0000000001 + 1e-10 < 2.54375) would keep nothing
+    scores = torch.tensor([3.1125, 2.54375], dtype=torch.float64)
+    assert select_groups(scores, strategy="min_p", value=1.0, keep="smallest").tolist() == [1]
+
+
+_VALUE = st.one_of(st.just(1.0), st.floats(0, 1))  # value 1 (keep only the best) is where min_p's rounding decides
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0, 6, allow_subnormal=False), min_size=1, max_size=16),
+    st.sampled_from(["top_p", "top_k", "top_k_abs", "min_p"]),
+    _VALUE,
+    st.sampled_from(["largest", "smallest"]),
+    st.sampled_from(["linear", "softmax"]),
+    st.booleans(),
+)
+def test_selection_does_not_depend_on_the_score_dtype(scores, strategy, value, keep, prob_mode, include_zero):
+    """float64 scores select what their float32 values select (RAGEN's scores are float32)."""
+    args = dict(strategy=strategy, value=value, keep=keep, prob_mode=prob_mode, include_zero=include_zero)
+    assert select_groups(torch.tensor(scores, dtype=torch.float64), **args).tolist() == kept(scores, **args)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0, 6, allow_subnormal=False), min_size=1, max_size=16), _VALUE,
+       st.sampled_from(["largest", "smallest"]), st.sampled_from([torch.float32, torch.float64]))
+def test_min_p_keeps_the_best_group_of_non_negative_scores(scores, value, keep, dtype):
+    """min_p at a value <= 1 keeps the best group (the largest, or the smallest) of non-negative scores."""
+    out = select_groups(torch.tensor(scores, dtype=dtype), strategy="min_p", value=value, keep=keep).tolist()
+    best = (max if keep == "largest" else min)(np.float32(s) for s in scores)
+    assert any(np.float32(scores[g]) == best for g in out)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
@@ -181,7 +216,8 @@ def test_selection_properties(scores, strategy, value, keep, prob_mode, include_
     assert out == kept(scores, **args)  # deterministic
     if not include_zero:
         assert all(abs(scores[g]) > 1e-10 for g in out)
-    candidates = [g for g in range(len(scores)) if include_zero or abs(scores[g]) > 1e-10]
+    # zero test in float32, as the filter (and RAGEN) does it: a score of 1e-10 is float32(1e-10), not above it
+    candidates = [g for g in range(len(scores)) if include_zero or abs(np.float32(scores[g])) > np.float32(1e-10)]
     if strategy in ("top_k", "top_k_abs") and candidates:
         k = int(value * len(scores)) if strategy == "top_k" else int(value)
         assert len(out) == max(1, min(k, len(candidates)))

@@ -87,6 +87,15 @@ def test_aggregate_bad_arguments():
         aggregate(torch.ones(2, 2), torch.ones(2, 3), "token-mean")
 
 
+def test_seq_mean_token_sum_norm_is_batch_size_times_trls_dr_grpo():
+    """README "Differences from RAGEN": Σ(l·m) / T here, Σ(l·m) / (B·T) in TRL's `dr_grpo` (B sequences, T tokens)."""
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(5, 7, generator=gen)
+    mask = torch.rand(5, 7, generator=gen) < 0.6
+    trl_dr_grpo = (values * mask).sum() / (values.shape[0] * values.shape[1])
+    torch.testing.assert_close(aggregate(values, mask, "seq-mean-token-sum-norm"), 5 * trl_dr_grpo)
+
+
 # --- PPO -------------------------------------------------------------------------------------
 
 PPO_ADV = torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0, 50.0]])
@@ -141,13 +150,36 @@ def test_policy_loss_bad_arguments():
 # --- CISPO -----------------------------------------------------------------------------------
 
 
+def test_cispo_is_the_published_formula_hand_case():
+    """MiniMax-M1's CISPO (and TRL's): loss = -sg(min(r, 1 + clip_high))·A·logπ, the IS weight bounded only from
+    above (clip_low is PPO's and does not apply)."""
+    ratio = torch.tensor([[0.5, 1.0, 1.5, 0.1]])
+    adv = torch.tensor([[1.0, -2.0, 2.0, 3.0]])
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
+    logp = (old + ratio.log()).requires_grad_(True)
+    loss, metrics = policy_loss(logp, old, adv, torch.ones(1, 4), kind="cispo", clip_low=0.2, clip_high=0.28)
+    loss.backward()
+    # IS weights 0.5, 1.0, 1.28 (capped), 0.1; d loss / d logπ = -w·A / 4 tokens
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.125, 0.5, -0.64, -0.075]]))
+    logp_values = [-1.0 + math.log(0.5), -2.0, -0.5 + math.log(1.5), -3.0 + math.log(0.1)]
+    expected = sum(-w * a * lp for w, a, lp in zip((0.5, 1.0, 1.28, 0.1), (1.0, -2.0, 2.0, 3.0), logp_values)) / 4
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert metrics["pg_clipfrac"] == pytest.approx(1 / 4)
+    # the lower bound is an option: weights 0.8, 1.0, 1.28, 0.8
+    logp.grad = None
+    loss, metrics = policy_loss(logp, old, adv, torch.ones(1, 4), kind="cispo", clip_high=0.28, cispo_clip_low=0.2)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.2, 0.5, -0.64, -0.6]]))
+    assert metrics["pg_clipfrac"] == pytest.approx(3 / 4)
+
+
 def test_cispo_value_and_stop_gradient():
     ratio = torch.tensor([[1.5, 0.5, 1.1, 2.0], [0.9, 1.0, 0.1, 3.0]])
     adv = torch.tensor([[1.0, -2.0, 0.5, 3.0], [-1.0, 2.0, 1.0, -4.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1]], dtype=torch.float32)
     old = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-0.2, -1.0, -4.0, -2.0]])
     logp = (old + ratio.log()).requires_grad_(True)
-    loss, metrics = policy_loss(logp, old, adv, mask, kind="cispo", agg="seq-mean-token-mean")
+    loss, metrics = policy_loss(logp, old, adv, mask, kind="cispo", agg="seq-mean-token-mean", cispo_clip_low=0.2)
     loss.backward()
     clipped = ratio.clamp(0.8, 1.28)
     weights = aggregation_weights(mask, "seq-mean-token-mean")

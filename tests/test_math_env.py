@@ -262,6 +262,7 @@ def test_gsm8k_presets_need_a_file_and_carry_the_documented_settings():
     assert grpo.algo.norm_adv_by_std and grpo.env.math.length_target == 800 and grpo.env.math.length_unit == "chars"
     cispo = make_config("gsm8k-cispo", overrides=["env.math.source=sample", "env.math.holdout=8"])
     assert (cispo.algo.policy_loss, cispo.algo.clip_high, cispo.train.lr) == ("cispo", 0.28, 1e-5)
+    assert cispo.algo.cispo_clip_low is None  # the IS weight is capped at 1.28 and has no lower bound
     assert not cispo.algo.norm_adv_by_std and cispo.train.max_grad_norm == 1.0 and cispo.train.temperature == 1.0
 
 

@@ -63,6 +63,21 @@ def test_parse_with_think(text: str, actions: list[str], format_ok: bool, think:
     assert (parsed.actions, parsed.format_ok, parsed.think) == (actions, format_ok, think)
 
 
+@pytest.mark.parametrize(
+    ("text", "enable_think", "actions", "think"),
+    [  # README "Differences from RAGEN": RAGEN strips the tags from the matched text and gives Up for the first two
+        ("<answer><answer>Up</answer>", False, [], ""),
+        ("<answer>Up</think></answer>", False, [], ""),
+        ("<answer>Up<|endoftext|></answer>", False, ["Up"], ""),  # RAGEN keeps <|endoftext|>: unknown action
+        ("<answer>Up</s> || Left</answer>", False, ["Up", "Left"], ""),
+        ("<think>a<think>b</think><answer>Up</answer>", True, ["Up"], "a<think>b"),
+    ],
+)
+def test_tags_inside_a_match_are_text_and_special_tokens_are_removed_first(text, enable_think, actions, think):
+    parsed = _parse(text, enable_think=enable_think)
+    assert (parsed.actions, parsed.format_ok, parsed.think) == (actions, bool(actions), think)
+
+
 def test_strip_special_tokens() -> None:
     assert strip_special_tokens("a<|im_end|>b<|endoftext|>c</s><s>") == "abc"
     assert strip_special_tokens("x || y <answer>") == "x || y <answer>"

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from conftest import json_under_hash_seeds
+from rldynamics.config import make_config
 from rldynamics.envs import ENVS, Env, make_env
-from rldynamics.envs.sokoban import SokobanEnv, SokobanState, generate_puzzle, parse_grid, render, solve
+from rldynamics.envs.sokoban import (
+    SokobanEnv,
+    SokobanState,
+    generate_puzzle,
+    parse_grid,
+    render,
+    render_grid,
+    solve,
+)
 
 TWO_BOXES = """
 ######
@@ -204,6 +215,27 @@ def test_generated_rooms_are_valid_and_unsolved(dim_room: tuple[int, int], num_b
         state = generate_puzzle(dim_room, num_boxes, 300, seed)
         assert state.shape == dim_room and len(state.boxes) == len(state.targets) == num_boxes
         assert not state.is_solved() and state.num_env_steps == 0
+
+
+@pytest.mark.parametrize(("num_boxes", "seeds"), [(2, 1000), (3, 500)])
+def test_multi_box_puzzles_start_with_every_box_off_target(num_boxes: int, seeds: int) -> None:
+    """As gym_sokoban's generator: no box starts on a target (a start with one there would score its first
+    step differently from RAGEN, whose env counts boxes on targets from 0); same puzzle for the same seed."""
+    starts = [generate_puzzle((6, 6), num_boxes, 300, seed) for seed in range(seeds)]
+    assert sum(len(state.boxes & state.targets) for state in starts) == 0
+    assert starts[:50] == [generate_puzzle((6, 6), num_boxes, 300, seed) for seed in range(50)]
+
+
+def test_default_preset_puzzles_are_pinned() -> None:
+    """The default preset's training puzzles of seeds 10000..10100 and its validation puzzles, byte for byte:
+    published results depend on them."""
+    cfg = make_config()
+    o = cfg.env.sokoban
+    seeds = [*range(10000, 10101), *range(cfg.val.seed_base, cfg.val.seed_base + cfg.val.env_groups)]
+    text = "\n\n".join(render_grid(generate_puzzle(tuple(o.dim_room), o.num_boxes, o.search_depth, s)) for s in seeds)
+    assert (o.num_boxes, len(seeds)) == (1, 613)
+    digest = "5b80292661711867e30cb9c9cd1b9db0f62aa1aa767b2c61fb774f299271c107"
+    assert hashlib.sha256(text.encode()).hexdigest() == digest
 
 
 @pytest.mark.parametrize(("dim_room", "num_boxes", "seeds"), [((6, 6), 1, 200), ((7, 7), 2, 40)])

@@ -88,7 +88,9 @@ class EnvConfig:
     max_new_tokens: int = 24
     """Tokens the model may generate per turn."""
     enable_think: bool = False
-    """Require `<think>...</think>` before `<answer>...</answer>` (the prompt opens the `<think>`)."""
+    """Require `<think>...</think>` before `<answer>...</answer>` (every turn's prompt opens the `<think>`)."""
+    open_answer: bool = False
+    """Without think: every turn's prompt ends with `<answer>`, put back before parsing (RAGEN's no-think prompt)."""
     format_penalty: float = -0.1
     """Reward component `format_penalty`, added once per malformed turn (0 = no such component)."""
     reward_weights: dict[str, float] = field(default_factory=dict)
@@ -171,9 +173,11 @@ class AlgoConfig:
     policy_loss: str = "ppo"
     """ppo (dual-clip when clip_c is set) | cispo."""
     clip_low: float = 0.2
-    """Lower clip range: ratio >= 1 - clip_low."""
+    """Lower clip range (ppo): ratio >= 1 - clip_low."""
     clip_high: float = 0.28
-    """Upper clip range: ratio <= 1 + clip_high (clip-higher)."""
+    """Upper clip range: ratio <= 1 + clip_high (clip-higher); cispo: the IS weight's cap."""
+    cispo_clip_low: float | None = None
+    """cispo: lower bound 1 - cispo_clip_low of the IS weight, or null for none (as published)."""
     clip_c: float | None = 3.0
     """Dual-clip constant for negative advantages (> 1), or null to disable."""
     loss_agg_mode: str = "token-mean"
@@ -359,7 +363,7 @@ RANGES: dict[str, tuple[float, bool, float | None]] = {
     **dict.fromkeys(("train.lr", "critic.lr", "train.weight_decay", "algo.clip_high", "algo.kl_coef", "filter.value",
                      "early_stop.rv_ratio"),
                     (0, True, None)),
-    **dict.fromkeys(("model.warm_start_noise", "algo.clip_low", "algo.gamma", "algo.lam",
+    **dict.fromkeys(("model.warm_start_noise", "algo.clip_low", "algo.cispo_clip_low", "algo.gamma", "algo.lam",
                      "early_stop.val_success_threshold"), (0, True, 1)),
     "algo.clip_c": (1, False, None),
 }
@@ -624,7 +628,9 @@ def validate(cfg: Config) -> Config:
 
 
 def _validate_env(env: EnvConfig) -> None:
-    """The env name, its own keys (checked by constructing the env) and the reward weights."""
+    """The env name, its own keys (checked by constructing the env), the reply opener and the reward weights."""
+    if env.open_answer and env.enable_think:
+        raise ConfigError("env.open_answer=true needs env.enable_think=false (with think the prompt opens <think>)")
     if env.name not in ENVS:
         raise ConfigError(f"env.name={env.name!r} is not a registered env; choose one of: {', '.join(ENVS)}"
                           f"{_suggest(env.name, list(ENVS))}")
@@ -761,8 +767,8 @@ def envs_help() -> str:
         lines += [f"  {f'{key}={default!s}':<{width}}  {doc}" for key, default, doc in keys]
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks) + "\n\nshared keys: env.name, env.max_turns, env.max_actions_per_turn, " \
-        "env.max_actions_per_traj, env.max_new_tokens, env.enable_think, env.format_penalty, env.reward_weights " \
-        "(`rldyn train --help-config`)."
+        "env.max_actions_per_traj, env.max_new_tokens, env.enable_think, env.open_answer, env.format_penalty, " \
+        "env.reward_weights (`rldyn train --help-config`)."
 
 
 def documented_keys(obj: Any, prefix: str = "") -> list[tuple[str, Any, str]]:

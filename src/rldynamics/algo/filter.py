@@ -7,10 +7,12 @@ Design choices:
   §2.4), including its quirks (linear top-p never keeps non-positive scores and returns nothing for an
   all-zero score vector). Unlike RAGEN, every sort is stable, so ties go to the lower group index and
   the selection is deterministic.
-- top_p does RAGEN's arithmetic: float32 softmax, float32 cumulative mass and a float32 threshold, in
-  the same order of operations. At an exact mass boundary the rounding decides, and it decides as in
-  RAGEN: 10 equal scores at p = 0.9 keep 9 groups (the float32 mass of 9 groups, 0.90000004, reaches
-  0.9), where float64 arithmetic would keep 10.
+- Scores are taken in float32, as RAGEN's are, whatever dtype the caller passes: the selection is a
+  function of the float32 scores. top_p does RAGEN's arithmetic: float32 softmax, float32 cumulative mass
+  and a float32 threshold, in the same order of operations. At an exact mass boundary the rounding
+  decides, and it decides as in RAGEN: 10 equal scores at p = 0.9 keep 9 groups (the float32 mass of 9
+  groups, 0.90000004, reaches 0.9), where float64 arithmetic would keep 10. min_p's thresholds are float32
+  too: at value 1 the smallest score passes ``score ≤ min/(1+1e-10) + 1e-10``, which float64 would refuse.
 - Metrics are python floats with the ``rollout/`` keys of RAGEN's reward filter.
 """
 
@@ -89,10 +91,10 @@ def _ranked(candidates: torch.Tensor, cand_scores: torch.Tensor, keep: str) -> t
 def _top_p_softmax(cand_scores: torch.Tensor, value: float, keep: str) -> int:
     """Number of best-ranked groups whose softmax mass first reaches ``value`` (RAGEN's float32 arithmetic).
 
-    ``cand_scores`` are in candidate (group) order: the softmax normaliser is summed in that order, as in RAGEN.
+    ``cand_scores`` (float32) are in candidate (group) order: the softmax normaliser is summed in that order, as
+    in RAGEN.
     """
-    scores = cand_scores.float()  # [C] float32
-    logits = scores if keep == "largest" else -scores  # [C]
+    logits = cand_scores if keep == "largest" else -cand_scores  # [C] float32
     probs = torch.sort(torch.softmax(logits, dim=0), descending=True).values  # [C]
     cum = torch.cumsum(probs, dim=0)  # [C] float32
     first = int(torch.searchsorted(cum, value))  # a python scalar is compared in cum's dtype (float32)
@@ -105,9 +107,9 @@ def _top_p_linear(cand_scores: torch.Tensor, ranked_scores: torch.Tensor, value:
     As in RAGEN, the threshold is a float32 tensor (sum in candidate order) and the running sum, a python
     float, is compared with it in float32.
     """
-    threshold = value * cand_scores.float().sum() - eps  # [] float32
+    threshold = value * cand_scores.sum() - eps  # [] float32
     running, count = 0.0, 0
-    for score in ranked_scores.float().tolist():
+    for score in ranked_scores.tolist():
         if bool(running >= threshold) or score <= 0:
             break
         running += score
@@ -145,7 +147,7 @@ def select_groups(
     """Choose which groups to keep, following RAGEN's rollout filter (``ragen_behaviour.md`` §2.4).
 
     Args:
-        scores: ``[G]`` group scores (e.g. within-group reward std).
+        scores: ``[G]`` group scores (e.g. within-group reward std); taken in float32, as RAGEN's are.
         strategy: top_p (probability mass ``value``; ``value ≥ 1`` keeps every candidate) | top_k
             (``int(value·G)`` groups, clamped to [1, #candidates]) | top_k_abs (``int(value)``, clamped) |
             min_p (largest: ``score ≥ max·value - 1e-10``; smallest: ``score ≤ min/(value+1e-10) + 1e-10``).
@@ -162,12 +164,13 @@ def select_groups(
     _check_selection_args(strategy, value, keep, prob_mode)
     if scores.dim() != 1:
         raise ValueError(f"scores must be [G], got shape {tuple(scores.shape)}")
+    scores32 = scores.detach().cpu().float()  # [G] float32
     candidates = torch.arange(scores.numel())  # [G]
     if not include_zero:
-        candidates = candidates[scores.abs().cpu() > _ZERO_TOL]  # [C]
+        candidates = candidates[scores32.abs() > _ZERO_TOL]  # [C]
     if candidates.numel() == 0:
         return candidates  # [0]
-    cand_scores = scores.detach().cpu()[candidates]  # [C]
+    cand_scores = scores32[candidates]  # [C] float32
     if strategy == "min_p":
         if keep == "largest":
             kept = candidates[cand_scores >= cand_scores.max() * value - _ZERO_TOL]  # [K]

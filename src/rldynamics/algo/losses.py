@@ -118,13 +118,15 @@ def policy_loss(
     clip_high: float = 0.28,
     clip_c: float | None = 3.0,
     agg: str = "token-mean",
+    cispo_clip_low: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss.
 
     ``ppo``: dual-clip PPO (https://arxiv.org/abs/1912.09729) with asymmetric "clip-higher" bounds;
     ``L = max(-A·r, -A·clip(r, 1-clip_low, 1+clip_high))`` and, for A < 0 when ``clip_c`` is set,
-    ``min(L, -A·clip_c)``. ``cispo`` (https://arxiv.org/abs/2506.13585):
-    ``L = -sg(clip(r, 1-clip_low, 1+clip_high))·A·logπ``, so no gradient flows through the ratio.
+    ``min(L, -A·clip_c)``. ``cispo`` (https://arxiv.org/abs/2506.13585, as published and as in TRL):
+    ``L = -sg(min(r, 1+clip_high))·A·logπ``, so no gradient flows through the ratio and the IS weight is
+    bounded only from above; ``cispo_clip_low`` adds the lower bound ``1-cispo_clip_low``.
     ``r = exp(clamp(logπ - logπ_old, -20, 20))``.
 
     Args:
@@ -133,9 +135,11 @@ def policy_loss(
         advantages: ``[N, T]``.
         response_mask: ``[N, T]`` tokens that are trained on.
         kind: ppo | cispo.
-        clip_low, clip_high: ratio clip bounds (``0 ≤ clip_low < 1``, ``clip_high ≥ 0``).
+        clip_low, clip_high: ratio clip bounds (``0 ≤ clip_low < 1``, ``clip_high ≥ 0``); clip_low is ppo's only.
         clip_c: dual-clip constant, must be > 1; ``None`` turns dual clip off (ppo only).
         agg: aggregation mode, see :func:`aggregate`.
+        cispo_clip_low: cispo only: lower bound ``1 - cispo_clip_low`` of the IS weight (``0 ≤ · ≤ 1``), or
+            ``None`` for none (the published method).
 
     Returns:
         ``(loss [], metrics)`` with python floats ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``
@@ -148,16 +152,20 @@ def policy_loss(
         raise ValueError(f"clip_low must be in [0, 1) and clip_high >= 0, got {clip_low}, {clip_high}")
     if clip_c is not None and clip_c <= 1.0:
         raise ValueError(f"clip_c must be > 1 or None, got {clip_c}")
+    if cispo_clip_low is not None and not 0.0 <= cispo_clip_low <= 1.0:
+        raise ValueError(f"cispo_clip_low must be in [0, 1] or None, got {cispo_clip_low}")
     log_ratio = logprobs - old_logprobs  # [N, T]
     ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))  # [N, T]
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [N, T]
     ppo_kl = _metric(-log_ratio.detach(), response_mask)
     if kind == "cispo":
-        per_token = -clipped.detach() * advantages * logprobs  # [N, T]
+        low = None if cispo_clip_low is None else 1.0 - cispo_clip_low
+        weight = ratio.clamp(low, 1.0 + clip_high)  # [N, T] the IS weight
+        per_token = -weight.detach() * advantages * logprobs  # [N, T]
         with torch.no_grad():
-            clipfrac = _metric(ratio != clipped, response_mask)
+            clipfrac = _metric(ratio != weight, response_mask)
         metrics = {"pg_clipfrac": clipfrac, "pg_clipfrac_lower": 0.0, "ppo_kl": ppo_kl}
         return aggregate(per_token, response_mask, agg), metrics
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [N, T]
     unclipped_loss = -advantages * ratio  # [N, T]
     clipped_loss = -advantages * clipped  # [N, T]
     per_token = torch.maximum(unclipped_loss, clipped_loss)  # [N, T]
@@ -243,6 +251,7 @@ def loss_terms(
     clip_c: float | None = 3.0,
     agg: str = "token-mean",
     kl_type: str = "low_var_kl",
+    cispo_clip_low: float | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """The unweighted terms of the actor loss, each aggregated with ``agg`` (``DESIGN.md`` §4.1).
 
@@ -255,7 +264,7 @@ def loss_terms(
         response_mask: ``[N, T]`` tokens that are trained on.
         ref_logprobs: ``[N, T]`` reference-policy log-probs; gives the ``kl`` term.
         component_advantages: name -> ``[N, T]``: the pg loss with each named reward component's own advantages.
-        kind, clip_low, clip_high, clip_c: see :func:`policy_loss`; kl_type: see :func:`kl_penalty`.
+        kind, clip_low, clip_high, clip_c, cispo_clip_low: see :func:`policy_loss`; kl_type: see :func:`kl_penalty`.
 
     Returns:
         ``({"pg", "entropy", "kl" (with a reference), "reward/<name>" per component}, pg metrics)``.
@@ -264,7 +273,7 @@ def loss_terms(
 
     def pg_loss(adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         return policy_loss(logprobs, old, adv, response_mask, kind=kind, clip_low=clip_low, clip_high=clip_high,
-                           clip_c=clip_c, agg=agg)
+                           clip_c=clip_c, agg=agg, cispo_clip_low=cispo_clip_low)
 
     pg, metrics = pg_loss(advantages)
     terms = {"pg": pg, "entropy": aggregate(entropy, response_mask, agg)}

@@ -55,7 +55,7 @@ def actor_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInp
                       ref_logprobs=at(inputs.ref_logprobs),
                       component_advantages={k: at(a) for k, a in (component_advantages or {}).items()},
                       kind=cfg.policy_loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
-                      agg=cfg.loss_agg_mode, kl_type=cfg.kl_type)
+                      agg=cfg.loss_agg_mode, kl_type=cfg.kl_type, cispo_clip_low=cfg.cispo_clip_low)
 
 
 def coefs(cfg: AlgoConfig) -> dict[str, float]:

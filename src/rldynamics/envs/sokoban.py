@@ -10,9 +10,11 @@ Design choices:
   start on their targets; a breadth-first reverse play (player moves and box *pulls*, at most
   `search_depth` moves and `MAX_REVERSE_STATES` states) then picks, uniformly at random, one of the
   reachable states with the largest total box displacement (Manhattan distance of each box from the
-  target it started on) that leaves at least one box off target. Forward pushes undo the pulls, so every
-  puzzle is solvable and never already solved. RAGEN multiplies the displacement by a box-switch count
-  and random-walks the player afterwards; picking among all best states already varies the player cell.
+  target it started on) among those with no box on any target (gym_sokoban's rule: a start with a box on
+  a target would score its first step differently, since RAGEN's env counts boxes on targets from 0).
+  Forward pushes undo the pulls, so every puzzle is solvable and never already solved. RAGEN multiplies
+  the displacement by a box-switch count and random-walks the player afterwards; picking among all best
+  states already varies the player cell.
 - Determinism: each attempt draws from `random.Random(f"sokoban/{seed}/{attempt}")` and only ever calls
   `Random.random()`, the one stream Python guarantees across versions. No `hash()`, no global RNG, so
   the retry after a failed topology is reproducible too (RAGEN's fallback reseed is not).
@@ -218,7 +220,8 @@ def _reverse_successors(player: int, boxes: tuple[int, ...], floor: frozenset[in
 def _reverse_play(
     floor: frozenset[int], cols: int, player: int, targets: tuple[int, ...], search_depth: int, rng: random.Random
 ) -> tuple[int, tuple[int, ...]] | None:
-    """Breadth-first reverse play from the solved state; a random maximum-displacement state, or None."""
+    """Breadth-first reverse play from the solved state; a random maximum-displacement state with every box
+    off every target, or None."""
     steps = (-cols, cols, -1, 1)
     solved = frozenset(targets)
     seen = {(player, solved)}
@@ -233,7 +236,7 @@ def _reverse_play(
                     continue
                 seen.add(key)
                 next_frontier.append(state)
-                score = 0 if key[1] == solved else _displacement(state[1], targets, cols)
+                score = 0 if key[1] & solved else _displacement(state[1], targets, cols)
                 if score > best_score:
                     best_score, best = score, [state]
                 elif score == best_score and score > 0:
@@ -245,7 +248,8 @@ def _reverse_play(
 
 
 def _try_generate(rows: int, cols: int, num_boxes: int, search_depth: int, rng: random.Random) -> SokobanState | None:
-    """One generation attempt; None when the topology is too small or allows no non-trivial puzzle."""
+    """One generation attempt; None when the topology is too small or no reachable state has every box off
+    target."""
     floor = _random_floor(rows, cols, rng)
     if len(floor) < num_boxes + 1:
         return None

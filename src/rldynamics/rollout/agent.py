@@ -110,7 +110,7 @@ def rollout(model, tokenizer, seeds: list[int], group_size: int, cfg: EnvConfig,
             samples from its own stream keyed on (row_seed, global row, turn).
         first_group: group id of the first group (a shard of a larger rollout); global rows follow from it.
     """
-    chat = ChatPrompts(tokenizer, enable_think=cfg.enable_think, model=model)
+    chat = ChatPrompts(tokenizer, enable_think=cfg.enable_think, open_answer=cfg.open_answer, model=model)
     probe_env = make_env(cfg.name, **cfg.options())
     names = reward_names(probe_env, cfg)
     ctx = RolloutContext(cfg=cfg, chat=chat, tokenizer=tokenizer, weights=resolve_weights(probe_env, cfg, names))
@@ -152,7 +152,7 @@ def _play_turn(ctx: RolloutContext, traj: Trajectory, response: list[int], turn:
     traj.add(response, sampled=True)
     traj.response_tokens += len(response)
     stopped = bool(response) and response[-1] in chat.stop_ids
-    text = chat.think_prefix + ctx.tokenizer.decode(response, skip_special_tokens=True)
+    text = chat.reply_prefix + ctx.tokenizer.decode(response, skip_special_tokens=True)
     env = traj.env
     full_reply = getattr(env, "full_reply", False)
     if full_reply:  # the env grades the whole reply itself (Env protocol, envs/base.py)

@@ -9,8 +9,9 @@ Design choices (DESIGN.md §4.12):
   rewrites earlier turns is detected (the new rendering must extend the previous one) and reported.
 - A template without a system role (it raises or drops the system message) gets the system text at the
   top of the first user message.
-- With `enable_think` the generation prompt is followed by `<think>` (RAGEN's prompt); the parser is
-  given the reply with that opener put back in front (`think_prefix`).
+- With `enable_think` every turn's generation prompt is followed by `<think>` (RAGEN's prompt); with
+  `open_answer` (no think) by `<answer>` (RAGEN's no-think prompt). The parser is given the reply with that
+  opener put back in front (`reply_prefix`), and the rendered history holds it in front of each reply.
 - Generation stops at the template's end-of-turn token and at every EOS id of the tokenizer and of the
   model's generation config.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 THINK_OPENER = "<think>"
+ANSWER_OPENER = "<answer>"
 _PLACEHOLDER = "RLDYNREPLY{}END"
 
 
@@ -37,16 +39,17 @@ class ChatPrompts:
     Args:
         tokenizer: an HF tokenizer with a chat template.
         enable_think: open a `<think>` block at every generation prompt.
+        open_answer: without `enable_think`, open the `<answer>` block at every generation prompt.
         model: optional model whose generation config adds EOS ids to `stop_ids`.
     """
 
-    def __init__(self, tokenizer, *, enable_think: bool = False, model=None) -> None:
+    def __init__(self, tokenizer, *, enable_think: bool = False, open_answer: bool = False, model=None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; set "
                 "model.chat_template=chatml (a plain ChatML template) or model.chat_template=<path to a Jinja file>")
         self.tokenizer = tokenizer
-        self.think_prefix = THINK_OPENER if enable_think else ""
+        self.reply_prefix = THINK_OPENER if enable_think else ANSWER_OPENER if open_answer else ""
         self.system_role = self._supports_system_role()
         self.end_of_turn = self._end_of_turn()
         self.stop_ids = self._stop_ids(model)
@@ -61,11 +64,12 @@ class ChatPrompts:
         if not self.system_role:
             messages = [{"role": "user", "content": f"{system}\n\n{user}"}]
         conv = Conversation(messages=messages, rendered=self.render(messages, True))
-        return conv, conv.rendered + self.think_prefix
+        return conv, conv.rendered + self.reply_prefix
 
     def next_turn(self, conv: Conversation, user: str) -> str:
-        """Text that follows the model's reply: end of its turn, the next user message, the generation prompt."""
-        reply = self.think_prefix + _PLACEHOLDER.format(len(conv.messages))
+        """Text that follows the model's reply: end of its turn, the next user message, the generation prompt
+        (and the reply opener, as after the first prompt)."""
+        reply = self.reply_prefix + _PLACEHOLDER.format(len(conv.messages))
         conv.messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": user}]
         text = self.render(conv.messages, True)
         if not text.startswith(conv.rendered + reply):
@@ -74,7 +78,7 @@ class ChatPrompts:
                              "file that renders turns incrementally")
         new = text[len(conv.rendered) + len(reply):]
         conv.rendered = text
-        return new
+        return new + self.reply_prefix
 
     def _supports_system_role(self) -> bool:
         try:

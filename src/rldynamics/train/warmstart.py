@@ -61,8 +61,12 @@ def _chatml(role: str, content: str) -> str:
 
 
 def solver_policy(tokenizer, cfg: EnvConfig, noise: float, rng: random.Random):
-    """A `respond` function for `rollout`: the env's optimal plan, each action randomised with prob `noise`."""
-    closing = ChatPrompts(tokenizer).closing_ids()
+    """A `respond` function for `rollout`: the env's optimal plan, each action randomised with prob `noise`.
+
+    The reply is written as the model would continue the prompt: without the opener the prompt already ends
+    with (`ChatPrompts.reply_prefix`)."""
+    chat = ChatPrompts(tokenizer, enable_think=cfg.enable_think, open_answer=cfg.open_answer)
+    closing = chat.closing_ids()
 
     def respond(trajs) -> list[list[int]]:
         out = []
@@ -76,7 +80,8 @@ def solver_policy(tokenizer, cfg: EnvConfig, noise: float, rng: random.Random):
             actions = [random_action(env, rng) if rng.random() < noise else a for a in plan]
             text = f"<answer>{' || '.join(actions)}</answer>"
             if cfg.enable_think:
-                text = "I work out the answer step by step.</think>" + text
+                text = "<think>I work out the answer step by step.</think>" + text
+            text = text.removeprefix(chat.reply_prefix)
             out.append(tokenizer(text, add_special_tokens=False)["input_ids"] + closing)
         return out
 
