@@ -9,8 +9,14 @@ Design choices:
   GSM8K- / MATH-500-style JSONL or Parquet file (`math_data`). A file's rows are
   reached by seed: seeds below `holdout` pick rows 0..holdout-1 (validation with `val.seed_base=0`),
   larger seeds cycle through the other rows, so training never sees the held-out rows.
-- The answer is the content of the last `\\boxed{...}` (braces matched; a `\\boxed{` that never closes
-  is no answer at all), or, when the reply has no `\\boxed{`, the text of its last `<answer>...</answer>`.
+- The answer is the content of the last box, or, when the reply has none, the text of its last
+  `<answer>...</answer>`. A box is `\\boxed` or `\\fbox` followed by a braced group (braces matched; one
+  that never closes is no answer at all) or by a space and text, which runs to the next `$` or line end
+  (`$\\boxed 146$`, read as the MATH dataset's own grader reads it). `\\boxedtext` and a bare `\\boxed`
+  are not boxes.
+- Extraction is linear in the reply's length whatever it holds (tags are found with `str.find`, boxes with
+  one forward scan), since it runs in the trainer, outside the answer check's timeout: the lazy regex
+  `<answer>(.*?)</answer>` takes seconds to minutes on a reply of repeated `<answer>` tags.
 - Components, as the rldynamic study defines them (reference/peer_systems.md §A.1):
   `correctness` 1 if math-verify finds the answer equal to the gold answer (rldynamic compared strings),
   else 0; `format` = 0.25 per whole word "first" / "second" / "third" in the lower-cased reply, + 0.25
@@ -41,8 +47,10 @@ from rldynamics.envs.math_data import (
 
 SYNTHETIC = "synthetic"
 LENGTH_UNITS = ("chars", "tokens")
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_BOXED = "\\boxed{"
+_ANSWER, _ANSWER_END = "<answer>", "</answer>"
+_BOX = re.compile(r"\\(?:boxed|fbox)")  # a box's macro name; what follows it decides whether it is a box
+_SPACES, _BLANKS = re.compile(r"\s*"), re.compile(r"[^\S\n]*")  # any white space; all but a line break
+_BRACE, _TEXT_END = re.compile(r"[{}]"), re.compile(r"[$\n]")
 
 
 @dataclass
@@ -87,17 +95,44 @@ def length_score(length: int, target: int) -> float:
 
 
 def extract_answer(reply: str) -> str | None:
-    """The content of the last `\\boxed{...}`, else the last `<answer>` text; None when there is no answer."""
-    start = reply.rfind(_BOXED)
-    if start < 0:
-        answers = _ANSWER.findall(reply)
-        return answers[-1].strip() if answers else None
-    depth = 1
-    for i in range(start + len(_BOXED), len(reply)):
-        depth += {"{": 1, "}": -1}.get(reply[i], 0)
-        if depth == 0:
-            return reply[start + len(_BOXED): i].strip()
-    return None  # unbalanced braces: a malformed \boxed{ is no answer
+    """The content of the last box, else the last `<answer>` text; None when there is no answer (see the module
+    docstring: a box whose braces never close is no answer, even when an earlier box or `<answer>` exists)."""
+    for box in reversed([m.end() for m in _BOX.finditer(reply)]):
+        is_box, content = _box_content(reply, box)
+        if is_box:
+            return content
+    return _last_answer_tag(reply)
+
+
+def _box_content(reply: str, i: int) -> tuple[bool, str | None]:
+    """(whether a box starts with the macro name ending at `i`, its stripped content or None if unclosed)."""
+    j = _SPACES.match(reply, i).end()
+    if reply.startswith("{", j):
+        depth = 0
+        for brace in _BRACE.finditer(reply, j):
+            depth += 1 if brace.group() == "{" else -1
+            if depth == 0:
+                return True, reply[j + 1:brace.start()].strip()
+        return True, None
+    k = _BLANKS.match(reply, i).end()
+    if k == i or k == len(reply) or reply[k] in "$\n":
+        return False, None  # `\boxedx`, `\boxed$`, a bare `\boxed`: no box
+    end = _TEXT_END.search(reply, k)
+    return True, reply[k:end.start() if end else len(reply)].strip()  # `\boxed 146`
+
+
+def _last_answer_tag(reply: str) -> str | None:
+    """The stripped text of the last `<answer>...</answer>`, as `re.findall(r"<answer>(.*?)</answer>")[-1]` reads
+    it (each match: the first opening tag after the previous match, the first closing tag after it), in one
+    forward pass of `str.find`."""
+    found, i = None, reply.find(_ANSWER)
+    while i >= 0:
+        j = reply.find(_ANSWER_END, i + len(_ANSWER))
+        if j < 0:
+            break
+        found = reply[i + len(_ANSWER):j]
+        i = reply.find(_ANSWER, j + len(_ANSWER_END))
+    return None if found is None else found.strip()
 
 
 class MathEnv:
