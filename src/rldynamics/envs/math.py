@@ -17,6 +17,9 @@ Design choices:
 - Extraction is linear in the reply's length whatever it holds (tags are found with `str.find`, boxes with
   one forward scan), since it runs in the trainer, outside the answer check's timeout: the lazy regex
   `<answer>(.*?)</answer>` takes seconds to minutes on a reply of repeated `<answer>` tags.
+- Each answer check has a deadline (`verify_timeout`) and the checks of one rollout share `verify_budget`
+  seconds (`rollout_scope`, held by the rollout; `answer_check` says how). A check with no verdict counts as
+  wrong and shows in `metrics()` as `verify_timeout`, which the rollout logs per step.
 - Components, as the rldynamic study defines them (reference/peer_systems.md §A.1):
   `correctness` 1 if math-verify finds the answer equal to the gold answer (rldynamic compared strings),
   else 0; `format` = 0.25 per whole word "first" / "second" / "third" in the lower-cased reply, + 0.25
@@ -31,7 +34,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from rldynamics.envs.answer_check import CHECKER
+from rldynamics.envs.answer_check import CHECKER, check_budget
 from rldynamics.envs.base import StepResult
 from rldynamics.envs.math_data import (
     OPERATORS,
@@ -77,6 +80,9 @@ class MathConfig:
     """Length component: the reply length with the highest reward (1); 0 at zero and at twice the target."""
     verify_timeout: float = 5.0
     """Seconds per answer check (math-verify in a worker process); a check past it counts as wrong."""
+    verify_budget: float = 60.0
+    """Seconds of answer checking per rollout (a step's or a validation's replies, per rank); past it, answers that
+    need math-verify count as wrong. Checks without a verdict: <stage>/math/verify_timeout."""
 
 
 def format_score(reply: str) -> float:
@@ -147,8 +153,9 @@ class MathEnv:
     def __init__(self, source: str = SYNTHETIC, question_key: str = "question", answer_key: str = "answer",
                  holdout: int = 0, num_ops: int = 2, max_number: int = 20, operators: str = "+-*",
                  word_problems: bool = True, length_unit: str = "chars", length_target: int = 800,
-                 verify_timeout: float = 5.0) -> None:
-        _check_options(num_ops, max_number, operators, length_unit, length_target, verify_timeout, holdout)
+                 verify_timeout: float = 5.0, verify_budget: float = 60.0) -> None:
+        _check_options(num_ops, max_number, operators, length_unit, length_target, verify_timeout, verify_budget,
+                       holdout)
         self.source = source
         self.gym = source[len(REASONING_GYM):] if source.startswith(REASONING_GYM) else None
         if self.gym is not None:
@@ -160,16 +167,21 @@ class MathEnv:
         self.holdout, self.num_ops, self.max_number = holdout, num_ops, max_number
         self.operators, self.word_problems = operators, word_problems
         self.length_unit, self.length_target, self.verify_timeout = length_unit, length_target, verify_timeout
+        self.verify_budget = verify_budget
         self.problem: Problem | None = None
-        self.correct = False
+        self.correct = self.unchecked = False
 
     def instructions(self) -> str:
         return "Solve the math problem. Let's think step by step and output the final answer in \\boxed{...}."
 
     def reset(self, seed: int) -> str:
         self.problem = self._problem(seed)
-        self.correct = False
+        self.correct = self.unchecked = False
         return self.problem.question
+
+    def rollout_scope(self):
+        """Held by the rollout around all its turns: the answer checks of one rollout share `verify_budget` seconds."""
+        return check_budget(self.verify_budget)
 
     def _problem(self, seed: int) -> Problem:
         if self.gym is not None:
@@ -183,16 +195,21 @@ class MathEnv:
         """Grade the whole reply; `num_tokens` is its length in tokens (None: the length counts characters)."""
         answer = extract_answer(reply)
         equal = None if answer is None else CHECKER.equal(self.problem.answer, answer, self.verify_timeout)
-        self.correct = bool(equal)
+        self.correct, self.unchecked = bool(equal), answer is not None and equal is None
         by_tokens = self.length_unit == "tokens" and num_tokens is not None
         reward = {"correctness": float(self.correct), "format": format_score(reply),
                   "length": length_score(num_tokens if by_tokens else len(reply), self.length_target)}
         info = {"success": float(self.correct), "action_is_valid": float(answer is not None),
-                "action_is_effective": 1.0, "verify_timeout": float(answer is not None and equal is None)}
+                "action_is_effective": 1.0, "verify_timeout": float(self.unchecked)}
         return StepResult(observation="", reward=reward, done=True, info=info)
 
     def success(self) -> bool:
         return self.correct
+
+    def metrics(self) -> dict[str, float]:
+        """`verify_timeout`: 1 when the answer's check gave no verdict (past `verify_timeout`, past the rollout's
+        `verify_budget`, or its worker died) and so counted as wrong."""
+        return {"verify_timeout": float(self.unchecked)}
 
     def solve(self) -> list[str]:
         """A well-formed reply to the current problem: its steps as ordinals, then the boxed gold answer."""
@@ -222,16 +239,17 @@ def _ordinal(i: int) -> str:
     return ORDINALS[i] if i < len(ORDINALS) else "Next"
 
 
-def _check_options(num_ops, max_number, operators, length_unit, length_target, verify_timeout, holdout) -> None:
+def _check_options(num_ops, max_number, operators, length_unit, length_target, verify_timeout, verify_budget,
+                   holdout) -> None:
     if num_ops < 1 or max_number < 1:
         raise ValueError(f"num_ops and max_number must be >= 1, got {num_ops} and {max_number}")
     if not operators or set(operators) - set(OPERATORS):
         raise ValueError(f"operators must be a non-empty subset of {OPERATORS!r}, got {operators!r}")
     if length_unit not in LENGTH_UNITS:
         raise ValueError(f"length_unit must be one of {', '.join(LENGTH_UNITS)}, got {length_unit!r}")
-    if length_target < 1 or verify_timeout <= 0 or holdout < 0:
-        raise ValueError(f"length_target must be >= 1, verify_timeout > 0 and holdout >= 0; got {length_target}, "
-                         f"{verify_timeout} and {holdout}")
+    if length_target < 1 or verify_timeout <= 0 or verify_budget <= 0 or holdout < 0:
+        raise ValueError(f"length_target must be >= 1, verify_timeout and verify_budget > 0 and holdout >= 0; got "
+                         f"{length_target}, {verify_timeout}, {verify_budget} and {holdout}")
 
 
 __all__ = ["MathConfig", "MathEnv", "SAMPLE_NAME", "extract_answer", "format_score", "length_score"]
