@@ -112,6 +112,7 @@ def test_worker_dies_with_its_parent_even_inside_sympy():
     """)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    worker = None
     try:
         worker = int(parent.stdout.readline())
         assert not _gone(worker)
@@ -121,6 +122,8 @@ def test_worker_dies_with_its_parent_even_inside_sympy():
     finally:
         parent.kill()
         parent.wait()
+        if worker is not None and not _gone(worker):
+            os.kill(worker, signal.SIGKILL)  # a failed test leaves no process computing for hours
 
 
 def test_worker_outlives_the_thread_that_started_it():
@@ -145,13 +148,11 @@ def test_budget_gives_later_checks_no_time():
     try:
         checker.equal("\\frac{1}{2}", "0.5", timeout=30.0)  # the first start-up is paid by no budget
         with check_budget(1.5) as budget:
-            start = time.monotonic()
             verdicts = [checker.equal("1", HANG, timeout=1.0) for _ in range(8)]
-            elapsed = time.monotonic() - start
             assert checker.equal("12", "12.0", timeout=30.0) is None  # math-verify's case, but no time is left
             assert checker.equal("12", "012", timeout=30.0) is True  # the shortcut needs no time
-        assert verdicts == [None] * 8 and checker.timeouts <= 2 and budget.left <= 0
-        assert elapsed < 1.5 + 2 * 10.0  # the budget and at most one worker restart (10 s on a loaded machine)
-        assert checker.equal("12", "12.0", timeout=30.0) is True  # a new budget-free check
+        assert verdicts == [None] * 8 and budget.left <= 0
+        assert checker.timeouts <= 2  # the first check's 1 s, perhaps one more; without the budget all 8 time out
+        assert checker.equal("12", "12.0", timeout=30.0) is True  # outside the block: no budget
     finally:
         checker.close()
