@@ -156,3 +156,23 @@ def test_budget_gives_later_checks_no_time():
         assert checker.equal("12", "12.0", timeout=30.0) is True  # outside the block: no budget
     finally:
         checker.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_checks_with_a_worker_of_its_own():
+    """A process forked from one whose worker (and worker-starting thread) run starts its own; the parent's goes on."""
+    assert CHECKER.equal("\\frac{1}{2}", "0.5", timeout=120.0) is True
+    parents = CHECKER.worker_pid
+    child = os.fork()
+    if child == 0:  # the child: the parent's threads do not exist here
+        ok = CHECKER.equal("\\frac{1}{2}", "0.25", timeout=60.0) is False and CHECKER.worker_pid != parents
+        CHECKER.close()
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 120
+    while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    assert done[0] == child and os.waitstatus_to_exitcode(done[1]) == 0
+    assert CHECKER.equal("\\frac{1}{2}", "0.5", timeout=120.0) is True and CHECKER.worker_pid == parents

@@ -12,7 +12,8 @@ Design choices:
   one line on stderr says so; a worker found dead before a check is restarted silently. The worker never
   outlives this process, even when stuck in C (`answer_worker.die_with_parent`). Linux ties that death
   signal to the thread that started the worker, so workers are started by one long-lived thread of ours,
-  never by a caller's thread, which may end sooner.
+  never by a caller's thread, which may end sooner. A forked child forgets its parent's worker and thread
+  (they are not its own) and starts its own.
 - `check_budget(seconds)` gives the checks made inside it (in this thread: one rollout's) that many seconds
   in all: each check waits at most what is left, and once nothing is left a check that needs the worker
   gives no verdict at once. Worker restarts are paid from the budget; the process's first start is not.
@@ -88,12 +89,16 @@ class AnswerChecker:
     """Checks answers in a persistent worker process; thread-safe; a check past its deadline kills the worker."""
 
     def __init__(self) -> None:
+        self._forget_worker()
+        self.timeouts = 0  # checks whose worker was killed at their deadline
+
+    def _forget_worker(self) -> None:
+        """No worker, without stopping one (also what a forked child does with its parent's)."""
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._replies: queue.Queue | None = None
         self._started = False
         self.busy = False  # a check is waiting for the worker's verdict
-        self.timeouts = 0  # checks whose worker was killed at their deadline
 
     @property
     def worker_pid(self) -> int | None:
@@ -196,6 +201,10 @@ class _Spawner:
     """Starts processes from one daemon thread that lives as long as this process (see the module docstring)."""
 
     def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """No thread yet (also in a forked child, where the parent's thread does not exist)."""
         self._requests: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -234,3 +243,5 @@ def _read_replies(stream, replies: queue.Queue) -> None:
 _SPAWNER = _Spawner()
 CHECKER = AnswerChecker()
 atexit.register(CHECKER.close)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: (_SPAWNER.forget(), CHECKER._forget_worker()))
