@@ -4,9 +4,15 @@ length formulas, the synthetic generator, file loaders, and the whole-reply prot
 from __future__ import annotations
 
 import json
+import math
+import os
+import random
+import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -28,6 +34,7 @@ def equal(gold: str, pred: str) -> bool | None:
     ("5", "5\\text{ cm}"), ("18", "18 \\mathrm{cm}"), ("5", "\\$5"), ("5", "\\$5.00"),
     ("50\\%", "50"), ("50\\%", "0.5"), ("0.18", "18\\%"), ("3", "x = 3"), ("18", "18.00"),
     ("\\text{Evelyn}", "\\text{Evelyn}"),
+    ("-45", "-45\\%"), ("-45\\%", "-45"), ("-0.45", "-45\\%"), ("-45", "−45\\%"), ("-0.045", "-4.5\\%"),  # as 50\%
 ])
 def test_equivalent_answers(gold, pred):
     assert equal(gold, pred) is True
@@ -37,6 +44,7 @@ def test_equivalent_answers(gold, pred):
     ("-5", "5"), ("5", "-5"), ("12", "13"), ("\\frac{1}{2}", "\\frac{1}{3}"), ("12", "1 2"),  # "1 2" reads as 1 + 2
     ("5", "5 dollars"),  # a plain-word unit is not stripped (math-verify reads a product of symbols)
     ("1,5", "15"),  # "1,5" is the set {1, 5}, not a thousands separator
+    ("45", "-45\\%"), ("-45", "45\\%"), ("-45\\%", "45"), ("0.45", "-45\\%"),
 ])
 def test_different_answers(gold, pred):
     assert equal(gold, pred) is False
@@ -51,9 +59,40 @@ def test_different_answers(gold, pred):
     ("<answer>\\boxed{12</answer>", None),  # a malformed \boxed{ is no answer, even inside <answer>
     ("\\boxed{3} and \\boxed{4", None),  # the last \boxed{ never closes
     ("the answer is 12", None),
+    ("\\fbox{146}", "146"), ("\\boxed{1} then \\fbox{\\frac{1}{2}}", "\\frac{1}{2}"),  # \fbox reads as \boxed
+    ("so $\\boxed 146$.", "146"), ("\\boxed 146.\nDone.", "146."),  # the space form: up to `$` or the line end
+    ("\\boxed {146}", "146"), ("\\fbox 7", "7"), ("\\boxed{5} and \\boxed 6", "6"),
+    ("\\boxed{5} in \\boxedtext", "5"), ("\\boxed{5} then \\boxed", "5"),  # not a box: the earlier one counts
+    ("<answer>1</answer></answer>", "1"), ("<answer><answer>2</answer>", "<answer>2"),  # as the lazy regex reads them
 ])
 def test_extract_answer(reply, answer):
     assert extract_answer(reply) == answer
+
+
+def _reference_answer(reply: str) -> str | None:
+    """The <answer> rule as the lazy regex states it (quadratic on hostile replies; fine on short ones)."""
+    found = re.findall(r"<answer>(.*?)</answer>", reply, re.DOTALL)
+    return found[-1].strip() if found else None
+
+
+def test_answer_tags_read_as_the_lazy_regex_reads_them():
+    rng = random.Random(0)
+    pieces = ("<answer>", "</answer>", "<answer", "answer>", "x", " ", "\n", "<", ">", "/")
+    for _ in range(3000):
+        reply = "".join(rng.choice(pieces) for _ in range(rng.randrange(12)))
+        assert extract_answer(reply) == _reference_answer(reply), reply
+
+
+@pytest.mark.parametrize("reply", [
+    "<answer>" * 50_000, "<answer>x</answer>" * 22_000, "\\boxed{" * 57_000, "\\boxed{" + "{" * 400_000,
+    "\\boxed " * 57_000, "\\boxedx" * 50_000, "<answer>" + "\\boxe" * 80_000,
+])
+def test_extraction_is_linear_on_hostile_replies(reply):
+    """Replies of about 400 KB built to make a lazy regex or a brace scan quadratic take well under a second."""
+    start = time.perf_counter()
+    extract_answer(reply)
+    format_score(reply)
+    assert time.perf_counter() - start < 1.0
 
 
 def test_malformed_box_scores_zero_correctness():
@@ -203,6 +242,60 @@ def test_malformed_files(tmp_path, rows, message):
         load_problems(_jsonl(tmp_path / "bad.jsonl", rows))
 
 
+@pytest.mark.parametrize("answer, kind", [
+    (True, "bool"), ([1, 2], "list"), ({"value": 3}, "dict"), (float("nan"), "float nan"),
+    (float("inf"), "float inf"), (-math.inf, "float -inf"),
+])
+def test_answers_that_are_not_text_or_a_finite_number_are_refused(tmp_path, answer, kind):
+    path = tmp_path / "bad.jsonl"
+    rows = [{"question": "q", "answer": "1"}, {"question": "q", "answer": answer}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError, match=rf"bad.jsonl: line 2: 'answer' is a {kind}, not text or a finite number"):
+        load_problems(str(path))
+
+
+def test_numbers_are_answers(tmp_path):
+    """JSON integers keep their digits, also past Python's 4,300-digit conversion limit; other numbers are floats."""
+    long = "9" * 5000
+    path = tmp_path / "n.jsonl"
+    path.write_text('{"question": "a", "answer": 72}\n{"question": "b", "answer": 0.50}\n'
+                    f'{{"question": "c", "answer": {long}}}\n')
+    assert [p.answer for p in load_problems(str(path))] == ["72", "0.5", long]
+    env = make_env("math", source=str(path))
+    env.reset(2)
+    assert env.step(f"\\boxed{{{long}}}").reward["correctness"] == 1.0
+    assert env.step("\\boxed{7}").reward["correctness"] == 0.0
+    path.write_text('{"question": "a", "answer": 1e400}\n')
+    with pytest.raises(ValueError, match=r"n.jsonl: line 1: 'answer' is a float inf, not text or a finite number"):
+        load_problems(str(path))
+
+
+def test_parquet_bytes_and_nan_answers_are_refused(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"question": ["q"], "answer": [b"12"]}), tmp_path / "b.parquet")
+    with pytest.raises(ValueError, match=r"b.parquet: row 0: 'answer' is a bytes, not text or a finite number"):
+        load_problems(str(tmp_path / "b.parquet"))
+    pq.write_table(pa.table({"question": ["q", "r"], "answer": [1.5, float("nan")]}), tmp_path / "f.parquet")
+    with pytest.raises(ValueError, match=r"f.parquet: row 1: 'answer' is a float nan, not text or a finite number"):
+        load_problems(str(tmp_path / "f.parquet"))
+
+
+def test_bad_utf8_names_the_file_and_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"question": "q", "answer": "1"}\n{"question": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"latin1.jsonl: line 2 is not valid UTF-8 \(byte 0xe9 at column 18\)"):
+        load_problems(str(path))
+
+
+def test_deeply_nested_json_is_a_one_line_error(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"question": "q", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    with pytest.raises(ValueError, match=r"deep.jsonl: line 1 nests arrays or objects too deeply to parse"):
+        load_problems(str(path))
+
+
 def test_bad_files_fail_at_config_time(tmp_path):
     bad = _jsonl(tmp_path / "bad.jsonl", [{"q": "1+1?", "answer": "2"}])
     with pytest.raises(ConfigError, match=r"env.math.*bad.jsonl: line 1 has no column 'question'"):
@@ -251,6 +344,48 @@ def test_rollout_passes_the_whole_reply_without_format_penalty():
     assert batch.reward_weights == weights
     expected = [sum(w * v for w, v in zip(weights, row, strict=True)) for row in batch.reward_components.tolist()]
     assert batch.scores.tolist() == pytest.approx(expected)
+
+
+def test_rollout_budget_bounds_hostile_checks_and_counts_them():
+    """Replies whose answers make sympy compute forever: the rollout's checks share `env.math.verify_budget` seconds,
+    so at most about budget / verify_timeout of them reach the worker; each counts as wrong and in verify_timeout."""
+    from rldynamics.models.tiny import build_tiny_tokenizer
+    from rldynamics.rollout.agent import env_metric_summary, rollout
+
+    cfg = make_config("math-tiny", overrides=["env.math.verify_timeout=1", "env.math.verify_budget=1.5"])
+    env = make_env("math", **cfg.env.options())
+    env.reset(0)
+    replies = ["\\boxed{9^{9^{9^{9}}}}", f"\\boxed{{{env.problem.answer}.0}}"]  # hangs; equal, says math-verify
+    tokenizer = build_tiny_tokenizer(replies)
+    hostile, fine = (tokenizer(r, add_special_tokens=False)["input_ids"] for r in replies)
+    CHECKER.equal("\\frac{1}{2}", "0.5", timeout=120.0)  # the worker is up: its first start is paid by no budget
+    before = CHECKER.timeouts
+    batch = rollout(None, tokenizer, [0, 1, 2, 3], 2, cfg.env, respond=lambda trajs: [hostile for _ in trajs])
+    assert CHECKER.timeouts - before <= 2  # without the budget: 8, at 1 s and a worker restart each
+    assert batch.reward_components[:, 0].tolist() == [0.0] * 8
+    assert env_metric_summary(batch, "train/math", 2)["train/math/verify_timeout"] == 1.0
+    ok = rollout(None, tokenizer, [0], 2, cfg.env, respond=lambda trajs: [fine for _ in trajs])
+    assert ok.reward_components[:, 0].tolist() == [1.0, 1.0]  # a new rollout has a new budget
+    assert [m["verify_timeout"] for m in ok.env_metrics] == [0.0, 0.0]
+
+
+def test_worker_killed_during_a_step_grades_the_reply_wrong_and_training_goes_on():
+    env = make_env("math", verify_timeout=60.0)
+    env.reset(0)
+    killer = threading.Thread(target=lambda: (_wait_busy(), os.kill(CHECKER.worker_pid, signal.SIGKILL)))
+    killer.start()
+    result = env.step("\\boxed{9^{9^{9^{9}}}}")
+    killer.join(60)
+    assert result.reward["correctness"] == 0.0 and env.metrics() == {"verify_timeout": 1.0}
+    assert env.step(env.solve()[0]).reward["correctness"] == 1.0
+    assert env.step(f"\\boxed{{{env.problem.answer}.0}}").reward["correctness"] == 1.0  # math-verify's case
+
+
+def _wait_busy() -> None:
+    deadline = time.monotonic() + 120
+    while not CHECKER.busy and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
 
 
 def test_gsm8k_presets_need_a_file_and_carry_the_documented_settings():

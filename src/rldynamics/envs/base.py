@@ -18,6 +18,10 @@ Design choices:
   constructor's keyword arguments and the user's `env.<name>.<field>` keys.
 - `reset(seed)` is deterministic: the same seed gives the same initial state in every process and on
   every machine. Envs in a group share a seed and therefore a starting state.
+- Two optional hooks: `rollout_scope()` returns a context manager the rollout holds around all the turns of
+  one rollout (math: the time budget its answer checks share), and `metrics()` returns extra per-episode
+  diagnostics (floats, the same names in every episode) that the rollout logs as their means,
+  `<stage>/<env>/<name>`, next to `success` and the others.
 - `solve`, `random_action` and `corpus_extras` serve the embedded tiny model only (its tokenizer corpus
   and supervised warm start); an env used with a real model may leave them out.
 - Helpers for env authors below the protocol: `randbelow` (version-stable seeded draws), `int_at_least`

@@ -9,8 +9,17 @@ Design choices:
   GSM8K- / MATH-500-style JSONL or Parquet file (`math_data`). A file's rows are
   reached by seed: seeds below `holdout` pick rows 0..holdout-1 (validation with `val.seed_base=0`),
   larger seeds cycle through the other rows, so training never sees the held-out rows.
-- The answer is the content of the last `\\boxed{...}` (braces matched; a `\\boxed{` that never closes
-  is no answer at all), or, when the reply has no `\\boxed{`, the text of its last `<answer>...</answer>`.
+- The answer is the content of the last box, or, when the reply has none, the text of its last
+  `<answer>...</answer>`. A box is `\\boxed` or `\\fbox` followed by a braced group (braces matched; one
+  that never closes is no answer at all) or by a space and text, which runs to the next `$` or line end
+  (`$\\boxed 146$`, read as the MATH dataset's own grader reads it). `\\boxedtext` and a bare `\\boxed`
+  are not boxes.
+- Extraction is linear in the reply's length whatever it holds (tags are found with `str.find`, boxes with
+  one forward scan), since it runs in the trainer, outside the answer check's timeout: the lazy regex
+  `<answer>(.*?)</answer>` takes seconds to minutes on a reply of repeated `<answer>` tags.
+- Each answer check has a deadline (`verify_timeout`) and the checks of one rollout share `verify_budget`
+  seconds (`rollout_scope`, held by the rollout; `answer_check` says how). A check with no verdict counts as
+  wrong and shows in `metrics()` as `verify_timeout`, which the rollout logs per step.
 - Components, as the rldynamic study defines them (reference/peer_systems.md §A.1):
   `correctness` 1 if math-verify finds the answer equal to the gold answer (rldynamic compared strings),
   else 0; `format` = 0.25 per whole word "first" / "second" / "third" in the lower-cased reply, + 0.25
@@ -25,7 +34,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from rldynamics.envs.answer_check import CHECKER
+from rldynamics.envs.answer_check import CHECKER, check_budget
 from rldynamics.envs.base import StepResult
 from rldynamics.envs.math_data import (
     OPERATORS,
@@ -41,8 +50,10 @@ from rldynamics.envs.math_data import (
 
 SYNTHETIC = "synthetic"
 LENGTH_UNITS = ("chars", "tokens")
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_BOXED = "\\boxed{"
+_ANSWER, _ANSWER_END = "<answer>", "</answer>"
+_BOX = re.compile(r"\\(?:boxed|fbox)")  # a box's macro name; what follows it decides whether it is a box
+_SPACES, _BLANKS = re.compile(r"\s*"), re.compile(r"[^\S\n]*")  # any white space; all but a line break
+_BRACE, _TEXT_END = re.compile(r"[{}]"), re.compile(r"[$\n]")
 
 
 @dataclass
@@ -69,6 +80,9 @@ class MathConfig:
     """Length component: the reply length with the highest reward (1); 0 at zero and at twice the target."""
     verify_timeout: float = 5.0
     """Seconds per answer check (math-verify in a worker process); a check past it counts as wrong."""
+    verify_budget: float = 60.0
+    """Seconds of answer checking per rollout (a step's or a validation's replies, per rank); past it, answers that
+    need math-verify count as wrong. Checks without a verdict: <stage>/math/verify_timeout."""
 
 
 def format_score(reply: str) -> float:
@@ -87,17 +101,44 @@ def length_score(length: int, target: int) -> float:
 
 
 def extract_answer(reply: str) -> str | None:
-    """The content of the last `\\boxed{...}`, else the last `<answer>` text; None when there is no answer."""
-    start = reply.rfind(_BOXED)
-    if start < 0:
-        answers = _ANSWER.findall(reply)
-        return answers[-1].strip() if answers else None
-    depth = 1
-    for i in range(start + len(_BOXED), len(reply)):
-        depth += {"{": 1, "}": -1}.get(reply[i], 0)
-        if depth == 0:
-            return reply[start + len(_BOXED): i].strip()
-    return None  # unbalanced braces: a malformed \boxed{ is no answer
+    """The content of the last box, else the last `<answer>` text; None when there is no answer (see the module
+    docstring: a box whose braces never close is no answer, even when an earlier box or `<answer>` exists)."""
+    for box in reversed([m.end() for m in _BOX.finditer(reply)]):
+        is_box, content = _box_content(reply, box)
+        if is_box:
+            return content
+    return _last_answer_tag(reply)
+
+
+def _box_content(reply: str, i: int) -> tuple[bool, str | None]:
+    """(whether a box starts with the macro name ending at `i`, its stripped content or None if unclosed)."""
+    j = _SPACES.match(reply, i).end()
+    if reply.startswith("{", j):
+        depth = 0
+        for brace in _BRACE.finditer(reply, j):
+            depth += 1 if brace.group() == "{" else -1
+            if depth == 0:
+                return True, reply[j + 1:brace.start()].strip()
+        return True, None
+    k = _BLANKS.match(reply, i).end()
+    if k == i or k == len(reply) or reply[k] in "$\n":
+        return False, None  # `\boxedx`, `\boxed$`, a bare `\boxed`: no box
+    end = _TEXT_END.search(reply, k)
+    return True, reply[k:end.start() if end else len(reply)].strip()  # `\boxed 146`
+
+
+def _last_answer_tag(reply: str) -> str | None:
+    """The stripped text of the last `<answer>...</answer>`, as `re.findall(r"<answer>(.*?)</answer>")[-1]` reads
+    it (each match: the first opening tag after the previous match, the first closing tag after it), in one
+    forward pass of `str.find`."""
+    found, i = None, reply.find(_ANSWER)
+    while i >= 0:
+        j = reply.find(_ANSWER_END, i + len(_ANSWER))
+        if j < 0:
+            break
+        found = reply[i + len(_ANSWER):j]
+        i = reply.find(_ANSWER, j + len(_ANSWER_END))
+    return None if found is None else found.strip()
 
 
 class MathEnv:
@@ -112,8 +153,9 @@ class MathEnv:
     def __init__(self, source: str = SYNTHETIC, question_key: str = "question", answer_key: str = "answer",
                  holdout: int = 0, num_ops: int = 2, max_number: int = 20, operators: str = "+-*",
                  word_problems: bool = True, length_unit: str = "chars", length_target: int = 800,
-                 verify_timeout: float = 5.0) -> None:
-        _check_options(num_ops, max_number, operators, length_unit, length_target, verify_timeout, holdout)
+                 verify_timeout: float = 5.0, verify_budget: float = 60.0) -> None:
+        _check_options(num_ops, max_number, operators, length_unit, length_target, verify_timeout, verify_budget,
+                       holdout)
         self.source = source
         self.gym = source[len(REASONING_GYM):] if source.startswith(REASONING_GYM) else None
         if self.gym is not None:
@@ -125,16 +167,21 @@ class MathEnv:
         self.holdout, self.num_ops, self.max_number = holdout, num_ops, max_number
         self.operators, self.word_problems = operators, word_problems
         self.length_unit, self.length_target, self.verify_timeout = length_unit, length_target, verify_timeout
+        self.verify_budget = verify_budget
         self.problem: Problem | None = None
-        self.correct = False
+        self.correct = self.unchecked = False
 
     def instructions(self) -> str:
         return "Solve the math problem. Let's think step by step and output the final answer in \\boxed{...}."
 
     def reset(self, seed: int) -> str:
         self.problem = self._problem(seed)
-        self.correct = False
+        self.correct = self.unchecked = False
         return self.problem.question
+
+    def rollout_scope(self):
+        """Held by the rollout around all its turns: the answer checks of one rollout share `verify_budget` seconds."""
+        return check_budget(self.verify_budget)
 
     def _problem(self, seed: int) -> Problem:
         if self.gym is not None:
@@ -148,16 +195,21 @@ class MathEnv:
         """Grade the whole reply; `num_tokens` is its length in tokens (None: the length counts characters)."""
         answer = extract_answer(reply)
         equal = None if answer is None else CHECKER.equal(self.problem.answer, answer, self.verify_timeout)
-        self.correct = bool(equal)
+        self.correct, self.unchecked = bool(equal), answer is not None and equal is None
         by_tokens = self.length_unit == "tokens" and num_tokens is not None
         reward = {"correctness": float(self.correct), "format": format_score(reply),
                   "length": length_score(num_tokens if by_tokens else len(reply), self.length_target)}
         info = {"success": float(self.correct), "action_is_valid": float(answer is not None),
-                "action_is_effective": 1.0, "verify_timeout": float(answer is not None and equal is None)}
+                "action_is_effective": 1.0, "verify_timeout": float(self.unchecked)}
         return StepResult(observation="", reward=reward, done=True, info=info)
 
     def success(self) -> bool:
         return self.correct
+
+    def metrics(self) -> dict[str, float]:
+        """`verify_timeout`: 1 when the answer's check gave no verdict (past `verify_timeout`, past the rollout's
+        `verify_budget`, or its worker died) and so counted as wrong."""
+        return {"verify_timeout": float(self.unchecked)}
 
     def solve(self) -> list[str]:
         """A well-formed reply to the current problem: its steps as ordinals, then the boxed gold answer."""
@@ -187,16 +239,17 @@ def _ordinal(i: int) -> str:
     return ORDINALS[i] if i < len(ORDINALS) else "Next"
 
 
-def _check_options(num_ops, max_number, operators, length_unit, length_target, verify_timeout, holdout) -> None:
+def _check_options(num_ops, max_number, operators, length_unit, length_target, verify_timeout, verify_budget,
+                   holdout) -> None:
     if num_ops < 1 or max_number < 1:
         raise ValueError(f"num_ops and max_number must be >= 1, got {num_ops} and {max_number}")
     if not operators or set(operators) - set(OPERATORS):
         raise ValueError(f"operators must be a non-empty subset of {OPERATORS!r}, got {operators!r}")
     if length_unit not in LENGTH_UNITS:
         raise ValueError(f"length_unit must be one of {', '.join(LENGTH_UNITS)}, got {length_unit!r}")
-    if length_target < 1 or verify_timeout <= 0 or holdout < 0:
-        raise ValueError(f"length_target must be >= 1, verify_timeout > 0 and holdout >= 0; got {length_target}, "
-                         f"{verify_timeout} and {holdout}")
+    if length_target < 1 or verify_timeout <= 0 or verify_budget <= 0 or holdout < 0:
+        raise ValueError(f"length_target must be >= 1, verify_timeout and verify_budget > 0 and holdout >= 0; got "
+                         f"{length_target}, {verify_timeout}, {verify_budget} and {holdout}")
 
 
 __all__ = ["MathConfig", "MathEnv", "SAMPLE_NAME", "extract_answer", "format_score", "length_score"]

@@ -10,9 +10,12 @@ Design choices:
 - Files are JSONL (one object per line) or Parquet (needs `pip install rldynamics[parquet]`, i.e. pyarrow);
   the question and answer columns are named by the caller. A GSM8K answer (`... #### 72`) gives the gold
   answer after the last `####` and its reasoning before it; any other answer text is the gold answer as is.
-  Every problem in the file is checked when it is loaded: a bad line, a missing column or an empty file is
-  a ValueError naming the file, the line or row, and the column. Loaded files are cached per process
-  (keyed by path, size and modification time), since each trajectory constructs its own env.
+  Every problem in the file is checked when it is loaded: a line that is not UTF-8 or not JSON (or nests too
+  deeply to parse), a missing column, a value that is not text or a finite number (true, a list, NaN,
+  bytes, ...) or an empty file is a ValueError naming the file, the line or row, and the column. A JSON
+  integer keeps its digits, however many (Python's int refuses more than 4,300); other numbers are read as
+  Python floats (`0.50` gives "0.5"). Loaded files are cached per process (keyed by path, size and
+  modification time), since each trajectory constructs its own env.
 - `sample` names the small JSONL file shipped in the package (`data/math_sample.jsonl`), written by
   `write_sample` (`python scripts/make_math_sample.py`) from the synthetic generator in GSM8K style.
 - `reasoning_gym:<dataset>` draws from reasoning-gym's offline generators (`pip install
@@ -22,6 +25,7 @@ Design choices:
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from dataclasses import dataclass
@@ -139,15 +143,27 @@ def _load_cached(path: str, size: int, mtime_ns: int, question_key: str, answer_
             if key not in row:
                 raise ValueError(f"{path}: {where} has no column {key!r} (columns: {', '.join(map(str, row))}); "
                                  f"set env.math.question_key / env.math.answer_key to the file's column names")
-            value = row[key]
-            if value is None or (isinstance(value, str) and not value.strip()):
+            value = None if row[key] is None else _text(row[key], f"{path}: {where}: {key!r}")
+            if value is None or not value.strip():
                 raise ValueError(f"{path}: {where} has an empty {key!r}")
-            values.append(str(value))
+            values.append(value)
         gold, steps = gold_answer(values[1])
         if not gold:
             raise ValueError(f"{path}: {where} has an empty gold answer after '####' in {answer_key!r}")
         problems.append(Problem(question=values[0].strip(), answer=gold, steps=steps))
     return tuple(problems)
+
+
+def _text(value: object, where: str) -> str:
+    """A cell's text: a string as is, a finite number as Python writes it; anything else is a ValueError."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float) and math.isfinite(value):
+        return repr(value)
+    kind = type(value).__name__ + (f" {value!r}" if isinstance(value, float) else "")
+    raise ValueError(f"{where} is a {kind}, not text or a finite number; store it as a string")
 
 
 def _read_rows(path: Path) -> list[tuple[str, dict]]:
@@ -158,19 +174,29 @@ def _read_rows(path: Path) -> list[tuple[str, dict]]:
     if suffix not in (".jsonl", ".json"):
         raise ValueError(f"math problem file {str(path)!r}: unsupported type {suffix!r}; use .jsonl or .parquet")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {number} is not valid JSON ({e.msg}); expected one object "
-                                 "per line (JSONL)") from e
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}: line {number} is a JSON {type(row).__name__}, not an object")
-            rows.append((f"line {number}", row))
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: line {number} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                                 f"{e.start + 1}); save the file as UTF-8") from None
+            if line.strip():
+                rows.append((f"line {number}", _json_object(line, f"{path}: line {number}")))
     return rows
+
+
+def _json_object(line: str, where: str) -> dict:
+    """The JSON object on one line; integers keep their digits as text."""
+    try:
+        row = json.loads(line, parse_int=str)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not valid JSON ({e.msg}); expected one object per line (JSONL)") from None
+    except RecursionError:
+        raise ValueError(f"{where} nests arrays or objects too deeply to parse; store the value as a string") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where} is a JSON {type(row).__name__}, not an object")
+    return row
 
 
 def _read_parquet(path: Path) -> list[tuple[str, dict]]:
@@ -179,10 +205,10 @@ def _read_parquet(path: Path) -> list[tuple[str, dict]]:
     except ImportError as e:
         raise ValueError(f"reading {str(path)!r} needs pyarrow: pip install 'rldynamics[parquet]'") from e
     try:
-        table = pq.read_table(path)
+        rows = pq.read_table(path).to_pylist()
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
         raise ValueError(f"{path}: not a readable Parquet file ({e})") from e
-    return [(f"row {i}", row) for i, row in enumerate(table.to_pylist())]
+    return [(f"row {i}", row) for i, row in enumerate(rows)]
 
 
 @lru_cache(maxsize=4096)

@@ -18,6 +18,7 @@ Design choices:
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -117,20 +118,22 @@ def rollout(model, tokenizer, seeds: list[int], group_size: int, cfg: EnvConfig,
     trajs = [_start(ctx, seed, first_group + g, (first_group + g) * group_size + j, names)
              for g, seed in enumerate(seeds) for j in range(group_size)]
     caches = TurnCaches(model) if respond is None else None
-    for turn in range(1, cfg.max_turns + 1):
-        active = [i for i, t in enumerate(trajs) if not t.done]
-        if not active:
-            break
-        if respond is None:
-            keys = None if row_seed is None else [row_key(row_seed, trajs[i].row, turn) for i in active]
-            responses = generate(model, tokenizer, [trajs[i].ids for i in active], cfg.max_new_tokens, temperature,
-                                 chat.stop_ids, row_keys=keys, caches=caches, cache_keys=active)
-        else:
-            responses = respond([trajs[i] for i in active])
-        for i, response in zip(active, responses, strict=True):
-            _play_turn(ctx, trajs[i], response, turn)
-            if trajs[i].done and caches is not None:
-                caches.drop(i)
+    scope = getattr(probe_env, "rollout_scope", None)  # optional Env hook (envs/base.py)
+    with scope() if scope is not None else nullcontext():
+        for turn in range(1, cfg.max_turns + 1):
+            active = [i for i, t in enumerate(trajs) if not t.done]
+            if not active:
+                break
+            if respond is None:
+                keys = None if row_seed is None else [row_key(row_seed, trajs[i].row, turn) for i in active]
+                responses = generate(model, tokenizer, [trajs[i].ids for i in active], cfg.max_new_tokens,
+                                     temperature, chat.stop_ids, row_keys=keys, caches=caches, cache_keys=active)
+            else:
+                responses = respond([trajs[i] for i in active])
+            for i, response in zip(active, responses, strict=True):
+                _play_turn(ctx, trajs[i], response, turn)
+                if trajs[i].done and caches is not None:
+                    caches.drop(i)
     return _to_batch(trajs, tokenizer, names, ctx.weights)
 
 
@@ -262,6 +265,7 @@ def _to_batch(trajs: list[Trajectory], tokenizer, names: tuple[str, ...], weight
 
 
 def _metrics(t: Trajectory, weights: dict[str, float]) -> dict[str, float]:
+    extra = getattr(t.env, "metrics", None)  # optional Env hook (envs/base.py)
     return {
         "success": float(t.env.success()),
         "num_actions": float(t.num_actions),
@@ -271,6 +275,7 @@ def _metrics(t: Trajectory, weights: dict[str, float]) -> dict[str, float]:
         "response_length": t.response_tokens / max(t.turns, 1),
         "num_turns": float(t.turns),
         "reward": weighted_sum(t.rewards, weights),
+        **(extra() if extra is not None else {}),
     }
 
 
