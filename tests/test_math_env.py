@@ -19,7 +19,7 @@ import pytest
 from rldynamics.config import ConfigError, make_config
 from rldynamics.envs import make_env
 from rldynamics.envs.answer_check import CHECKER, AnswerChecker
-from rldynamics.envs.math import extract_answer, format_score, length_score
+from rldynamics.envs.math import MathEnv, extract_answer, format_score, length_score
 from rldynamics.envs.math_data import generate_problem, load_problems, sample_path, write_sample
 
 
@@ -410,3 +410,28 @@ def test_reasoning_gym_source():
     assert env.step(f"\\boxed{{{env.problem.answer}}}").reward["correctness"] == 1.0
     with pytest.raises(ConfigError, match=r"reasoning-gym has no dataset 'no_such_set'"):
         make_config("math-tiny", overrides=["env.math.source=reasoning_gym:no_such_set"])
+
+
+@pytest.mark.parametrize(("reply", "answer"), [
+    ("So 8 + 4 = 12.", "12"), ("The total is 1,234 apples", "1234"), ("from 5 down to -3.5", "-3.5"),
+    ("no number here", None), ("First 3, then \\boxed{7}, then 9", "7"),  # a box wins
+    ("<answer>x</answer> 5", "x"), ("\\boxed{5 and 6", None),  # an unclosed box is no answer, even with a fallback
+])
+def test_last_number_fallback(reply, answer):
+    assert extract_answer(reply, "last_number") == answer
+    if "\\boxed" not in reply and "<answer>" not in reply:
+        assert extract_answer(reply) is None  # the study's rule: no box, no tag, no answer
+
+
+def test_last_number_fallback_grades_prose_and_is_linear():
+    env = MathEnv(num_ops=1, max_number=9, operators="+", answer_fallback="last_number")
+    env.reset(3)
+    gold = env.problem.answer
+    assert env.step(f"Adding them gives {gold}.").reward["correctness"] == 1.0
+    env.reset(3)
+    assert env.step(f"Adding them gives {int(gold) + 1}.").reward["correctness"] == 0.0
+    start = time.perf_counter()
+    extract_answer("1," * 200_000 + "x", "last_number")
+    assert time.perf_counter() - start < 1.0
+    with pytest.raises(ValueError, match="answer_fallback"):
+        MathEnv(answer_fallback="first")

@@ -54,6 +54,8 @@ _ANSWER, _ANSWER_END = "<answer>", "</answer>"
 _BOX = re.compile(r"\\(?:boxed|fbox)")  # a box's macro name; what follows it decides whether it is a box
 _SPACES, _BLANKS = re.compile(r"\s*"), re.compile(r"[^\S\n]*")  # any white space; all but a line break
 _BRACE, _TEXT_END = re.compile(r"[{}]"), re.compile(r"[$\n]")
+_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")  # a number as written in prose: 1,234 or -3.5
+ANSWER_FALLBACKS = ("none", "last_number")
 
 
 @dataclass
@@ -80,6 +82,9 @@ class MathConfig:
     """Length component: the reply length with the highest reward (1); 0 at zero and at twice the target."""
     verify_timeout: float = 5.0
     """Seconds per answer check (math-verify in a worker process); a check past it counts as wrong."""
+    answer_fallback: str = "none"
+    """A reply with neither a box nor an `<answer>`: none = no answer (rldynamic) | last_number = its last number
+    (lm-eval's flexible extract for GSM8K; for small models that reason in prose)."""
     verify_budget: float = 60.0
     """Seconds of answer checking per rollout (a step's or a validation's replies, per rank); past it, answers that
     need math-verify count as wrong. Checks without a verdict: <stage>/math/verify_timeout."""
@@ -100,14 +105,20 @@ def length_score(length: int, target: int) -> float:
     return max(0.0, 1.0 - abs(length / target - 1.0))
 
 
-def extract_answer(reply: str) -> str | None:
-    """The content of the last box, else the last `<answer>` text; None when there is no answer (see the module
-    docstring: a box whose braces never close is no answer, even when an earlier box or `<answer>` exists)."""
-    for box in reversed([m.end() for m in _BOX.finditer(reply)]):
+def extract_answer(reply: str, fallback: str = "none") -> str | None:
+    """The content of the last box, else the last `<answer>` text, else (`fallback=last_number`, and only when the
+    reply has no box at all) its last number; None when there is no answer (see the module docstring: a box whose
+    braces never close is no answer, even when an earlier box or `<answer>` exists)."""
+    boxes = [m.end() for m in _BOX.finditer(reply)]
+    for box in reversed(boxes):
         is_box, content = _box_content(reply, box)
         if is_box:
             return content
-    return _last_answer_tag(reply)
+    tagged = _last_answer_tag(reply)
+    if tagged is not None or fallback != "last_number" or boxes:
+        return tagged
+    numbers = _NUMBER.findall(reply)
+    return numbers[-1].replace(",", "") if numbers else None
 
 
 def _box_content(reply: str, i: int) -> tuple[bool, str | None]:
@@ -153,7 +164,9 @@ class MathEnv:
     def __init__(self, source: str = SYNTHETIC, question_key: str = "question", answer_key: str = "answer",
                  holdout: int = 0, num_ops: int = 2, max_number: int = 20, operators: str = "+-*",
                  word_problems: bool = True, length_unit: str = "chars", length_target: int = 800,
-                 verify_timeout: float = 5.0, verify_budget: float = 60.0) -> None:
+                 verify_timeout: float = 5.0, answer_fallback: str = "none", verify_budget: float = 60.0) -> None:
+        if answer_fallback not in ANSWER_FALLBACKS:
+            raise ValueError(f"answer_fallback must be one of {', '.join(ANSWER_FALLBACKS)}, got {answer_fallback!r}")
         _check_options(num_ops, max_number, operators, length_unit, length_target, verify_timeout, verify_budget,
                        holdout)
         self.source = source
@@ -167,7 +180,7 @@ class MathEnv:
         self.holdout, self.num_ops, self.max_number = holdout, num_ops, max_number
         self.operators, self.word_problems = operators, word_problems
         self.length_unit, self.length_target, self.verify_timeout = length_unit, length_target, verify_timeout
-        self.verify_budget = verify_budget
+        self.verify_budget, self.answer_fallback = verify_budget, answer_fallback
         self.problem: Problem | None = None
         self.correct = self.unchecked = False
 
@@ -193,7 +206,7 @@ class MathEnv:
 
     def step(self, reply: str, num_tokens: int | None = None) -> StepResult:
         """Grade the whole reply; `num_tokens` is its length in tokens (None: the length counts characters)."""
-        answer = extract_answer(reply)
+        answer = extract_answer(reply, self.answer_fallback)
         equal = None if answer is None else CHECKER.equal(self.problem.answer, answer, self.verify_timeout)
         self.correct, self.unchecked = bool(equal), answer is not None and equal is None
         by_tokens = self.length_unit == "tokens" and num_tokens is not None
