@@ -37,7 +37,9 @@ REWARDS_FILE = "rewards.jsonl"
 
 
 class RunInUse(OSError):
-    """Another live process holds the run directory's lock."""
+    """Another live process holds the run directory's lock; `holder` names it (`pid N on host H since T`)."""
+
+    holder: str = ""
 
 
 class RunLock:
@@ -77,8 +79,10 @@ class RunLock:
         except BlockingIOError:
             holder = _describe(os.read(fd, 4096))
             os.close(fd)
-            raise RunInUse(f"run directory {self.path.parent} is in use by {holder}; wait for it to finish "
-                           "or choose another log.name") from None
+            error = RunInUse(f"run directory {self.path.parent} is in use by {holder}; wait for it to finish "
+                             "or choose another log.name")
+            error.holder = holder
+            raise error from None
         return fd
 
     def __exit__(self, *exc) -> None:
