@@ -24,7 +24,7 @@ from rldynamics.sweep.runs import FINISHED, record_runs
 from rldynamics.sweep.summary import TEXT_COLUMNS, RunResult, SweepSummary, collect, point_rows
 
 ACTION_WORDS = {"start": "to start", "resume": "to resume from a checkpoint",
-                "restart": "to restart (stopped before a checkpoint)", "skip": "finished (skipped)"}
+                "restart": "to restart (stopped before a checkpoint, or damaged)", "skip": "finished (skipped)"}
 
 
 def _console() -> Console:

@@ -124,9 +124,15 @@ def _action(path: Path) -> str:
     return "restart" if (path / "metrics.jsonl").exists() else "start"
 
 
-def _check_not_file(out: Path, path: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise SweepError(f"--out {out} is a file; give a directory (it is created when missing)")
+def _check_out(out: Path) -> None:
+    """Refuse an --out that is a file, or lies under one."""
+    found = next(p for p in (out, *out.parents) if p.exists())
+    if not found.is_dir():
+        where = "" if found == out else f" lies under {found}, which"
+        raise SweepError(f"--out {out}{where} is a file; give a directory (it is created when missing)")
+
+
+def _check_run_path(path: Path) -> None:
     for p in (path.parent, path):
         if p.exists() and not p.is_dir():
             raise SweepError(f"{p} is a file where the sweep keeps a run directory; move it away or use another --out")
@@ -155,6 +161,7 @@ def build_plan(protocol: Protocol, seeds: list[int], out: str | Path, preset: st
         raise SweepError(f"--seeds has a seed twice: {seeds}")
     _check_user_overrides(protocol, overrides)
     out = Path(out).resolve()
+    _check_out(out)
     user_keys = _keys(overrides)
     plans, point_overrides = [], {}
     for index, point in enumerate(protocol.points):
@@ -164,7 +171,7 @@ def build_plan(protocol: Protocol, seeds: list[int], out: str | Path, preset: st
         point_overrides[point.label] = base
         for seed in seeds:
             path = runs.run_dir(out, point.label, seed)
-            _check_not_file(out, path)
+            _check_run_path(path)
             plan = RunPlan(point, index, seed, path, base, "start")
             cfg = _config(preset, config_file, plan.train_overrides(), f"point {point.label} seed {seed}")
             _check_same_settings(path, cfg)

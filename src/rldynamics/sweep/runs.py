@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from rldynamics.plots.data import RunData, as_float, early_stops, load_run
-from rldynamics.tracking.run_dir import read_config
+from rldynamics.tracking.run_dir import read_config, row_step
 
 if TYPE_CHECKING:
     from rldynamics.sweep.plan import SweepPlan
@@ -164,7 +164,7 @@ def damage(path: Path, run: RunData) -> str:
     if not metrics.is_file():
         return "metrics.jsonl is not a file"
     lines = [line for line in metrics.read_bytes().splitlines() if line.strip()]
-    steps = [_row_step(line) for line in lines]
+    steps = [row_step(line) for line in lines]
     if None in steps[:-1]:
         return f"metrics.jsonl line {steps.index(None) + 1} is not a JSON row with a step"
     steps = [n for n in steps if n is not None]
@@ -176,15 +176,6 @@ def damage(path: Path, run: RunData) -> str:
         if n != before + 1:
             return f"metrics.jsonl logs step {n} after step {before}"
     return ""
-
-
-def _row_step(line: bytes) -> int | None:
-    try:
-        row = json.loads(line)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    step = row.get("step") if isinstance(row, dict) else None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def outcome(path: Path, run: RunData | None = None) -> Outcome:

@@ -143,7 +143,7 @@ class RunWriter:
             file = self.path / name
             if file.exists():
                 lines = file.read_bytes().splitlines()
-                steps = [_row_step(line) for line in lines]
+                steps = [row_step(line) for line in lines]
                 damaged = [i + 1 for i, n in enumerate(steps[:-1]) if n is None and lines[i].strip()]
                 if damaged:
                     raise ValueError(f"{file}: line {damaged[0]} is not a JSON row with a step; repair or remove it "
@@ -170,7 +170,7 @@ def _append(file: Path, rows: list[dict[str, Any]]) -> None:
         f.write("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def _row_step(line: bytes) -> int | None:
+def row_step(line: bytes) -> int | None:
     """The step of a JSON row written by `RunWriter`, or None for anything else."""
     try:
         step = json.loads(line).get("step")
