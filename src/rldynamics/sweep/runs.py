@@ -8,7 +8,7 @@ A sweep directory holds one run directory per (point, seed), written by the norm
     OUT/<label>/seed<s>/train.log    stdout and stderr of every attempt (`rldyn train ...`)
     OUT/<label>/seed<s>/sweep.json   the point (label, value, overrides, order) and the launcher's record
                                      of the last attempt (state, exit code, error line); no timestamps
-    OUT/<label>/seed<s>.restarted-<k>/  an attempt stopped before its first checkpoint, kept aside
+    OUT/<label>/seed<s>.restarted-<k>/  an attempt stopped before its first checkpoint (or damaged), kept aside
 
 Outcomes are decided from these files alone, metrics first: a run is `damaged` when its directory cannot be
 trusted (metrics.jsonl not a file, rows without config.yaml, a step logged twice or out of order or skipped, or
