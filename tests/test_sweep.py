@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +21,7 @@ from rldynamics.sweep.launch import make_slots
 from rldynamics.sweep.plan import build_plan
 from rldynamics.sweep.protocols import SweepError, expand, split_values
 from rldynamics.sweep.report import FILES, write_summary
-from rldynamics.sweep.runs import write_status
+from rldynamics.sweep.runs import record_runs, write_status
 from rldynamics.sweep.summary import collect
 from rldynamics.tracking.run_dir import RunWriter, read_metrics
 
@@ -230,3 +232,255 @@ def test_sweep_summary_modules_import_no_torch():
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# ---------------------------------------------------------------------- one writer per run, whatever happens to a sweep
+
+# A run that stays in its first attempt for a few seconds: no checkpoint before the last step.
+NO_EARLY_CHECKPOINT = ["train.steps=20", "val.every=20", "checkpoint.every=20", "early_stop.enabled=false"]
+
+
+def _sweep_args(out) -> list[str]:
+    return ["sweep", "kl", "--values", "0", "--out", str(out), *FAST, *NO_EARLY_CHECKPOINT]
+
+
+def _start_sweep(out) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "rldynamics.cli", *_sweep_args(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _steps(run) -> list[int]:
+    """The steps of metrics.jsonl in file order (a step logged twice appears twice)."""
+    return [r["step"] for r in read_metrics(run)]
+
+
+def _wait_for_rows(run, sweep: subprocess.Popen, rows: int = 2, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and sweep.poll() is None:
+        if (run / "metrics.jsonl").is_file() and len(_steps(run)) >= rows:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"the sweep logged fewer than {rows} rows in {run} (exit code {sweep.poll()})")
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_second_sweep_into_a_running_sweep_is_refused(tmp_path, fast_overrides, capsys):
+    out = tmp_path / "sw"
+    run = out / "kl0" / "seed0"
+    first = _start_sweep(out)
+    try:
+        _wait_for_rows(run, first)
+        assert main(_sweep_args(out)) == 2
+        assert first.poll() is None, "the first sweep ended before the second was refused; use more train.steps"
+        err = capsys.readouterr().err
+        assert f"{out} is in use by another sweep (pid {first.pid} " in err and len(err.splitlines()) == 1, err
+        printed = first.communicate(timeout=300)[0]
+    finally:
+        first.kill()
+    assert first.returncode == 0, printed
+    assert _steps(run) == list(range(21))  # every step once, in one directory
+    assert not list(out.glob("kl0/seed0.restarted-*"))
+    assert [(r.label, r.state) for p in collect(out).points for r in p.runs] == [("kl0", "completed")]
+
+
+@pytest.mark.slow
+def test_killed_sweep_stops_its_trainer_and_the_rerun_logs_every_step_once(tmp_path, fast_overrides):
+    out = tmp_path / "sw"
+    run = out / "kl0" / "seed0"
+    sweep = _start_sweep(out)
+    try:
+        _wait_for_rows(run, sweep)
+        trainer = json.loads((run / ".lock").read_text())["pid"]
+        sweep.kill()  # kill -9 of the sweep parent
+        sweep.wait()
+        deadline = time.monotonic() + 60
+        while _alive(trainer) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(trainer), "the trainer outlived its sweep"
+    finally:
+        sweep.kill()
+    killed = _steps(run)
+    assert killed == list(range(len(killed))) and killed[-1] < 20, killed  # it stopped with its sweep
+
+    assert main(_sweep_args(out)) == 0
+    assert _steps(run) == list(range(21))
+    aside = out / "kl0" / "seed0.restarted-1"
+    assert _steps(aside) == killed and (aside / "config.yaml").is_file() and (run / "config.yaml").is_file()
+    assert "moved to seed0.restarted-1" in (run / "train.log").read_text()
+
+
+def _hold_lock(path) -> subprocess.Popen:
+    """Another live process holding the run directory's lock, as a trainer does."""
+    code = ("import sys, time; from rldynamics.tracking.run_dir import RunLock; RunLock(sys.argv[1]).__enter__(); "
+            "print('held', flush=True); time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["restart", "resume"])
+def test_rerun_leaves_a_run_alone_while_its_trainer_lives(tmp_path, capsys, checkpoint):
+    """A run whose lock a live process holds (a trainer that outlived its sweep, or one started by hand) is
+    neither moved aside nor resumed: the sweep stops before starting anything and names the holder."""
+    out = tmp_path / "sw"
+    protocol = expand("kl", [["0"]])
+    common = [*protocol.points[0].overrides, "checkpoint.every=1", "checkpoint.keep_last=1", "train.steps=2"]
+    run = _write_run(out, "kl0", 0, [0.1, 0.1], common, status={"state": "running", "attempts": 1})
+    if checkpoint:
+        (run / "checkpoints" / "step_1").mkdir(parents=True)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".lock"}
+    holder = _hold_lock(run)
+    try:
+        assert main(["sweep", "kl", "--values", "0", "--out", str(out), *FAST]) == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err
+    assert f"{run} is in use by pid {holder.pid} " in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in (out / "kl0").iterdir()) == ["seed0"]
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".lock"} == before
+
+
+# ---------------------------------------------------------------------- the summary believes the run directories
+
+
+def _damage(kind: str, run) -> str:
+    """Damage `run` (a finished run whose trainer exited 0) as `kind`; returns the expected detail."""
+    metrics = run / "metrics.jsonl"
+    if kind == "truncated":
+        metrics.write_bytes(metrics.read_bytes()[: len(metrics.read_bytes()) * 2 // 3])
+        return "metrics.jsonl ends at step 1 of 2, though the trainer exited 0"
+    if kind == "no_config":
+        (run / "config.yaml").unlink()
+        return "config.yaml is missing"
+    if kind == "deleted":
+        shutil.rmtree(run)
+        return "its run directory is gone or empty (never started, or deleted)"
+    if kind == "metrics_dir":
+        metrics.unlink()
+        metrics.mkdir()
+        return "metrics.jsonl is not a file"
+    lines = metrics.read_text().splitlines(keepends=True)  # two writers: rows 0, 1, 0, 2, 1, 2
+    metrics.write_text("".join([lines[0], lines[1], lines[0], lines[2], lines[1], lines[2]]))
+    return "metrics.jsonl logs step 0 twice"
+
+
+@pytest.mark.parametrize("kind", ["truncated", "no_config", "deleted", "metrics_dir", "two_writers"])
+def test_summarize_believes_the_run_directory_over_the_exit_code(tmp_path, capsys, kind):
+    out = tmp_path / "sw"
+    protocol = expand("kl", [["0", "0.1"]])
+    plan = build_plan(protocol, [0, 1], out, overrides=FAST)
+    record_runs(plan)  # what the launcher records before starting the runs
+    for r in plan.runs:
+        _write_run(out, r.point.label, r.seed, [0.1, 0.2, 0.3], [*r.overrides])
+        write_status(r.path, sweep="kl", keys=["algo.kl_coef"], point=r.point.label, value=r.point.value,
+                     index=r.index)
+    detail = _damage(kind, out / "kl0.1" / "seed1")
+    assert main(["sweep", "--summarize", str(out)]) == 1
+    printed = capsys.readouterr()
+    assert "Traceback" not in printed.out + printed.err
+    assert "1 run(s) did not finish" in printed.out and "kl0.1/seed1 (" in printed.out
+    found = {(r.label, r.seed): (r.state, r.detail) for p in collect(out).points for r in p.runs}
+    assert list(found) == [("kl0", 0), ("kl0", 1), ("kl0.1", 0), ("kl0.1", 1)]  # a deleted run stays listed
+    assert [s for s, _ in found.values()] == ["completed", "completed", "completed",
+                                              "missing" if kind == "deleted" else "damaged"]
+    assert detail in found["kl0.1", 1][1]
+    assert detail in (out / "summary.md").read_text()
+    csv_row = (out / "summary.csv").read_text().splitlines()[2]
+    assert "completed;missing" in csv_row if kind == "deleted" else "completed;damaged" in csv_row
+
+
+def test_rerun_restarts_a_damaged_run_instead_of_resuming_it(tmp_path):
+    """A run with a checkpoint but no config.yaml cannot be resumed (the resume reads config.yaml): it restarts,
+    its directory kept aside, instead of failing on every re-run."""
+    out = tmp_path / "sw"
+    protocol = expand("kl", [["0"]])
+    common = [*protocol.points[0].overrides, "checkpoint.every=1", "checkpoint.keep_last=1", "train.steps=2"]
+    run = _write_run(out, "kl0", 0, [0.1, 0.1], common, status={"state": "running"})
+    (run / "checkpoints" / "step_1").mkdir(parents=True)
+    (run / "config.yaml").unlink()
+    assert [r.action for r in build_plan(protocol, [0], out, overrides=FAST).runs] == ["restart"]
+
+
+@pytest.mark.parametrize("key", ["seed", "log.name", "log.run_dir", "checkpoint.resume"])
+def test_keys_the_sweep_sets_cannot_be_swept(tmp_path, capsys, key):
+    out = tmp_path / "sw"
+    assert main(["sweep", "custom", key, "--values", "1,2", "--out", str(out), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert f"{key} cannot be swept" in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_out_that_is_a_file_is_one_line(tmp_path, capsys):
+    out = tmp_path / "notes.txt"
+    out.write_text("mine\n")
+    assert main(["sweep", "kl", "--values", "0", "--out", str(out), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} is a file" in err and len(err.splitlines()) == 1, err
+    assert out.read_text() == "mine\n"
+
+
+def test_summary_that_cannot_be_written_is_one_line_and_keeps_the_old_files(tmp_path):
+    """A write that fails (here: a file-size limit of 0 bytes, as a full disk does) ends in one line, exit code 1,
+    and leaves the previous summary files whole."""
+    out = tmp_path / "sw"
+    _write_run(out, "a", 0, [0.1, 0.2, 0.3])
+    write_summary(out)
+    before = {f: (out / f).read_bytes() for f in FILES}
+
+    def no_room():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+
+    done = subprocess.run([sys.executable, "-m", "rldynamics.cli", "sweep", "--summarize", str(out)],
+                          capture_output=True, text=True, preexec_fn=no_room, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    assert f"cannot write the summary in {out}" in done.stderr and "--summarize" in done.stderr
+    assert {f: (out / f).read_bytes() for f in FILES} == before
+    assert sorted(p.name for p in out.iterdir()) == sorted([*FILES, "a"])  # no temporary file left behind
+
+
+def _running_with(marker: str) -> list[int]:
+    """Pids of the live processes whose command line contains `marker`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes().decode(errors="replace") and _alive(
+                    int(proc.name)):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_killed_launcher_of_a_run_on_several_ranks_stops_torchrun_and_the_ranks(tmp_path, fast_overrides):
+    """A sweep run on several GPUs is `rldyn train --nproc D`: killing that launcher (as the end of its sweep does)
+    stops torchrun and every rank (here two CPU ranks)."""
+    runs = tmp_path / "ranks"
+    run = runs / "two"
+    launcher = subprocess.Popen([sys.executable, "-m", "rldynamics.cli", "train", "--nproc", "2", *FAST,
+                                 "train.steps=200", "val.every=200", f"log.run_dir={runs}", "log.name=two"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_rows(run, launcher)
+        assert len(_running_with(str(runs))) == 4  # the launcher, torchrun, two ranks
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 60
+        while _running_with(str(runs)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running_with(str(runs)), "torchrun or a rank outlived the launcher"
+    finally:
+        launcher.kill()
+    assert _steps(run)[-1] < 200

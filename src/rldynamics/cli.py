@@ -48,6 +48,8 @@ protocols (RAGEN's intervention scripts, as overrides on top of any preset):
 Each (point, seed) is a run directory OUT/<point>/seed<s>/ written by `rldyn train` (log in train.log).
 Runs checkpoint at every validation unless checkpoint.* is given; re-running the same command skips
 finished runs and resumes the others. An early-stopped run is a failed regime (RAGEN's protocol).
+One sweep at a time per OUT; the runs stop with their sweep, even a killed one; seed, log.name,
+log.run_dir and checkpoint.resume are set by the sweep (never swept).
 
 examples:
   rldyn sweep top_p --values 0.9,nofilter --seeds 0,1,2 --parallel 2
@@ -182,15 +184,19 @@ def _run_job(command: str, job) -> int:
 
 
 def _launch(nproc: int, argv: list[str]) -> int:
-    """`rldyn train --nproc W ...`: the same command in W ranks under torchrun; returns torchrun's exit code."""
+    """`rldyn train --nproc W ...`: the same command in W ranks under torchrun; returns torchrun's exit code.
+    torchrun, and with it every rank, stops when this process dies, however it dies (a killed sweep included)."""
+    import os
     import subprocess
+
+    from rldynamics.sweep.launch import stop_with_parent
 
     if nproc < 1:
         print(f"rldyn train: --nproc must be >= 1, got {nproc}", file=sys.stderr)
         return 2
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "rldynamics.cli", "train", *argv]
-    return subprocess.call(command)
+    return subprocess.call(command, preexec_fn=stop_with_parent(os.getpid()))
 
 
 def _one_line(error: Exception) -> str:

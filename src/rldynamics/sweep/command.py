@@ -1,12 +1,14 @@
 """Argument-parser-free entry points of `rldyn sweep` and `rldyn sweep --summarize`; each returns an exit code.
 
-Exit codes: 0 every run finished (completed or early-stopped), 1 some run failed or did not finish,
-2 bad input (nothing was started), 130 interrupted (re-run the same command to resume).
+Exit codes: 0 every run finished (completed or early-stopped), 1 some run failed, is damaged, missing or did
+not finish, or the summary could not be written, 2 bad input or OUT in use (nothing was started), 130
+interrupted (re-run the same command to resume).
 """
 
 from __future__ import annotations
 
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 from rich.console import Console
@@ -14,15 +16,15 @@ from rich.table import Table
 
 from rldynamics.config import ConfigError
 from rldynamics.sweep import protocols
-from rldynamics.sweep.launch import Launcher, cpu_count, make_slots
-from rldynamics.sweep.plan import SweepPlan, build_plan
+from rldynamics.sweep.launch import Launcher, cpu_count, make_slots, sweep_lock
+from rldynamics.sweep.plan import SweepPlan, build_plan, check_free
 from rldynamics.sweep.protocols import SweepError
 from rldynamics.sweep.report import write_summary
-from rldynamics.sweep.runs import FINISHED
-from rldynamics.sweep.summary import TEXT_COLUMNS, SweepSummary, collect, point_rows
+from rldynamics.sweep.runs import FINISHED, record_runs
+from rldynamics.sweep.summary import TEXT_COLUMNS, RunResult, SweepSummary, collect, point_rows
 
 ACTION_WORDS = {"start": "to start", "resume": "to resume from a checkpoint",
-                "restart": "to restart (stopped before a checkpoint)", "skip": "finished (skipped)"}
+                "restart": "to restart (stopped before a checkpoint, or damaged)", "skip": "finished (skipped)"}
 
 
 def _console() -> Console:
@@ -75,43 +77,63 @@ def sweep_command(name: str, items: list[str], values: list[str] | None = None, 
                   parallel: int | None = None, devices: str | None = None, devices_per_run: int = 1,
                   preset: str = "sokoban-tiny", config_file: str | None = None, out: str | None = None,
                   exclude_zero: bool = False, dry_run: bool = False) -> int:
-    """`rldyn sweep NAME [KEY ...] [key=value ...]`: plan (validated), run, summarise."""
+    """`rldyn sweep NAME [KEY ...] [key=value ...]`: plan (validated), lock OUT, run, summarise."""
     console = _console()
     keys = [x for x in items if "=" not in x]
     overrides = [x for x in items if "=" in x]
-    try:
-        protocol = protocols.expand(name, [protocols.split_values(v) for v in values or []], keys, exclude_zero)
-        slots = make_slots(parallel, devices.split(",") if devices else None, devices_per_run)
-        plan = build_plan(protocol, parse_seeds(seeds), out or default_out(name, keys, preset, exclude_zero), preset,
-                          config_file, overrides)
-    except ConfigError as e:
-        print(f"rldyn sweep: config error: {e}", file=sys.stderr)
-        return 2
-    except (SweepError, OSError) as e:
-        print(f"rldyn sweep: {e}", file=sys.stderr)
-        return 2
-    print_plan(plan, slots, console)
-    if dry_run:
-        return 0
-    plan.out.mkdir(parents=True, exist_ok=True)
-    jobs = Launcher(plan, slots, console).run()
-    if any(j.state == "interrupted" for j in jobs):
-        console.print(f"[magenta]interrupted[/]: re-run the same command to resume; "
-                      f"`rldyn sweep --summarize {plan.out}` summarises what is there")
-        return 130
-    return _summarize(collect(plan.out), plan.out, console)
+    with ExitStack() as held:
+        try:
+            protocol = protocols.expand(name, [protocols.split_values(v) for v in values or []], keys, exclude_zero)
+            slots = make_slots(parallel, devices.split(",") if devices else None, devices_per_run)
+
+            def make_plan() -> SweepPlan:
+                return build_plan(protocol, parse_seeds(seeds), out or default_out(name, keys, preset, exclude_zero),
+                                  preset, config_file, overrides)
+
+            plan = make_plan()  # bad input fails here, before OUT is created
+            if not dry_run:
+                held.enter_context(sweep_lock(plan.out))
+                plan = make_plan()  # again, from what OUT holds now that no other sweep can change it
+                check_free(plan)
+                record_runs(plan)
+        except ConfigError as e:
+            print(f"rldyn sweep: config error: {e}", file=sys.stderr)
+            return 2
+        except (SweepError, OSError) as e:
+            print(f"rldyn sweep: {e}", file=sys.stderr)
+            return 2
+        print_plan(plan, slots, console)
+        if dry_run:
+            return 0
+        jobs = Launcher(plan, slots, console).run()
+        if any(j.state == "interrupted" for j in jobs):
+            console.print(f"[magenta]interrupted[/]: re-run the same command to resume; "
+                          f"`rldyn sweep --summarize {plan.out}` summarises what is there")
+            return 130
+        return _summarize(collect(plan.out), plan.out, console)
 
 
 def _summarize(summary: SweepSummary, out: Path, console: Console) -> int:
-    written = write_summary(out, summary)
     console.print(points_table(summary, out))
+    try:
+        written = write_summary(out, summary)
+    except OSError as e:
+        print(f"rldyn sweep: cannot write the summary in {out} ({e.strerror or e}); the run directories and the "
+              f"summary files already there are intact: make room, then run `rldyn sweep --summarize {out}`",
+              file=sys.stderr)
+        return 1
     console.print(f"wrote {', '.join(p.name for p in written)} in {out}")
     unfinished = [r for p in summary.points for r in p.runs if r.state not in FINISHED]
     if unfinished:
         console.print(f"[red]{len(unfinished)} run(s) did not finish[/]: "
-                      f"{', '.join(f'{r.rel} ({r.state})' for r in unfinished)} (see summary.md)")
+                      f"{', '.join(_said(r) for r in unfinished)} (see summary.md)")
         return 1
     return 0
+
+
+def _said(r: RunResult) -> str:
+    """`a/seed1 (failed)`, with the reason where the state alone does not say it: `(damaged: config.yaml is ...)`."""
+    return f"{r.rel} ({r.state}: {r.detail})" if r.state in ("damaged", "missing") else f"{r.rel} ({r.state})"
 
 
 def summarize_command(out: str) -> int:

@@ -7,6 +7,9 @@
   `<run>/sweep.json` with its last log line, and the other runs go on.
 - Ctrl-C (or SIGTERM) interrupts every running run (SIGTERM, then SIGKILL after a grace period), records
   them as interrupted and returns; re-running the sweep resumes them from their latest checkpoint.
+- One writer per run, whatever happens to the sweep: the sweep holds `OUT/.lock` (a second sweep into OUT
+  stops at once), every run it starts dies with it (`stop_with_parent`, kill -9 of the sweep included), and
+  a run whose lock a live process still holds is neither moved aside nor resumed.
 - A rich table shows each run's state, step, latest validation success and early-stop reason (on a
   terminal); every state change is also printed as one line, so logs of background sweeps are readable.
 This module imports no torch.
@@ -14,11 +17,14 @@ This module imports no torch.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,12 +35,49 @@ from rich.table import Table
 from rldynamics.sweep import runs
 from rldynamics.sweep.plan import RunPlan, SweepPlan
 from rldynamics.sweep.protocols import SweepError
+from rldynamics.tracking.run_dir import RunInUse, RunLock
 
 GRACE_S = 20.0
 POLL_S = 0.5
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 STATE_STYLE = {"running": "cyan", "completed": "green", "early_stopped": "yellow", "failed": "red",
-               "interrupted": "magenta", "pending": "dim"}
+               "damaged": "red", "interrupted": "magenta", "pending": "dim"}
+PR_SET_PDEATHSIG = 1  # prctl option, <linux/prctl.h>
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # loaded before any fork
+
+
+def stop_with_parent(parent: int) -> Callable[[], None]:
+    """A `preexec_fn` for children of `parent` (this process) that must not outlive it.
+
+    The child asks the kernel for SIGTERM when its parent dies (Linux `prctl(PR_SET_PDEATHSIG)`, kept across
+    exec), which also covers a parent killed by SIGKILL or the out-of-memory killer, where no handler of the
+    parent runs; a parent that died before the request was made is seen by `getppid` and the child stops at
+    once. SIGTERM, not SIGKILL: `rldyn train` has no handler and dies at once (its run directory is crash-safe),
+    and torchrun (`rldyn train --nproc`) stops its ranks on SIGTERM, which SIGKILL would leave running.
+    The request is tied to the thread that forks, here the main thread. Elsewhere than Linux this does nothing:
+    children then outlive a killed sweep, and a re-run refuses their runs while they hold their run locks.
+    """
+    def arm() -> None:
+        if _LIBC is not None:
+            _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
+
+
+@contextmanager
+def sweep_lock(out: Path) -> Iterator[None]:
+    """Hold `OUT/.lock` (created with OUT) for the whole sweep: a second sweep into OUT stops at once, naming the
+    first; the kernel releases the lock however the sweep ends, kill -9 included."""
+    out.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as held:
+        try:
+            held.enter_context(RunLock(out))
+        except RunInUse as e:
+            raise SweepError(f"{out} is in use by another sweep ({e.holder}); wait for it to finish or give "
+                             "another --out") from None
+        yield
 
 
 @dataclass
@@ -140,7 +183,9 @@ class Launcher:
     # ------------------------------------------------------------------ process handling
 
     def _start(self, job: Job, slot: Slot) -> None:
+        """Start the run on `slot`; RunInUse, before anything is written, when a live process holds its lock."""
         plan = job.plan
+        RunLock(plan.path).check()
         status = runs.read_status(plan.path)
         note = {"start": "fresh start", "resume": "resuming from the latest checkpoint"}.get(plan.action, "")
         if plan.action == "restart":
@@ -156,21 +201,23 @@ class Launcher:
             log.write(f"=== rldyn sweep: attempt {attempt} on {slot.name} ({note})\n=== {' '.join(cmd)}\n")
             log.flush()
             job.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=stop_with_parent(os.getpid()))
         job.state, job.slot, job.started = "running", slot, time.monotonic()
         self.console.print(f"[cyan]started[/] {job.name} on {slot.name} ({note})")
 
     def _finished(self, job: Job, returncode: int) -> None:
         job.proc, job.slot = None, None
         job.seen = None
-        found = job.refresh()
-        if returncode == 0:
-            job.state = found.state if found.state in runs.FINISHED else "completed"
-            runs.write_status(job.plan.path, state=job.state, returncode=0, error="")
+        if returncode == 0:  # the metrics decide: rows that stop short or repeat make the run damaged
+            runs.write_status(job.plan.path, returncode=0, error="")
+            found = job.refresh()
+            job.state = found.state
+            runs.write_status(job.plan.path, state=job.state, error=found.detail if job.state == "damaged" else "")
             detail = f": {found.detail}" if found.detail else ""
-            self.console.print(f"[green]{job.state}[/]{detail} {job.name} at step {found.step} "
-                               f"(val success {_pct(found.val_success)})")
+            self.console.print(f"[{STATE_STYLE.get(job.state, '')}]{job.state}[/]{detail} {job.name} at step "
+                               f"{found.step} (val success {_pct(found.val_success)})")
             return
+        found = job.refresh()
         tail = runs.log_tail(job.plan.path)
         if returncode < 0:  # e.g. SIGKILL from the kernel's out-of-memory killer
             error = f"killed by {signal.Signals(-returncode).name}"
@@ -236,7 +283,12 @@ class Launcher:
                     free.append(job.slot)
                     self._finished(job, rc)
             while free and (job := self._next()) is not None:
-                self._start(job, free.pop(0))
+                try:
+                    self._start(job, free[0])
+                    free.pop(0)
+                except RunInUse as e:  # started by hand since the plan was made: left to that process
+                    job.state, job.shown = "failed", runs.Outcome("failed", f"{job.plan.path} is in use by {e.holder}")
+                    self.console.print(f"[red]not started[/] {job.name}: {job.shown.detail}")
             live.update(self.table(), refresh=self.console.is_terminal)
             if not any(j.state in ("pending", "running") for j in self.jobs):
                 return

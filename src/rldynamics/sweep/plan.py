@@ -1,8 +1,9 @@
 """A sweep's plan: every (point, seed) run with the exact `rldyn train` overrides it gets, validated, and what
 to do with it given what its run directory already holds (start, resume, restart, or skip as finished).
 
-Nothing is written here: a bad key or value, a clash with the sweep's own settings or a run directory that
-holds a run with other settings fails before any run starts. This module imports no torch.
+Nothing is written here: a bad key or value, a clash with the sweep's own settings, a run directory that
+holds a run with other settings or one that a live process writes fails before any run starts. This module
+imports no torch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import yaml
 from rldynamics.config import ConfigError, make_config, parse_overrides, to_dict
 from rldynamics.sweep import runs
 from rldynamics.sweep.protocols import Point, Protocol, SweepError
-from rldynamics.tracking.run_dir import read_config
+from rldynamics.tracking.run_dir import RunInUse, RunLock, read_config
 
 MANAGED = {"seed": "--seeds", "log.run_dir": "--out", "log.name": "--out", "checkpoint.resume": "re-running the sweep"}
 IGNORED_WHEN_COMPARING = ("log.run_dir", "log.name", "checkpoint.resume")
@@ -32,8 +33,8 @@ class RunPlan:
     overrides: list[str]
     """Everything but the seed and the run directory: the point's overrides, the user's, checkpoint settings."""
     action: str
-    """start | resume (from the latest checkpoint) | restart (no checkpoint yet: the old attempt is kept aside)
-    | skip (finished)."""
+    """start | resume (from the latest checkpoint) | restart (no checkpoint yet, or a damaged run: the old attempt is
+    kept aside) | skip (finished)."""
 
     def train_overrides(self) -> list[str]:
         """The full `key=value` list given to `rldyn train`."""
@@ -60,6 +61,9 @@ def _keys(overrides: list[str]) -> list[str]:
 
 
 def _check_user_overrides(protocol: Protocol, overrides: list[str]) -> None:
+    for key in protocol.keys:
+        if key in MANAGED:
+            raise SweepError(f"{key} cannot be swept: the sweep sets it for every run; use {MANAGED[key]} instead")
     for key in _keys(overrides):
         if key in protocol.keys:
             raise SweepError(f"{key} is swept by `{protocol.name}`; give its values with --values instead of {key}=...")
@@ -110,11 +114,41 @@ def _check_same_settings(path: Path, cfg) -> None:
 
 
 def _action(path: Path) -> str:
-    if runs.outcome(path).state in runs.FINISHED:
+    """skip a finished run; resume one with a checkpoint; restart (keeping the old attempt aside) one without, or a
+    damaged one (a resume would keep its rows, or fail on its missing config.yaml); start where nothing ran."""
+    state = runs.outcome(path).state
+    if state in runs.FINISHED:
         return "skip"
-    if runs.has_checkpoint(path):
+    if state != "damaged" and runs.has_checkpoint(path):
         return "resume"
     return "restart" if (path / "metrics.jsonl").exists() else "start"
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an --out that is a file, or lies under one."""
+    found = next(p for p in (out, *out.parents) if p.exists())
+    if not found.is_dir():
+        where = "" if found == out else f" lies under {found}, which"
+        raise SweepError(f"--out {out}{where} is a file; give a directory (it is created when missing)")
+
+
+def _check_run_path(path: Path) -> None:
+    for p in (path.parent, path):
+        if p.exists() and not p.is_dir():
+            raise SweepError(f"{p} is a file where the sweep keeps a run directory; move it away or use another --out")
+
+
+def check_free(plan: SweepPlan) -> None:
+    """Refuse a run whose lock a live process holds (its trainer outlived a killed sweep, or it was started by hand):
+    moving it aside or resuming it would give the run two writers."""
+    for r in plan.runs:
+        if r.action == "skip":
+            continue
+        try:
+            RunLock(r.path).check()
+        except RunInUse as e:
+            raise SweepError(f"{r.path} is in use by {e.holder}; wait for that process to end (or stop it), "
+                             "then run the sweep again") from None
 
 
 def build_plan(protocol: Protocol, seeds: list[int], out: str | Path, preset: str = "sokoban-tiny",
@@ -127,6 +161,7 @@ def build_plan(protocol: Protocol, seeds: list[int], out: str | Path, preset: st
         raise SweepError(f"--seeds has a seed twice: {seeds}")
     _check_user_overrides(protocol, overrides)
     out = Path(out).resolve()
+    _check_out(out)
     user_keys = _keys(overrides)
     plans, point_overrides = [], {}
     for index, point in enumerate(protocol.points):
@@ -136,6 +171,7 @@ def build_plan(protocol: Protocol, seeds: list[int], out: str | Path, preset: st
         point_overrides[point.label] = base
         for seed in seeds:
             path = runs.run_dir(out, point.label, seed)
+            _check_run_path(path)
             plan = RunPlan(point, index, seed, path, base, "start")
             cfg = _config(preset, config_file, plan.train_overrides(), f"point {point.label} seed {seed}")
             _check_same_settings(path, cfg)

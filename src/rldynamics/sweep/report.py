@@ -9,7 +9,9 @@
   and the log tail of every failed run.
 
 Nothing written holds an absolute path or a clock time, and PNGs carry no software metadata, so
-`rldyn sweep --summarize` on a copy of the sweep directory reproduces every file byte for byte.
+`rldyn sweep --summarize` on a copy of the sweep directory reproduces every file byte for byte. Every file
+is made in memory first, then written to a temporary name renamed over the old one: a write that fails
+(a full disk) leaves the previous file whole.
 This module imports no torch.
 """
 
@@ -24,7 +26,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from rldynamics.plots.analysis import new_figure, note, save_png
+from rldynamics.plots.analysis import new_figure, note, png_bytes
 from rldynamics.plots.report import CSS, figure_html
 from rldynamics.sweep.summary import (
     TEXT_COLUMNS,
@@ -32,6 +34,7 @@ from rldynamics.sweep.summary import (
     collect,
     csv_text,
     failed_runs,
+    failure_line,
     intro,
     markdown,
     point_rows,
@@ -159,8 +162,8 @@ def summary_html(summary: SweepSummary, curves: Figure, value: Figure) -> str:
         return f"<td>{' · '.join(links) or '–'}</td>"
 
     failed = "".join(
-        f'<div class="flag error"><span class="badge">failed</span><b>{html.escape(r.rel)}</b><br>'
-        f"{html.escape(r.detail or 'no error line')} ({_link(r.log, 'full log') if r.log else 'no log'})"
+        f'<div class="flag error"><span class="badge">{r.state}</span><b>{html.escape(r.rel)}</b><br>'
+        f"{html.escape(failure_line(r))} ({_link(r.log, 'full log') if r.log else 'no log'})"
         f"<pre>{html.escape(chr(10).join(r.tail))}</pre></div>" for r in failed_runs(summary))
     parts = [
         f"<h1>Sweep {html.escape(summary.name)}</h1>",
@@ -184,10 +187,19 @@ def write_summary(out: str | Path, summary: SweepSummary | None = None) -> list[
     returns the written paths."""
     out = Path(out)
     summary = summary or collect(out)
-    (out / "summary.csv").write_text(csv_text(summary), encoding="utf-8")
-    (out / "summary.md").write_text(markdown(summary), encoding="utf-8")
     curves, value = fig_curves(summary), fig_value(summary)
-    save_png(curves, out / "summary_curves.png")
-    save_png(value, out / "summary_value.png")
-    (out / "summary.html").write_text(summary_html(summary, curves, value), encoding="utf-8")
+    made = [csv_text(summary).encode(), markdown(summary).encode(), png_bytes(curves), png_bytes(value),
+            summary_html(summary, curves, value).encode()]  # in the order of FILES
+    for name, data in zip(FILES, made, strict=True):
+        _replace(out / name, data)
     return [out / f for f in FILES]
+
+
+def _replace(file: Path, data: bytes) -> None:
+    """Write `file` through a temporary file renamed over it (removed when the write fails)."""
+    tmp = file.with_name(f".{file.name}.tmp")
+    try:
+        tmp.write_bytes(data)
+        tmp.replace(file)
+    finally:
+        tmp.unlink(missing_ok=True)

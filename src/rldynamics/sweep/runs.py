@@ -2,16 +2,20 @@
 
 A sweep directory holds one run directory per (point, seed), written by the normal trainer:
 
+    OUT/.lock                        held by the sweep running in OUT (one sweep at a time)
+    OUT/plan.json                    every (point, seed) a sweep into OUT has planned, so none goes unnoticed
     OUT/<label>/seed<s>/             config.yaml, metrics.jsonl, checkpoints/, report.html (the trainer's)
     OUT/<label>/seed<s>/train.log    stdout and stderr of every attempt (`rldyn train ...`)
     OUT/<label>/seed<s>/sweep.json   the point (label, value, overrides, order) and the launcher's record
                                      of the last attempt (state, exit code, error line); no timestamps
-    OUT/<label>/seed<s>.restarted-<k>/  an attempt stopped before its first checkpoint, kept aside
+    OUT/<label>/seed<s>.restarted-<k>/  an attempt stopped before its first checkpoint (or damaged), kept aside
 
-Outcomes are decided from these files alone, metrics first: a run is `completed` when its last metrics
-row reached `train.steps` (or the trainer exited 0), `early_stopped` when a row carries
-`early_stopped/<reason>`; otherwise the launcher's record says `failed` (non-zero exit), `interrupted`
-(stopped by the sweep) or the run is `unfinished`. This module imports no torch.
+Outcomes are decided from these files alone, metrics first: a run is `damaged` when its directory cannot be
+trusted (metrics.jsonl not a file, rows without config.yaml, a step logged twice or out of order or skipped, or
+an exit code 0 with metrics that stop short), `early_stopped` when a row carries `early_stopped/<reason>`,
+`completed` when its last metrics row reached `train.steps`; otherwise the launcher's record says `failed`
+(non-zero exit), `interrupted` (stopped by the sweep) or the run is `unfinished`. A run in plan.json without a
+run directory is `missing`. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -21,14 +25,18 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from rldynamics.plots.data import RunData, as_float, early_stops, load_run
-from rldynamics.tracking.run_dir import read_config
+from rldynamics.tracking.run_dir import read_config, row_step
+
+if TYPE_CHECKING:
+    from rldynamics.sweep.plan import SweepPlan
 
 STATUS_FILE = "sweep.json"
+PLAN_FILE = "plan.json"
 LOG_FILE = "train.log"
 EXITED = "trainer/exited_after_gradient_analysis"
 FINISHED = ("completed", "early_stopped")
@@ -70,10 +78,36 @@ def write_status(path: Path, **fields: Any) -> dict[str, Any]:
     """Merge `fields` into the run's `sweep.json` (written atomically) and return the record."""
     status = {**read_status(path), **fields}
     path.mkdir(parents=True, exist_ok=True)
-    tmp = path / f".{STATUS_FILE}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(status, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path / STATUS_FILE)
+    _write_json(path / STATUS_FILE, status)
     return status
+
+
+def _write_json(file: Path, data: Any) -> None:
+    """`data` as JSON through a temporary file renamed over `file` (a kill keeps the old file or the new one)."""
+    tmp = file.with_name(f".{file.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(file)
+
+
+def planned_runs(out: str | Path) -> list[dict[str, Any]]:
+    """The runs of `OUT/plan.json` (`point`, `value`, `index`, `seed`; none when absent or unreadable)."""
+    try:
+        data = json.loads((Path(out) / PLAN_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    entries = data.get("runs") if isinstance(data, dict) else None
+    return [e for e in entries if isinstance(e, dict) and isinstance(e.get("point"), str)
+            and isinstance(e.get("seed"), int)] if isinstance(entries, list) else []
+
+
+def record_runs(plan: SweepPlan) -> None:
+    """Add the plan's runs to `OUT/plan.json`, so a summary names a planned run whose directory is gone."""
+    entries = {(e["point"], e["seed"]): e for e in planned_runs(plan.out)}
+    for r in plan.runs:
+        entries[r.point.label, r.seed] = {"point": r.point.label, "value": r.point.value, "index": r.index,
+                                          "seed": r.seed}
+    plan.out.mkdir(parents=True, exist_ok=True)
+    _write_json(plan.out / PLAN_FILE, {"runs": list(entries.values())})
 
 
 def log_tail(path: Path, lines: int = 20) -> list[str]:
@@ -108,8 +142,8 @@ class Outcome:
 
 
 def load(path: Path) -> RunData:
-    """The run's metrics and config (no rows when it has not logged yet)."""
-    if (path / "metrics.jsonl").exists():
+    """The run's metrics and config (no rows when it has not logged yet, or metrics.jsonl is no file)."""
+    if (path / "metrics.jsonl").is_file():
         return load_run(path)
     run = RunData(path=path, rows=[])
     try:
@@ -118,6 +152,30 @@ def load(path: Path) -> RunData:
         loaded = None
     run.config = loaded if isinstance(loaded, dict) else {}
     return run
+
+
+def damage(path: Path, run: RunData) -> str:
+    """Why the run directory cannot be trusted, in words ("" when it can): metrics.jsonl that is not a file, rows
+    without a readable config.yaml, or rows that are not every step once and in order (two writers of one run,
+    rows lost). A cut last line (a kill during a write) is no damage: readers and resumes ignore it."""
+    metrics = path / "metrics.jsonl"
+    if not metrics.exists():
+        return ""
+    if not metrics.is_file():
+        return "metrics.jsonl is not a file"
+    lines = [line for line in metrics.read_bytes().splitlines() if line.strip()]
+    steps = [row_step(line) for line in lines]
+    if None in steps[:-1]:
+        return f"metrics.jsonl line {steps.index(None) + 1} is not a JSON row with a step"
+    steps = [n for n in steps if n is not None]
+    if steps and not run.config:
+        return "config.yaml is missing" if not (path / "config.yaml").is_file() else "config.yaml cannot be read"
+    for before, n in zip(steps, steps[1:]):  # the rows before are steps[0] .. before, each once
+        if steps[0] <= n <= before:
+            return f"metrics.jsonl logs step {n} twice"
+        if n != before + 1:
+            return f"metrics.jsonl logs step {n} after step {before}"
+    return ""
 
 
 def outcome(path: Path, run: RunData | None = None) -> Outcome:
@@ -130,11 +188,17 @@ def outcome(path: Path, run: RunData | None = None) -> Outcome:
     vals = [as_float(r[val_key(run)]) for r in run.rows if val_key(run) in r]
     found = Outcome("unfinished", step=last, steps=steps, val_success=vals[-1] if vals else float("nan"))
     stops = early_stops(run)
-    if stops:
+    broken = damage(path, run)
+    if broken:
+        found.state, found.detail = "damaged", broken
+    elif stops:
         found.state, found.detail = "early_stopped", stops[0][1]
-    elif (last is not None and steps is not None and last >= steps) or status.get("returncode") == 0 or (
-            run.rows and run.rows[-1].get(EXITED)):
+    elif (last is not None and steps is not None and last >= steps) or (run.rows and run.rows[-1].get(EXITED)):
         found.state = "completed"
+    elif status.get("returncode") == 0:
+        found.state = "damaged"
+        found.detail = (f"metrics.jsonl ends at step {last} of {steps}" if run.rows else "no metrics were logged"
+                        ) + ", though the trainer exited 0"
     elif status.get("state") in ("failed", "interrupted"):
         found.state, found.detail = status["state"], str(status.get("error", ""))
     elif not run.rows and not status:

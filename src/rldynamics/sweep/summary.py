@@ -4,7 +4,8 @@
 `summary.md`: point and run tables, failed runs) with the figures and the HTML page.
 
 Per run: final and best validation success (`val-env/<env.name>/success`, last and highest validation),
-steps run, outcome (completed, early_stopped: <reason>, failed, interrupted, unfinished), mean pre-filter
+steps run, outcome (completed, early_stopped: <reason>, failed, damaged, missing, interrupted, unfinished: see
+`sweep/runs.py`; every run of `OUT/plan.json` is listed, a missing one too), mean pre-filter
 reward std (`rollout/in_group_reward_std`) and kept ratio (`rollout/filter_kept_ratio`) over the training
 steps, and wall time (sum of `timing_s/step` plus the step-0 validation). Per point: mean and sample std
 (n - 1) over the seeds that validated. An early-stopped run is a failed regime, as in RAGEN's protocol:
@@ -23,6 +24,8 @@ import numpy as np
 
 from rldynamics.plots.data import RunData, as_float, series
 from rldynamics.sweep import runs
+
+NEEDS_LOOK = ("failed", "damaged", "missing")  # outcomes listed with their reason under "Failed runs"
 
 
 @dataclass
@@ -109,7 +112,7 @@ def run_result(path: Path) -> RunResult:
                      reward_std=_mean(run, "rollout/in_group_reward_std"),
                      kept_ratio=_mean(run, "rollout/filter_kept_ratio"),
                      wall_s=wall, step_s=step_s, report=report, log=log, metric=runs.val_key(run),
-                     tail=runs.log_tail(path, 12) if found.state == "failed" else [])
+                     tail=runs.log_tail(path, 12) if found.state in NEEDS_LOOK else [])
 
 
 def _mean(run: RunData, key: str) -> float:
@@ -127,23 +130,41 @@ def _times(run: RunData) -> tuple[float, float]:
     return float(per_step.sum() + (first if math.isfinite(first) else 0.0)), float(per_step.mean())
 
 
+def missing_result(label: str, seed: int) -> RunResult:
+    """A planned run (`OUT/plan.json`) without a run directory."""
+    nothing = np.array([])
+    return RunResult(label=label, seed=seed, state="missing", detail="its run directory is gone or empty (never "
+                     "started, or deleted); run the sweep again to train it", steps_run=None, final=math.nan,
+                     best=math.nan, val_steps=nothing, val_values=nothing, reward_std=math.nan, kept_ratio=math.nan,
+                     wall_s=math.nan, step_s=math.nan, report=None, log=None, metric="")
+
+
 def collect(out: str | Path) -> SweepSummary:
-    """Every run under OUT, grouped into points in sweep order (the order recorded by the launcher)."""
+    """Every run under OUT and every planned one, grouped into points in sweep order (the order recorded by the
+    launcher)."""
     out = Path(out)
     paths = runs.find_runs(out)
-    if not paths:
+    planned = runs.planned_runs(out)
+    if not paths and not planned:
         raise FileNotFoundError(f"{out} holds no sweep runs (expected <point>/seed<s>/ run directories)")
     points: dict[str, PointResult] = {}
     name, keys, metric = "", [], ""
+
+    def add(result: RunResult, value: object, index: object) -> None:
+        point = points.setdefault(result.label, PointResult(result.label, str(value), float(index) if isinstance(
+            index, (int, float)) else math.inf, []))
+        point.runs.append(result)
+
     for path in paths:
         status = runs.read_status(path)
         name, keys = name or str(status.get("sweep", "")), keys or list(status.get("keys", []))
         result = run_result(path)
         metric = metric or result.metric
-        index = status.get("index")
-        point = points.setdefault(result.label, PointResult(result.label, str(status.get("value", result.label)),
-                                                            float(index) if index is not None else math.inf, []))
-        point.runs.append(result)
+        add(result, status.get("value", result.label), status.get("index"))
+    found = {(p.parent.name, runs.seed_of(p)) for p in paths}
+    for e in planned:
+        if (e["point"], e["seed"]) not in found:
+            add(missing_result(e["point"], e["seed"]), e.get("value", e["point"]), e.get("index"))
     ordered = sorted(points.values(), key=lambda p: (p.index, p.label))
     for p in ordered:
         p.runs.sort(key=lambda r: r.seed)
@@ -228,8 +249,14 @@ def run_rows(summary: SweepSummary) -> list[list[str]]:
 
 
 def failed_runs(summary: SweepSummary) -> list[RunResult]:
-    """Runs that crashed (non-zero exit), in table order."""
-    return [r for p in summary.points for r in p.runs if r.state == "failed"]
+    """Runs that crashed (non-zero exit), are damaged or missing, in table order."""
+    return [r for p in summary.points for r in p.runs if r.state in NEEDS_LOOK]
+
+
+def failure_line(r: RunResult) -> str:
+    """`rldyn train: config error: ...`, `damaged: config.yaml is missing`: what went wrong with a failed run."""
+    detail = r.detail or "no error line"
+    return detail if r.state == "failed" else f"{r.state}: {detail}"
 
 
 def intro(summary: SweepSummary) -> str:
@@ -263,5 +290,5 @@ def markdown(summary: SweepSummary) -> str:
     failed = failed_runs(summary)
     if failed:
         parts.append("\n## Failed runs\n\n")
-        parts += [f"- `{r.rel}`: {r.detail or 'no error line'} (log: `{r.log}`)\n" for r in failed]
+        parts += [f"- `{r.rel}`: {failure_line(r)}{f' (log: `{r.log}`)' if r.log else ''}\n" for r in failed]
     return "".join(parts)

@@ -37,7 +37,9 @@ REWARDS_FILE = "rewards.jsonl"
 
 
 class RunInUse(OSError):
-    """Another live process holds the run directory's lock."""
+    """Another live process holds the run directory's lock; `holder` names it (`pid N on host H since T`)."""
+
+    holder: str = ""
 
 
 class RunLock:
@@ -77,8 +79,10 @@ class RunLock:
         except BlockingIOError:
             holder = _describe(os.read(fd, 4096))
             os.close(fd)
-            raise RunInUse(f"run directory {self.path.parent} is in use by {holder}; wait for it to finish "
-                           "or choose another log.name") from None
+            error = RunInUse(f"run directory {self.path.parent} is in use by {holder}; wait for it to finish "
+                             "or choose another log.name")
+            error.holder = holder
+            raise error from None
         return fd
 
     def __exit__(self, *exc) -> None:
@@ -139,7 +143,7 @@ class RunWriter:
             file = self.path / name
             if file.exists():
                 lines = file.read_bytes().splitlines()
-                steps = [_row_step(line) for line in lines]
+                steps = [row_step(line) for line in lines]
                 damaged = [i + 1 for i, n in enumerate(steps[:-1]) if n is None and lines[i].strip()]
                 if damaged:
                     raise ValueError(f"{file}: line {damaged[0]} is not a JSON row with a step; repair or remove it "
@@ -166,7 +170,7 @@ def _append(file: Path, rows: list[dict[str, Any]]) -> None:
         f.write("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def _row_step(line: bytes) -> int | None:
+def row_step(line: bytes) -> int | None:
     """The step of a JSON row written by `RunWriter`, or None for anything else."""
     try:
         step = json.loads(line).get("step")
