@@ -86,28 +86,43 @@ def test_generation_stops_at_its_eos(smollm2):
 
 
 def test_two_steps_with_the_analysis_then_a_bare_reload(smollm2_dir, fast_overrides, tmp_path):
-    """Mixed precision on the real model, GRPO with the gradient analysis every step (read-only: the weights equal
-    a run without it, bit for bit), and a checkpoint that plain transformers loads with the same chat template."""
+    """Mixed precision on the real model, GRPO with the gradient analysis every step, and a checkpoint that plain
+    transformers loads, float32, with the same chat template."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    common = [f"log.run_dir={tmp_path / 'runs'}", f"model.path={smollm2_dir}", *SHORT, "algo.entropy_coef=0.01"]
-    on = train(make_config("math-smollm2", overrides=[*common, "log.name=on", "analysis.enabled=true",
-                                                      "analysis.every=1", "analysis.num_buckets=2"]))
-    off = train(make_config("math-smollm2", overrides=[*common, "log.name=off"]))
-    a = load_file(str(on / "checkpoints" / "step_2" / "actor" / "model.safetensors"))
-    b = load_file(str(off / "checkpoints" / "step_2" / "actor" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    rows = read_metrics(on)
+    run = train(make_config("math-smollm2", overrides=[
+        f"log.run_dir={tmp_path / 'runs'}", f"model.path={smollm2_dir}", *SHORT, "algo.entropy_coef=0.01",
+        "log.name=on", "analysis.enabled=true", "analysis.every=1", "analysis.num_buckets=2"]))
+    rows = read_metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(key in rows[1] for key in ("grad_norm/all/task", "grad_norm/all/raw/kl", "actor/pg_loss"))
-
-    actor = AutoModelForCausalLM.from_pretrained(on / "checkpoints" / "step_2" / "actor")
-    tokenizer = AutoTokenizer.from_pretrained(on / "checkpoints" / "step_2" / "actor")
+    actor = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_2" / "actor")
+    tokenizer = AutoTokenizer.from_pretrained(run / "checkpoints" / "step_2" / "actor")
     assert isinstance(actor, LlamaForCausalLM) and next(actor.parameters()).dtype == torch.float32
     base, base_tokenizer = load_model_and_tokenizer(smollm2_dir)
     assert tokenizer.chat_template == base_tokenizer.chat_template
-    changed = [k for k, v in actor.state_dict().items() if not torch.equal(v, base.state_dict()[k])]
-    assert len(changed) > 0.9 * len(a)  # the update reached (almost) every tensor
+    after, before = actor.state_dict(), base.state_dict()
+    changed = [k for k, v in after.items() if not torch.equal(v, before[k])]
+    assert len(changed) > 0.9 * len(after)  # the update reached (almost) every tensor
+
+
+def test_the_analysis_leaves_the_real_model_bit_identical(smollm2, sampled_rollout):
+    from rldynamics.analysis.objective import ActorInputs
+    from rldynamics.analysis.probe import gradient_probe
+
+    model, _ = smollm2
+    batch, _, _ = sampled_rollout
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    gen = torch.Generator().manual_seed(0)
+    inputs = ActorInputs(old_logprobs=None, advantages=torch.randn(batch.input_ids.shape, generator=gen),
+                         ref_logprobs=torch.zeros(batch.input_ids.shape))
+    algo = make_config(overrides=["algo.entropy_coef=0.01", "algo.kl_coef=0.01"]).algo
+    result = gradient_probe(model, batch, inputs, {int(g): 0.5 for g in batch.group_ids}, algo=algo,
+                            micro_batch_size=1, temperature=1.0, num_buckets=1)
+    assert result.metrics["grad_norm/all/task"] > 0 and result.metrics["grad_norm/all/entropy"] > 0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters()) and torch.equal(torch.get_rng_state(), rng)
 
 
 def test_activation_checkpointing_keeps_the_gradient(smollm2, sampled_rollout):

@@ -40,6 +40,8 @@ def compute_in(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
         return model
     device = next(model.parameters()).device.type
     model.forward = torch.autocast(device_type=device, dtype=COMPUTE_DTYPES[dtype])(model.forward)
+    if hasattr(model, "generate"):  # one autocast around all decode steps: each weight is cast once per generate
+        model.generate = torch.autocast(device_type=device, dtype=COMPUTE_DTYPES[dtype])(model.generate)
     model.rldyn_compute_dtype = dtype
     return model
 
