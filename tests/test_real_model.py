@@ -24,7 +24,7 @@ from rldynamics.tracking.run_dir import read_metrics
 from rldynamics.train.trainer import train
 from test_chat import _replies, _spans, _user_messages
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 SHORT = ["train.steps=2", "train.env_groups=2", "train.group_size=2", "train.mini_batch_size=4",
          "train.micro_batch_size=2", "val.env_groups=2", "val.every=2", "env.max_new_tokens=12", "checkpoint.every=2",
