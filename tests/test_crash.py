@@ -47,6 +47,7 @@ def _without_timing(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("timing_s/")} for r in rows]
 
 
+@pytest.mark.slow
 def test_killed_at_write_boundaries_then_resumed(fast_overrides):
     straight = train(make_config(overrides=[*fast_overrides, *SETTINGS, "log.name=straight"]))
     run = straight.parent / "killed"

@@ -31,6 +31,8 @@ from rldynamics.config import make_config
 from rldynamics.tracking.run_dir import read_metrics
 from rldynamics.train.trainer import train
 
+pytestmark = pytest.mark.slow  # every test here starts torchrun processes
+
 LR = 3e-4
 PRESET = "math-tiny"  # one-turn arithmetic replies: the length component varies, so the rewards do from step 1
 RUN = [*FAST, "train.steps=3", "train.group_size=3", "train.mini_batch_size=64", "train.micro_batch_size=2",

@@ -401,6 +401,7 @@ def components_of(batch: RolloutBatch) -> dict[str, torch.Tensor]:
     return {k: torch.randn(batch.response_mask.shape, generator=gen) * batch.response_mask for k in ("a", "b")}
 
 
+@pytest.mark.slow
 def test_probe_over_two_ranks_equals_one_process(model, data, tmp_path):
     """Each rank probes a contiguous block of rows and holds half of each gradient (replicas: a slice of the flat
     vector; FSDP2: each parameter's row shard); the all-reduced norms, cosines, losses, sketches, reward-component

@@ -139,6 +139,7 @@ def test_layer_groups_and_conflict_fraction():
     assert metrics["cos/a__b"] == pytest.approx(1 / 5)  # (1 - 1 + 1 - 1 + 1) / (sqrt 5 * sqrt 5)
 
 
+@pytest.mark.slow
 def test_training_run_logs_component_gradients(fast_overrides):
     import json
 

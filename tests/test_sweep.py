@@ -180,6 +180,7 @@ def test_tiny_sweep_in_parallel_reruns_nothing_and_resummarizes_byte_for_byte(tm
         assert (copy / f).read_bytes() == (out / f).read_bytes(), f
 
 
+@pytest.mark.slow
 def test_crashing_point_is_recorded_while_the_other_completes(tmp_path, fast_overrides, capsys):
     """A run that fails (a CUDA device this machine does not have) is recorded with its error line and retried by the
     next sweep. (A diverging point such as train.lr=1e30 no longer crashes: it early-stops with a named reason.)"""
@@ -202,6 +203,7 @@ def test_crashing_point_is_recorded_while_the_other_completes(tmp_path, fast_ove
     assert json.loads((out / "devicecuda-99" / "seed0" / "sweep.json").read_text())["attempts"] == 2
 
 
+@pytest.mark.slow
 def test_interrupted_sweep_resumes_from_checkpoints(tmp_path, fast_overrides):
     # Enough steps that the run is still going when the first checkpoint appears, however fast the machine.
     steps = 40

@@ -225,6 +225,8 @@ RAGEN_KEYS: dict[str, Rule] = {
     # model
     "model_path": Rule("model.path"),
     "actor_rollout_ref.model.path": Rule("model.path"),
+    "actor_rollout_ref.model.enable_gradient_checkpointing": Rule("model.gradient_checkpointing"),
+    "actor_rollout_ref.rollout.dtype": Rule("model.dtype", note="the compute dtype; trained weights stay float32"),
     # actor
     "actor_rollout_ref.actor.entropy_coeff": Rule("algo.entropy_coef"),
     USE_KL_LOSS: Rule("algo.kl_coef", _use_kl_loss, "False -> algo.kl_coef=0 whatever kl_loss_coef says; True: "
