@@ -2,7 +2,8 @@
 
 Everything is checked and loaded before anything is written to the run directory:
 
-    plan_start (read only): the run directory is not in use and not another run's; for a resume, which
+    plan_start (read only): the run directory is not in use, not another run's and holds no link in place of a
+        file the run writes (`tracking.files`: a run never writes through a link); for a resume, which
         checkpoint it continues, verified file by file, and whether the command asks for settings the
         run was not trained with
     -> make_session (writes nothing): models and optimizers built, optimizer and RNG state restored and checked
@@ -45,7 +46,7 @@ from rldynamics.models.sharding import wrap
 from rldynamics.models.tiny import ensure_tiny_model
 from rldynamics.tracking.console import StepConsole
 from rldynamics.tracking.grad_dump import GradientDumper
-from rldynamics.tracking.run_dir import RunLock, RunWriter
+from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
 from rldynamics.tracking.sinks import TensorBoardSink, WandbSink, check_installed
 from rldynamics.train.checkpoint import (
     CheckpointError,
@@ -185,6 +186,7 @@ def plan_start(cfg: Config, run_dir: Path) -> Start:
     built one env with the configured settings.)"""
     check_installed(cfg.log.wandb, cfg.log.tensorboard)
     resolve_device(cfg.model.device)
+    check_no_links(run_dir)  # a link in place of a file the run writes is refused before any work
     RunLock(run_dir).check()  # a second process fails here, at once
     resume = cfg.checkpoint.resume
     path = None if not resume else latest_checkpoint(run_dir) if resume == "latest" else Path(resume)
