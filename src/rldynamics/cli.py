@@ -94,7 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "puzzles) and run one gradient-analysis pass (reward-variance buckets x task/entropy/KL "
                     "gradient norms), logged at the checkpoint's step; writes its own run directory, never a "
                     "checkpoint, and never stops early. Defaults: KL k3 0.001 and entropy 0.001 enabled so both "
-                    "are measured. RAGEN / verl override names are accepted (rldyn train --help-config --ragen).",
+                    "are measured. The KL reference is the base model of the checkpoint's run, built from its "
+                    "config.yaml (runs/<run>/config.yaml), so model.path, model.tiny_* and model.warm_start_* "
+                    "cannot be overridden. RAGEN / verl override names are accepted (rldyn train --help-config "
+                    "--ragen).",
     )
     probe.add_argument("checkpoint", help="runs/<run>/checkpoints/step_<N>")
     probe.add_argument("overrides", nargs="*", metavar="key=value",
