@@ -185,15 +185,38 @@ def _run_job(command: str, job) -> int:
 
 
 def _launch(nproc: int, argv: list[str]) -> int:
-    """`rldyn train --nproc W ...`: the same command in W ranks under torchrun; returns torchrun's exit code."""
-    import subprocess
+    """`rldyn train --nproc W ...`: the same command in W ranks under torchrun (`torchrun --standalone
+    --nproc-per-node W`, run in this process); returns the exit code (2 for a one-line error, as in one process).
+
+    A rank that fails has printed why (an error every rank raised is printed once, by rank 0), so torchrun's own
+    report of the failure (log lines, a traceback and a table of ranks) is not shown: an error line is the last
+    line, or, when a rank crashed or was killed, one line saying which."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
 
     if nproc < 1:
         print(f"rldyn train: --nproc must be >= 1, got {nproc}", file=sys.stderr)
         return 2
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "rldynamics.cli", "train", *argv]
-    return subprocess.call(command)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "rldynamics.cli", "train", *argv]))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode == 2:  # a one-line error, printed by the rank
+            return 2
+        how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
+               else f"failed with exit code {failure.exitcode} (its output is above)")
+        print(f"rldyn train: rank {rank} {how}; the other ranks were stopped", file=sys.stderr)
+        return 1
+    except SignalException as e:
+        print(f"rldyn train: stopped by {e.sigval.name}; every rank was stopped", file=sys.stderr)
+        return 128 + int(e.sigval)
+    return 0
 
 
 def _one_line(error: Exception) -> str:
