@@ -131,9 +131,9 @@ def test_probe_reference_is_the_base_model_of_the_checkpoints_run(fast_overrides
     a probe's own settings that the warm start depends on (its seed and env keys) never make another one. With lr 0
     the actor is that base model, so the KL gradient is exactly zero, whatever the probe's settings."""
     run = train(make_config(overrides=[*fast_overrides, "log.name=base", "train.lr=0", "val.every=0",
-                                       "model.tiny_hidden_size=32"]))
+                                       "train.steps=1", "model.tiny_hidden_size=32"]))
     for name, overrides in (("same", []), ("other", ["seed=7", "env.max_new_tokens=4"])):
-        probe = probe_checkpoint(run / "checkpoints" / "step_2", [*overrides, f"log.name={name}"])
+        probe = probe_checkpoint(run / "checkpoints" / "step_1", [*overrides, f"log.name={name}"])
         row = read_metrics(probe)[-1]
         assert row["grad_norm/all/raw/entropy"] > 0 and row["grad_norm/all/raw/kl"] == 0.0, name
 
@@ -142,11 +142,11 @@ def test_probe_refuses_to_pair_the_actor_with_another_reference(fast_overrides, 
     """Whatever would pair the checkpoint's actor with a reference other than its run's base model is refused in
     one line, before anything is written: an override of what the base model is made of, a checkpoint without its
     run's config.yaml (the reference is then unknown), and a checkpoint copied into a run of another model."""
-    narrow = train(make_config(overrides=[*fast_overrides, "log.name=narrow", "val.every=0",
+    narrow = train(make_config(overrides=[*fast_overrides, "log.name=narrow", "val.every=0", "train.steps=1",
                                           "model.tiny_hidden_size=32"]))
     wide = train(make_config(overrides=[*fast_overrides, "log.name=wide", "val.every=0", "train.steps=1"]))
-    checkpoint = narrow / "checkpoints" / "step_2"
-    loose = tmp_path / "loose" / "step_2"
+    checkpoint = narrow / "checkpoints" / "step_1"
+    loose = tmp_path / "loose" / "step_1"
     shutil.copytree(checkpoint, loose)
     shutil.copytree(checkpoint, wide / "checkpoints" / "step_9")
     probes = tmp_path / "probes"
