@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 
 import pytest
 from safetensors.torch import load_file
 
+from rldynamics.cli import main
 from rldynamics.config import make_config
 from rldynamics.tracking.run_dir import read_metrics
 from rldynamics.train.probe import probe_checkpoint
@@ -122,3 +124,39 @@ def test_probe_of_unchanged_weights_reproduces_the_first_analysis(fast_overrides
     assert len(keys) > 50 and trained["grad_norm/all/raw/entropy"] > 0  # depends on every sampled token
     for k in keys:
         assert probed[k] == pytest.approx(trained[k], rel=1e-6, abs=1e-9, nan_ok=True), k
+
+
+def test_probe_reference_is_the_base_model_of_the_checkpoints_run(fast_overrides):
+    """The KL reference of a probe is the base model of the checkpoint's run, built from that run's config.yaml:
+    a probe's own settings that the warm start depends on (its seed and env keys) never make another one. With lr 0
+    the actor is that base model, so the KL gradient is exactly zero, whatever the probe's settings."""
+    run = train(make_config(overrides=[*fast_overrides, "log.name=base", "train.lr=0", "val.every=0",
+                                       "train.steps=1", "model.tiny_hidden_size=32"]))
+    for name, overrides in (("same", []), ("other", ["seed=7", "env.max_new_tokens=4"])):
+        probe = probe_checkpoint(run / "checkpoints" / "step_1", [*overrides, f"log.name={name}"])
+        row = read_metrics(probe)[-1]
+        assert row["grad_norm/all/raw/entropy"] > 0 and row["grad_norm/all/raw/kl"] == 0.0, name
+
+
+def test_probe_refuses_to_pair_the_actor_with_another_reference(fast_overrides, tmp_path, capsys):
+    """Whatever would pair the checkpoint's actor with a reference other than its run's base model is refused in
+    one line, before anything is written: an override of what the base model is made of, a checkpoint without its
+    run's config.yaml (the reference is then unknown), and a checkpoint copied into a run of another model."""
+    narrow = train(make_config(overrides=[*fast_overrides, "log.name=narrow", "val.every=0", "train.steps=1",
+                                          "model.tiny_hidden_size=32"]))
+    wide = train(make_config(overrides=[*fast_overrides, "log.name=wide", "val.every=0", "train.steps=1"]))
+    checkpoint = narrow / "checkpoints" / "step_1"
+    loose = tmp_path / "loose" / "step_1"
+    shutil.copytree(checkpoint, loose)
+    shutil.copytree(checkpoint, wide / "checkpoints" / "step_9")
+    probes = tmp_path / "probes"
+    cases = [(checkpoint, ["model.tiny_hidden_size=64"], "model.tiny_hidden_size"),
+             (checkpoint, [f"actor_rollout_ref.model.path={wide / 'checkpoints' / 'step_1' / 'actor'}"], "model.path"),
+             (loose, [], f"{loose.parent.parent / 'config.yaml'} is missing"),
+             (wide / "checkpoints" / "step_9", [], "not the architecture of the base model")]
+    for path, overrides, named in cases:
+        capsys.readouterr()
+        assert main(["probe", str(path), *overrides, f"log.run_dir={probes}"]) == 2, (path, overrides)
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("rldyn probe: ") and named in err, err
+        assert not probes.exists()

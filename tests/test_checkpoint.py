@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -15,8 +16,9 @@ import torch
 from conftest import FAST
 from rldynamics.cli import main
 from rldynamics.config import ConfigError, make_config
+from rldynamics.models.tiny import build_tiny_model, build_tiny_tokenizer
 from rldynamics.tracking.run_dir import read_metrics
-from rldynamics.train.checkpoint import MANIFEST, CheckpointError
+from rldynamics.train.checkpoint import MANIFEST, CheckpointError, remove_stale, save_checkpoint, verify_checkpoint
 from rldynamics.train.probe import probe_checkpoint
 from rldynamics.train.trainer import train
 
@@ -219,3 +221,46 @@ def test_cli_resume_continues_with_the_saved_settings(run, capsys):
     cfg = make_config(None, run / "config.yaml")
     assert cfg.train.steps == 3 and cfg.train.env_groups == 2 and cfg.algo.adv_estimator == "gae"
     assert cfg.train.lr == make_config(overrides=FAST).train.lr
+
+
+def test_checkpoint_writes_never_follow_links(tmp_path):
+    """Links where a checkpoint is written or removed (its temporary directory, the `step_<N>` it replaces, an older
+    checkpoint beyond keep_last, a stale temporary directory) are removed as links: what they point to is untouched."""
+    tokenizer = build_tiny_tokenizer(["<answer>Up || Left</answer>", "Turn 1: ####"])
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, intermediate_size=64)
+    directory = tmp_path / "run" / "checkpoints"
+    directory.mkdir(parents=True)
+    victims = []
+    for name in (f".tmp_step_1_{os.getpid()}", "step_1", "step_0", ".tmp_step_0_1"):
+        victims.append(tmp_path / "victims" / name)
+        victims[-1].mkdir(parents=True)
+        (victims[-1] / "keep").write_text("precious")
+        (directory / name).symlink_to(victims[-1], target_is_directory=True)
+    path = save_checkpoint(directory, 1, model=model, tokenizer=tokenizer, optimizer=torch.optim.AdamW(
+        model.parameters()), trainer_state={"early_stop": {}}, keep_last=1)
+    remove_stale(directory)
+    assert sorted(p.name for p in directory.iterdir()) == ["step_1"] and not path.is_symlink()
+    assert verify_checkpoint(path)["step"] == 1
+    assert all([p.name for p in v.iterdir()] == ["keep"] for v in victims)
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_last_one(tmp_path, monkeypatch):
+    """A write that fails inside a checkpoint (here torch.save failing as it does on a full disk) ends in one line
+    naming the checkpoint and the last complete one, which is still there; no temporary directory is left."""
+    tokenizer = build_tiny_tokenizer(["<answer>Up || Left</answer>", "Turn 1: ####"])
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, intermediate_size=64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    directory = tmp_path / "run" / "checkpoints"
+    state = {"early_stop": {}}
+    first = save_checkpoint(directory, 1, model=model, tokenizer=tokenizer, optimizer=optimizer, trainer_state=state)
+
+    def disk_full(*args, **kwargs):  # what torch.save raises when the disk fills up under it
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError) as e:
+        save_checkpoint(directory, 2, model=model, tokenizer=tokenizer, optimizer=optimizer, trainer_state=state)
+    message = str(e.value)
+    assert "\n" not in message and f"{directory / 'step_2'} could not be written" in message
+    assert f"the last complete checkpoint, {first}, is still there" in message and "unexpected pos" in message
+    assert sorted(p.name for p in directory.iterdir()) == ["step_1"] and verify_checkpoint(first)["step"] == 1

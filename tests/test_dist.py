@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 
 import pytest
@@ -118,13 +119,15 @@ def test_checkpoints_resume_exactly_on_two_ranks_and_on_one(runs, tmp_path, monk
 def test_launcher_and_ranks_report_errors_once_and_end(tmp_path):
     """`rldyn train --nproc 2`: a setting two ranks cannot honour is refused by the launcher before any rank
     starts; an error found by rank 0 once the ranks run (a run directory that already holds a run) is raised on
-    every rank, printed once, and ends the job (exit code not 0, no hang)."""
+    every rank, printed once, and ends the job with exit code 2 (no hang) and nothing else on stderr: torchrun's
+    own report of the failed ranks (a traceback and a table) is not printed after the line."""
     import subprocess
     import sys
 
     def launch(*overrides: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "rldynamics.cli", "train", "--nproc", "2", *overrides,
-                               f"log.run_dir={tmp_path}"], capture_output=True, text=True, timeout=180)
+                               f"log.run_dir={tmp_path}"], capture_output=True, text=True, timeout=180,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     def errors(done: subprocess.CompletedProcess) -> list[str]:
         return [line for line in done.stderr.splitlines() if line.startswith("rldyn train:")]
@@ -136,4 +139,25 @@ def test_launcher_and_ranks_report_errors_once_and_end(tmp_path):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "metrics.jsonl").write_text('{"step": 0}\n')
     taken = launch("log.name=taken")
-    assert taken.returncode != 0 and len(errors(taken)) == 1 and "already holds a run" in errors(taken)[0]
+    assert taken.returncode == 2 and len(errors(taken)) == 1 and "already holds a run" in errors(taken)[0]
+    assert taken.stderr.strip().splitlines() == errors(taken), taken.stderr
+
+
+CLOSE_WORKER = """import os
+from rldynamics import dist
+dist.init_from_env()
+import rldynamics.train.trainer  # noqa: E402,F401  (what `rldyn train` imports once the group exists)
+dist.close()
+print("threads after close:", len(os.listdir("/proc/self/task")), flush=True)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_closing_the_group_ends_its_threads(tmp_path):
+    """`dist.close()` really ends the process group: no gloo thread is left to run into interpreter shutdown, where
+    a rank exiting right after a collective (an error raised on every rank) would abort instead of exiting with
+    its code."""
+    script = tmp_path / "close.py"
+    script.write_text(CLOSE_WORKER)
+    out = run_ranks([str(script)], timeout=300)
+    assert out.count("threads after close: 1") == 2, out

@@ -43,6 +43,21 @@ def test_a_failed_dump_is_raised_naming_the_file(tmp_path):
         dumper.close()
 
 
+def test_a_dump_never_writes_through_a_link(tmp_path):
+    """A link where the dump writes its temporary file is removed, never written through."""
+    victims = []
+    for name in (".gradients.npz.tmp", "gradients.npz.tmp"):
+        victims.append(tmp_path / f"victim_{name}")
+        victims[-1].write_text("precious")
+        (tmp_path / name).symlink_to(victims[-1])
+    dumper = GradientDumper(max_pending=1)
+    dumper.submit(tmp_path / "gradients.npz", {"a": np.ones(3, dtype=np.float32)})
+    dumper.close()
+    assert all(v.read_bytes() == b"precious" for v in victims)
+    with np.load(tmp_path / "gradients.npz") as dump:
+        assert dump["a"].tolist() == [1.0, 1.0, 1.0]
+
+
 class _Held:
     """An array element whose pickling (inside the writer's np.savez) waits until `release` is set."""
 

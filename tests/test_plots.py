@@ -478,3 +478,25 @@ def test_gradient_tables_script_stacks_runs_by_analysis_round(tmp_path):
     assert "| grpo (4) | Q4 |" in rounds[1] and "| gae (6) | all |" in rounds[1]
     assert "| grpo | 4 | 0.5 ± " in rounds[2] and "(6) |" in rounds[2]  # task = 0.4·√RV over the 6 groups with RV > 0
     assert "| gae | 3 | – | – |" in rounds[2]  # no per-group norms: no slope
+
+
+@pytest.mark.parametrize("link", ["report.html", "plots/training_curves.png",
+                                  "plots/gradient_analysis_metrics_step_1.json", "paper/paper_grid.png"])
+def test_plot_and_report_never_write_through_a_link(run, tmp_path, capsys, link):
+    """A link in place of a file `rldyn plot` or `rldyn report` writes (left there by anyone) is refused in one
+    line naming it; what it points to is never written."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not a figure")
+    (copy / link).parent.mkdir(exist_ok=True)
+    (copy / link).symlink_to(victim)
+    if link == "report.html":
+        code = report_command(copy)
+    elif link.startswith("paper/"):
+        code = plot_command([copy], None, False, copy / "paper", True, None)
+    else:
+        code = plot_command(copy, None, False, None, False, None)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and f"{copy / link} is a symbolic link" in err, err
+    assert victim.read_text() == "not a figure"

@@ -98,7 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "puzzles) and run one gradient-analysis pass (reward-variance buckets x task/entropy/KL "
                     "gradient norms), logged at the checkpoint's step; writes its own run directory, never a "
                     "checkpoint, and never stops early. Defaults: KL k3 0.001 and entropy 0.001 enabled so both "
-                    "are measured. RAGEN / verl override names are accepted (rldyn train --help-config --ragen).",
+                    "are measured. The KL reference is the base model of the checkpoint's run, built from its "
+                    "config.yaml (runs/<run>/config.yaml), so model.path, model.tiny_* and model.warm_start_* "
+                    "cannot be overridden. RAGEN / verl override names are accepted (rldyn train --help-config "
+                    "--ragen).",
     )
     probe.add_argument("checkpoint", help="runs/<run>/checkpoints/step_<N>")
     probe.add_argument("overrides", nargs="*", metavar="key=value",
@@ -186,8 +189,8 @@ def _run_job(command: str, job) -> int:
 
 
 def _launch(nproc: int, argv: list[str]) -> int:
-    """`rldyn train --nproc W ...`: the same command in W ranks under torchrun; returns torchrun's exit code.
-    torchrun, and with it every rank, stops when this process dies, however it dies (a killed sweep included)."""
+    """`rldyn train --nproc W ...`: the same command in W ranks under torchrun, in a child process that (with every
+    rank) stops when this process dies, however it dies (a killed sweep included); returns its exit code."""
     import os
     import subprocess
 
@@ -196,9 +199,40 @@ def _launch(nproc: int, argv: list[str]) -> int:
     if nproc < 1:
         print(f"rldyn train: --nproc must be >= 1, got {nproc}", file=sys.stderr)
         return 2
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "rldynamics.cli", "train", *argv]
-    return subprocess.call(command, preexec_fn=stop_with_parent(os.getpid()))
+    child = "import sys; from rldynamics.cli import run_torchrun; sys.exit(run_torchrun(int(sys.argv[1]), sys.argv[2:]))"
+    return subprocess.call([sys.executable, "-c", child, str(nproc), *argv], preexec_fn=stop_with_parent(os.getpid()))
+
+
+def run_torchrun(nproc: int, argv: list[str]) -> int:
+    """`torchrun --standalone --nproc-per-node W -m rldynamics.cli train ARGV`, run in this process; returns the exit
+    code (2 for a one-line error, as in one process).
+
+    A rank that fails has printed why (an error every rank raised is printed once, by rank 0), so torchrun's own
+    report of the failure (log lines, a traceback and a table of ranks) is not shown: an error line is the last
+    line, or, when a rank crashed or was killed, one line saying which. SIGTERM stops every rank."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "rldynamics.cli", "train", *argv]))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode == 2:  # a one-line error, printed by the rank
+            return 2
+        how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
+               else f"failed with exit code {failure.exitcode} (its output is above)")
+        print(f"rldyn train: rank {rank} {how}; the other ranks were stopped", file=sys.stderr)
+        return 1
+    except SignalException as e:
+        print(f"rldyn train: stopped by {e.sigval.name}; every rank was stopped", file=sys.stderr)
+        return 128 + int(e.sigval)
+    return 0
 
 
 def _one_line(error: Exception) -> str:

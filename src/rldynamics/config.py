@@ -33,6 +33,7 @@ import yaml
 
 from rldynamics import ragen_keys
 from rldynamics.envs import ENVS
+from rldynamics.tracking.files import write_file
 
 
 class ConfigError(ValueError):
@@ -730,11 +731,9 @@ def config_diff(a: Config, b: Config) -> list[tuple[str, Any, Any]]:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config as YAML (to a temporary file renamed over the old one: a kill keeps one whole)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    tmp.replace(path)
+    """Write the resolved config as YAML (to a temporary file renamed over the old one: a kill keeps one whole;
+    never through a link, `tracking.files`)."""
+    write_file(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def load_config(path: str | Path) -> Config:

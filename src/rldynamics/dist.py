@@ -24,6 +24,11 @@ def init_from_env() -> None:
     """Join the process group described by torchrun's environment (`WORLD_SIZE` > 1); otherwise do nothing."""
     if distributed() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
+    # Imported once a group exists, FSDP keeps a reference to it that outlives `destroy_process_group`: the group's
+    # threads then run into interpreter shutdown, and a rank that exits right after a collective (an error raised on
+    # every rank) aborts ("terminate called without an active exception") instead of exiting with its code.
+    import torch.distributed.fsdp  # noqa: F401
+
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
         dist.init_process_group("nccl", timeout=TIMEOUT)

@@ -48,6 +48,7 @@ from rldynamics.plots.data import (
     read_groups,
     regularizer_values,
 )
+from rldynamics.tracking.files import replacing, write_file
 
 DPI = 150
 COLORS = {"task": "#1f77b4", "entropy": "#2ca02c", "kl": "#d62728", "regularizer": "#9467bd", "rv": "#7f7f7f"}
@@ -67,10 +68,8 @@ PNG_METADATA = {"Software": None}  # no matplotlib version in the file: the same
 
 
 def save_png(fig: Figure, path: str | Path, dpi: int = DPI) -> Path:
-    """Write `fig` as PNG and return the path."""
-    literal_text(fig)
-    fig.savefig(path, dpi=dpi, format="png", facecolor="white", metadata=PNG_METADATA)
-    return Path(path)
+    """Write `fig` as PNG (atomically, never through a link: `tracking.files`) and return the path."""
+    return write_file(path, png_bytes(fig, dpi))
 
 
 def png_bytes(fig: Figure, dpi: int = DPI) -> bytes:
@@ -594,10 +593,10 @@ def write_step(run: RunData, step: int, out: str | Path, dpi: int = DPI) -> list
         fig = make(sd)
         if fig is not None:  # the per-group figure needs analysis.per_group
             paths.append(save_png(fig, out / f"gradient_analysis_{name}_step_{step}.png", dpi))
-    metrics_file = out / f"gradient_analysis_metrics_step_{step}.json"
-    metrics_file.write_text(json.dumps(sd.row, sort_keys=True, indent=2))
+    metrics_file = write_file(out / f"gradient_analysis_metrics_step_{step}.json",
+                              json.dumps(sd.row, sort_keys=True, indent=2))
     table = out / f"gradient_analysis_bucket_rv_table_step_{step}.csv"
-    with open(table, "w", newline="") as f:
+    with replacing(table, "w") as f:
         writer = csv.writer(f)
         writer.writerow(["bucket", "reward_std"])
         writer.writerows(bucket_rv_rows(run, step))

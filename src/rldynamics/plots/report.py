@@ -38,6 +38,7 @@ from rldynamics.plots.reward_components import (
     fig_response_lengths,
     read_reward_grad,
 )
+from rldynamics.tracking.files import write_file
 
 REPORT_DPI = 110
 STEP_FIGURE_TITLES = {
@@ -209,5 +210,4 @@ def write_report(run_dir: str | Path | RunData, out: str | Path | None = None) -
     path = Path(out) if out is not None else base / "report.html"
     text = build_report(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
-    return path
+    return write_file(path, text)  # atomically, never through a link (`tracking.files`)

@@ -9,8 +9,9 @@ raw material for any offline study the logged norms, cosines and sketches do not
   signed and unweighted like the sketches. ``np.load(path)[key]`` reads one array without loading the others.
 - Bounded memory: at most `max_pending` dumps are held (queued or being written); the training step that would
   add one more waits until the oldest is on disk.
-- Atomic: each file is written to ``gradients.npz.tmp`` and renamed, so a kill never leaves a half-written
-  ``gradients.npz`` (a resumed run rewrites the steps after its checkpoint anyway).
+- Atomic: each file is written to ``.gradients.npz.tmp`` and renamed (`tracking.files.replacing`: never through a
+  link), so a kill never leaves a half-written ``gradients.npz`` (a resumed run rewrites the steps after its
+  checkpoint anyway).
 - Errors surface: a dump that cannot be written (a full disk, a removed directory) is raised, with the file, at
   the next `submit` or at `close`, which the trainer calls when the run ends (it also waits for every queued
   dump: nothing is left unwritten at exit).
@@ -18,12 +19,13 @@ raw material for any offline study the logged norms, cosines and sketches do not
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from pathlib import Path
 
 import numpy as np
+
+from rldynamics.tracking.files import replacing
 
 
 class GradientDumpError(RuntimeError):
@@ -76,9 +78,5 @@ class GradientDumper:
 
 def write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
     """Write `arrays` to `path` as an uncompressed `.npz`, atomically (temporary file, fsync, rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with replacing(path, sync=True) as f:
         np.savez(f, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

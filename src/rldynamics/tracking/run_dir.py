@@ -11,6 +11,9 @@ Layout:
     checkpoints/step_<N>/      model weights (safetensors) + trainer state
     plots/, report.html        written by `rldyn plot` / `rldyn report`
 
+Every file here is written through `tracking.files`: never through a symbolic link (one is refused, naming it),
+whole files atomically.
+
 This module imports no torch, so readers work on any machine with the run directory copied over.
 Non-finite floats are written as JSON `NaN`/`Infinity` (Python's json reads them back).
 The JSONL files are only ever appended to (one write per call, then closed), so they can be read while a run
@@ -26,14 +29,16 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import shutil
 import socket
 import time
 from pathlib import Path
 from typing import Any
 
+from rldynamics.tracking.files import append_file, open_file, refuse_link, remove, write_file
+
 LOCK_FILE = ".lock"
 REWARDS_FILE = "rewards.jsonl"
+LOG_FILES = ("metrics.jsonl", "samples.jsonl", REWARDS_FILE)
 
 
 class RunInUse(OSError):
@@ -49,7 +54,8 @@ class RunLock:
     lock left by a killed process is stale by construction and is taken over (the previous holder's pid,
     host and start time, still in the file, are reported in `stale`). A second process fails at once with
     `RunInUse` naming the holder. The file is kept (emptied) on release: removing it would let two
-    processes lock two different files of the same name.
+    processes lock two different files of the same name. A link in place of the lock file is refused
+    (`files.LinkRefused`), as every write of a run directory refuses one: truncating it would empty its target.
     """
 
     def __init__(self, run_dir: str | Path):
@@ -59,12 +65,13 @@ class RunLock:
 
     def check(self) -> None:
         """Raise RunInUse now if a live process holds the lock; creates nothing (for checks before any work)."""
+        refuse_link(self.path)
         if self.path.is_file():
-            os.close(self._take(os.open(self.path, os.O_RDONLY)))
+            os.close(self._take(open_file(self.path, os.O_RDONLY)))
 
     def __enter__(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = self._take(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644))
+        fd = self._take(open_file(self.path, os.O_RDWR | os.O_CREAT))
         previous = os.read(fd, 4096)
         self.stale = _describe(previous) if previous.strip() else None
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -90,6 +97,13 @@ class RunLock:
             os.ftruncate(self._fd, 0)
             os.close(self._fd)  # closing releases the lock
             self._fd = None
+
+
+def check_no_links(run_dir: str | Path) -> None:
+    """Refuse (`files.LinkRefused`) a link in place of a file a run writes: its lock, config.yaml and logs. Reads
+    only, for the checks before any work (each writer refuses one again when it writes)."""
+    for name in (LOCK_FILE, "config.yaml", *LOG_FILES):
+        refuse_link(Path(run_dir) / name)
 
 
 def _describe(content: bytes) -> str:
@@ -127,6 +141,7 @@ class RunWriter:
     def analysis_dir(self, step: int) -> Path:
         """The directory for the analysis artefacts of `step` (created)."""
         d = self.path / "analysis" / f"step_{step}"
+        refuse_link(d)
         d.mkdir(parents=True, exist_ok=True)
         return d
 
@@ -136,10 +151,12 @@ class RunWriter:
 
         A resumed run calls this with the step of its checkpoint (-1 to restart from scratch) and then writes
         those steps again, so every step ends up in the run directory exactly once. Any other line that is not a
-        JSON row with a step raises ValueError before anything is changed.
+        JSON row with a step raises ValueError, and a link in place of one of the files `files.LinkRefused`, before
+        anything is changed; an analysis directory that is a link is removed as a link.
         """
         kept = {}
-        for name in ("metrics.jsonl", "samples.jsonl", REWARDS_FILE):
+        check_no_links(self.path)
+        for name in LOG_FILES:
             file = self.path / name
             if file.exists():
                 lines = file.read_bytes().splitlines()
@@ -152,12 +169,10 @@ class RunWriter:
                 if len(kept[file]) == len(lines):
                     del kept[file]
         for file, lines in kept.items():
-            tmp = file.with_name(f".{file.name}.tmp")
-            tmp.write_bytes(b"".join(line + b"\n" for line in lines))
-            os.replace(tmp, file)
+            write_file(file, b"".join(line + b"\n" for line in lines))
         for d in sorted((self.path / "analysis").glob("step_*")):
             if d.name[5:].isdigit() and int(d.name[5:]) > step:
-                shutil.rmtree(d)
+                remove(d)
 
     def close(self) -> None:
         for sink in self.sinks:
@@ -166,8 +181,7 @@ class RunWriter:
 
 def _append(file: Path, rows: list[dict[str, Any]]) -> None:
     """Append rows as JSON lines with one write, so a kill leaves whole rows or a cut last line."""
-    with open(file, "a") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    append_file(file, "".join(json.dumps(r) + "\n" for r in rows).encode())
 
 
 def row_step(line: bytes) -> int | None:

@@ -25,13 +25,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from rldynamics.algo.filter import loss_scale
 from rldynamics.analysis.objective import ActorInputs
 from rldynamics.analysis.probe import ProbeResult, gradient_probe
 from rldynamics.config import Config
 from rldynamics.rollout.batch import RolloutBatch
+from rldynamics.tracking.files import replacing, write_file
 from rldynamics.tracking.grad_dump import GradientDumper
 from rldynamics.train.sharded import rollout_groups
 from rldynamics.train.stages import component_advantages, filter_batch, step_seed, train_seeds
@@ -153,13 +154,14 @@ def _separate_batch_passes(s, step: int, metrics: dict[str, float], prepare) -> 
 
 def write_artefacts(out_dir: Path, metrics: dict[str, float], groups: list[tuple], sketches: dict,
                     reward_grad: dict | None = None) -> None:
-    """`groups.csv`, `sketches.safetensors`, `metrics.json` (and `reward_grad.json`) of one analysis step."""
-    with open(out_dir / "groups.csv", "w", newline="") as f:
+    """`groups.csv`, `sketches.safetensors`, `metrics.json` (and `reward_grad.json`) of one analysis step (each
+    written atomically, never through a link: `tracking.files`)."""
+    with replacing(out_dir / "groups.csv", "w") as f:
         writer = csv.writer(f)
         writer.writerow(["prefix", "bucket", "group_id", "reward_std", "seed", *GROUP_NORM_COLUMNS])
         writer.writerows(groups)
     if sketches:
-        save_file(sketches, str(out_dir / "sketches.safetensors"))
-    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+        write_file(out_dir / "sketches.safetensors", save(sketches))
+    write_file(out_dir / "metrics.json", json.dumps(metrics, indent=2, sort_keys=True))
     if reward_grad:
-        (out_dir / "reward_grad.json").write_text(json.dumps(reward_grad, indent=1, allow_nan=False))
+        write_file(out_dir / "reward_grad.json", json.dumps(reward_grad, indent=1, allow_nan=False))

@@ -10,10 +10,14 @@ Layout of `checkpoints/step_<N>/`:
 
 Writes go to a temporary sibling directory (`.tmp_step_<N>_<pid>`) that is renamed into place once the
 manifest is written, so a crash never leaves a half-written checkpoint; leftovers of a crash are removed
-by `remove_stale` when the run starts again. Loading verifies first (`verify_checkpoint`: the manifest, each
-file's size, the structure of the JSON and safetensors files, each checksum), then loads with
-`torch.load(weights_only=True)` (no pickle code execution) and checks the optimizer state against the model.
-Every problem is one `CheckpointError` line naming the file and what is wrong, raised before any work.
+by `remove_stale` when the run starts again. A write that fails (a full disk) removes the temporary directory and
+raises `CheckpointWriteError`, one line naming the checkpoint and the last complete one, which is still there.
+Links where a checkpoint is written or removed are removed as links, never followed (`tracking.files`).
+
+Loading verifies first (`verify_checkpoint`: the manifest, each file's size, the structure of the JSON and
+safetensors files, each checksum), then loads with `torch.load(weights_only=True)` (no pickle code execution)
+and checks the optimizer state against the model. Every problem is one `CheckpointError` line naming the file and
+what is wrong, raised before any work.
 
 Several ranks (torchrun): every rank calls `save_checkpoint`, which gathers the full weights and optimizer states
 on rank 0 (collectives); rank 0 alone writes, in the same format as one process. A checkpoint therefore resumes on
@@ -34,10 +38,12 @@ import warnings
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from rldynamics import dist
 from rldynamics.models.sharding import full_optimizer_state, full_state_dict, is_sharded, load_full_optimizer_state
 from rldynamics.models.tiny import save_tokenizer
+from rldynamics.tracking.files import remove, write_file
 
 MANIFEST = "manifest.json"
 FORMAT = "rldynamics-checkpoint/1"
@@ -48,6 +54,10 @@ _STEP_DIR = re.compile(r"step_(\d+)")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the file and what is wrong."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (a full disk); the message names it and the last complete one."""
 
 
 def crash_point(point: str, step: int) -> None:
@@ -76,23 +86,14 @@ def save_checkpoint(directory: Path, step: int, *, model, tokenizer, optimizer, 
         return None
     final = directory / f"step_{step}"
     tmp = directory / f".tmp_step_{step}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "actor", safe_serialization=True, state_dict=weights)
-    save_tokenizer(tokenizer, tmp / "actor")
-    if critic is not None:
-        critic.save_pretrained(tmp / "critic", state_dict=critic_weights)
-    torch.save(optim, tmp / "optimizer.pt")
-    torch.save({"torch": rng[0], **({"ranks": rng} if len(rng) > 1 else {})}, tmp / "rng.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(trainer_state or {})}, indent=2))
-    crash_point("checkpoint_files", step)
-    files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {"format": FORMAT, "step": step,
-                "files": {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-                          for p in files}}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    try:
+        _write_files(tmp, step, weights=weights, model=model, tokenizer=tokenizer, critic=critic,
+                     critic_weights=critic_weights, optim=optim, rng=rng, trainer_state=trainer_state)
+    except (OSError, RuntimeError, SafetensorError) as e:  # torch and safetensors raise their own on a full disk
+        _discard(tmp)
+        raise CheckpointWriteError(_write_failure(final, e)) from None
     crash_point("checkpoint_manifest", step)
-    if final.exists():
+    if os.path.lexists(final):
         _remove(final)
     tmp.rename(final)
     if keep_last > 0:
@@ -101,19 +102,63 @@ def save_checkpoint(directory: Path, step: int, *, model, tokenizer, optimizer, 
     return final
 
 
+def _write_files(tmp: Path, step: int, *, weights, model, tokenizer, critic, critic_weights, optim, rng,
+                 trainer_state: dict | None) -> None:
+    """Every file of checkpoint `step` into a new directory `tmp` (whatever stood there is removed), manifest last."""
+    if os.path.lexists(tmp):
+        remove(tmp)
+    tmp.mkdir(parents=True)  # never an existing directory or link: everything below is written into this new one
+    model.save_pretrained(tmp / "actor", safe_serialization=True, state_dict=weights)
+    save_tokenizer(tokenizer, tmp / "actor")
+    if critic is not None:
+        critic.save_pretrained(tmp / "critic", state_dict=critic_weights)
+    torch.save(optim, tmp / "optimizer.pt")
+    torch.save({"torch": rng[0], **({"ranks": rng} if len(rng) > 1 else {})}, tmp / "rng.pt")
+    write_file(tmp / "trainer_state.json", json.dumps({"step": step, **(trainer_state or {})}, indent=2))
+    crash_point("checkpoint_files", step)
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {"format": FORMAT, "step": step,
+                "files": {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                          for p in files}}
+    write_file(tmp / MANIFEST, json.dumps(manifest, indent=1))
+
+
+def _write_failure(final: Path, error: Exception) -> str:
+    """One line: which checkpoint failed and why, how much space is left, and that the last complete one is kept."""
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else (
+        f"{error.__class__.__name__}: {(str(error).splitlines() or ['no detail'])[0][:200]}")
+    try:
+        free = f"; {shutil.disk_usage(final.parent).free // 2**20} MiB free there"
+    except OSError:
+        free = ""
+    last = latest_checkpoint(final.parent.parent)
+    kept = f"the last complete checkpoint, {last}, is still there" if last else "no earlier checkpoint was written"
+    return (f"checkpoint {final} could not be written ({reason}{free}); {kept}: free some space, then continue the "
+            "run with checkpoint.resume=latest")
+
+
 def _remove(checkpoint: Path) -> None:
     """Delete a published checkpoint: renamed away first, so a kill never leaves a half-deleted `step_<N>`."""
     old = checkpoint.with_name(f".old_{checkpoint.name}_{os.getpid()}")
     checkpoint.rename(old)
-    shutil.rmtree(old)
+    remove(old)
 
 
 def remove_stale(directory: Path) -> list[Path]:
     """Remove the temporary directories a killed run left in `directory` (call with the run lock held)."""
     stale = sorted(p for p in directory.glob(".*_step_*") if p.name.startswith((".tmp_step_", ".old_step_")))
     for p in stale:
-        shutil.rmtree(p, ignore_errors=True)
+        _discard(p)
     return stale
+
+
+def _discard(path: Path) -> None:
+    """Remove a temporary directory (or a link in its place) as far as possible; what is left is removed next start."""
+    try:
+        if os.path.lexists(path):
+            remove(path)
+    except OSError:
+        pass
 
 
 def checkpoints(run_dir: Path) -> list[Path]:

@@ -2,7 +2,8 @@
 
 Everything is checked and loaded before anything is written to the run directory:
 
-    plan_start (read only): the run directory is not in use and not another run's; for a resume, which
+    plan_start (read only): the run directory is not in use, not another run's and holds no link in place of a
+        file the run writes (`tracking.files`: a run never writes through a link); for a resume, which
         checkpoint it continues, verified file by file, and whether the command asks for settings the
         run was not trained with
     -> make_session (writes nothing): models and optimizers built, optimizer and RNG state restored and checked
@@ -13,6 +14,10 @@ A start that fails leaves the run directory as it was (or absent).
 
 Several ranks (torchrun): rank 0 makes the checks and the writes; every rank loads the models (from the same files)
 and wraps them for the process group (`models.sharding.wrap`: FSDP2 with `model.shard=true`, replicas otherwise).
+
+The base model (the initial weights, and the KL reference of the whole run) is the run's own: a probe of another
+run's checkpoint takes it from that run's config.yaml (`run_base_path`), never from its own settings, and a
+reference whose parameters do not have the shapes of the checkpoint's actor is refused.
 
 Resuming (`checkpoint.resume=latest` or a checkpoint path of the same run) continues the run with the settings
 in its `config.yaml`. Only the keys in `RESUME_MAY_CHANGE` (how long the run goes on, when it stops, where and
@@ -45,7 +50,7 @@ from rldynamics.models.sharding import wrap
 from rldynamics.models.tiny import ensure_tiny_model
 from rldynamics.tracking.console import StepConsole
 from rldynamics.tracking.grad_dump import GradientDumper
-from rldynamics.tracking.run_dir import RunLock, RunWriter
+from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
 from rldynamics.tracking.sinks import TensorBoardSink, WandbSink, check_installed
 from rldynamics.train.checkpoint import (
     CheckpointError,
@@ -132,6 +137,42 @@ def base_model_path(cfg: Config) -> str:
     return ensure_warm_start(path, cfg) if m.warm_start_episodes > 0 else path
 
 
+def run_config(checkpoint: str | Path) -> Config:
+    """The saved config of the run a checkpoint belongs to (`runs/<run>/checkpoints/step_N` ->
+    `runs/<run>/config.yaml`): what its base model is made of. ConfigError when the run has none (a checkpoint
+    moved out of its run)."""
+    file = Path(checkpoint).resolve().parent.parent / "config.yaml"
+    if not file.is_file():
+        raise ConfigError(f"{checkpoint}: its run's {file} is missing, so the run's base model (the KL reference) is "
+                          "unknown; use the checkpoint inside its run directory, next to the run's config.yaml "
+                          "(runs/<run>/checkpoints/step_<N>)")
+    return load_config(file)
+
+
+def run_base_path(cfg: Config, start: Start) -> str:
+    """The base model of the run whose weights the session starts from: this run's own (`base_model_path`), or, for a
+    checkpoint of another run (a probe), that run's, built from its config.yaml and never from `cfg`."""
+    own = start.checkpoint is None or start.in_place
+    return base_model_path(cfg if own else run_config(start.checkpoint))
+
+
+def check_reference(actor_shapes: dict[str, tuple], reference: torch.nn.Module, base: str, checkpoint: Path) -> None:
+    """Refuse a reference model whose parameters are not those of the checkpoint's actor (names and shapes)."""
+    shapes = _shapes(reference)
+    if shapes == actor_shapes:
+        return
+    name = next(n for n in sorted(shapes.keys() | actor_shapes.keys()) if shapes.get(n) != actor_shapes.get(n))
+    raise CheckpointError(f"{checkpoint / 'actor'}: not the architecture of the base model of its run ({base}, from "
+                          f"{checkpoint.resolve().parent.parent / 'config.yaml'}): {name} is "
+                          f"{list(actor_shapes.get(name, ()))} in the checkpoint, {list(shapes.get(name, ()))} in "
+                          "the base model; a checkpoint copied from another run is analysed inside its own run "
+                          "directory")
+
+
+def _shapes(model: torch.nn.Module) -> dict[str, tuple]:
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
 def check_world(cfg: Config, ranks: int | None = None) -> None:
     """Settings a run of several ranks (default: this process group's) cannot honour are refused before any work
     (ConfigError naming the key)."""
@@ -185,6 +226,7 @@ def plan_start(cfg: Config, run_dir: Path) -> Start:
     built one env with the configured settings.)"""
     check_installed(cfg.log.wandb, cfg.log.tensorboard)
     resolve_device(cfg.model.device)
+    check_no_links(run_dir)  # a link in place of a file the run writes is refused before any work
     RunLock(run_dir).check()  # a second process fails here, at once
     resume = cfg.checkpoint.resume
     path = None if not resume else latest_checkpoint(run_dir) if resume == "latest" else Path(resume)
@@ -194,6 +236,8 @@ def plan_start(cfg: Config, run_dir: Path) -> Start:
         check_resume_settings(cfg, run_dir)
     if path is None:  # a new run, or one killed before its first checkpoint: start from step 0
         return Start(in_place=in_place)
+    if not in_place:
+        run_config(path)  # a checkpoint of another run (a probe): its run's base model must be known
     state = verify_checkpoint(path, needs_critic=cfg.algo.adv_estimator == "gae")
     return Start(checkpoint=path, state=state, in_place=in_place)
 
@@ -219,15 +263,18 @@ def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
     """Build the training session for `cfg`, resuming `start`; writes nothing (`open_run` does, under the lock)."""
     device = resolve_device(cfg.model.device)
     torch.manual_seed(cfg.seed)
-    base = dist.on_main(base_model_path, cfg)  # the tiny model is built (and warm-started) once, by rank 0
+    base = dist.on_main(run_base_path, cfg, start)  # the tiny model is built (and warm-started) once, by rank 0
     ckpt = start.checkpoint
     model, tokenizer = load_model_and_tokenizer(str(ckpt / "actor") if ckpt else base, device=str(device),
                                                 chat_template=cfg.model.chat_template)
+    actor_shapes = _shapes(model)
     model = wrap(prepare(model, cfg, base), cfg.model.shard)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     ref_model = None
     if cfg.algo.kl_coef > 0 or cfg.analysis.enabled:  # the probe measures the KL gradient even at coef 0
         ref_model, _ = load_model_and_tokenizer(base, device=str(device))
+        if ckpt is not None:
+            check_reference(actor_shapes, ref_model, base, ckpt)
         ref_model = wrap(prepare(ref_model.requires_grad_(False), cfg, base), cfg.model.shard)
     critic = critic_optimizer = None
     if cfg.algo.adv_estimator == "gae":
