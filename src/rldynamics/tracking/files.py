@@ -110,3 +110,14 @@ def _named(error: OSError, path: str | Path) -> OSError:
     if error.filename is not None or error.errno is None or isinstance(error, LinkRefused):
         return error
     return OSError(error.errno, error.strerror, str(path))
+
+
+def sha256_file(path: str | Path) -> str:
+    """The hex SHA-256 of a file's bytes, read in blocks (checkpoint manifests, model cache keys)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

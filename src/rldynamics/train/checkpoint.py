@@ -28,7 +28,6 @@ sent to each rank in its shards; each rank takes its own RNG state back when the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -43,7 +42,7 @@ from safetensors import SafetensorError
 from rldynamics import dist
 from rldynamics.models.sharding import full_optimizer_state, full_state_dict, is_sharded, load_full_optimizer_state
 from rldynamics.models.tiny import save_tokenizer
-from rldynamics.tracking.files import remove, write_file
+from rldynamics.tracking.files import remove, sha256_file, write_file
 
 MANIFEST = "manifest.json"
 FORMAT = "rldynamics-checkpoint/1"
@@ -118,7 +117,7 @@ def _write_files(tmp: Path, step: int, *, weights, model, tokenizer, critic, cri
     crash_point("checkpoint_files", step)
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     manifest = {"format": FORMAT, "step": step,
-                "files": {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                "files": {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
                           for p in files}}
     write_file(tmp / MANIFEST, json.dumps(manifest, indent=1))
 
@@ -194,7 +193,7 @@ def verify_checkpoint(path: str | Path, needs_critic: bool = False) -> dict:
     for rel in files:
         _check_structure(path / rel)
     for rel, (_, digest) in files.items():
-        if _sha256(path / rel) != digest:
+        if sha256_file(path / rel) != digest:
             raise CheckpointError(f"{path / rel}: checksum mismatch (the file changed or was corrupted after the "
                                   "checkpoint was written)")
     return state
@@ -249,14 +248,6 @@ def _read_optimizers(path: Path, optimizer, critic_optimizer=None) -> dict:
     if critic_optimizer is not None:
         _check_optimizer(critic_optimizer, optim["critic"], file, "critic")
     return optim
-
-
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _manifest_files(path: Path) -> dict[str, tuple[int, str]]:
