@@ -527,6 +527,18 @@ def test_chunked_probe_equals_the_whole_probe(model, data, probe_bench, chunks, 
         torch.testing.assert_close(chunked.gradients[key], grad, rtol=1e-6, atol=1e-9 * float(grad.abs().max()))
 
 
+def test_chunked_probe_equals_the_whole_probe_in_bfloat16_with_checkpointing(model, data, probe_bench):
+    from rldynamics.models.precision import compute_in, enable_checkpointing
+
+    mixed = enable_checkpointing(compute_in(copy.deepcopy(model), "bfloat16"))  # as train.setup.prepare sets it up
+    kwargs = dict(num_buckets=2, sketch_dim=64, component_advantages=components_of(data[0]), per_group=True,
+                  resamples=50)
+    whole = probe(mixed, data, **kwargs)
+    chunked = probe(mixed, data, memory_chunks=3, **kwargs)
+    error, where = probe_bench.worst_error(probe_bench.flat_results(whole), probe_bench.flat_results(chunked))
+    assert error <= CHUNKED_REL, where
+
+
 def test_chunked_bucket_gradients_sum_to_all(model, data):
     batch = data[0]
     result = probe(model, data, num_buckets=3, keep_gradients=True, sketch_dim=0, memory_chunks=3)

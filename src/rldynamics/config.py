@@ -263,8 +263,9 @@ class AnalysisConfig:
     dump_max_pending: int = 2
     """Gradient dumps held in memory while a background thread writes them (the step waits beyond this)."""
     memory_chunks: int = 1
-    """Probe memory: 1 holds every analysed gradient whole (2 x terms float32 copies of the parameters); C > 1 streams
-    the parameters in C chunks, holding ~1/C of that for ~C/2+1 x the probe's time, same numbers (one process)."""
+    """Probe memory: 1 holds every analysed gradient whole (2 x terms float32 copies of the parameters); C > 1
+    differentiates the parameters in C chunks, holding ~1/C of that (at least the largest tensor) for C forward passes
+    per micro-batch, with the same numbers. One process only."""
 
 
 @dataclass
