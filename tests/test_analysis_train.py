@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from rldynamics.cli import main
@@ -40,6 +41,25 @@ def test_analysis_every_step_leaves_training_bit_identical(fast_overrides):
     assert {r["bucket"] for r in table} == {"bucket_0"} and len(table) == 2  # 2 groups, no answer in format: RV = 0
     sketches = load_file(str(on / "analysis" / "step_1" / "sketches.safetensors"))
     assert "grad_norm/all/task" in sketches and sketches["grad_norm/all/task"].shape == (1024,)
+
+
+def test_chunked_analysis_logs_what_the_whole_analysis_logs(fast_overrides):
+    """`analysis.memory_chunks` changes the probe's memory, not what it logs or what training does."""
+    extra = ["analysis.per_group=true", "analysis.bootstrap_resamples=50", "train.steps=2"]
+    whole = train(make_config(overrides=[*fast_overrides, "log.name=whole", *ANALYSIS, *extra]))
+    chunked = train(make_config(overrides=[*fast_overrides, "log.name=chunked", *ANALYSIS, *extra,
+                                           "analysis.memory_chunks=3"]))
+    assert _same_weights(_weights(whole, 2), _weights(chunked, 2))
+    for a, b in zip(read_metrics(whole)[1:], read_metrics(chunked)[1:], strict=True):
+        probed = {k: v for k, v in a.items() if k.startswith(("grad_norm/", "actor/grad_norm/"))}
+        assert len(probed) > 20
+        assert {k: b[k] for k in probed} == pytest.approx(probed, rel=1e-9, abs=1e-12, nan_ok=True)
+    for step in (1, 2):
+        ours = load_file(str(chunked / "analysis" / f"step_{step}" / "sketches.safetensors"))
+        theirs = load_file(str(whole / "analysis" / f"step_{step}" / "sketches.safetensors"))
+        assert ours.keys() == theirs.keys()
+        for key, sketch in theirs.items():
+            torch.testing.assert_close(ours[key], sketch, rtol=1e-6, atol=1e-6 * float(sketch.abs().max()))
 
 
 def test_exit_after_stops_before_any_update(fast_overrides):

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from rldynamics.algo.losses import AGG_MODES
+from rldynamics.algo.shares import sub_batch_share
 from rldynamics.analysis.objective import ActorInputs, actor_terms
-from rldynamics.analysis.probe import ProbeResult, gradient_probe, numerically_zero
+from rldynamics.analysis.probe import ProbeResult, chunk_bounds, gradient_probe, numerically_zero
 from rldynamics.analysis.sketch import GradientSketcher
 from rldynamics.config import AlgoConfig
 from rldynamics.models.forward import batch_logprobs
@@ -485,3 +486,118 @@ def test_zero_bucket_in_the_probe(model, data):
     assert sorted(g for b, g, _ in result.groups if b == "bucket_0") == [7, 27]
     assert {b for b, _, _ in result.groups} == {"bucket_0", "bucket_1", "bucket_2"}
     assert result.metrics["grad_norm/bucket_0/reward_std_max"] == 0.0
+
+
+# ---- bounded memory: the probe streamed by parameter chunks (analysis.memory_chunks) ------------------------------
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+CHUNKED_REL = 1e-9  # chunks add the same float64 inner products in another order: 1e-14 relative measured
+
+
+@pytest.fixture
+def probe_bench(monkeypatch):
+    """`bench/probe_memory.py`: the tensor-memory counter and the flattening of every reported number."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module("probe_memory")
+
+
+def test_chunk_bounds_split_whole_parameters_evenly():
+    assert chunk_bounds([10, 10, 10, 10], 1) == [(0, 4)]
+    assert chunk_bounds([10, 10, 10, 10], 2) == [(0, 2), (2, 4)]
+    assert chunk_bounds([10, 10, 10, 10], 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert chunk_bounds([10, 10, 10, 10], 9) == [(0, 1), (1, 2), (2, 3), (3, 4)]  # at most one chunk per parameter
+    assert chunk_bounds([60, 5, 5, 30], 2) == [(0, 1), (1, 4)]  # a parameter above P / chunks is a chunk alone
+    assert chunk_bounds([1, 1, 98], 3) == [(0, 2), (2, 3)]
+
+
+@pytest.mark.parametrize("chunks", [2, 5, 100])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
+def test_chunked_probe_equals_the_whole_probe(model, data, probe_bench, chunks, mode):
+    """Every reported number (metrics, sketches, reward-component matrices, per-group norms and intervals) and every
+    gradient of the chunked probe is the whole probe's, within CHUNKED_REL."""
+    kwargs = dict(algo=algo_cfg(mode), num_buckets=2, micro_batch_size=2, sketch_dim=64, keep_gradients=True,
+                  component_advantages=components_of(data[0]), per_group=True, resamples=50)
+    whole = probe(model, data, **kwargs)
+    chunked = probe(model, data, memory_chunks=chunks, **kwargs)
+    error, where = probe_bench.worst_error(probe_bench.flat_results(whole), probe_bench.flat_results(chunked))
+    assert error <= CHUNKED_REL, where
+    assert chunked.gradients.keys() == whole.gradients.keys() and chunked.group_norms.keys() == whole.group_norms.keys()
+    for key, grad in whole.gradients.items():
+        torch.testing.assert_close(chunked.gradients[key], grad, rtol=1e-6, atol=1e-9 * float(grad.abs().max()))
+
+
+def test_chunked_probe_equals_the_whole_probe_in_bfloat16_with_checkpointing(model, data, probe_bench):
+    from rldynamics.models.precision import compute_in, enable_checkpointing
+
+    mixed = enable_checkpointing(compute_in(copy.deepcopy(model), "bfloat16"))  # as train.setup.prepare sets it up
+    kwargs = dict(num_buckets=2, sketch_dim=64, component_advantages=components_of(data[0]), per_group=True,
+                  resamples=50)
+    whole = probe(mixed, data, **kwargs)
+    chunked = probe(mixed, data, memory_chunks=3, **kwargs)
+    error, where = probe_bench.worst_error(probe_bench.flat_results(whole), probe_bench.flat_results(chunked))
+    assert error <= CHUNKED_REL, where
+
+
+def test_chunked_bucket_gradients_sum_to_all(model, data):
+    batch = data[0]
+    result = probe(model, data, num_buckets=3, keep_gradients=True, sketch_dim=0, memory_chunks=3)
+    buckets = sorted({b for b, _, _ in result.groups})
+    shares = {b: sub_batch_share(batch.response_mask, bucket_rows(result, batch, b), "token-mean") for b in buckets}
+    for comp in ("task", "entropy", "kl"):
+        total = sum(shares[b] * result.gradients[f"{b}/{comp}"] for b in buckets)  # [P]
+        whole = result.gradients[f"all/{comp}"]  # [P]
+        torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-6 * float(whole.abs().max()))
+
+
+def test_chunked_probe_is_read_only_and_every_chunk_draws_the_same_dropout(model, data):
+    noisy = copy.deepcopy(model).train()  # dropout on: every chunk's forward passes must draw the same masks
+    for module in noisy.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.3
+    grads = [torch.full_like(p, 0.5) for p in noisy.parameters()]
+    for p, g in zip(noisy.parameters(), grads, strict=True):
+        p.grad = g
+    before = [p.detach().clone() for p in noisy.parameters()]
+    state = torch.get_rng_state()
+    chunked = probe(noisy, data, memory_chunks=4, sketch_dim=0)
+    assert all(p.grad is g and bool((g == 0.5).all()) for p, g in zip(noisy.parameters(), grads, strict=True))
+    assert all(torch.equal(a, p) for a, p in zip(before, noisy.parameters(), strict=True)), "parameters changed"
+    assert torch.equal(torch.get_rng_state(), state), "the probe must restore the global RNG state"
+    whole = probe(noisy, data, sketch_dim=0)  # from the same RNG state: the same dropout masks
+    for key, value in whole.metrics.items():
+        assert chunked.metrics[key] == pytest.approx(value, rel=CHUNKED_REL, abs=1e-12, nan_ok=True), key
+
+
+def test_chunked_norms_independent_of_micro_batch_size(model, data):
+    results = [probe(model, data, micro_batch_size=m, sketch_dim=0, memory_chunks=3).metrics for m in (1, 4)]
+    for key, value in results[0].items():
+        assert results[1][key] == pytest.approx(value, rel=1e-4, abs=1e-8), key
+
+
+def test_chunked_probe_holds_less_tensor_memory(probe_bench):
+    """On a model whose gradients outweigh the activations (1.1M parameters, 12 short rows), the tensor bytes the
+    probe holds at its peak fall with chunks: the whole probe holds at least the 2 x 3 gradient vectors."""
+    tokenizer = build_tiny_tokenizer(sokoban_corpus())
+    big = build_tiny_model(tokenizer, hidden_size=128, num_layers=4, intermediate_size=512)
+    data = make_batch(big)
+    size = 4 * sum(p.numel() for p in big.parameters())  # bytes of one float32 gradient vector
+    whole, _ = probe_bench.peak_bytes(lambda: probe(big, data))
+    chunked, _ = probe_bench.peak_bytes(lambda: probe(big, data, memory_chunks=4))
+    assert whole >= 6 * size  # task, entropy, KL for `all` and for a bucket
+    assert chunked < 0.5 * whole
+
+
+def test_memory_chunks_is_one_process_only(model, data):
+    from rldynamics.config import ConfigError, make_config
+    from rldynamics.train.setup import check_world
+
+    cfg = make_config(overrides=["analysis.memory_chunks=4"])
+    check_world(cfg, 1)
+    with pytest.raises(ConfigError, match=r"analysis.memory_chunks=4 .* set analysis.memory_chunks=1"):
+        check_world(cfg, 2)
+    with pytest.raises(ConfigError, match="analysis.memory_chunks must be"):
+        make_config(overrides=["analysis.memory_chunks=0"])
+    with pytest.raises(ValueError, match="memory_chunks=0"):
+        probe(model, data, memory_chunks=0)

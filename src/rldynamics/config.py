@@ -263,6 +263,10 @@ class AnalysisConfig:
     """Write every analysed gradient in full, per parameter, to analysis/step_<N>/gradients.npz (float32; big)."""
     dump_max_pending: int = 2
     """Gradient dumps held in memory while a background thread writes them (the step waits beyond this)."""
+    memory_chunks: int = 1
+    """Probe memory: 1 holds every analysed gradient whole (2 x terms float32 copies of the parameters); C > 1
+    differentiates the parameters in C chunks, holding ~1/C of that (at least the largest tensor) for C forward passes
+    per micro-batch, with the same numbers. One process only."""
 
 
 @dataclass
@@ -351,7 +355,7 @@ RANGES: dict[str, tuple[float, bool, float | None]] = {
         "env.max_turns", "env.max_actions_per_turn", "env.max_actions_per_traj", "env.max_new_tokens",
         "train.env_groups", "train.group_size", "train.ppo_epochs",
         "train.mini_batch_size", "train.micro_batch_size", "val.env_groups", "val.group_size", "analysis.every",
-        "analysis.num_buckets", "analysis.dump_max_pending", "analysis.bootstrap_resamples",
+        "analysis.num_buckets", "analysis.dump_max_pending", "analysis.bootstrap_resamples", "analysis.memory_chunks",
         "analysis.env_groups", "analysis.group_size",
         "model.tiny_hidden_size",
         "model.tiny_layers", "model.warm_start_turns", "model.warm_start_epochs", "early_stop.rv_baseline_steps",

@@ -47,11 +47,21 @@ Semantics (``DESIGN.md`` §4.2–4.4, metric names from ``reference/ragen_behavi
   reduce-scatters into the parameters' ``.grad`` shards (read, then cleared: saved before and restored after the
   probe); replicas differentiate as one process does and keep their slice of the summed vectors.
   ``keep_gradients`` needs one process.
+- Bounded memory (``memory_chunks`` = C > 1, one process): the parameters are split into C runs of whole
+  parameters of about equal size (``chunk_bounds``) and every pass above runs once per chunk, differentiating only
+  that chunk's parameters (``torch.autograd.grad`` over them, so autograd skips the other weights' gradients and
+  the graph below the chunk). Every result is a sum over coordinates (Gram matrices, per-group Gram matrices,
+  sketches), so each chunk's part is added to the parts before it and its vectors are dropped; the losses come from
+  the first chunk. Memory: the largest chunk's share of the gradient vectors and of the sketch tables instead of
+  all of them; cost: C forward passes per micro-batch, and backward passes that stop at each chunk. The numbers
+  are those of C = 1 up to the order of float64 sums (relative 1e-14 measured; ``bench/probe_memory.py``). Every
+  chunk's passes start from the same RNG state, so dropout draws, if any, are the same in every chunk.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -108,7 +118,7 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
                    component_weights: dict[str, float] | None = None,
                    terms: tuple[str, ...] = ("task", "entropy", "kl"), zero_bucket: bool = False,
                    per_group: bool = False, resamples: int = bootstrap.RESAMPLES,
-                   shared_prefix: bool = True) -> ProbeResult:
+                   shared_prefix: bool = True, memory_chunks: int = 1) -> ProbeResult:
     """Per-bucket gradient norms, cosines, losses and sketches of the loss components, without training.
 
     Args:
@@ -132,6 +142,8 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
         per_group: compute every group's gradient alone (``group_norms``) and, with ``resamples`` > 0, bootstrap
             intervals over groups (``<bucket>/<metric>/ci_low|ci_high``; seeded with ``sketch_seed``).
         shared_prefix: forward a prompt shared by rows of a micro-batch once (``models.forward.token_logprobs``).
+        memory_chunks: 1 holds every gradient whole; C > 1 streams the parameters in C chunks (``chunk_bounds``):
+            every pass is repeated per chunk and holds only that chunk's coordinates (module docstring). One process.
 
     Returns:
         A :class:`ProbeResult`; empty when the batch has no rows.
@@ -140,6 +152,9 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     if keep_gradients and dist.distributed():
         raise ValueError("keep_gradients needs whole gradients, which a probe over several ranks never gathers")
+    if memory_chunks < 1 or (memory_chunks > 1 and dist.distributed()):
+        raise ValueError(f"memory_chunks={memory_chunks}: must be >= 1, and 1 over several ranks (each already holds "
+                         "1/world of every gradient)")
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     saved = [p.grad for p in model.parameters()]  # a sharded probe accumulates in .grad: put back on return
     try:
@@ -149,7 +164,7 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
                           sketch_dim=sketch_dim, sketch_seed=sketch_seed, keep_gradients=keep_gradients,
                           components=component_advantages or {}, weights=component_weights or {}, terms=terms,
                           zero_bucket=zero_bucket, per_group=per_group, resamples=resamples,
-                          shared_prefix=shared_prefix)
+                          shared_prefix=shared_prefix, memory_chunks=memory_chunks, devices=devices)
     finally:
         for p, grad in zip(model.parameters(), saved, strict=True):
             p.grad = grad
@@ -157,30 +172,111 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
 
 @dataclass
 class _Layout:
-    """Which coordinates of the flat gradient this rank holds, and the projections that read them."""
+    """Which coordinates of the flat gradient this pass holds, and the projections that read them."""
 
     params: list[torch.Tensor]
-    spans: list[tuple[int, int]]  # global [start, end) coordinates of the local vector (`grad_spans`)
+    spans: list[tuple[int, int]]  # global [start, end) coordinates of the local vector (`grad_spans`, or a chunk's)
     slices: dict[str, list[tuple[int, int]]]  # layer group -> local [start, end) slices
     sketcher: GradientSketcher | None
+    total: int  # coordinates of the whole flat gradient (P)
 
     @property
     def size(self) -> int:
         return sum(end - start for start, end in self.spans)
 
 
-def _layout(model, sketch_dim: int, sketch_seed: int) -> _Layout:
+def chunk_bounds(numels: list[int], chunks: int) -> list[tuple[int, int]]:
+    """Split parameters (their sizes ``numels``, in order) into at most ``chunks`` consecutive runs of whole
+    parameters of about equal size: each cut is the parameter boundary nearest to a multiple of P / chunks.
+    Returns [lo, hi) parameter index ranges, none empty; a parameter larger than P / chunks is a chunk alone."""
+    ends = torch.tensor(numels, dtype=torch.float64).cumsum(0)  # [n] coordinate after each parameter
+    total = float(ends[-1]) if len(numels) else 0.0
+    cuts = {0, len(numels)}
+    for k in range(1, chunks):
+        cuts.add(int((ends - k * total / chunks).abs().argmin()) + 1)  # after the parameter ending nearest k·P/C
+    bounds = sorted(cuts)
+    return [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True) if hi > lo]
+
+
+def _layouts(model, sketch_dim: int, sketch_seed: int, chunks: int) -> Iterator[_Layout]:
+    """The layouts the probe's passes run over, one at a time: one (this rank's coordinates of every parameter)
+    with ``chunks`` = 1, else the ``chunk_bounds`` chunks in order, each with its piece of the sketch projection."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
-    spans = grad_spans(model, params)
-    groups = layer_groups([n for n, _ in named], [p.numel() for p in params])
-    sketcher = GradientSketcher([p.shape for p in params], sketch_dim, sketch_seed, spans) if sketch_dim > 0 else None
-    return _Layout(params, spans, local_slices(spans, groups), sketcher)
+    numels = [p.numel() for p in params]
+    total = sum(numels)
+    groups = layer_groups([n for n, _ in named], numels)
+    if chunks == 1 or len(params) < 2:
+        spans = grad_spans(model, params)
+        sketcher = GradientSketcher([p.shape for p in params], sketch_dim, sketch_seed, spans) if sketch_dim > 0 \
+            else None
+        yield _Layout(params, spans, local_slices(spans, groups), sketcher, total)
+        return
+    offsets = [0, *torch.tensor(numels).cumsum(0).tolist()]  # [n + 1] first coordinate of each parameter
+    generator = torch.Generator().manual_seed(sketch_seed)  # the chunks' sketchers draw the projection in order
+    for lo, hi in chunk_bounds(numels, chunks):
+        spans = [(offsets[lo], offsets[hi])]
+        yield _Layout(params[lo:hi], spans, local_slices(spans, groups),
+                      GradientSketcher([p.shape for p in params[lo:hi]], sketch_dim, generator=generator)
+                      if sketch_dim > 0 else None, total)
+
+
+@dataclass
+class _Group:
+    """One group of a bucket (``per_group``): its place in the bucket."""
+
+    group_id: int
+    share: float
+    rows: int
+    tokens: float
+
+
+@dataclass
+class _Sums:
+    """One bucket's (or ``all``'s) statistics summed over the layouts' coordinates: what its results come from.
+
+    A Gram matrix, a sketch and a gradient are sums over coordinates, so a chunk's part is added to the parts of
+    the chunks before it; with one layout each is the value of that pass itself.
+    """
+
+    names: list[str]
+    grams: torch.Tensor | None = None  # [G, K, K] float64 inner products per layer group
+    losses: dict[str, float] | None = None  # unweighted loss of each term (from the first pass)
+    sketches: dict[str, torch.Tensor] = field(default_factory=dict)  # "<bucket>/<component>" -> [dim] float32
+    gradients: dict[str, torch.Tensor] = field(default_factory=dict)  # "<bucket>/<component>" -> [P] (keep only)
+    groups: list[_Group] = field(default_factory=list)  # per_group: the bucket's groups
+    group_grams: torch.Tensor | None = None  # per_group: [K', K', m, m] over the actor terms of `names`
+
+    def add(self, bucket: str, grads: dict[str, torch.Tensor], losses: dict[str, float], layout: _Layout,
+            keep_gradients: bool) -> None:
+        """Add one pass's gradients ``grads`` (name -> local [p]) over ``layout``'s coordinates."""
+        grams = gram([grads[n] for n in self.names], layout.slices)  # [G, K, K]
+        self.grams = grams if self.grams is None else self.grams + grams
+        if self.losses is None:
+            self.losses = losses
+        for n, g in grads.items():
+            key = f"{bucket}/{COMPONENT_OF_TERM.get(n, n)}"
+            if layout.sketcher is not None:  # the sketch is linear: the whole vector's is the sum of the parts'
+                self.sketches[key] = layout.sketcher.sketch(g, out=self.sketches.get(key))  # [dim]
+            if keep_gradients:  # one process: the layout is one span of the whole vector
+                if key not in self.gradients:
+                    self.gradients[key] = torch.zeros(layout.total, dtype=torch.float32)  # [P]
+                start, end = layout.spans[0]
+                self.gradients[key][start:end] = g.detach().cpu()
+
+    def add_groups(self, singles: list[_GroupGradient]) -> None:
+        """Add the per-group gradients of one pass (``_group_gradients``) to the groups' Gram matrices."""
+        terms = list(singles[0].grads) if singles else []
+        if not self.groups:
+            self.groups = [_Group(s.group_id, s.share, s.rows, s.tokens) for s in singles]
+        if terms:
+            grams = group_gram([torch.stack([s.grads[n] for s in singles]) for n in terms])  # [K', K', m, m]
+            self.group_grams = grams if self.group_grams is None else self.group_grams + grams
 
 
 def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperature, num_buckets, bucket_mode,
            prefix, sketch_dim, sketch_seed, keep_gradients, components, weights, terms, zero_bucket, per_group,
-           resamples, shared_prefix) -> ProbeResult:
+           resamples, shared_prefix, memory_chunks, devices) -> ProbeResult:
     """Body of :func:`gradient_probe` (runs inside a forked RNG)."""
     stds = _present_groups(batch.group_ids, group_std)
     if not stds:
@@ -189,44 +285,76 @@ def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperatu
     scores = torch.tensor([stds[g] for g in gids], dtype=torch.float64)  # [G]
     split = assign_buckets(scores, mode=bucket_mode, num_buckets=num_buckets, zero_bucket=zero_bucket)
     named = [(bucket_name(k, zero_bucket), [gids[i] for i in idx]) for k, idx in enumerate(split) if idx]
-    layout = _layout(model, sketch_dim, sketch_seed)
     names = [n for n, c in COMPONENT_OF_TERM.items() if c in terms and (n != "kl" or inputs.ref_logprobs is not None)]
     names += [f"reward/{k}" for k in components]
     bucket_rows = [torch.isin(batch.group_ids, torch.tensor(b)).nonzero().squeeze(1) for _, b in named]  # B x [n_b]
     shares = [sub_batch_share(batch.response_mask, rows, algo.loss_agg_mode) for rows in bucket_rows]
-    total_rows = float(len(batch))
-    all_grads = {n: _zeros(layout) for n in names}  # name -> [p]
-    all_losses = dict.fromkeys(names, 0.0)
-    result = ProbeResult(metrics={}, groups=[], sketches={})
-    per_bucket: dict[str, dict[str, float]] = {}
-    per_bucket_rg: dict[str, dict[str, float]] = {}
+    buckets = [(name, rows, share) for (name, _), rows, share in zip(named, bucket_rows, shares, strict=True)]
+    sums = {name: _Sums(names) for name in (*(b for b, _ in named), "all")}
     kwargs = dict(names=names, components=components, micro_batch_size=micro_batch_size, temperature=temperature,
                   shared_prefix=shared_prefix)
-    for k, ((name, groups), rows, share) in enumerate(zip(named, bucket_rows, shares, strict=True)):
+    layer_names: list[str] = []
+    for layout in _layouts(model, sketch_dim, sketch_seed, memory_chunks):
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):  # every chunk's passes draw alike
+            _pass(model, batch, inputs, algo, layout, buckets, sums, per_group=per_group,
+                  keep_gradients=keep_gradients, **kwargs)
+        layer_names = list(layout.slices)
+        del layout  # free this chunk's sketch tables before the next chunk's are drawn
+    return _results(sums, named, bucket_rows, batch, stds, names, algo, prefix=prefix, components=components,
+                    weights=weights, layer_names=layer_names, per_group=per_group, resamples=resamples,
+                    sketch_seed=sketch_seed)
+
+
+def _pass(model, batch: RolloutBatch, inputs: ActorInputs, algo: AlgoConfig, layout: _Layout,
+          buckets: list[tuple[str, torch.Tensor, float]], sums: dict[str, _Sums], *, per_group: bool,
+          keep_gradients: bool, **kwargs) -> None:
+    """Every bucket's gradients over ``layout``'s coordinates, and ``all``'s as their share-weighted sum, added to
+    ``sums``. Memory: the terms' vectors for ``all`` and for the current bucket (2 K local [p] vectors)."""
+    names = kwargs["names"]
+    all_grads = {n: _zeros(layout) for n in names}  # name -> [p]
+    all_losses = dict.fromkeys(names, 0.0)
+    for name, rows, share in buckets:
         if per_group:
             grads, losses, singles = _group_gradients(model, batch, rows, inputs, algo, layout, **kwargs)
+            sums[name].add_groups(singles)
+            del singles
         else:
             grads, losses = _bucket_gradients(model, batch, rows, inputs, algo, layout, **kwargs)
         for n in names:
             all_grads[n].add_(grads[n], alpha=share)  # [p]
             all_losses[n] += share * losses[n]
-        grams = gram([grads[n] for n in names], layout.slices)  # [G, K, K]
-        per_bucket[name] = _bucket_metrics(grams.sum(0), names, losses, algo, count=float(rows.numel()),
+        sums[name].add(name, grads, losses, layout, keep_gradients)
+        del grads  # free this bucket's vectors before the next bucket allocates its own
+    sums["all"].add("all", all_grads, all_losses, layout, keep_gradients)
+
+
+def _results(sums: dict[str, _Sums], named: list[tuple[str, list[int]]], bucket_rows: list[torch.Tensor],
+             batch: RolloutBatch, stds: dict[int, float], names: list[str], algo: AlgoConfig, *, prefix: str,
+             components: dict[str, torch.Tensor], weights: dict[str, float], layer_names: list[str],
+             per_group: bool, resamples: int, sketch_seed: int) -> ProbeResult:
+    """The probe's metrics, matrices, sketches and gradients from every bucket's summed statistics."""
+    result = ProbeResult(metrics={}, groups=[], sketches={})
+    total_rows = float(len(batch))
+    per_bucket: dict[str, dict[str, float]] = {}
+    per_bucket_rg: dict[str, dict[str, float]] = {}
+    for k, ((name, groups), rows) in enumerate(zip(named, bucket_rows, strict=True)):
+        s = sums[name]
+        per_bucket[name] = _bucket_metrics(s.grams.sum(0), names, s.losses, algo, count=float(rows.numel()),
                                            tokens=float(batch.response_mask[rows].sum()), total_rows=total_rows,
                                            stds=[stds[g] for g in groups])
         if per_group:
-            _group_results(result, per_bucket[name], singles, algo, resamples, sketch_seed + k)
-            del singles
-        _reward_grad(result, per_bucket_rg, name, grams, names, components, weights, layout)
-        _record(result, name, grads, layout, keep_gradients)
+            _group_results(result, per_bucket[name], s, algo, resamples, sketch_seed + k)
+        _reward_grad(result, per_bucket_rg, name, s.grams, names, components, weights, layer_names)
         result.groups.extend((name, g, stds[g]) for g in groups)
-        del grads  # free this bucket's vectors before the next bucket allocates its own
-    grams = gram([all_grads[n] for n in names], layout.slices)  # [G, K, K]
-    all_metrics = _bucket_metrics(grams.sum(0), names, all_losses, algo, count=total_rows,
+    whole = sums["all"]
+    all_metrics = _bucket_metrics(whole.grams.sum(0), names, whole.losses, algo, count=total_rows,
                                   tokens=float(batch.response_mask.sum()), total_rows=total_rows,
-                                  stds=[stds[g] for g in gids])
-    _record(result, "all", all_grads, layout, keep_gradients)
-    _reward_grad(result, per_bucket_rg, "all", grams, names, components, weights, layout)
+                                  stds=[stds[g] for g in sorted(stds)])
+    _reward_grad(result, per_bucket_rg, "all", whole.grams, names, components, weights, layer_names)
+    for s in sums.values():  # buckets, then all; summed over ranks (a sketch is linear)
+        result.sketches.update({key: torch.tensor(dist.global_sum(v.tolist()), dtype=torch.float32)  # [dim]
+                                for key, v in s.sketches.items()})
+        result.gradients.update(s.gradients)
     for bucket, values in {"all": all_metrics, **per_bucket}.items():
         result.metrics.update({f"{prefix}/{bucket}/{key}": v for key, v in values.items()})
     rg_prefix = prefix.replace("grad_norm", "reward_grad")
@@ -424,20 +552,20 @@ def _group_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: Act
     return grads, losses, singles
 
 
-def _group_results(result: ProbeResult, metrics: dict[str, float], singles: list[_GroupGradient],
-                   algo: AlgoConfig, resamples: int, seed: int) -> None:
+def _group_results(result: ProbeResult, metrics: dict[str, float], sums: _Sums, algo: AlgoConfig, resamples: int,
+                   seed: int) -> None:
     """Per-group norms into ``result.group_norms`` and the bucket's bootstrap intervals into ``metrics``."""
-    names = list(singles[0].grads) if singles else []
-    if not names:
+    names = [n for n in sums.names if n in COMPONENT_OF_TERM]
+    if not names or sums.group_grams is None:
         return
-    grams = group_gram([torch.stack([single.grads[n] for single in singles]) for n in names])  # [K, K, m, m]
+    grams = sums.group_grams  # [K, K, m, m]
     index = {n: i for i, n in enumerate(names)}
-    for j, single in enumerate(singles):
-        result.group_norms[single.group_id] = {"share": single.share, "rows": float(single.rows),
-                                               "tokens": single.tokens, **_norm_metrics(grams[:, :, j, j], index, algo)}
+    for j, group in enumerate(sums.groups):
+        result.group_norms[group.group_id] = {"share": group.share, "rows": float(group.rows), "tokens": group.tokens,
+                                              **_norm_metrics(grams[:, :, j, j], index, algo)}
     if resamples < 2:
         return
-    shares = torch.tensor([single.share for single in singles], dtype=torch.float64)  # [m]
+    shares = torch.tensor([group.share for group in sums.groups], dtype=torch.float64)  # [m]
     metrics.update(bootstrap.bucket_intervals(shares, grams, names, _term_scales(algo), metrics,
                                               normalised=algo.loss_agg_mode != "seq-mean-token-sum-norm",
                                               resamples=resamples, seed=seed))
@@ -445,15 +573,15 @@ def _group_results(result: ProbeResult, metrics: dict[str, float], singles: list
 
 def _reward_grad(result: ProbeResult, metrics: dict[str, dict[str, float]], bucket: str, grams: torch.Tensor,
                  names: list[str], components: dict[str, torch.Tensor], weights: dict[str, float],
-                 layout: _Layout) -> None:
+                 groups: list[str]) -> None:
     """The reward-component metrics and matrices of one bucket from its Gram matrices per layer group ``grams``
-    [G, K, K] over ``names`` (nothing without components)."""
+    [G, K, K] over ``names`` (nothing without components); ``groups``: the G layer groups' names."""
     if not components:
         return
     picked = [names.index(f"reward/{k}") for k in components] + ([names.index("pg")] if "pg" in names else [])
     metrics[bucket], result.reward_grad[bucket] = reward_grad_metrics(
         grams[:, picked][:, :, picked], list(components), "pg" in names, {k: weights.get(k, 1.0) for k in components},
-        list(layout.slices))
+        groups)
 
 
 def _actor_mirror(all_metrics: dict[str, float]) -> dict[str, float]:
@@ -462,18 +590,6 @@ def _actor_mirror(all_metrics: dict[str, float]) -> dict[str, float]:
     out = {f"actor/grad_norm/{k}": all_metrics[k] for k in keys}
     out.update({f"actor/{k}": v for k, v in all_metrics.items() if k.startswith("loss/")})
     return out
-
-
-def _record(result: ProbeResult, bucket: str, grads: dict[str, torch.Tensor], layout: _Layout,
-            keep_gradients: bool) -> None:
-    """Store the sketches (summed over ranks) and, if asked, copies of one bucket's component gradients."""
-    for n, g in grads.items():
-        key = f"{bucket}/{COMPONENT_OF_TERM.get(n, n)}"
-        if layout.sketcher is not None:  # the sketch is linear: the whole vector's is the sum of the parts'
-            part = layout.sketcher.sketch(g).tolist()  # dim floats
-            result.sketches[key] = torch.tensor(dist.global_sum(part), dtype=torch.float32)  # [dim]
-        if keep_gradients:
-            result.gradients[key] = g.detach().cpu().clone()  # [P]
 
 
 def _term_signs(algo: AlgoConfig) -> dict[str, float]:

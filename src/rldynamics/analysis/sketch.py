@@ -11,7 +11,10 @@ Design choices:
   buckets and runs can be compared as long as they share ``(shapes, dim, seed)``.
 - ``h`` and ``s`` are drawn from a CPU ``torch.Generator`` seeded with ``seed``, one parameter at a
   time in the order given, so the same seed and shapes give the same projection on every run and
-  machine, and the global RNG is never touched.
+  machine, and the global RNG is never touched. Consecutive chunks of the parameters can be given one
+  sketcher each, drawing from one shared generator in order (``generator``): their tables are the pieces of
+  the whole projection's, so the sketch of a vector is its chunks' sketches added (the probe's bounded-memory
+  mode never holds the whole tables or a whole gradient).
 - Memory-light: one int32 bin index and one int8 sign per coordinate, built once; a sketch is a single
   ``index_add_``.
 """
@@ -36,17 +39,19 @@ class GradientSketcher:
             rank's shard, ``models.sharding.grad_spans``); None = all. ``sketch`` then takes the local vector (those
             coordinates in order) and returns its part of the sketch: the sum of the parts over a partition of the
             coordinates is the sketch of the whole vector. The tables hold only these coordinates.
+        generator: draw from this generator instead of a fresh one seeded with ``seed``: after the sketchers of
+            the parameters before ``params_shapes`` drew from it, this one holds the next piece of their projection.
     """
 
     def __init__(self, params_shapes: Sequence[Sequence[int]], dim: int = 1024, seed: int = 0,
-                 spans: list[tuple[int, int]] | None = None) -> None:
+                 spans: list[tuple[int, int]] | None = None, generator: torch.Generator | None = None) -> None:
         if dim < 1:
             raise ValueError(f"sketch dim must be >= 1, got {dim}")
         self.dim = dim
         self.seed = seed
         numels = [int(torch.Size(shape).numel()) for shape in params_shapes]
         spans = [(0, sum(numels))] if spans is None else spans
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator().manual_seed(seed) if generator is None else generator
         self.numel = sum(end - start for start, end in spans)
         self.index = torch.empty(self.numel, dtype=torch.int32)  # [p]
         self.sign = torch.empty(self.numel, dtype=torch.int8)  # [p]
@@ -68,20 +73,23 @@ class GradientSketcher:
         self.sign = self.sign.to(device)  # [P]
         return self
 
-    def sketch(self, flat_grad: torch.Tensor) -> torch.Tensor:
+    def sketch(self, flat_grad: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Project a flat vector.
 
         Args:
             flat_grad: ``[P]`` vector (the concatenation of the flattened parameter gradients).
+            out: ``[dim]`` float32 sketch to add into, in place (the sketch of the vector's earlier chunks, on the
+                device of ``flat_grad``); None starts from zeros.
 
         Returns:
-            ``[dim]`` float32 sketch on the device of ``flat_grad``.
+            ``[dim]`` float32 sketch on the device of ``flat_grad`` (``out`` when given).
         """
         if flat_grad.dim() != 1 or flat_grad.numel() != self.numel:
             raise ValueError(f"expected a flat vector of {self.numel} entries, got shape {tuple(flat_grad.shape)}")
         if self.index.device != flat_grad.device:
             self.to(flat_grad.device)
-        out = torch.zeros(self.dim, dtype=torch.float32, device=flat_grad.device)  # [dim]
+        if out is None:
+            out = torch.zeros(self.dim, dtype=torch.float32, device=flat_grad.device)  # [dim]
         for start in range(0, self.numel, CHUNK):  # in order, so the sums are those of one pass
             end = start + CHUNK
             out.index_add_(0, self.index[start:end], flat_grad[start:end].float() * self.sign[start:end])  # [dim]

@@ -123,7 +123,7 @@ def probe(s, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, floa
                           terms=tuple(cfg.analysis.terms), keep_gradients=cfg.analysis.dump_gradients,
                           zero_bucket=cfg.analysis.zero_bucket,
                           per_group=cfg.analysis.per_group, resamples=cfg.analysis.bootstrap_resamples,
-                          shared_prefix=cfg.train.shared_prefix)
+                          shared_prefix=cfg.train.shared_prefix, memory_chunks=cfg.analysis.memory_chunks)
 
 
 def _separate_batch_passes(s, step: int, metrics: dict[str, float], prepare) -> list:

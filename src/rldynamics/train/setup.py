@@ -182,6 +182,10 @@ def check_world(cfg: Config, ranks: int | None = None) -> None:
     if cfg.analysis.dump_gradients:
         raise ConfigError(f"analysis.dump_gradients=true writes whole gradients, which {ranks} ranks never gather; "
                           "set analysis.dump_gradients=false or run without torchrun")
+    if cfg.analysis.memory_chunks > 1:
+        raise ConfigError(f"analysis.memory_chunks={cfg.analysis.memory_chunks} streams whole gradients in one "
+                          f"process; on {ranks} ranks each holds 1/{ranks} of every probe gradient already: set "
+                          "analysis.memory_chunks=1 (with model.shard=true) or run without torchrun")
     groups = {"train.env_groups": cfg.train.env_groups, "val.env_groups": cfg.val.env_groups,
               "analysis.env_groups": cfg.analysis.env_groups}
     for key, value in groups.items():
