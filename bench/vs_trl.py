@@ -2,7 +2,7 @@
 of this machine's matmul rate our actor update achieves.
 
     pip install -e ".[bench]"           # TRL 1.16.0 (install torch==2.13.0 alongside so no CUDA build comes in)
-    python bench/vs_trl.py [--sizes tiny,h256,h512,smollm2] [--rounds 3] [--steps 3]
+    python bench/vs_trl.py [--sizes tiny,h256,h512,smollm2] [--rounds 3] [--steps 3] [--dtype float32]
 
 The matched setting, per model size: the same weights (the embedded tiny model; a randomly initialised Qwen2
 with the tiny tokenizer at hidden 256 / 4 layers and hidden 512 / 8 layers; or the real pretrained
@@ -12,7 +12,10 @@ reward (our env scores TRL's completions through the same turn function), G grou
 temperature 1 (no top-p / top-k), stop at the same ids, one optimisation pass over one mini-batch in
 micro-batches of 16, no KL, no entropy bonus, seq-mean-token-mean against TRL's `loss_type="grpo"`,
 std-normalised group advantages, AdamW with the same lr / weight decay / max grad norm, one torch thread. Both
-compute in float32 (`model.dtype=float32`, TRL's `bf16=False`): like for like.
+compute in float32 by default (`model.dtype=float32`, TRL's `bf16=False`): like for like. `--dtype bfloat16`
+runs both in mixed precision instead: float32 weights and AdamW state, bfloat16 autocast over generation, forward
+and backward (ours `model.dtype=bfloat16`; TRL's `bf16=True`, whose accelerate autocast wraps the model's
+forward, so its generation too), and the matmul benchmark multiplies bfloat16 matrices.
 
 What differs: prompt order (TRL's sampler shuffles the dataset; the prompts are the same length, SmolLM2's within
 a few tokens), the sampled tokens (each trainer's own seeded stream, so the reply lengths too), and the per-step
@@ -32,8 +35,8 @@ ours; > 1 means we are faster), our per-phase medians, and the FLOP rate of our 
   over the full `new` x `keys` rectangle (PaLM's 6N + 12LHQT, Chowdhery et al. 2022, appendix B). The shapes
   are those of the update's actual forward calls (read by a pre-hook on the model), so padding counts and a
   shared prompt counts once per micro-batch. Norms, activations, softmax and the optimizer step are not counted.
-- matmul FLOP/s: `torch.matmul` of two square float32 matrices as wide as the model's MLP (its largest weight
-  is hidden x that width), one thread, the best of 5 timed repeats per round and of the rounds.
+- matmul FLOP/s: `torch.matmul` of two square matrices (of `--dtype`) as wide as the model's MLP (its largest
+  weight is hidden x that width), one thread, the best of 5 timed repeats per round and of the rounds.
 - update/matmul: their ratio, the share of this machine's matmul rate the update achieves.
 
 A table with one row per size closes the output.
@@ -60,7 +63,7 @@ PHASES = ("gen", "old_log_prob", "adv", "update_actor")
 MATMUL_REPEATS, MATMUL_MIN_S = 5, 0.2  # timed repeats of the matmul benchmark; each lasts at least this long
 
 
-def our_overrides(model_path: str, groups: int, steps: int, run_dir: str) -> list[str]:
+def our_overrides(model_path: str, groups: int, steps: int, run_dir: str, dtype: str = "float32") -> list[str]:
     """Our config for the matched setting."""
     return [f"model.path={model_path}", "env.max_turns=1", f"env.max_new_tokens={NEW_TOKENS}",
             f"train.env_groups={groups}", f"train.group_size={GROUP_SIZE}", f"train.steps={steps}",
@@ -70,10 +73,10 @@ def our_overrides(model_path: str, groups: int, steps: int, run_dir: str) -> lis
             "algo.entropy_coef=0.0", "algo.loss_agg_mode=seq-mean-token-mean", "filter.strategy=none",
             "analysis.enabled=false", "val.every=0", "val.before_train=false", "checkpoint.save_last=false",
             "checkpoint.every=0", "log.progress=false", "log.report=false", "log.samples_per_step=0",
-            "model.dtype=float32", f"log.run_dir={run_dir}"]
+            f"model.dtype={dtype}", f"log.run_dir={run_dir}"]
 
 
-def run_ours(model_path: str, groups: int, steps: int) -> dict:
+def run_ours(model_path: str, groups: int, steps: int, dtype: str) -> dict:
     """Our trainer for `steps` steps; per-step seconds, per-phase seconds and the update's FLOPs and forwarded
     tokens (first step dropped), and the model's parameter count."""
     from rldynamics.config import make_config
@@ -83,7 +86,7 @@ def run_ours(model_path: str, groups: int, steps: int) -> dict:
     counter = UpdateFlops()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            rows = read_metrics(train(make_config(overrides=our_overrides(model_path, groups, steps, tmp))))
+            rows = read_metrics(train(make_config(overrides=our_overrides(model_path, groups, steps, tmp, dtype))))
     finally:
         counter.close()
     if len(counter.flops) != len(rows):
@@ -176,12 +179,13 @@ class UpdateFlops:
         self.tokens[-1] += rows * new
 
 
-def run_matmul(size: int) -> dict:
-    """FLOP/s of `torch.matmul` on two square float32 [size, size] matrices: the best of `MATMUL_REPEATS` repeats,
-    each of enough calls to last `MATMUL_MIN_S`."""
+def run_matmul(size: int, dtype: str) -> dict:
+    """FLOP/s of `torch.matmul` on two square [size, size] matrices of `dtype`: the best of `MATMUL_REPEATS`
+    repeats, each of enough calls to last `MATMUL_MIN_S`."""
     import torch
 
-    a, b, out = torch.randn(size, size), torch.randn(size, size), torch.empty(size, size)
+    kind = getattr(torch, dtype)
+    a, b, out = (torch.randn(size, size).to(kind) for _ in range(3))
     start = time.perf_counter()
     torch.matmul(a, b, out=out)  # warm-up, and how many calls fill a repeat
     calls = max(1, int(MATMUL_MIN_S / max(time.perf_counter() - start, 1e-9)))
@@ -229,7 +233,7 @@ def sokoban_score(ctx, names: tuple[str, ...], seed: int, response: list[int]) -
     return weighted_sum(traj.rewards, ctx.weights)
 
 
-def run_trl(model_path: str, groups: int, steps: int) -> dict:
+def run_trl(model_path: str, groups: int, steps: int, dtype: str) -> dict:
     """TRL's GRPOTrainer in the matched setting; seconds per optimizer step (first dropped)."""
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -263,7 +267,7 @@ def run_trl(model_path: str, groups: int, steps: int) -> dict:
             generation_kwargs={"eos_token_id": ctx.chat.stop_ids}, num_iterations=1, beta=0.0, loss_type="grpo",
             scale_rewards="group", learning_rate=LR, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant",
             warmup_steps=0, log_completions=False, disable_tqdm=True, seed=0, dataloader_num_workers=0,
-            bf16=False, fp16=False,
+            bf16=dtype == "bfloat16", fp16=False,
         )
         times = StepTimes()
         trainer = GRPOTrainer(model=model, reward_funcs=sokoban_reward, args=args, processing_class=tokenizer,
@@ -288,34 +292,40 @@ def mlp_width(path: str) -> int:
     return json.loads((Path(path) / "config.json").read_text())["intermediate_size"]
 
 
-def compare(size: str, path: str, rounds: int, steps: int) -> dict:
+def compare(size: str, path: str, rounds: int, steps: int, dtype: str) -> dict:
     """Alternate the two trainers (and the matmul benchmark) for `rounds` rounds; print the medians, the ratio,
     our phases and the update's FLOP rate against the matmul's. Returns the printed figures (one table row)."""
     groups, width = GROUPS[size], mlp_width(path)
-    trainer = ("--model", path, "--groups", str(groups), "--steps", str(steps))
-    ours, trl, phases, rates, tokens, matmul, params = [], [], {p: [] for p in PHASES}, [], [], [], 0
+    trainer = ("--model", path, "--groups", str(groups), "--steps", str(steps), "--dtype", dtype)
+    got = {"ours": [], "trl": [], "phases": {p: [] for p in PHASES}, "rates": [], "tokens": [], "matmul": []}
     for r in range(rounds):
         for side in (("ours", "trl") if r % 2 == 0 else ("trl", "ours")):
             res = worker(side, *trainer)
-            (ours if side == "ours" else trl).extend(res["step"])
+            got[side].extend(res["step"])
             for p, v in res.get("phases", {}).items():
-                phases[p].extend(v)
+                got["phases"][p].extend(v)
             if side == "ours":
-                rates += [f / s for f, s in zip(res["update_flops"], res["phases"]["update_actor"], strict=True)]
-                tokens += res["update_tokens"]
-                params = res["params"]
-        matmul.append(worker("matmul", "--size", str(width))["flops_per_s"])
-    o, t = statistics.median(ours), statistics.median(trl)
-    med = {p: statistics.median(v) for p, v in phases.items() if v}
-    update, peak = statistics.median(rates), max(matmul)
-    print(f"{size:<6} batch {groups}x{GROUP_SIZE}  ours {o:.3f} s/step  TRL {t:.3f} s/step  TRL/ours {t / o:.2f}"
-          f"   ({len(ours)}+{len(trl)} steps)", flush=True)
+                got["rates"] += [f / s for f, s in zip(res["update_flops"], res["phases"]["update_actor"],
+                                                       strict=True)]
+                got["tokens"] += res["update_tokens"]
+                got["params"] = res["params"]
+        got["matmul"].append(worker("matmul", "--size", str(width), "--dtype", dtype)["flops_per_s"])
+    return report(size, f"{groups} x {GROUP_SIZE}", dtype, width, got)
+
+
+def report(size: str, batch: str, dtype: str, width: int, got: dict) -> dict:
+    """Print one size's figures (medians over steps, the best matmul) and return them as a table row."""
+    o, t = statistics.median(got["ours"]), statistics.median(got["trl"])
+    med = {p: statistics.median(v) for p, v in got["phases"].items() if v}
+    update, peak = statistics.median(got["rates"]), max(got["matmul"])
+    print(f"{size:<6} batch {batch} {dtype}  ours {o:.3f} s/step  TRL {t:.3f} s/step  TRL/ours {t / o:.2f}"
+          f"   ({len(got['ours'])}+{len(got['trl'])} steps)", flush=True)
     print("       ours by phase: " + "  ".join(f"{p} {v:.3f}s ({v / o:.0%})" for p, v in med.items()), flush=True)
-    print(f"       update {update / 1e9:.2f} GFLOP/s ({statistics.median(tokens):.0f} token positions per step)"
-          f"  matmul {peak / 1e9:.2f} GFLOP/s ({width}x{width} float32, 1 thread)  update/matmul {update / peak:.2f}",
+    print(f"       update {update / 1e9:.2f} GFLOP/s ({statistics.median(got['tokens']):.0f} token positions per step)"
+          f"  matmul {peak / 1e9:.2f} GFLOP/s ({width}x{width} {dtype}, 1 thread)  update/matmul {update / peak:.2f}",
           flush=True)
-    return {"model": f"{size} ({params / 1e6:.2f}M)", "batch": f"{groups} x {GROUP_SIZE}", "ours": f"{o:.3f}",
-            "TRL": f"{t:.3f}", "TRL/ours": f"{t / o:.2f}",
+    return {"model": f"{size} ({got['params'] / 1e6:.2f}M)", "batch": batch, "dtype": dtype,
+            "ours s/step": f"{o:.3f}", "TRL s/step": f"{t:.3f}", "TRL/ours": f"{t / o:.2f}",
             "our phases": ", ".join(f"{p} {v / o:.0%}" for p, v in med.items() if v / o >= 0.005),
             "update GFLOP/s": f"{update / 1e9:.2f}", "matmul GFLOP/s": f"{peak / 1e9:.2f}",
             "update/matmul": f"{update / peak:.2f}"}
@@ -324,7 +334,7 @@ def compare(size: str, path: str, rounds: int, steps: int) -> dict:
 def print_table(rows: list[dict]) -> None:
     """The figures of every size as one Markdown table (s/step medians, GFLOP/s)."""
     print("\n| " + " | ".join(rows[0]) + " |")
-    print("|" + "|".join("---" if k in ("model", "batch", "our phases") else "---:" for k in rows[0]) + "|")
+    print("|" + "|".join("---" if k in ("model", "batch", "dtype", "our phases") else "---:" for k in rows[0]) + "|")
     for row in rows:
         print("| " + " | ".join(row.values()) + " |", flush=True)
 
@@ -334,6 +344,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="tiny,h256,h512", help="comma-separated: tiny, h256, h512, smollm2")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="steps per process (the first is dropped)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="compute dtype of both trainers and the matmul (default float32: like for like)")
     parser.add_argument("--worker", choices=("ours", "trl", "matmul"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--groups", type=int, help=argparse.SUPPRESS)
@@ -346,17 +358,17 @@ def main() -> None:
         torch.set_num_threads(1)
         hf_logging.disable_progress_bar()
         if args.worker == "matmul":
-            print(json.dumps(run_matmul(args.size)))
+            print(json.dumps(run_matmul(args.size, args.dtype)))
             return
         run = run_ours if args.worker == "ours" else run_trl
-        print(json.dumps(run(args.model, args.groups, args.steps)))
+        print(json.dumps(run(args.model, args.groups, args.steps, args.dtype)))
         return
     sizes = args.sizes.split(",")
     unknown = [s for s in sizes if s not in GROUPS]
     if unknown:
         raise SystemExit(f"unknown size {', '.join(unknown)}; choose from {', '.join(GROUPS)}")
     with tempfile.TemporaryDirectory() as tmp:
-        print_table([compare(size, model_dir(size, Path(tmp)), args.rounds, args.steps) for size in sizes])
+        print_table([compare(size, model_dir(size, Path(tmp)), args.rounds, args.steps, args.dtype) for size in sizes])
 
 
 if __name__ == "__main__":
