@@ -6,9 +6,10 @@ each phase grows with them.
 
 Each setting runs `rldyn train` for a few steps into a temporary run directory (validation off); the first
 step (one-off costs) is dropped and the median seconds per phase over the others are printed with their share
-of the step. Sizes are those of `bench/sizes.py` (the embedded tiny model, or random Qwen2 weights of hidden
-256 / 4 layers and hidden 512 / 8 layers with the tiny tokenizer); `--groups` sets `train.env_groups` (the
-batch is groups x `train.group_size`). Several settings end with one table: seconds per phase, one row each.
+of the step. Sizes are those of `bench/sizes.py` (the embedded tiny model, random Qwen2 weights of hidden
+256 / 4 layers and hidden 512 / 8 layers with the tiny tokenizer, or SmolLM2-135M-Instruct with its own
+tokenizer); `--groups` sets `train.env_groups` (the batch is groups x `train.group_size`). Several settings end
+with one table: seconds per phase, one row each.
 """
 
 from __future__ import annotations

@@ -1,23 +1,45 @@
-"""Seconds per training step of rldynamics against TRL's GRPOTrainer on the same work, side by side.
+"""Seconds per training step of rldynamics against TRL's GRPOTrainer on the same work, side by side, and how much
+of this machine's matmul rate our actor update achieves.
 
     pip install -e ".[bench]"           # TRL 1.16.0 (install torch==2.13.0 alongside so no CUDA build comes in)
-    python bench/vs_trl.py [--sizes tiny,h256,h512] [--rounds 3] [--steps 3]
+    python bench/vs_trl.py [--sizes tiny,h256,h512,smollm2] [--rounds 3] [--steps 3] [--dtype float32]
 
-The matched setting, per model size: the same weights (the embedded tiny model, or a randomly initialised
-Qwen2 with the tiny tokenizer at hidden 256 / 4 layers and hidden 512 / 8 layers), the same one-turn Sokoban
-prompts (token ids checked identical), the same reward (our env scores TRL's completions through the same
-turn function), G groups x 8 samples, 24 new tokens at temperature 1 (no top-p / top-k), stop at the same
-ids, one optimisation pass over one mini-batch in micro-batches of 16, no KL, no entropy bonus,
-seq-mean-token-mean against TRL's `loss_type="grpo"`, std-normalised group advantages, AdamW with the same
-lr / weight decay / max grad norm, one torch thread.
+The matched setting, per model size: the same weights (the embedded tiny model; a randomly initialised Qwen2
+with the tiny tokenizer at hidden 256 / 4 layers and hidden 512 / 8 layers; or the real pretrained
+SmolLM2-135M-Instruct with its own tokenizer, loaded by both from the directory `model.path=smollm2` converts it
+into), the same one-turn Sokoban prompts in the model's own chat template (token ids checked identical), the same
+reward (our env scores TRL's completions through the same turn function), G groups x 8 samples, 24 new tokens at
+temperature 1 (no top-p / top-k), stop at the same ids, one optimisation pass over one mini-batch in
+micro-batches of 16, no KL, no entropy bonus, seq-mean-token-mean against TRL's `loss_type="grpo"`,
+std-normalised group advantages, AdamW with the same lr / weight decay / max grad norm, one torch thread. Both
+compute in float32 by default (`model.dtype=float32`, TRL's `bf16=False`): like for like. `--dtype bfloat16`
+runs both in mixed precision instead: float32 weights and AdamW state, bfloat16 autocast over generation, forward
+and backward (ours `model.dtype=bfloat16`; TRL's `bf16=True`, whose accelerate autocast wraps the model's
+forward, so its generation too), and the matmul benchmark multiplies bfloat16 matrices.
 
-What differs: prompt order (TRL's sampler shuffles the dataset; the prompts are the same length), the sampled
-tokens (each trainer's own seeded stream), and the per-step bookkeeping each trainer does (our run directory
-writes and reward rows; TRL's logging).
+What differs: prompt order (TRL's sampler shuffles the dataset; the prompts are the same length, SmolLM2's within
+a few tokens), the sampled tokens (each trainer's own seeded stream, so the reply lengths too), and the per-step
+bookkeeping each trainer does (our run directory writes and reward rows; TRL's logging).
 
 Each round runs our trainer and TRL's in alternating processes, `--steps` steps each; a process's first step
 (one-off costs) is dropped. Printed per size: median seconds per step of each, `TRL/ours` (TRL's seconds over
-ours; > 1 means we are faster) and our per-phase medians.
+ours; > 1 means we are faster), our per-phase medians, and the FLOP rate of our actor update against a matmul:
+
+- update FLOP/s: the FLOPs of the update's forwards and backwards over its seconds (`timing_s/update_actor`),
+  the median over steps. Each forward the update runs (a micro-batch, or with shared prompts a prefix forward
+  and the suffix forward on its cache) of `rows` rows of `new` token positions, each attending to `keys`
+  positions (cached prefix included), with the LM head at `head` positions, counts
+      6 x body x rows x new  +  6 x hidden x vocab x head  +  12 x layers x attn x rows x new x keys
+  (2 FLOPs per multiply-add, backward twice the forward): `body` = the parameters outside the input embedding
+  and the LM head, `attn` = query heads x head dim; the last term is the attention scores and their weighted sum
+  over the full `new` x `keys` rectangle (PaLM's 6N + 12LHQT, Chowdhery et al. 2022, appendix B). The shapes
+  are those of the update's actual forward calls (read by a pre-hook on the model), so padding counts and a
+  shared prompt counts once per micro-batch. Norms, activations, softmax and the optimizer step are not counted.
+- matmul FLOP/s: `torch.matmul` of two square matrices (of `--dtype`) as wide as the model's MLP (its largest
+  weight is hidden x that width), one thread, the best of 5 timed repeats per round and of the rounds.
+- update/matmul: their ratio, the share of this machine's matmul rate the update achieves.
+
+A table with one row per size closes the output.
 """
 
 from __future__ import annotations
@@ -30,16 +52,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from sizes import model_dir
 
-GROUPS = {"tiny": 8, "h256": 8, "h512": 2}  # env groups per step at each size (bench/sizes.py)
+GROUPS = {"tiny": 8, "h256": 8, "h512": 2, "smollm2": 2}  # env groups per step at each size (bench/sizes.py)
 GROUP_SIZE, MICRO, NEW_TOKENS, LR = 8, 16, 24, 1e-6
 PHASES = ("gen", "old_log_prob", "adv", "update_actor")
+MATMUL_REPEATS, MATMUL_MIN_S = 5, 0.2  # timed repeats of the matmul benchmark; each lasts at least this long
 
 
-def our_overrides(model_path: str, groups: int, steps: int, run_dir: str) -> list[str]:
+def our_overrides(model_path: str, groups: int, steps: int, run_dir: str, dtype: str = "float32") -> list[str]:
     """Our config for the matched setting."""
     return [f"model.path={model_path}", "env.max_turns=1", f"env.max_new_tokens={NEW_TOKENS}",
             f"train.env_groups={groups}", f"train.group_size={GROUP_SIZE}", f"train.steps={steps}",
@@ -49,19 +73,129 @@ def our_overrides(model_path: str, groups: int, steps: int, run_dir: str) -> lis
             "algo.entropy_coef=0.0", "algo.loss_agg_mode=seq-mean-token-mean", "filter.strategy=none",
             "analysis.enabled=false", "val.every=0", "val.before_train=false", "checkpoint.save_last=false",
             "checkpoint.every=0", "log.progress=false", "log.report=false", "log.samples_per_step=0",
-            f"log.run_dir={run_dir}"]
+            f"model.dtype={dtype}", f"log.run_dir={run_dir}"]
 
 
-def run_ours(model_path: str, groups: int, steps: int) -> dict:
-    """Our trainer for `steps` steps; per-step seconds and per-phase seconds (first step dropped)."""
+def run_ours(model_path: str, groups: int, steps: int, dtype: str) -> dict:
+    """Our trainer for `steps` steps; per-step seconds, per-phase seconds and the update's FLOPs and forwarded
+    tokens (first step dropped), and the model's parameter count."""
     from rldynamics.config import make_config
     from rldynamics.tracking.run_dir import read_metrics
     from rldynamics.train.trainer import train
 
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = read_metrics(train(make_config(overrides=our_overrides(model_path, groups, steps, tmp))))[1:]
+    counter = UpdateFlops()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = read_metrics(train(make_config(overrides=our_overrides(model_path, groups, steps, tmp, dtype))))
+    finally:
+        counter.close()
+    if len(counter.flops) != len(rows):
+        raise SystemExit(f"counted the update's forwards in {len(counter.flops)} steps but the run logged {len(rows)}")
+    rows = rows[1:]
     return {"step": [r["timing_s/step"] for r in rows],
-            "phases": {p: [r.get(f"timing_s/{p}", 0.0) for r in rows] for p in PHASES}}
+            "phases": {p: [r.get(f"timing_s/{p}", 0.0) for r in rows] for p in PHASES},
+            "update_flops": counter.flops[1:], "update_tokens": counter.tokens[1:], "params": counter.shape.params}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the FLOP count of a forward needs of a causal LM."""
+
+    params: int  # all parameters (tied ones once)
+    body: int  # parameters outside the input embedding and the LM head
+    hidden: int
+    vocab: int
+    layers: int
+    attn: int  # query heads x head dim
+
+
+def model_shape(model) -> ModelShape:
+    """The `ModelShape` of a transformers causal LM (tied embeddings counted once)."""
+    config = model.config
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    params = sum(p.numel() for p in model.parameters())
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelShape(params=params, body=params - embed.numel() - (0 if head is embed else head.numel()),
+                      hidden=config.hidden_size, vocab=head.shape[0], layers=config.num_hidden_layers,
+                      attn=heads * head_dim)
+
+
+def forward_backward_flops(shape: ModelShape, rows: int, new: int, keys: int, head: int) -> int:
+    """FLOPs of one forward and backward of `rows` rows of `new` positions attending to `keys` positions each,
+    with the LM head at `head` positions (the formula of the module docstring)."""
+    return (6 * shape.body * rows * new + 6 * shape.hidden * shape.vocab * head
+            + 12 * shape.layers * shape.attn * rows * new * keys)
+
+
+class UpdateFlops:
+    """Counts the FLOPs (`forward_backward_flops`) and token positions of the forwards that run with gradients,
+    summed per training step: the actor update's, in this setting (no analysis, critic or reference model).
+
+    Created before the trainer loads its model: a global forward pre-hook waits for the first causal LM called
+    (generation, in the first step), then hooks that model alone and goes away. A forward without gradients
+    (the next step's generation) closes the running step. `flops` / `tokens`: one entry per step with an update.
+    """
+
+    def __init__(self) -> None:
+        import torch
+
+        self.flops: list[int] = []
+        self.tokens: list[int] = []
+        self.shape: ModelShape | None = None
+        self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(self._find)]
+        self._step_open = False
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _find(self, module, args) -> None:
+        if self.shape is None and callable(getattr(module, "get_output_embeddings", None)) and \
+                module.get_output_embeddings() is not None:
+            self._handles[0].remove()
+            self.shape = model_shape(module)
+            self._handles.append(module.register_forward_pre_hook(self._count, with_kwargs=True))
+
+    def _count(self, module, args, kwargs) -> None:
+        import torch
+
+        if not torch.is_grad_enabled():
+            self._step_open = False
+            return
+        if not self._step_open:
+            self.flops.append(0)
+            self.tokens.append(0)
+            self._step_open = True
+        rows, new = kwargs["input_ids"].shape
+        mask = kwargs.get("attention_mask")
+        keys = new if mask is None else mask.shape[1]  # with a cache the mask spans the cached positions too
+        keep = kwargs.get("logits_to_keep", 0)
+        if isinstance(keep, torch.Tensor):
+            head = int(keep.sum()) if keep.dtype == torch.bool else rows * keep.numel()
+        else:
+            head = rows * (keep or new)
+        self.flops[-1] += forward_backward_flops(self.shape, rows, new, keys, head)
+        self.tokens[-1] += rows * new
+
+
+def run_matmul(size: int, dtype: str) -> dict:
+    """FLOP/s of `torch.matmul` on two square [size, size] matrices of `dtype`: the best of `MATMUL_REPEATS`
+    repeats, each of enough calls to last `MATMUL_MIN_S`."""
+    import torch
+
+    kind = getattr(torch, dtype)
+    a, b, out = (torch.randn(size, size).to(kind) for _ in range(3))
+    start = time.perf_counter()
+    torch.matmul(a, b, out=out)  # warm-up, and how many calls fill a repeat
+    calls = max(1, int(MATMUL_MIN_S / max(time.perf_counter() - start, 1e-9)))
+    best = float("inf")
+    for _ in range(MATMUL_REPEATS):
+        start = time.perf_counter()
+        for _ in range(calls):
+            torch.matmul(a, b, out=out)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return {"flops_per_s": 2 * size**3 / best}
 
 
 def sokoban_rows(tokenizer, model, groups: int, steps: int):
@@ -99,7 +233,7 @@ def sokoban_score(ctx, names: tuple[str, ...], seed: int, response: list[int]) -
     return weighted_sum(traj.rewards, ctx.weights)
 
 
-def run_trl(model_path: str, groups: int, steps: int) -> dict:
+def run_trl(model_path: str, groups: int, steps: int, dtype: str) -> dict:
     """TRL's GRPOTrainer in the matched setting; seconds per optimizer step (first dropped)."""
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -133,7 +267,7 @@ def run_trl(model_path: str, groups: int, steps: int) -> dict:
             generation_kwargs={"eos_token_id": ctx.chat.stop_ids}, num_iterations=1, beta=0.0, loss_type="grpo",
             scale_rewards="group", learning_rate=LR, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant",
             warmup_steps=0, log_completions=False, disable_tqdm=True, seed=0, dataloader_num_workers=0,
-            bf16=False, fp16=False,
+            bf16=dtype == "bfloat16", fp16=False,
         )
         times = StepTimes()
         trainer = GRPOTrainer(model=model, reward_funcs=sokoban_reward, args=args, processing_class=tokenizer,
@@ -143,44 +277,79 @@ def run_trl(model_path: str, groups: int, steps: int) -> dict:
     return {"step": steps_s[1:]}
 
 
-def worker(side: str, model_path: str, groups: int, steps: int) -> dict:
-    """Run one side in a fresh process (one torch thread) and return its timings."""
+def worker(side: str, *args: str) -> dict:
+    """Run one side (`ours`, `trl` or `matmul`) in a fresh process (one torch thread) and return its result."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    cmd = [sys.executable, __file__, "--worker", side, "--model", model_path, "--groups", str(groups),
-           "--steps", str(steps)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, __file__, "--worker", side, *args], env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{side} worker failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def compare(size: str, path: str, rounds: int, steps: int) -> None:
-    """Alternate the two trainers for `rounds` rounds and print the medians, the ratio and our phases."""
-    groups = GROUPS[size]
-    ours, trl, phases = [], [], {p: [] for p in PHASES}
+def mlp_width(path: str) -> int:
+    """The MLP width (`intermediate_size`) of the model saved in `path`: the matmul benchmark's size."""
+    return json.loads((Path(path) / "config.json").read_text())["intermediate_size"]
+
+
+def compare(size: str, path: str, rounds: int, steps: int, dtype: str) -> dict:
+    """Alternate the two trainers (and the matmul benchmark) for `rounds` rounds; print the medians, the ratio,
+    our phases and the update's FLOP rate against the matmul's. Returns the printed figures (one table row)."""
+    groups, width = GROUPS[size], mlp_width(path)
+    trainer = ("--model", path, "--groups", str(groups), "--steps", str(steps), "--dtype", dtype)
+    got = {"ours": [], "trl": [], "phases": {p: [] for p in PHASES}, "rates": [], "tokens": [], "matmul": []}
     for r in range(rounds):
         for side in (("ours", "trl") if r % 2 == 0 else ("trl", "ours")):
-            res = worker(side, path, groups, steps)
-            (ours if side == "ours" else trl).extend(res["step"])
+            res = worker(side, *trainer)
+            got[side].extend(res["step"])
             for p, v in res.get("phases", {}).items():
-                phases[p].extend(v)
-    o, t = statistics.median(ours), statistics.median(trl)
-    share = "  ".join(f"{p} {statistics.median(v):.3f}s ({statistics.median(v) / o:.0%})"
-                      for p, v in phases.items() if v)
-    print(f"{size:<6} batch {groups}x{GROUP_SIZE}  ours {o:.3f} s/step  TRL {t:.3f} s/step  TRL/ours {t / o:.2f}"
-          f"   ({len(ours)}+{len(trl)} steps)", flush=True)
-    print(f"       ours by phase: {share}", flush=True)
+                got["phases"][p].extend(v)
+            if side == "ours":
+                got["rates"] += [f / s for f, s in zip(res["update_flops"], res["phases"]["update_actor"],
+                                                       strict=True)]
+                got["tokens"] += res["update_tokens"]
+                got["params"] = res["params"]
+        got["matmul"].append(worker("matmul", "--size", str(width), "--dtype", dtype)["flops_per_s"])
+    return report(size, f"{groups} x {GROUP_SIZE}", dtype, width, got)
+
+
+def report(size: str, batch: str, dtype: str, width: int, got: dict) -> dict:
+    """Print one size's figures (medians over steps, the best matmul) and return them as a table row."""
+    o, t = statistics.median(got["ours"]), statistics.median(got["trl"])
+    med = {p: statistics.median(v) for p, v in got["phases"].items() if v}
+    update, peak = statistics.median(got["rates"]), max(got["matmul"])
+    print(f"{size:<6} batch {batch} {dtype}  ours {o:.3f} s/step  TRL {t:.3f} s/step  TRL/ours {t / o:.2f}"
+          f"   ({len(got['ours'])}+{len(got['trl'])} steps)", flush=True)
+    print("       ours by phase: " + "  ".join(f"{p} {v:.3f}s ({v / o:.0%})" for p, v in med.items()), flush=True)
+    print(f"       update {update / 1e9:.2f} GFLOP/s ({statistics.median(got['tokens']):.0f} token positions per step)"
+          f"  matmul {peak / 1e9:.2f} GFLOP/s ({width}x{width} {dtype}, 1 thread)  update/matmul {update / peak:.2f}",
+          flush=True)
+    return {"model": f"{size} ({got['params'] / 1e6:.2f}M)", "batch": batch, "dtype": dtype,
+            "ours s/step": f"{o:.3f}", "TRL s/step": f"{t:.3f}", "TRL/ours": f"{t / o:.2f}",
+            "our phases": ", ".join(f"{p} {v / o:.0%}" for p, v in med.items() if v / o >= 0.005),
+            "update GFLOP/s": f"{update / 1e9:.2f}", "matmul GFLOP/s": f"{peak / 1e9:.2f}",
+            "update/matmul": f"{update / peak:.2f}"}
+
+
+def print_table(rows: list[dict]) -> None:
+    """The figures of every size as one Markdown table (s/step medians, GFLOP/s)."""
+    print("\n| " + " | ".join(rows[0]) + " |")
+    print("|" + "|".join("---" if k in ("model", "batch", "dtype", "our phases") else "---:" for k in rows[0]) + "|")
+    for row in rows:
+        print("| " + " | ".join(row.values()) + " |", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="tiny,h256,h512")
+    parser.add_argument("--sizes", default="tiny,h256,h512", help="comma-separated: tiny, h256, h512, smollm2")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="steps per process (the first is dropped)")
-    parser.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="compute dtype of both trainers and the matmul (default float32: like for like)")
+    parser.add_argument("--worker", choices=("ours", "trl", "matmul"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--groups", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         import torch
@@ -188,12 +357,18 @@ def main() -> None:
 
         torch.set_num_threads(1)
         hf_logging.disable_progress_bar()
+        if args.worker == "matmul":
+            print(json.dumps(run_matmul(args.size, args.dtype)))
+            return
         run = run_ours if args.worker == "ours" else run_trl
-        print(json.dumps(run(args.model, args.groups, args.steps)))
+        print(json.dumps(run(args.model, args.groups, args.steps, args.dtype)))
         return
+    sizes = args.sizes.split(",")
+    unknown = [s for s in sizes if s not in GROUPS]
+    if unknown:
+        raise SystemExit(f"unknown size {', '.join(unknown)}; choose from {', '.join(GROUPS)}")
     with tempfile.TemporaryDirectory() as tmp:
-        for size in args.sizes.split(","):
-            compare(size, model_dir(size, Path(tmp)), args.rounds, args.steps)
+        print_table([compare(size, model_dir(size, Path(tmp)), args.rounds, args.steps, args.dtype) for size in sizes])
 
 
 if __name__ == "__main__":

@@ -1,28 +1,45 @@
 """The benchmarks' matched-setting code runs on today's package (the benchmarks themselves are not in the suite).
 
 `bench/vs_trl.py` feeds TRL our prompts and scores TRL's completions with our env's turn function; both reach
-into the rollout, so a change there must not leave the benchmark broken. TRL itself is not needed here.
-`bench/memory_model.py`'s budget is pinned term by term (float32 state, the compute dtype, checkpointing, the probe's
-chunks), and the README's memory table must be the one it prints.
+into the rollout, so a change there must not leave the benchmark broken. Its FLOP count of our update reads the
+shapes of the model's forward calls, so it is checked against hand-counted shapes of the real forward path.
+TRL itself is not needed here. `bench/memory_model.py`'s budget is pinned term by term (float32 state, the
+compute dtype, checkpointing, the probe's chunks), and the README's memory table must be the one it prints.
 """
 
 import importlib
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from rldynamics.config import make_config
+from rldynamics.models.forward import token_logprobs
+from rldynamics.models.loading import load_model_and_tokenizer
 from rldynamics.models.tiny import build_tiny_model, build_tiny_tokenizer
 from rldynamics.train.warmstart import tiny_corpus
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def test_vs_trl_prompts_tokenise_alike_and_replies_score_as_the_env_says(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    vs_trl = importlib.import_module("vs_trl")
+@pytest.fixture(scope="module")
+def vs_trl():
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("vs_trl")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    return build_tiny_tokenizer(tiny_corpus(make_config().env, num_seeds=20))
+
+
+def test_vs_trl_prompts_tokenise_alike_and_replies_score_as_the_env_says(vs_trl, tiny_tokenizer):
     cfg = make_config()
-    tokenizer = build_tiny_tokenizer(tiny_corpus(cfg.env, num_seeds=20))
+    tokenizer = tiny_tokenizer
     model = build_tiny_model(tokenizer)
     rows, ctx, names = vs_trl.sokoban_rows(tokenizer, model, 2, 1)  # raises if TRL's path tokenises differently
     assert [r["seed"] for r in rows] == [cfg.train.seed_base, cfg.train.seed_base + 1]
@@ -84,3 +101,74 @@ def test_readme_memory_table_is_the_models(monkeypatch):
     table = mm.table().splitlines()
     start = readme.index(table[0])
     assert readme[start:start + len(table)] == table
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_vs_trl_smollm2_prompts_in_its_own_template_tokenise_alike(vs_trl, smollm2_dir):
+    model, tokenizer = load_model_and_tokenizer(smollm2_dir)
+    rows, ctx, _ = vs_trl.sokoban_rows(tokenizer, model, 2, 2)  # raises if TRL's path tokenises differently
+    assert len(rows) == 4
+    for row in rows:
+        assert row["prompt"].startswith("<|im_start|>system\n") and row["prompt"].endswith("<|im_start|>assistant\n")
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in ctx.chat.stop_ids
+
+
+def test_update_flops_formula_on_a_hand_case(vs_trl):
+    shape = vs_trl.ModelShape(params=0, body=10, hidden=2, vocab=3, layers=1, attn=2)
+    # 6 x 10 x (2 x 3) + 6 x 2 x 3 x 4 + 12 x 1 x 2 x (2 x 3) x 5
+    assert vs_trl.forward_backward_flops(shape, rows=2, new=3, keys=5, head=4) == 360 + 144 + 720
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_shape_counts_the_body_by_hand(vs_trl, tiny_tokenizer, tied):
+    model = build_tiny_model(tiny_tokenizer, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                             intermediate_size=128, tie_embeddings=tied)
+    vocab = model.config.vocab_size
+    # per layer: q 64x64 + 64 bias, k and v 64x32 + 32 bias each, o 64x64, MLP 3 x 64x128, two norms; a final norm
+    layer = (4096 + 64) + 2 * (2048 + 32) + 4096 + 3 * 64 * 128 + 2 * 64
+    shape = vs_trl.model_shape(model)
+    assert shape.body == 2 * layer + 64
+    assert shape.params == shape.body + (1 if tied else 2) * vocab * 64
+    assert (shape.hidden, shape.vocab, shape.layers, shape.attn) == (64, vocab, 2, 64)
+
+
+def test_update_flops_counts_the_update_forwards_per_step(vs_trl, tiny_tokenizer):
+    """Shared prompts: the prefix forward (2 prompts of 5) and the suffix forward (4 rows of 3 on the cache);
+    without sharing: 4 whole rows of 8. Forwards without gradients count nothing and end a step."""
+    model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                             intermediate_size=64)
+    torch.manual_seed(0)
+    prompts = torch.randint(5, 100, (2, 5))  # [2, 5]
+    ids = torch.cat([prompts.repeat_interleave(2, 0), torch.randint(5, 100, (4, 3))], 1)  # [4, 8]
+    attn = torch.ones_like(ids)  # [4, 8]
+    response = torch.zeros_like(ids)
+    response[:, 5:] = 1  # [4, 8]
+    counter = vs_trl.UpdateFlops()
+    try:
+        for shared in (True, False):
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=attn)  # generation's stand-in: starts the next step
+            logprobs, _ = token_logprobs(model, ids, attn, positions=response, shared_prefix=shared)
+            logprobs.sum().backward()
+    finally:
+        counter.close()
+    shape, fb = counter.shape, vs_trl.forward_backward_flops
+    assert shape == vs_trl.model_shape(model)
+    assert counter.tokens == [2 * 5 + 4 * 3, 4 * 8]
+    assert counter.flops == [fb(shape, rows=2, new=5, keys=5, head=2) + fb(shape, rows=4, new=3, keys=8, head=8),
+                             fb(shape, rows=4, new=8, keys=8, head=12)]
+    model(input_ids=ids, attention_mask=attn).logits.sum().backward()
+    assert counter.tokens == [2 * 5 + 4 * 3, 4 * 8]  # closed: the hooks are gone
+
+
+def test_vs_trl_report_takes_medians_the_best_matmul_and_their_ratio(vs_trl, capsys):
+    got = {"ours": [1.0, 2.0, 9.0], "trl": [4.0, 8.0, 5.0], "rates": [3e9, 1e9, 2e9], "tokens": [700, 760, 740],
+           "matmul": [5e9, 8e9], "params": 134_515_008,
+           "phases": {"gen": [0.5, 0.5, 0.6], "old_log_prob": [], "adv": [0.0, 0.0, 0.0], "update_actor": [1.5, 1, 2]}}
+    row = vs_trl.report("smollm2", "2 x 8", "float32", 1536, got)
+    assert row == {"model": "smollm2 (134.52M)", "batch": "2 x 8", "dtype": "float32", "ours s/step": "2.000",
+                   "TRL s/step": "5.000", "TRL/ours": "2.50", "our phases": "gen 25%, update_actor 75%",
+                   "update GFLOP/s": "2.00", "matmul GFLOP/s": "8.00", "update/matmul": "0.25"}
+    assert "update 2.00 GFLOP/s (740 token positions per step)  matmul 8.00 GFLOP/s (1536x1536 float32" in \
+        capsys.readouterr().out
