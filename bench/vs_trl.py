@@ -34,7 +34,8 @@ ours; > 1 means we are faster), our per-phase medians, and the FLOP rate of our 
   and the LM head, `attn` = query heads x head dim; the last term is the attention scores and their weighted sum
   over the full `new` x `keys` rectangle (PaLM's 6N + 12LHQT, Chowdhery et al. 2022, appendix B). The shapes
   are those of the update's actual forward calls (read by a pre-hook on the model), so padding counts and a
-  shared prompt counts once per micro-batch. Norms, activations, softmax and the optimizer step are not counted.
+  shared prompt counts once per micro-batch (the median positions per step are printed too). Norms,
+  activations, softmax and the optimizer step are not counted.
 - matmul FLOP/s: `torch.matmul` of two square matrices (of `--dtype`) as wide as the model's MLP (its largest
   weight is hidden x that width), one thread, the best of 5 timed repeats per round and of the rounds.
 - update/matmul: their ratio, the share of this machine's matmul rate the update achieves.
@@ -253,6 +254,7 @@ def run_trl(model_path: str, groups: int, steps: int, dtype: str) -> dict:
 
         def on_step_begin(self, args, state, control, **kw):
             if not self.ends:
+                self.autocast = hasattr(kw["model"], "_original_forward")  # accelerate wrapped forward in autocast
                 self.ends.append(time.perf_counter())
 
         def on_step_end(self, args, state, control, **kw):
@@ -273,6 +275,8 @@ def run_trl(model_path: str, groups: int, steps: int, dtype: str) -> dict:
         trainer = GRPOTrainer(model=model, reward_funcs=sokoban_reward, args=args, processing_class=tokenizer,
                               train_dataset=Dataset.from_list(rows), callbacks=[times])
         trainer.train()
+    if times.autocast != (dtype == "bfloat16"):
+        raise SystemExit(f"TRL's forward is {'' if times.autocast else 'not '}under autocast with --dtype {dtype}")
     steps_s = [b - a for a, b in zip(times.ends, times.ends[1:], strict=False)]
     return {"step": steps_s[1:]}
 
