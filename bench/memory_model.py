@@ -22,10 +22,11 @@ are float32 whatever the compute dtype (mixed precision, `models/precision.py`):
               dtype (the inputs of the attention and MLP projections, q, the attention output, k, v, the SwiGLU's
               four i-wide tensors), in bfloat16 3h more (autocast casts the input of q, k, v, gate and up each on
               its own); with checkpointing instead one float32 block input (h) per layer plus one block's values
-              while it is recomputed. Plus the LM head's logits at the response positions (kept, and their
-              gradient, in the compute dtype) with one float32 chunk's log-softmax and probabilities (and its
-              upcast logits in bfloat16), and in bfloat16 autocast's copy of every weight (2 B x P: cached through
-              a forward and saved for backward by each linear layer); counted with saved-tensor hooks on the 50M model
+              while it is recomputed. Plus the LM head's logits at the response positions (compute dtype) with six
+              float32 arrays of one chunk of them alive at the end of the forward (scaled logits, softmax,
+              log-softmax, the entropy's products), and in bfloat16 autocast's copy of every weight (2 B x P: cached
+              through a forward and saved for backward by each linear layer); counted with saved-tensor hooks and
+              the live tensors at the probe's peak on the 50M model
   analysis    the probe: float32 vectors of K terms for `all` and for the current bucket (2 K x 4 B per coordinate
               held), the count-sketch tables of those coordinates (5 B each), and per micro-batch the gradient it
               differentiates (one process or replicas: one float32 vector per term, replicas whole ones and also K
@@ -139,7 +140,7 @@ def budget(s: Setup) -> dict[str, float]:
     casts = 3 * a.hidden if c < w else 0  # autocast casts the input of q, k, v, gate and up each on its own
     block = 4 * a.hidden * w + (4 * a.hidden + 2 * a.kv + 4 * a.intermediate + casts) * c  # a token's saved values
     saved = tokens * (a.layers * a.hidden * w + block) if s.checkpointing else tokens * a.layers * block
-    head = logits * 2 * c + min(logits, CHUNK_ELEMENTS) * 4 * (2 if c == w else 3)  # kept, gradient, float32 chunk
+    head = logits * c + min(logits, CHUNK_ELEMENTS) * 4 * 6  # the logits, and a chunk's float32 log-softmax temporaries
     out = {
         "weights": (p * (1 + s.reference) + critic) * w * part,
         "optimizer": 2 * (p + critic) * w * part,
