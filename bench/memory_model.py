@@ -22,16 +22,17 @@ are float32 whatever the compute dtype (mixed precision, `models/precision.py`):
               dtype (the inputs of the attention and MLP projections, q, the attention output, k, v, the SwiGLU's
               four i-wide tensors), in bfloat16 3h more (autocast casts the input of q, k, v, gate and up each on
               its own); with checkpointing instead one float32 block input (h) per layer plus one block's values
-              while it is recomputed. Plus the LM head's logits at the response positions (kept, and their
-              gradient, in the compute dtype) with one float32 chunk's log-softmax and probabilities (and its
-              upcast logits in bfloat16), and in bfloat16 autocast's copy of every weight (2 B x P: cached through
-              a forward and saved for backward by each linear layer); counted with saved-tensor hooks on the 50M model
+              while it is recomputed. Plus the LM head's logits at the response positions and their gradient
+              (compute dtype) with one float32 chunk of them, and in bfloat16 autocast's copy of every weight
+              (2 B x P: cached through a forward and saved for backward by each linear layer); counted with
+              saved-tensor hooks and the live tensors at the probe's peak on the 50M model
   analysis    the probe: float32 vectors of K terms for `all` and for the current bucket (2 K x 4 B per coordinate
               held), the count-sketch tables of those coordinates (5 B each), and per micro-batch the gradient it
               differentiates (one process or replicas: one float32 vector per term, replicas whole ones and also K
-              whole accumulators; sharded: the .grad shard and the largest unit's unsharded parameters and
-              gradient); per_group adds m K x 4 B per coordinate held. Coordinates held: P / W over W ranks; with C
-              chunks (one process) the largest chunk, max(P / C, the embedding)
+              whole accumulators, and four more float32 arrays of the LM head's chunk, kept from the one forward for
+              the other terms while the first is differentiated; sharded: the .grad shard and the largest unit's
+              unsharded parameters and gradient); per_group adds m K x 4 B per coordinate held. Coordinates held: P /
+              W over W ranks; with C chunks (one process) the largest chunk, max(P / C, the embedding)
 
 The peak is the largest phase: rollout (weights + optimizer + gathered + kv cache, and in bfloat16 the weights' copy
 of one forward), update (weights + optimizer + grads + activations) or analysis (weights + optimizer + analysis +
@@ -139,7 +140,7 @@ def budget(s: Setup) -> dict[str, float]:
     casts = 3 * a.hidden if c < w else 0  # autocast casts the input of q, k, v, gate and up each on its own
     block = 4 * a.hidden * w + (4 * a.hidden + 2 * a.kv + 4 * a.intermediate + casts) * c  # a token's saved values
     saved = tokens * (a.layers * a.hidden * w + block) if s.checkpointing else tokens * a.layers * block
-    head = logits * 2 * c + min(logits, CHUNK_ELEMENTS) * 4 * (2 if c == w else 3)  # kept, gradient, float32 chunk
+    head = logits * 2 * c + min(logits, CHUNK_ELEMENTS) * 4  # the logits, their gradient, one float32 chunk
     out = {
         "weights": (p * (1 + s.reference) + critic) * w * part,
         "optimizer": 2 * (p + critic) * w * part,
@@ -152,8 +153,10 @@ def budget(s: Setup) -> dict[str, float]:
     probe = 2 * s.terms * held * 4 + (5 * held if s.sketch else 0) + s.per_group * s.terms * held * 4
     if sharded:
         probe += p / s.world * w + 2 * unit
-    else:  # autograd.grad's output of one term over the coordinates held; replicas accumulate whole vectors
+    else:  # autograd.grad's output of one term over the coordinates held; replicas accumulate whole vectors; the
+        # first term's backward runs while the forward's float32 chunk is kept for the others (four more arrays)
         probe += (p if s.world > 1 else held) * 4 + (s.terms * p * 4 if s.world > 1 else 0)
+        probe += min(logits, CHUNK_ELEMENTS) * 4 * 4
     out["analysis"] = probe
     base = out["weights"] + out["optimizer"]
     out["rollout"] = base + out["gathered"] + out["kv_cache"] + copy
