@@ -253,7 +253,7 @@ def loss_terms(
     kl_type: str = "low_var_kl",
     cispo_clip_low: float | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """The unweighted terms of the actor loss, each aggregated with ``agg`` (``DESIGN.md`` §4.1).
+    """The unweighted terms of the actor loss, each aggregated with ``agg`` (``docs/design.md`` §4.1).
 
     Args:
         logprobs: ``[N, T]`` current-policy token log-probs (carries the gradient).

@@ -1,6 +1,6 @@
 """Per-bucket, per-loss-component gradient probe (RAGEN's gradient analysis, exact and read-only).
 
-Semantics (``DESIGN.md`` §4.2–4.4, metric names from ``reference/ragen_behaviour.md`` §3.7):
+Semantics (``docs/design.md`` §4.2–4.4, metric names from ``reference/ragen_behaviour.md`` §3.7):
 - Groups are split into reward-variance buckets with ``assign_buckets`` (whole groups, lowest variance
   first: ``bucket_1..bucket_B``; fixed_rv buckets keep their interval's name, empty intervals are left
   out); with ``zero_bucket`` the zero-variance groups come first as ``bucket_0``; ``all`` is the whole batch.

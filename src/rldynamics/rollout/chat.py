@@ -1,6 +1,6 @@
 """Prompts from the tokenizer's own chat template, rendered turn by turn so trained tokens stay sampled tokens.
 
-Design choices (DESIGN.md §4.12):
+Design choices (docs/design.md §4.12):
 - The conversation is rendered with `tokenizer.apply_chat_template` (any template: ChatML, Llama-3,
   Gemma, ...). The model's replies are never re-rendered: each assistant message is a unique placeholder,
   and what the template writes *after* that placeholder (end of turn, next user message, generation

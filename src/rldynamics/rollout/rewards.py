@@ -1,7 +1,7 @@
 """Named reward components: their weights, the trained score (their weighted sum), per-component statistics,
 and the per-trajectory reward-tracking rows.
 
-This module is the one place the weighted reward is formed (DESIGN.md §4.11): the rollout calls
+This module is the one place the weighted reward is formed (docs/design.md §4.11): the rollout calls
 `weighted_sum` for every trajectory score and for the per-turn "Reward:" line of the prompt. It also owns the
 metric keys `reward/<name>/*` and `reward_stats/*` (rldynamic's per-step statistics).
 """
