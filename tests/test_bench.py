@@ -97,7 +97,7 @@ def test_memory_model_chunked_probe_holds_one_chunk(monkeypatch):
 
 def test_readme_memory_table_is_the_models(monkeypatch):
     mm = _memory_model(monkeypatch)
-    readme = (BENCH.parent / "docs" / "multi-device-data-parallel-with-torchrun.md").read_text().splitlines()
+    readme = (BENCH.parent / "docs" / "multi-device.md").read_text().splitlines()
     table = mm.table().splitlines()
     start = readme.index(table[0])
     assert readme[start:start + len(table)] == table
