@@ -150,6 +150,17 @@ class TrainConfig:
 
 
 @dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    """Generation engine of training and validation rollouts: hf (HF generate) | vllm (vLLM colocated in the
+    trainer's process, weights synced after every optimizer step; needs the vllm extra, docs/vllm.md)."""
+    vllm_dtype: str = "bfloat16"
+    """vllm: the engine's weights and compute dtype, float32 | bfloat16 (the trainer keeps model.dtype)."""
+    vllm_kv_cache_gib: float = 1.0
+    """vllm: memory reserved for the engine's KV cache (GiB, CPU or GPU); bounds the tokens held at once."""
+
+
+@dataclass
 class ValConfig:
     every: int = 10
     """Validate every N steps (and after the last step); 0 = never in the loop."""
@@ -193,6 +204,14 @@ class AlgoConfig:
     """k1|kl, k2|mse, k3|low_var_kl, abs; a trailing + = straight-through k2 gradient."""
     entropy_coef: float = 0.001
     """Entropy bonus coefficient."""
+    tis_cap: float | None = None
+    """Truncated importance sampling: weight each token's policy loss by min(pi_old / pi_rollout, tis_cap), the
+    sampler/trainer mismatch correction (TRL's vllm_importance_sampling_cap); null = off."""
+    mis: bool = False
+    """Sequence masking: drop from the policy loss each trajectory whose geometric-mean pi_old / pi_rollout lies
+    outside [1 / mismatch_band, mismatch_band] (verl's geometric rollout_rs)."""
+    mismatch_band: float = 2.0
+    """The band of the mismatch metrics (rollout/corr/*fraction*) and of mis: ratios outside [1/band, band] (> 1)."""
 
 
 @dataclass
@@ -324,6 +343,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=lambda: env_config_type()())
     train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     val: ValConfig = field(default_factory=ValConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
@@ -336,6 +356,8 @@ class Config:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "auto"),
+    "rollout.engine": ("hf", "vllm"),
+    "rollout.vllm_dtype": ("float32", "bfloat16"),
     "algo.adv_estimator": ("gae", "grpo", "rloo", "reinforce_pp"),
     "algo.policy_loss": ("ppo", "cispo"),
     "algo.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
@@ -364,7 +386,9 @@ RANGES: dict[str, tuple[float, bool, float | None]] = {
                      "checkpoint.keep_last", "critic.warmup_steps", "log.samples_per_step",
                      "model.warm_start_episodes"), (0, True, None)),
     **dict.fromkeys(("train.max_grad_norm", "train.temperature", "val.temperature",
-                     "critic.max_grad_norm", "critic.clip_range", "model.warm_start_lr"), (0, False, None)),
+                     "critic.max_grad_norm", "critic.clip_range", "model.warm_start_lr", "algo.tis_cap",
+                     "rollout.vllm_kv_cache_gib"), (0, False, None)),
+    "algo.mismatch_band": (1, False, None),
     **dict.fromkeys(("train.lr", "critic.lr", "train.weight_decay", "algo.clip_high", "algo.kl_coef", "filter.value",
                      "early_stop.rv_ratio"),
                     (0, True, None)),

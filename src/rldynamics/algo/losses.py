@@ -119,6 +119,7 @@ def policy_loss(
     clip_c: float | None = 3.0,
     agg: str = "token-mean",
     cispo_clip_low: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss.
 
@@ -140,6 +141,8 @@ def policy_loss(
         agg: aggregation mode, see :func:`aggregate`.
         cispo_clip_low: cispo only: lower bound ``1 - cispo_clip_low`` of the IS weight (``0 ≤ · ≤ 1``), or
             ``None`` for none (the published method).
+        token_weights: ``[N, T]`` constant factor on each token's loss (the rollout correction,
+            :func:`rollout_correction_weights`), or ``None``.
 
     Returns:
         ``(loss [], metrics)`` with python floats ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``
@@ -164,7 +167,7 @@ def policy_loss(
         with torch.no_grad():
             clipfrac = _metric(ratio != weight, response_mask)
         metrics = {"pg_clipfrac": clipfrac, "pg_clipfrac_lower": 0.0, "ppo_kl": ppo_kl}
-        return aggregate(per_token, response_mask, agg), metrics
+        return aggregate(_weighted(per_token, token_weights), response_mask, agg), metrics
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [N, T]
     unclipped_loss = -advantages * ratio  # [N, T]
     clipped_loss = -advantages * clipped  # [N, T]
@@ -180,7 +183,68 @@ def policy_loss(
             "pg_clipfrac_lower": _metric(lower, response_mask),
             "ppo_kl": ppo_kl,
         }
-    return aggregate(per_token, response_mask, agg), metrics
+    return aggregate(_weighted(per_token, token_weights), response_mask, agg), metrics
+
+
+def _weighted(per_token: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
+    if token_weights is None:
+        return per_token  # [N, T]
+    check_same_shape(per_token=per_token, token_weights=token_weights)
+    return per_token * token_weights.detach()  # [N, T]
+
+
+def rollout_log_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor) -> torch.Tensor:
+    """``log π_old - log π_rollout`` per token, clamped to ±20: the log of the importance ratio that turns the
+    sampler's distribution into the trainer's. ``[N, T]``"""
+    check_same_shape(old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs)
+    return (old_logprobs - rollout_logprobs).clamp(-20.0, 20.0)  # [N, T]
+
+
+def sequence_log_ratio(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence mean of the token log-ratios over the mask: the log of the geometric-mean ratio. ``[N]``"""
+    return masked_mean(log_ratio, response_mask, dim=-1)  # [N]
+
+
+def rollout_correction_weights(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    tis_cap: float | None = None,
+    mis_band: float | None = None,
+) -> torch.Tensor:
+    """Per-token weights that correct for sampling from the rollout engine instead of the trainer's policy.
+
+    TIS (truncated importance sampling; TRL's ``vllm_importance_sampling_cap``, verl's token-level
+    ``rollout_is``): each token's loss times ``min(π_old / π_rollout, tis_cap)``. MIS (sequence masking; verl's
+    ``rollout_rs``, geometric): a sequence whose geometric-mean ratio ``exp(mean_t log(π_old / π_rollout))``
+    lies outside ``[1 / mis_band, mis_band]`` gets weight 0 on every token (its aggregation weights stay, so a
+    masked sequence lowers the loss rather than re-normalising it). Both off: all ones.
+
+    Args:
+        old_logprobs: ``[N, T]`` the trainer's log-probs of the sampled tokens (no gradient).
+        rollout_logprobs: ``[N, T]`` the sampler's log-probs of the same tokens.
+        response_mask: ``[N, T]``.
+        tis_cap: C > 0, or None (no TIS).
+        mis_band: B > 1, or None (no MIS).
+
+    Returns:
+        ``[N, T]`` float32 weights, no gradient.
+    """
+    check_same_shape(old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask)
+    if tis_cap is not None and tis_cap <= 0:
+        raise ValueError(f"tis_cap must be > 0 or None, got {tis_cap}")
+    if mis_band is not None and mis_band <= 1:
+        raise ValueError(f"mis_band must be > 1 or None, got {mis_band}")
+    log_ratio = rollout_log_ratio(old_logprobs.detach().float(), rollout_logprobs.float())  # [N, T]
+    weights = torch.ones_like(log_ratio)  # [N, T]
+    if tis_cap is not None:
+        weights = torch.exp(log_ratio).clamp(max=tis_cap)  # [N, T]
+    if mis_band is not None:
+        seq = sequence_log_ratio(log_ratio, response_mask)  # [N]
+        keep = seq.abs() <= torch.log(torch.tensor(mis_band))  # [N]
+        weights = weights * keep[:, None].float()  # [N, T]
+    return weights  # [N, T]
 
 
 def _kl_k1(diff: torch.Tensor) -> torch.Tensor:
@@ -252,6 +316,9 @@ def loss_terms(
     agg: str = "token-mean",
     kl_type: str = "low_var_kl",
     cispo_clip_low: float | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    mis_band: float | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """The unweighted terms of the actor loss, each aggregated with ``agg`` (``docs/design.md`` §4.1).
 
@@ -265,15 +332,23 @@ def loss_terms(
         ref_logprobs: ``[N, T]`` reference-policy log-probs; gives the ``kl`` term.
         component_advantages: name -> ``[N, T]``: the pg loss with each named reward component's own advantages.
         kind, clip_low, clip_high, clip_c, cispo_clip_low: see :func:`policy_loss`; kl_type: see :func:`kl_penalty`.
+        rollout_logprobs: ``[N, T]`` the rollout engine's sampling log-probs; with ``tis_cap`` / ``mis_band``
+            every policy-gradient term is weighted by :func:`rollout_correction_weights` (old vs rollout).
 
     Returns:
         ``({"pg", "entropy", "kl" (with a reference), "reward/<name>" per component}, pg metrics)``.
     """
     old = logprobs.detach() if old_logprobs is None else old_logprobs  # [N, T]
+    weights = None
+    if tis_cap is not None or mis_band is not None:
+        if rollout_logprobs is None:
+            raise ValueError("tis_cap / mis_band need the rollout's sampling log-probs (rollout_logprobs)")
+        weights = rollout_correction_weights(old, rollout_logprobs, response_mask, tis_cap=tis_cap,
+                                             mis_band=mis_band)  # [N, T]
 
     def pg_loss(adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         return policy_loss(logprobs, old, adv, response_mask, kind=kind, clip_low=clip_low, clip_high=clip_high,
-                           clip_c=clip_c, agg=agg, cispo_clip_low=cispo_clip_low)
+                           clip_c=clip_c, agg=agg, cispo_clip_low=cispo_clip_low, token_weights=weights)
 
     pg, metrics = pg_loss(advantages)
     terms = {"pg": pg, "entropy": aggregate(entropy, response_mask, agg)}

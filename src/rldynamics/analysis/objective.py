@@ -2,7 +2,9 @@
 
 The actor update (`train/actor.py`) and the gradient probe (`analysis/probe.py`) both call `actor_terms`, so the
 loss the probe differentiates is the loss that is trained. The forward pass is `models.forward.token_logprobs`,
-the terms are the pure `algo.losses.loss_terms`, weighted in one place by `algo.losses.weighted_total`.
+the terms are the pure `algo.losses.loss_terms`, weighted in one place by `algo.losses.weighted_total`. The
+rollout corrections (`algo.tis_cap`, `algo.mis`) weight the policy-gradient terms there too, so the probe sees the
+corrected objective.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ def actor_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInp
                       ref_logprobs=at(inputs.ref_logprobs),
                       component_advantages={k: at(a) for k, a in (component_advantages or {}).items()},
                       kind=cfg.policy_loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
-                      agg=cfg.loss_agg_mode, kl_type=cfg.kl_type, cispo_clip_low=cfg.cispo_clip_low)
+                      agg=cfg.loss_agg_mode, kl_type=cfg.kl_type, cispo_clip_low=cfg.cispo_clip_low,
+                      rollout_logprobs=at(batch.rollout_logprobs), tis_cap=cfg.tis_cap,
+                      mis_band=cfg.mismatch_band if cfg.mis else None)
 
 
 def coefs(cfg: AlgoConfig) -> dict[str, float]:

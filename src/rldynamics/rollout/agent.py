@@ -8,7 +8,11 @@ Design choices:
   env step reports its components, a malformed turn adds `format_penalty` (when non-zero); the trajectory's
   components are summed over turns, and the trained score is their weighted sum
   (`rollout.rewards.weighted_sum`), placed on the last sampled token (`RolloutBatch.token_rewards`).
-- Generation uses the HF `generate` API (any causal LM); sampling is seeded by the caller through
+- Generation goes through a rollout engine: `HFEngine` (the default, HF `generate`, any causal LM) or the
+  colocated vLLM engine (`rollout.vllm_engine`, `rollout.engine=vllm`). Both take token ids in and give the
+  sampled ids and the sampler's log-prob of each (temperature applied) out; the batch keeps those log-probs
+  (`RolloutBatch.rollout_logprobs`) so the sampler/trainer mismatch can be measured (`algo.rollout_corr`).
+- With the HF engine sampling is seeded by the caller through
   `torch.manual_seed`, so a rollout is a pure function of (model, seeds, sampling seed). With `row_seed` each
   trajectory samples from its own keyed stream instead (`rollout.sampling.RowSeededNoise`, keyed on
   (row_seed, global row, turn)), so a trajectory does not depend on the other rows of the batch: a rollout of
@@ -31,7 +35,7 @@ from rldynamics.rollout.chat import ChatPrompts, Conversation
 from rldynamics.rollout.parse import ParsedTurn, parse_answer, parse_response
 from rldynamics.rollout.prefill import TurnCaches, shared_prompt_cache
 from rldynamics.rollout.rewards import resolve_weights, weighted_sum
-from rldynamics.rollout.sampling import row_key, sampling_guard
+from rldynamics.rollout.sampling import SampledLogprobs, row_key, sampling_guard
 
 SYSTEM_PREFIX = "You're a helpful assistant. "
 INVALID_NOTE = "No valid action provided previously. Environment state remains the same. Please try again.\n"
@@ -69,6 +73,7 @@ class Trajectory:
     rewards: dict[str, float]
     ids: list[int] = field(default_factory=list)
     sampled: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # the sampler's log-prob of each token (0 if not sampled)
     done: bool = False
     num_actions: int = 0
     turns: int = 0
@@ -77,9 +82,10 @@ class Trajectory:
     response_tokens: int = 0
     observation: str = ""
 
-    def add(self, ids: list[int], sampled: bool) -> None:
+    def add(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
         self.ids += ids
         self.sampled += [sampled] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
 
 @dataclass
@@ -97,7 +103,7 @@ class RolloutContext:
 
 def rollout(model, tokenizer, seeds: list[int], group_size: int, cfg: EnvConfig, *, temperature: float = 1.0,
             respond: Callable[[list[Trajectory]], list[list[int]]] | None = None, row_seed: int | None = None,
-            first_group: int = 0) -> RolloutBatch:
+            first_group: int = 0, engine=None) -> RolloutBatch:
     """Run `len(seeds)` groups of `group_size` envs for up to `cfg.max_turns` turns; return their batch.
 
     Args:
@@ -110,6 +116,8 @@ def rollout(model, tokenizer, seeds: list[int], group_size: int, cfg: EnvConfig,
         row_seed: None = sample from the global torch RNG (seeded by the caller); an int = every trajectory
             samples from its own stream keyed on (row_seed, global row, turn).
         first_group: group id of the first group (a shard of a larger rollout); global rows follow from it.
+        engine: the rollout engine (`generate(prompts, max_new_tokens, temperature, stop_ids, row_keys=,
+            cache_keys=)` -> (ids, log-probs) per prompt, `drop(key)`); None = a fresh `HFEngine` on `model`.
     """
     chat = ChatPrompts(tokenizer, enable_think=cfg.enable_think, open_answer=cfg.open_answer, model=model)
     probe_env = make_env(cfg.name, **cfg.options())
@@ -117,7 +125,8 @@ def rollout(model, tokenizer, seeds: list[int], group_size: int, cfg: EnvConfig,
     ctx = RolloutContext(cfg=cfg, chat=chat, tokenizer=tokenizer, weights=resolve_weights(probe_env, cfg, names))
     trajs = [_start(ctx, seed, first_group + g, (first_group + g) * group_size + j, names)
              for g, seed in enumerate(seeds) for j in range(group_size)]
-    caches = TurnCaches(model) if respond is None else None
+    if respond is None and engine is None:
+        engine = HFEngine(model, tokenizer)  # per rollout: its turn caches live as long as the rollout
     scope = getattr(probe_env, "rollout_scope", None)  # optional Env hook (envs/base.py)
     with scope() if scope is not None else nullcontext():
         for turn in range(1, cfg.max_turns + 1):
@@ -126,14 +135,14 @@ def rollout(model, tokenizer, seeds: list[int], group_size: int, cfg: EnvConfig,
                 break
             if respond is None:
                 keys = None if row_seed is None else [row_key(row_seed, trajs[i].row, turn) for i in active]
-                responses = generate(model, tokenizer, [trajs[i].ids for i in active], cfg.max_new_tokens,
-                                     temperature, chat.stop_ids, row_keys=keys, caches=caches, cache_keys=active)
+                responses, logprobs = engine.generate([trajs[i].ids for i in active], cfg.max_new_tokens,
+                                                      temperature, chat.stop_ids, row_keys=keys, cache_keys=active)
             else:
-                responses = respond([trajs[i] for i in active])
-            for i, response in zip(active, responses, strict=True):
-                _play_turn(ctx, trajs[i], response, turn)
-                if trajs[i].done and caches is not None:
-                    caches.drop(i)
+                responses, logprobs = respond([trajs[i] for i in active]), [None] * len(active)
+            for i, response, sampled_logprobs in zip(active, responses, logprobs, strict=True):
+                _play_turn(ctx, trajs[i], response, turn, sampled_logprobs)
+                if trajs[i].done and engine is not None:
+                    engine.drop(i)
     return _to_batch(trajs, tokenizer, names, ctx.weights)
 
 
@@ -149,10 +158,12 @@ def _start(ctx: RolloutContext, seed: int, group_id: int, row: int, names: tuple
     return traj
 
 
-def _play_turn(ctx: RolloutContext, traj: Trajectory, response: list[int], turn: int) -> None:
-    """Append the sampled response, execute its actions, append the next user message (or close the turn)."""
+def _play_turn(ctx: RolloutContext, traj: Trajectory, response: list[int], turn: int,
+               logprobs: list[float] | None = None) -> None:
+    """Append the sampled response (and its sampling log-probs), execute its actions, append the next user message
+    (or close the turn)."""
     cfg, chat = ctx.cfg, ctx.chat
-    traj.add(response, sampled=True)
+    traj.add(response, sampled=True, logprobs=logprobs)
     traj.response_tokens += len(response)
     stopped = bool(response) and response[-1] in chat.stop_ids
     text = chat.reply_prefix + ctx.tokenizer.decode(response, skip_special_tokens=True)
@@ -197,11 +208,39 @@ def _play_turn(ctx: RolloutContext, traj: Trajectory, response: list[int], turn:
     traj.add(ctx.encode(following), sampled=False)
 
 
-@torch.no_grad()
+class HFEngine:
+    """The HF `generate` rollout engine of one rollout: `generate_with_logprobs` with the rollout's turn caches."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+        self.caches = TurnCaches(model)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, stop_ids: list[int], *,
+                 row_keys: list[int] | None = None,
+                 cache_keys: list[int] | None = None) -> tuple[list[list[int]], list[list[float]]]:
+        return generate_with_logprobs(self.model, self.tokenizer, prompts, max_new_tokens, temperature, stop_ids,
+                                      row_keys, caches=self.caches, cache_keys=cache_keys)
+
+    def drop(self, key: int) -> None:
+        """Forget the cache of a finished trajectory."""
+        self.caches.drop(key)
+
+
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
              stop_ids: list[int], row_keys: list[int] | None = None, *, caches: TurnCaches | None = None,
              cache_keys: list[int] | None = None) -> list[list[int]]:
+    """The responses of `generate_with_logprobs` alone."""
+    return generate_with_logprobs(model, tokenizer, prompts, max_new_tokens, temperature, stop_ids, row_keys,
+                                  caches=caches, cache_keys=cache_keys)[0]
+
+
+@torch.no_grad()
+def generate_with_logprobs(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                           stop_ids: list[int], row_keys: list[int] | None = None, *,
+                           caches: TurnCaches | None = None,
+                           cache_keys: list[int] | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """Sample one response per prompt (left-padded batch); each response ends at its first stop id (kept).
+    Also returns the sampler's log-prob of each sampled token, log softmax(logits / temperature), as sampled from.
 
     `row_keys` (one per prompt): each row samples from its own keyed stream (`rollout.sampling`) instead of
     the global torch RNG. With `caches` (and one trajectory key per prompt in `cache_keys`), the tokens each
@@ -223,19 +262,24 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     if cache is None and caches is not None and caches.enabled:
         cache = DynamicCache(config=model.config)  # filled by generate, then kept for the next turn
     sampler = {"do_sample": False} if row_keys is not None else {"do_sample": True, "top_p": 1.0, "top_k": 0}
+    recorder = SampledLogprobs()
+    processors = sampling_guard(temperature, row_keys)
+    processors.insert(1, recorder)  # after the temperature, before any row noise: the distribution sampled from
     out = model.generate(
         input_ids=input_ids, attention_mask=attention, temperature=1.0, max_new_tokens=max_new_tokens,
-        eos_token_id=stop_ids, pad_token_id=pad, logits_processor=sampling_guard(temperature, row_keys),
+        eos_token_id=stop_ids, pad_token_id=pad, logits_processor=processors,
         **sampler, **({"past_key_values": cache} if cache is not None else {}),
     )  # [B, W + new]: the guard applies the temperature (and with row keys the noise: greedy then samples)
+    sampled_logprobs = recorder.finish(out).tolist()  # [B, new]
     stops = set(stop_ids)
-    responses = []
-    for row in out[:, width:].tolist():
+    responses, logprobs = [], []
+    for row, row_logprobs in zip(out[:, width:].tolist(), sampled_logprobs, strict=True):
         cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
         responses.append(row[:cut])
+        logprobs.append(row_logprobs[:cut])
     if caches is not None:
         caches.keep(cache, cache_keys, prompts, responses)
-    return responses
+    return responses, logprobs
 
 
 def _to_batch(trajs: list[Trajectory], tokenizer, names: tuple[str, ...], weights: dict[str, float]) -> RolloutBatch:
@@ -245,14 +289,17 @@ def _to_batch(trajs: list[Trajectory], tokenizer, names: tuple[str, ...], weight
     input_ids = torch.full((n, width), tokenizer.pad_token_id, dtype=torch.long)  # [N, L]
     attention = torch.zeros(n, width, dtype=torch.long)  # [N, L]
     response_mask = torch.zeros(n, width)  # [N, L]
+    rollout_logprobs = torch.zeros(n, width)  # [N, L]
     for i, t in enumerate(trajs):
         input_ids[i, : len(t.ids)] = torch.tensor(t.ids)
         attention[i, : len(t.ids)] = 1
         response_mask[i, : len(t.ids)] = torch.tensor(t.sampled, dtype=torch.float32)
+        rollout_logprobs[i, : len(t.ids)] = torch.tensor(t.logprobs, dtype=torch.float32)
     return RolloutBatch(
         input_ids=input_ids,
         attention_mask=attention,
         response_mask=response_mask,
+        rollout_logprobs=rollout_logprobs,
         scores=torch.tensor([weighted_sum(t.rewards, weights) for t in trajs], dtype=torch.float32),  # [N]
         group_ids=torch.tensor([t.group_id for t in trajs], dtype=torch.long),  # [N]
         reward_components=torch.tensor([[t.rewards[k] for k in names] for t in trajs], dtype=torch.float32),  # [N, K]

@@ -7,6 +7,8 @@ Conventions (one place for shapes):
   tokens are exactly the sampled tokens; chat-template and observation tokens have mask 0.
 - Rows are right-padded with the tokenizer's pad id (attention 0); trajectories of a group are
   contiguous and share `group_ids`.
+- `rollout_logprobs[i, t]` is the log-prob the rollout engine sampled token `t` with (temperature applied;
+  0 where the mask is 0): compared with the trainer's old log-probs it measures the sampler/trainer mismatch.
 - Rewards are named: `reward_components[i, k]` is the raw value of component `reward_names[k]` summed
   over trajectory `i`'s turns; `scores` is the trained reward, Σ_k reward_weights[k] · component k
   (formed once, in `rollout.rewards.weighted_sum`).
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-PER_TOKEN = ("input_ids", "attention_mask", "response_mask")  # the [N, L] fields
+PER_TOKEN = ("input_ids", "attention_mask", "response_mask", "rollout_logprobs")  # the [N, L] fields
 
 
 @dataclass
@@ -32,6 +34,7 @@ class RolloutBatch:
     reward_names: tuple[str, ...] = ()  # K component names (batch-level, not per row)
     reward_weights: tuple[float, ...] = ()  # K weights of the trained score (batch-level)
     env_metrics: list[dict[str, float]] = field(default_factory=list)  # one dict per trajectory
+    rollout_logprobs: torch.Tensor | None = None  # [N, L] float: the sampler's log-prob of each sampled token
     texts: list[str] = field(default_factory=list)  # decoded conversation per trajectory
     seeds: list[int] = field(default_factory=list)  # env seed per trajectory
 
@@ -73,7 +76,9 @@ class RolloutBatch:
         joined = {}
         for f in fields(RolloutBatch):
             values = [getattr(p, f.name) for p in parts]
-            if f.name in PER_TOKEN:
+            if f.name in PER_TOKEN and any(v is None for v in values):
+                joined[f.name] = None
+            elif f.name in PER_TOKEN:
                 pad = pad_id if f.name == "input_ids" else 0
                 joined[f.name] = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1]), value=pad)
                                             for v in values])  # [N, width]

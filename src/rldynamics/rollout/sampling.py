@@ -99,3 +99,32 @@ class RowSeededNoise(LogitsProcessor):
         noise = keyed_gumbel(self.keys.to(scores.device), self.index, scores.shape[-1])  # [B, V]
         self.index += 1
         return scores.float() + noise  # [B, V]
+
+
+class SampledLogprobs(LogitsProcessor):
+    """Records log softmax of the scores it is given at the token that is then sampled: the sampler's log-prob.
+
+    Placed after `SamplingGuard` (temperature applied) and before any row noise. A call sees the token chosen at
+    the previous call as the last column of `input_ids`, so only one step's [B, V] log-probs are ever held;
+    `finish` gathers the last step's from the finished sequences.
+    """
+
+    def __init__(self):
+        self.previous: torch.Tensor | None = None  # [B, V] log-probs of the last call
+        self.picked: list[torch.Tensor] = []  # one [B] per sampled token but the last
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._pick(input_ids[:, -1])
+        self.previous = torch.log_softmax(scores.float(), dim=-1)  # [B, V]
+        return scores
+
+    def _pick(self, tokens: torch.Tensor) -> None:
+        if self.previous is not None:
+            self.picked.append(self.previous.gather(1, tokens[:, None].to(self.previous.device))[:, 0].cpu())  # [B]
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """The sampler's log-prob of every new token of `sequences` [B, W + new]: [B, new] (float32, on CPU)."""
+        self._pick(sequences[:, -1])
+        self.previous = None
+        rows = sequences.shape[0]
+        return torch.stack(self.picked, dim=1) if self.picked else torch.zeros(rows, 0)  # [B, new]

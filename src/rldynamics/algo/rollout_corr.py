@@ -1,0 +1,77 @@
+"""The sampler/trainer mismatch: how far the rollout engine's probabilities are from the trainer's.
+
+The rollout engine samples with its own kernels and precision (vLLM in bfloat16, say), so the policy that sampled
+a token is not exactly the policy the trainer computes the old log-probs with, and the update is off-policy by
+that much. `mismatch_metrics` compares, token by token, the sampler's log-prob of every sampled token
+(`RolloutBatch.rollout_logprobs`, temperature applied) with the trainer's old log-prob of the same token, like with
+like, and reports (verl's `rollout_corr` names, under `rollout/corr/`):
+
+- `rollout_is_mean` / `_min` / `_max`: the per-token importance ratio ``r = π_old / π_rollout``;
+- `kl`: the k1 estimate ``E[log π_rollout - log π_old]`` of KL(π_rollout || π_old) over the sampled tokens, and
+  `k3_kl`: the k3 estimate ``E[r - 1 - log r]`` (non-negative per token);
+- `rollout_is_ratio_fraction_high` / `_low`: the fraction of tokens with ``r`` above `band` / below 1 / `band`,
+  `token_fraction_outside` their sum;
+- `rollout_is_seq_fraction_high` / `_low` / `seq_fraction_outside`: the same for sequences, by their
+  geometric-mean ratio (the quantity sequence masking, MIS, tests);
+- with corrections on, `rollout_is_truncated_fraction` (tokens whose ratio TIS caps) and `rollout_rs_masked_fraction`
+  (sequences MIS masks).
+
+With the HF engine the sampler is the trainer's own model, so every value is ~0 (ratios ~1): the metrics mean the
+same on every engine. The corrections themselves are `algo.losses.rollout_correction_weights`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rldynamics.algo.losses import masked_mean, rollout_log_ratio, sequence_log_ratio
+
+PREFIX = "rollout/corr/"
+
+
+def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, *,
+                     band: float = 2.0, tis_cap: float | None = None,
+                     mis: bool = False) -> dict[str, float]:
+    """The mismatch metrics of a batch (see the module docstring), as python floats keyed `rollout/corr/<name>`.
+
+    Args:
+        old_logprobs: [N, T] the trainer's log-probs of the sampled tokens.
+        rollout_logprobs: [N, T] the sampler's log-probs of the same tokens.
+        response_mask: [N, T] sampled tokens.
+        band: B > 1: ratios outside [1/B, B] count as outside (and MIS masks such sequences).
+        tis_cap: the TIS cap, if TIS is on (adds `rollout_is_truncated_fraction`).
+        mis: whether MIS is on (adds `rollout_rs_masked_fraction`).
+    """
+    if band <= 1:
+        raise ValueError(f"band must be > 1, got {band}")
+    mask = response_mask.bool()  # [N, T]
+    if not mask.any():
+        return {}
+    log_ratio = rollout_log_ratio(old_logprobs.float(), rollout_logprobs.float())  # [N, T]
+    ratio = torch.exp(log_ratio)  # [N, T]
+    picked = ratio[mask]  # [M]
+    log_band = math.log(band)
+    high, low = log_ratio > log_band, log_ratio < -log_band  # [N, T] each
+    rows = mask.any(dim=-1)  # [N] sequences with a sampled token
+    seq = sequence_log_ratio(log_ratio, response_mask)[rows]  # [S]
+    seq_high, seq_low = (seq > log_band).float().mean().item(), (seq < -log_band).float().mean().item()
+    out = {
+        "rollout_is_mean": masked_mean(ratio, mask).item(),
+        "rollout_is_min": picked.min().item(),
+        "rollout_is_max": picked.max().item(),
+        "kl": masked_mean(-log_ratio, mask).item(),
+        "k3_kl": masked_mean(ratio - 1.0 - log_ratio, mask).item(),
+        "rollout_is_ratio_fraction_high": masked_mean(high.float(), mask).item(),
+        "rollout_is_ratio_fraction_low": masked_mean(low.float(), mask).item(),
+        "token_fraction_outside": masked_mean((high | low).float(), mask).item(),
+        "rollout_is_seq_fraction_high": seq_high,
+        "rollout_is_seq_fraction_low": seq_low,
+        "seq_fraction_outside": seq_high + seq_low,
+    }
+    if tis_cap is not None:
+        out["rollout_is_truncated_fraction"] = masked_mean((ratio > tis_cap).float(), mask).item()
+    if mis:
+        out["rollout_rs_masked_fraction"] = seq_high + seq_low
+    return {PREFIX + k: v for k, v in out.items()}
