@@ -43,8 +43,9 @@ def close() -> None:
 
 
 def distributed() -> bool:
-    """True when running under an initialised ``torch.distributed`` process group."""
-    return dist.is_available() and dist.is_initialized()
+    """True when running under an initialised ``torch.distributed`` process group of several ranks (the colocated
+    vLLM engine makes a group of one of its own, which is not a multi-rank run and is not ours to destroy)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def world() -> int:

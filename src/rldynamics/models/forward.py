@@ -146,15 +146,22 @@ def _shared_prefix_logits(model, ids: torch.Tensor, attn: torch.Tensor, wanted: 
     return torch.cat([head[inverse], tail]), rows, cols  # [M, V], [M], [M]
 
 
+_NO_MASK_KEEP: set[type] = set()  # model classes whose `logits_to_keep` refused a boolean mask (tried once)
+
+
 def _logits_at(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor,
                **kwargs) -> torch.Tensor:
     """Logits [M, V] at the `keep` [N, L] positions, row by row; the LM head runs only there when the model
     takes a boolean `logits_to_keep` (transformers' causal LMs), else the full logits are indexed. `kwargs` go
     to the model (a cache and positions)."""
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, **kwargs).logits
-        if logits.dim() == 2 and logits.shape[0] == int(keep.sum()):
-            return logits  # [M, V]
+    if type(model) not in _NO_MASK_KEEP and "logits_to_keep" in inspect.signature(model.forward).parameters:
+        try:
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, **kwargs).logits
+        except IndexError:  # transformers before 5.20 slices with logits_to_keep and takes no [N, L] mask
+            _NO_MASK_KEEP.add(type(model))
+        else:
+            if logits.dim() == 2 and logits.shape[0] == int(keep.sum()):
+                return logits  # [M, V]
     return model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits[keep]  # [M, V]
 
 

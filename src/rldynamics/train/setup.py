@@ -48,6 +48,8 @@ from rldynamics.models.loading import load_model_and_tokenizer, load_value_model
 from rldynamics.models.precision import compute_dtype_name, compute_in, enable_checkpointing
 from rldynamics.models.sharding import wrap
 from rldynamics.models.tiny import ensure_tiny_model
+from rldynamics.rollout import vllm_engine
+from rldynamics.rollout.vllm_engine import rollout_engine
 from rldynamics.tracking.console import StepConsole
 from rldynamics.tracking.grad_dump import GradientDumper
 from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
@@ -80,6 +82,7 @@ class Session:
     console: StepConsole | None = None
     first_step: int = 1
     dumper: GradientDumper | None = None  # analysis.dump_gradients: started by the first dump
+    engine: object | None = None  # the rollout engine of rollout.engine=vllm (None: HF generate per rollout)
     main: bool = True  # rank 0 (or one process): the one that writes the run directory
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -179,6 +182,9 @@ def check_world(cfg: Config, ranks: int | None = None) -> None:
     ranks = dist.world() if ranks is None else ranks
     if ranks == 1:
         return
+    if cfg.rollout.engine == "vllm":
+        raise ConfigError(f"rollout.engine=vllm runs one engine in one process; {ranks} ranks are not supported yet: "
+                          "set rollout.engine=hf or run without torchrun")
     if cfg.analysis.dump_gradients:
         raise ConfigError(f"analysis.dump_gradients=true writes whole gradients, which {ranks} ranks never gather; "
                           "set analysis.dump_gradients=false or run without torchrun")
@@ -229,6 +235,8 @@ def plan_start(cfg: Config, run_dir: Path) -> Start:
     resume) and decide where the run starts; raise before any work if it cannot start. (`validate` has already
     built one env with the configured settings.)"""
     check_installed(cfg.log.wandb, cfg.log.tensorboard)
+    if cfg.rollout.engine == "vllm":
+        vllm_engine.check_installed()
     resolve_device(cfg.model.device)
     check_no_links(run_dir)  # a link in place of a file the run writes is refused before any work
     RunLock(run_dir).check()  # a second process fails here, at once
@@ -288,7 +296,8 @@ def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
     if ckpt is not None:
         load_trainer_state(ckpt, model=model, optimizer=optimizer, critic=critic, critic_optimizer=critic_optimizer)
     return Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=optimizer,
-                   ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer, main=dist.is_main())
+                   ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer, main=dist.is_main(),
+                   engine=rollout_engine(cfg, base, model))
 
 
 def prepare(model: torch.nn.Module, cfg: Config, base: str) -> torch.nn.Module:

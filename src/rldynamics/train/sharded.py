@@ -27,8 +27,9 @@ from rldynamics.rollout.sampling import NonFiniteLogits
 
 
 def rollout_groups(cfg: Config, model, tokenizer, seeds: list[int], group_size: int, temperature: float,
-                   seed: int) -> RolloutBatch:
+                   seed: int, engine=None) -> RolloutBatch:
     """The rollout of one env group per seed, sampled from the stream `seed`, split over the ranks by whole groups.
+    `engine`: the run's rollout engine (None: HF generate on `model`).
 
     Raises NonFiniteLogits on every rank when any rank's policy scores were not finite.
     """
@@ -40,7 +41,7 @@ def rollout_groups(cfg: Config, model, tokenizer, seeds: list[int], group_size: 
         with gathered(model):
             part: RolloutBatch | NonFiniteLogits = rollout(
                 model, tokenizer, seeds[groups.start:groups.stop], group_size, cfg.env, temperature=temperature,
-                row_seed=row_seed, first_group=groups.start)
+                row_seed=row_seed, first_group=groups.start, engine=engine)
     except NonFiniteLogits as e:
         if not dist.distributed():
             raise

