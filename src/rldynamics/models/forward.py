@@ -146,7 +146,25 @@ def _shared_prefix_logits(model, ids: torch.Tensor, attn: torch.Tensor, wanted: 
     return torch.cat([head[inverse], tail]), rows, cols  # [M, V], [M], [M]
 
 
-_NO_MASK_KEEP: set[type] = set()  # model classes whose `logits_to_keep` refused a boolean mask (tried once)
+_MASK_KEEP: dict[type, bool] = {}  # model class -> whether its `logits_to_keep` takes an [N, L] boolean mask
+
+
+@torch.no_grad()
+def _takes_mask_keep(model, device: torch.device) -> bool:
+    """Whether `model` takes a boolean [N, L] `logits_to_keep` (transformers >= 5.20; earlier versions slice with it
+    and fail), found once per model class on a one-token forward with no cache (a failed forward with the caller's
+    cache would have appended to it)."""
+    cls = type(model)
+    if cls not in _MASK_KEEP:
+        takes = "logits_to_keep" in inspect.signature(model.forward).parameters
+        if takes:
+            ids = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]
+            try:
+                model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=torch.ones_like(ids).bool())
+            except IndexError:
+                takes = False
+        _MASK_KEEP[cls] = takes
+    return _MASK_KEEP[cls]
 
 
 def _logits_at(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor,
@@ -154,14 +172,10 @@ def _logits_at(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, kee
     """Logits [M, V] at the `keep` [N, L] positions, row by row; the LM head runs only there when the model
     takes a boolean `logits_to_keep` (transformers' causal LMs), else the full logits are indexed. `kwargs` go
     to the model (a cache and positions)."""
-    if type(model) not in _NO_MASK_KEEP and "logits_to_keep" in inspect.signature(model.forward).parameters:
-        try:
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, **kwargs).logits
-        except IndexError:  # transformers before 5.20 slices with logits_to_keep and takes no [N, L] mask
-            _NO_MASK_KEEP.add(type(model))
-        else:
-            if logits.dim() == 2 and logits.shape[0] == int(keep.sum()):
-                return logits  # [M, V]
+    if _takes_mask_keep(model, input_ids.device):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, **kwargs).logits
+        if logits.dim() == 2 and logits.shape[0] == int(keep.sum()):
+            return logits  # [M, V]
     return model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits[keep]  # [M, V]
 
 

@@ -1,0 +1,100 @@
+"""The sampler/trainer mismatch metrics and the TIS / MIS corrections: hand-computed tensors, the HF engine's ~0."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from rldynamics.algo.losses import policy_loss, rollout_correction_weights
+from rldynamics.algo.rollout_corr import mismatch_metrics
+from rldynamics.config import make_config
+from rldynamics.models.forward import batch_logprobs
+from conftest import micro_model_batch
+
+# two sequences of two sampled tokens and one pad; the trainer's and the sampler's probabilities of each token
+OLD = torch.log(torch.tensor([[0.5, 0.5, 1.0], [0.9, 0.1, 1.0]]))  # [2, 3]
+ROLLOUT = torch.log(torch.tensor([[0.25, 0.5, 1.0], [0.9, 0.8, 1.0]]))  # [2, 3]: ratios 2, 1 | 1, 0.125
+MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])  # [2, 3]
+
+
+def test_tis_caps_each_token_ratio():
+    weights = rollout_correction_weights(OLD, ROLLOUT, MASK, tis_cap=1.5)
+    assert torch.allclose(weights[:, :2], torch.tensor([[1.5, 1.0], [1.0, 0.125]]))
+
+
+def test_mis_masks_sequences_whose_geometric_mean_ratio_leaves_the_band():
+    # row 0: sqrt(2 * 1) = 1.41 inside [0.5, 2]; row 1: sqrt(1 * 0.125) = 0.35 below 0.5
+    weights = rollout_correction_weights(OLD, ROLLOUT, MASK, mis_band=2.0)
+    assert torch.allclose(weights[:, :2], torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
+    both = rollout_correction_weights(OLD, ROLLOUT, MASK, tis_cap=1.5, mis_band=2.0)
+    assert torch.allclose(both[:, :2], torch.tensor([[1.5, 1.0], [0.0, 0.0]]))
+
+
+def test_corrections_off_weigh_nothing_and_bad_values_are_refused():
+    assert torch.equal(rollout_correction_weights(OLD, ROLLOUT, MASK), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="tis_cap"):
+        rollout_correction_weights(OLD, ROLLOUT, MASK, tis_cap=0.0)
+    with pytest.raises(ValueError, match="mis_band"):
+        rollout_correction_weights(OLD, ROLLOUT, MASK, mis_band=1.0)
+
+
+def test_policy_loss_weighs_each_token_by_the_correction():
+    # ratio 1 and advantage 1: every token's ppo loss is -1; token-mean over the 4 sampled tokens
+    weights = rollout_correction_weights(OLD, ROLLOUT, MASK, tis_cap=1.5, mis_band=2.0)
+    loss, _ = policy_loss(OLD, OLD, torch.ones(2, 3), MASK, token_weights=weights)
+    assert loss.item() == pytest.approx(-(1.5 + 1.0 + 0.0 + 0.0) / 4)
+    plain, _ = policy_loss(OLD, OLD, torch.ones(2, 3), MASK)
+    assert plain.item() == pytest.approx(-1.0)
+
+
+def test_mismatch_metrics_by_hand():
+    m = mismatch_metrics(OLD, ROLLOUT, MASK, band=1.5, tis_cap=1.5, mis=True)
+    ratios = [2.0, 1.0, 1.0, 0.125]
+    assert m["rollout/corr/rollout_is_mean"] == pytest.approx(sum(ratios) / 4)
+    assert m["rollout/corr/rollout_is_min"] == pytest.approx(0.125)
+    assert m["rollout/corr/rollout_is_max"] == pytest.approx(2.0)
+    assert m["rollout/corr/kl"] == pytest.approx(sum(-math.log(r) for r in ratios) / 4, abs=1e-6)
+    assert m["rollout/corr/k3_kl"] == pytest.approx(sum(r - 1 - math.log(r) for r in ratios) / 4, abs=1e-6)
+    assert m["rollout/corr/rollout_is_ratio_fraction_high"] == 0.25  # the 2 above 1.5
+    assert m["rollout/corr/rollout_is_ratio_fraction_low"] == 0.25  # the 0.125 below 1/1.5
+    assert m["rollout/corr/token_fraction_outside"] == 0.5
+    assert m["rollout/corr/rollout_is_seq_fraction_high"] == 0.0  # row 0: 1.41 inside
+    assert m["rollout/corr/rollout_is_seq_fraction_low"] == 0.5  # row 1: 0.35
+    assert m["rollout/corr/seq_fraction_outside"] == 0.5
+    assert m["rollout/corr/rollout_is_truncated_fraction"] == 0.25
+    assert m["rollout/corr/rollout_rs_masked_fraction"] == 0.5
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_hf_engine_mismatch_is_zero(tiny_cache, temperature):
+    """The HF engine samples from the trainer's own model: its recorded log-probs are the trainer's old ones."""
+    model, _, batch = micro_model_batch(tiny_cache, group_size=3)
+    if temperature != 1.0:
+        from rldynamics.rollout.agent import rollout
+
+        cfg = make_config(overrides=["env.max_new_tokens=6", "env.max_turns=2"])
+        torch.manual_seed(1)
+        batch = rollout(model, _, [1, 2], 3, cfg.env, temperature=temperature)
+    old, _ = batch_logprobs(model, batch.input_ids, batch.attention_mask, micro_batch_size=2,
+                            temperature=temperature, positions=batch.response_mask)  # [N, L]
+    mask = batch.response_mask.bool()
+    assert mask.sum() > 10 and (batch.rollout_logprobs[mask] < 0).all() and (batch.rollout_logprobs[~mask] == 0).all()
+    m = mismatch_metrics(old, batch.rollout_logprobs, batch.response_mask)
+    assert abs(m["rollout/corr/kl"]) < 1e-5 and m["rollout/corr/k3_kl"] < 1e-8
+    assert m["rollout/corr/rollout_is_min"] > 1 - 1e-4 and m["rollout/corr/rollout_is_max"] < 1 + 1e-4
+    assert m["rollout/corr/token_fraction_outside"] == 0.0 and m["rollout/corr/seq_fraction_outside"] == 0.0
+
+
+def test_training_logs_the_mismatch_and_runs_the_corrections(fast_overrides):
+    """Every step's row has the rollout/corr family (~0 on the HF engine); TIS and MIS train without error."""
+    from rldynamics.train.trainer import train
+
+    run = train(make_config(overrides=[*fast_overrides, "train.steps=1", "algo.tis_cap=2", "algo.mis=true",
+                                       "log.name=corr"]))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in rows if r.get("step") == 1)
+    assert abs(step["rollout/corr/kl"]) < 1e-4 and step["rollout/corr/rollout_rs_masked_fraction"] == 0.0
+    assert step["rollout/corr/rollout_is_truncated_fraction"] == 0.0
