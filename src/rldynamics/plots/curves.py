@@ -51,6 +51,9 @@ def curve_panels(run: RunData) -> list[tuple[str, list[tuple[str, str]]]]:
         ("policy loss (actor/pg_loss)", [("actor/pg_loss", "pg_loss")]),
         ("filter kept ratio", [("rollout/filter_kept_ratio", "kept ratio")]),
         ("in-group reward std", [("rollout/in_group_reward_std", "mean group std")]),
+        ("sampler/trainer mismatch (rollout/corr/k3_kl, kl)", [("rollout/corr/k3_kl", "k3"), ("rollout/corr/kl", "k1")]),
+        ("outside the mismatch band (rollout/corr/*_fraction_outside)",
+         [("rollout/corr/token_fraction_outside", "tokens"), ("rollout/corr/seq_fraction_outside", "sequences")]),
         ("response length", [("response_length/mean", "tokens / response")] if has_key(run, "response_length/mean")
          else [(f"train/{e}/response_length", e) for e in envs]),
     ]

@@ -129,7 +129,9 @@ def _tie_head(engine_model: torch.nn.Module) -> None:
 
 def _load_error(path: str, dtype: str, e: Exception) -> str:
     """One line: why vLLM could not serve the model at `path`, and what to do."""
-    first = str(e).splitlines()[0] if str(e) else e.__class__.__name__
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [e.__class__.__name__]
+    first = next((line for line in lines if "not supported" in line), lines[0])  # pydantic puts the cause 2nd
+    first = first.split(". Supported architectures")[0][:300]
     if "Unsupported CPU attention" in first:
         return (f"rollout.engine=vllm: vLLM's CPU attention cannot run the model at {path} in {dtype} ({first}); "
                 "its head size must be one the CPU kernels have (the tiny model: model.tiny_hidden_size=128, head "
