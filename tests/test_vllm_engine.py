@@ -60,6 +60,7 @@ def _trainer_logprobs(model, ids: list[int], start: int) -> torch.Tensor:
     return logprobs[0, start:]
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_greedy_tokens_agree_with_hf_on_smollm2_float32(smollm2_dir):
     """Greedy continuations of 8 Sokoban prompts (24 tokens) are the HF engine's, except after a near-tie.
@@ -79,7 +80,7 @@ def test_greedy_tokens_agree_with_hf_on_smollm2_float32(smollm2_dir):
         env = make_env("sokoban", **cfg.env.options())
         _, text = chat.start(system_message(env, cfg.env), state_message(env, 1, env.reset(seed), 10))
         prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    engine = VllmEngine(smollm2_dir, dtype="float32", kv_cache_gib=0.25)
+    engine = VllmEngine(smollm2_dir, dtype="float32", kv_cache_gib=0.5)  # 8192-token context: 0.35 GiB
     ours, _ = engine.generate(prompts, 24, 0.0, chat.stop_ids)
     agree = 0
     for prompt, got in zip(prompts, ours, strict=True):

@@ -136,6 +136,9 @@ def _load_error(path: str, dtype: str, e: Exception) -> str:
         return (f"rollout.engine=vllm: vLLM's CPU attention cannot run the model at {path} in {dtype} ({first}); "
                 "its head size must be one the CPU kernels have (the tiny model: model.tiny_hidden_size=128, head "
                 "size 32), or use rollout.engine=hf")
+    if "KV cache" in first and "max seq len" in first:
+        return (f"rollout.engine=vllm: the engine's KV cache is too small for one sequence of the model at {path} "
+                f"({first[:200]}); raise rollout.vllm_kv_cache_gib")
     if "not supported" in first or "architecture" in first.lower():
         return (f"rollout.engine=vllm: vLLM cannot run the model at {path} ({first}); use rollout.engine=hf or a "
                 "model architecture vLLM supports")
