@@ -261,6 +261,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = make_config(args.preset or DEFAULT_PRESET, args.config, args.overrides)  # fails before any work
         if cfg.checkpoint.resume:  # a resumed run starts from its saved settings, changed only where asked
             cfg = make_config(args.preset, args.config, args.overrides, base=resume_base(cfg))
+        if not launcher:
+            _print_start_warnings(cfg, args.preset or DEFAULT_PRESET, args.config, args.overrides)
         return cfg
 
     if args.nproc != 1:  # the launcher checks what it can, once, then starts the ranks
@@ -285,6 +287,16 @@ def _print_ragen_translation(overrides: list[str]) -> None:
     lines = ragen_translation(overrides)
     if lines and dist.is_main():
         print("RAGEN / verl keys translated:\n" + "\n".join(f"  {line}" for line in lines))
+
+
+def _print_start_warnings(cfg, preset: str | None, file: str | None, overrides: list[str]) -> None:
+    """One line per setting that will not do what it seems to (`rldynamics.start_notes`), before any work."""
+    from rldynamics import dist
+    from rldynamics.start_notes import start_warnings
+
+    if dist.is_main():
+        for line in start_warnings(cfg, preset, file, overrides):
+            print(line, file=sys.stderr)
 
 
 def cmd_probe(args: argparse.Namespace) -> int:

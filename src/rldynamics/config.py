@@ -386,7 +386,8 @@ def preset_names() -> list[str]:
     return sorted(p.name[: -len(".yaml")] for p in files.iterdir() if p.name.endswith(".yaml"))
 
 
-def _preset_dict(name: str) -> dict[str, Any]:
+def preset_dict(name: str) -> dict[str, Any]:
+    """The raw contents of a shipped preset (ConfigError naming the presets when there is none of that name)."""
     names = preset_names()
     if name not in names:
         raise ConfigError(f"unknown preset {name!r}; available presets: {', '.join(names)}{_suggest(name, names)}")
@@ -669,7 +670,7 @@ def make_config(preset: str | None = "sokoban-tiny", file: str | Path | None = N
     """Build a validated Config: `base` (default: the defaults), a preset, a YAML file, `key=value` overrides."""
     cfg = base or Config()
     if preset:
-        cfg = _merge(cfg, _preset_dict(preset), f"preset {preset!r}")
+        cfg = _merge(cfg, preset_dict(preset), f"preset {preset!r}")
     user: list[tuple[dict[str, Any], str]] = []
     if file:
         user.append((read_config_file(file), str(file)))
