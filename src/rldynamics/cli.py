@@ -108,6 +108,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="config overrides, e.g. analysis.env_groups=32 analysis.prefilter=true")
     probe.add_argument("--validate", action="store_true", help="run a validation before the analysis")
 
+    evaluate = sub.add_parser(
+        "eval", help="validate a checkpoint or a model (success, pass@k, reward components, response length)",
+        description="One validation (the trainer's: the fixed validation seeds, val.group_size samples each at "
+                    "val.temperature) of a checkpoint, under its run's config.yaml and logged at its step, or of a "
+                    "model (directory, cached hub id, .gguf, tiny) under a preset; printed as a table and written to "
+                    "a run directory of its own (config.yaml, metrics.jsonl). Nothing is trained.",
+        epilog="examples:\n  rldyn eval runs/my_run/checkpoints/step_100\n"
+               "  rldyn eval runs/my_run/checkpoints/step_100 val.env_groups=1024 val.group_size=4   # pass@4\n"
+               "  rldyn eval /models/Qwen2.5-0.5B-Instruct --preset gsm8k-grpo env.math.source=/data/gsm8k_test.jsonl",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    evaluate.add_argument("target", metavar="CHECKPOINT_OR_MODEL",
+                          help="runs/<run>/checkpoints/step_<N>, a model directory, a cached hub id, a .gguf or tiny")
+    evaluate.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. val.env_groups=64")
+    evaluate.add_argument("--preset", default=None,
+                          help=f"preset (default: the checkpoint's run config, or {DEFAULT_PRESET} for a model)")
+
     plot = sub.add_parser(
         "plot", help="figures of a run directory (gradient analysis per step, training curves)",
         description="Write RAGEN's gradient-analysis figures for every analysis step, the training curves and "
@@ -309,6 +326,21 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return _run_job("probe", job)
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from rldynamics.train.evaluate import eval_config, eval_run_dir, evaluate, metrics_table
+
+    def job():
+        _print_ragen_translation(args.overrides)
+        cfg, step = eval_config(args.target, args.preset, args.overrides, DEFAULT_PRESET)
+        run_dir = eval_run_dir(cfg, args.target, step)
+        metrics = evaluate(cfg, run_dir, step)
+        print(f"eval of {args.target} (step {step}, {cfg.val.env_groups} x {cfg.val.group_size} {cfg.env.name} "
+              f"validation rollouts at temperature {cfg.val.temperature:g}):\n{metrics_table(metrics, cfg.env.name)}")
+        return run_dir
+
+    return _run_job("eval", job)
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from rldynamics.plots.cli import plot_command
 
@@ -375,8 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    commands = {"train": cmd_train, "probe": cmd_probe, "sweep": cmd_sweep, "plot": cmd_plot, "report": cmd_report,
-                "envs": cmd_envs}
+    commands = {"train": cmd_train, "probe": cmd_probe, "eval": cmd_eval, "sweep": cmd_sweep, "plot": cmd_plot,
+                "report": cmd_report, "envs": cmd_envs}
     return commands[args.command](args)
 
 

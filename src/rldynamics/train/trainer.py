@@ -316,6 +316,7 @@ def validate(s: Session) -> dict[str, float]:
         except NonFiniteLogits:
             return {f"val-env/{cfg.env.name}/non_finite_logits": 1.0}
     metrics = env_metric_summary(batch, f"val-env/{cfg.env.name}", cfg.val.group_size)
+    metrics.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids, "val-reward"))
     metrics["timing_s/val"] = time.perf_counter() - start
     return metrics
 
