@@ -117,3 +117,11 @@ def test_any_prompt_data_set_without_an_env_class(fast_overrides, user_module, t
     assert read_metrics(run)[0]["val-env/prompts/success"] == 1.0  # success: trained reward >= success_threshold
     sample = json.loads((run / "samples.jsonl").read_text().splitlines()[0])
     assert "Say the number" in sample["text"]
+
+
+def test_reward_functions_leave_the_cached_warm_start_of_the_tiny_model_valid(user_module):
+    from rldynamics.train.warmstart import warm_start_key
+
+    plain = make_config("math-tiny")
+    with_funcs = make_config("math-tiny", overrides=["env.reward_funcs=[my_rewards:brevity]"])
+    assert warm_start_key("/cache/tiny/x", plain) == warm_start_key("/cache/tiny/x", with_funcs)
