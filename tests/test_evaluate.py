@@ -11,7 +11,7 @@ from rldynamics.tracking.run_dir import read_metrics
 
 
 def test_eval_of_a_checkpoint_reproduces_the_validation_its_run_logged(fast_overrides, tmp_path, capsys):
-    assert main(["train", *fast_overrides, "env.name=math", "env.max_turns=1", "log.name=run"]) == 0
+    assert main(["train", *fast_overrides, "log.name=run"]) == 0
     run = tmp_path / "runs" / "run"
     logged = read_metrics(run)[-1]
     assert logged["step"] == 2
@@ -22,12 +22,14 @@ def test_eval_of_a_checkpoint_reproduces_the_validation_its_run_logged(fast_over
     evaluated = tmp_path / "runs" / "eval_run_step_2"
     [row] = read_metrics(evaluated)
     assert row["step"] == 2  # logged at the checkpoint's step
-    for key in ("val-env/math/success", "val-env/math/pass@1", "val-env/math/reward", "val-env/math/response_length",
-                "val-reward/correctness/mean", "val-reward/format/mean", "val-reward/length/mean"):
+    for key in ("val-env/sokoban/success", "val-env/sokoban/pass@1", "val-env/sokoban/reward",
+                "val-env/sokoban/response_length", "val-reward/box/mean", "val-reward/format_penalty/mean",
+                "val-reward/format_penalty/std"):
         assert row[key] == logged[key], key  # the same validation: same seeds, same sampling stream, same weights
     config = (evaluated / "config.yaml").read_text()
-    assert str(run / "checkpoints" / "step_2" / "actor") in config and "name: math" in config  # the run's env
-    assert "success" in out and "pass@1" in out and "reward component correctness (mean)" in out
+    assert str(run / "checkpoints" / "step_2" / "actor") in config
+    assert "max_turns: 2" in config  # the run's env settings, not the preset's (5 turns)
+    assert "success" in out and "pass@1" in out and "reward component box (mean)" in out
     assert f"run directory: {evaluated}" in out
     assert not (evaluated / "checkpoints").exists()
 

@@ -116,7 +116,8 @@ def metrics_table(metrics: dict[str, float], env: str) -> str:
     head = f"val-env/{env}/"
     first = ("success", *sorted(k[len(head):] for k in metrics if k.startswith(head + "pass@")), "reward",
              "response_length")
-    rows = [(name, metrics[head + name]) for name in first if head + name in metrics]
+    rows = [(name + (" (tokens per turn)" if name == "response_length" else ""), metrics[head + name])
+            for name in first if head + name in metrics]
     rows += [(k[len(head):], v) for k, v in metrics.items() if k.startswith(head) and k[len(head):] not in first]
     rows += [(f"reward component {k.split('/')[1]} ({k.split('/')[2]})", v) for k, v in metrics.items()
              if k.startswith("val-reward/") and k.split("/")[2] in ("mean", "std")]
