@@ -20,6 +20,8 @@ def test_env_switch_names_the_preset_settings_that_still_apply():
     assert "\n" not in line and line.startswith("warning: env.name=countdown")
     assert "env.format_penalty=-1.0" in line  # the Sokoban preset's penalty still applies to Countdown
     assert "env.sokoban.*" in line and "--preset countdown-tiny" in line
+    [line] = warnings_of("sokoban-tiny", ["env.name=math"])
+    assert "none of its shared env settings apply" in line  # math grades the whole reply: no format_penalty
     [line] = warnings_of("math-tiny", ["env.name=sokoban"])
     assert "env.max_turns=1" in line and "env.max_new_tokens=40" in line and "env.math.*" in line
 

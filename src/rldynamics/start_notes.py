@@ -51,7 +51,9 @@ def preset_env_switch(preset: str | None, cfg: Config, user_env: dict[str, Any])
     old = env.get("name", EnvConfig.name)
     if old == cfg.env.name:
         return None
-    shared = [k for k in env if k != "name" and k not in ENVS and k not in user_env]
+    graded_whole = getattr(ENVS.get(cfg.env.name), "full_reply", False)  # such envs take no format_penalty
+    shared = [k for k in env if k != "name" and k not in ENVS and k not in user_env
+              and not (k == "format_penalty" and graded_whole)]
     kept = [f"env.{k}={_get(cfg.env, k)}" for k in shared if _get(cfg.env, k) is not None]
     dropped = f"env.{old}.*" if old in env else None
     made = [p for p in preset_names() if (preset_dict(p).get("env") or {}).get("name", EnvConfig.name) == cfg.env.name]
