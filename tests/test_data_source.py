@@ -54,6 +54,15 @@ def test_saved_dataset_and_csv_file(tmp_path):
         read_rows(str(jsonl), "test")
 
 
+def test_directory_of_data_files_with_splits(tmp_path):
+    (tmp_path / "set").mkdir()
+    (tmp_path / "set" / "train.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n")
+    (tmp_path / "set" / "test.jsonl").write_text(json.dumps({"question": "3+3?", "answer": "6"}) + "\n")
+    assert [(p.question, p.answer) for p in load_problems(str(tmp_path / "set"), split="test")] == [("3+3?", "6")]
+    with pytest.raises(ValueError, match="validation"):
+        load_problems(str(tmp_path / "set"), split="validation")
+
+
 def test_hub_id_not_in_the_cache_fails_at_once_without_the_network(monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError(f"a network call was attempted: {args}")

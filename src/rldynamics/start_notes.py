@@ -26,8 +26,10 @@ def actor_never_updates(cfg: Config) -> str | None:
     if cfg.analysis.only or cfg.train.steps == 0:
         return None
     if cfg.critic.warmup_steps >= cfg.train.steps:
+        what = "train only the critic" if cfg.algo.adv_estimator == "gae" else "skip the actor update (and, without a " \
+            f"critic under algo.adv_estimator={cfg.algo.adv_estimator}, train nothing)"
         return (f"critic.warmup_steps={cfg.critic.warmup_steps} >= train.steps={cfg.train.steps}: the actor is never "
-                f"updated (the first {cfg.critic.warmup_steps} steps train only the critic); set train.steps > "
+                f"updated (the first {cfg.critic.warmup_steps} steps {what}); set train.steps > "
                 f"{cfg.critic.warmup_steps} or critic.warmup_steps < {cfg.train.steps}")
     f = cfg.filter
     if f.strategy == "top_p" and f.prob_mode == "linear" and f.value == 0:

@@ -23,16 +23,13 @@ from pathlib import Path
 import torch
 
 from rldynamics import dist
-from rldynamics.config import Config, ConfigError, apply_overrides, make_config
+from rldynamics.config import Config, ConfigError, apply_overrides, load_config, make_config, save_config
 from rldynamics.models.loading import load_model_and_tokenizer
 from rldynamics.models.sharding import wrap
 from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
 from rldynamics.train.checkpoint import read_trainer_state
 from rldynamics.train.setup import Session, base_model_path, prepare, resolve_device
 from rldynamics.train.trainer import validate
-
-TRAINING_ONLY = ("checkpoint.resume",)  # keys an evaluation cannot honour
-
 
 def is_checkpoint(target: str | Path) -> bool:
     """True for a trainer checkpoint directory (`step_N` with `trainer_state.json` and `actor/`)."""
@@ -50,21 +47,15 @@ def eval_config(target: str, preset: str | None, overrides: list[str], default_p
         if preset is None and not run_config.is_file():
             raise ConfigError(f"{target}: its run's config.yaml ({run_config}) is missing, so the env and validation "
                               "it was trained with are unknown; pass --preset P (and the env keys it was trained with)")
-        base = make_config(preset) if preset else _run_config(run_config)
+        base = make_config(preset) if preset else load_config(run_config)
         model = str(checkpoint / "actor")
     else:
         base, model = make_config(preset or default_preset), target
-    cfg = apply_overrides(base, [f"model.path={model}", "val.before_train=true", "log.name=null", *overrides])
-    given = [key for key in TRAINING_ONLY if any(o.split("=", 1)[0].lstrip("+") == key for o in overrides)]
-    if given:
-        raise ConfigError(f"{given[0]} has no meaning for an evaluation; give the checkpoint itself as the argument")
+    cfg = apply_overrides(base, [f"model.path={model}", "log.name=null", *overrides])
+    if cfg.checkpoint.resume and cfg.checkpoint.resume != base.checkpoint.resume:
+        raise ConfigError("checkpoint.resume has no meaning for an evaluation; give the checkpoint as the argument "
+                          "(rldyn eval runs/<run>/checkpoints/step_<N>)")
     return apply_overrides(cfg, ["checkpoint.resume=null"]), step
-
-
-def _run_config(file: Path) -> Config:
-    from rldynamics.config import load_config
-
-    return load_config(file)
 
 
 def eval_run_dir(cfg: Config, target: str, step: int) -> Path:
@@ -94,8 +85,6 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0) -> dict[str, float]:
     metrics = validate(session)
     metrics["timing_s/eval"] = time.perf_counter() - start
     if dist.is_main():
-        from rldynamics.config import save_config
-
         with RunLock(run_dir):
             _check_new(run_dir)
             writer = RunWriter(run_dir)
