@@ -125,3 +125,26 @@ def test_reward_functions_leave_the_cached_warm_start_of_the_tiny_model_valid(us
     plain = make_config("math-tiny")
     with_funcs = make_config("math-tiny", overrides=["env.reward_funcs=[my_rewards:brevity]"])
     assert warm_start_key("/cache/tiny/x", plain) == warm_start_key("/cache/tiny/x", with_funcs)
+
+
+def test_math_file_columns_reach_the_functions_and_a_failing_row_is_named_by_its_line(fast_overrides, user_module,
+                                                                                        tmp_path, capsys):
+    rows = [{"question": f"Ava has {n} pens. How many?", "answer": f"{n}\n#### {n}", "difficulty": n % 3}
+            for n in range(2, 10)]
+    (tmp_path / "set.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "by_column.py").write_text(
+        "def hard(completions, difficulty, answer, **kw):\n"
+        "    assert all(a.split('#### ')[1] in ('2','3','4','5','6','7','8','9') for a in answer)  # raw column\n"
+        "    return [1.0 / d for d in difficulty]  # difficulty 0 raises ZeroDivisionError\n")
+    code = main(["train", "--preset", "math-tiny", *fast_overrides, "log.name=f", "analysis.enabled=false",
+                 f"env.math.source={tmp_path / 'set.jsonl'}", f"env.reward_funcs=[{tmp_path / 'by_column.py'}:hard]",
+                 "val.seed_base=0", "val.env_groups=8"])
+    assert code == 0
+    [line] = [x for x in capsys.readouterr().err.splitlines() if "reward function" in x]
+    assert f"{tmp_path / 'by_column.py'}:hard failed on line " in line and "ZeroDivisionError" in line
+    number = int(line.split("failed on line ")[1].split()[0])
+    assert rows[number - 1]["difficulty"] == 0  # the named line is one the function cannot grade
+    val = read_metrics(tmp_path / "runs" / "f")[0]
+    assert val["val-env/math/reward_func_errors"] == pytest.approx(3 / 8)  # rows with difficulty 0: n = 3, 6, 9
+    expected = sum(0.0 if r["difficulty"] == 0 else 1 / r["difficulty"] for r in rows) / 8  # validation: every row
+    assert val["val-reward/hard/mean"] == pytest.approx(expected)

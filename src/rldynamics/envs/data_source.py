@@ -147,9 +147,14 @@ def _read_csv(path: Path) -> list[tuple[str, dict]]:
 
 
 def _json_object(line: str, where: str) -> dict:
-    """The JSON object on one line; integers keep their digits as text."""
+    """The JSON object on one line; an integer past Python's 4,300-digit conversion limit keeps its digits as text."""
     try:
-        row = json.loads(line, parse_int=str)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise
+        except ValueError:  # an integer too long for int(): read every integer of the line as its digits
+            row = json.loads(line, parse_int=str)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where} is not valid JSON ({e.msg}); expected one object per line (JSONL)") from None
     except RecursionError:
