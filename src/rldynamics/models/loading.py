@@ -202,9 +202,11 @@ def _check_source(path: str) -> None:
     if not _in_hub_cache(path):
         why = _hub_unreachable()
         if why:
-            raise OSError(f"{_not_found_message(path)} It is not in the local cache ({_hub_cache()}) and {why}; "
-                          f"download it where there is network access (huggingface-cli download {path}) and copy the "
-                          "cache here, or set model.path to a local directory.")
+            looked = Path(path).expanduser().resolve()
+            raise OSError(f"cannot load model {path!r}: no local directory {str(looked)!r}, and the hub id is not in "
+                          f"the local cache ({_hub_cache()}) while {why}; download it where there is network access "
+                          f"(huggingface-cli download {path}) and copy the cache here, or use model.path=tiny for the "
+                          "embedded model, or a directory saved with save_pretrained.")
 
 
 def _in_hub_cache(repo_id: str) -> bool:
