@@ -34,8 +34,9 @@ from rldynamics.config import Config
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.tracking.files import replacing, write_file
 from rldynamics.tracking.grad_dump import GradientDumper
+from rldynamics.train.prepare import Prepared, prepare_update
 from rldynamics.train.sharded import rollout_groups
-from rldynamics.train.stages import component_advantages, filter_batch, step_seed, train_seeds
+from rldynamics.train.stages import Filtered, component_advantages, filter_batch, step_seed, train_seeds
 
 ANALYSIS_SEED_OFFSET = 500_000  # separate analysis batches use their own env seeds
 GROUP_NORM_COLUMNS = ("share", "rows", "tokens", "task", "entropy", "kl", "raw/entropy", "raw/kl", "regularizer",
@@ -59,20 +60,16 @@ def uses_separate_batch(cfg: Config) -> bool:
         a.group_size is not None and a.group_size != t.group_size)
 
 
-def run_analysis(s, step: int, batch: RolloutBatch | None, inputs: ActorInputs | None,
-                 group_std: dict[int, float] | None, kept_ratio: float, prepare) -> dict[str, float]:
-    """Analyse the training batch (or a separate one) and write the artefacts; returns the metrics.
-
-    `prepare(batch, metrics, kept_ratio) -> (inputs, values, returns)` computes log-probs and advantages for a
-    separate batch exactly as the training step does.
-    """
+def run_analysis(s, step: int, filtered: Filtered | None, prepared: Prepared | None) -> dict[str, float]:
+    """Analyse the filtered training batch, prepared for its update (or a separate batch, prepared here by the same
+    stages), and write the artefacts; returns the metrics."""
     cfg = s.cfg
     metrics: dict[str, float] = {"grad_analysis/uses_training_batch": float(not uses_separate_batch(cfg))}
     passes: list[tuple[str, RolloutBatch, ActorInputs, dict[int, float], float]] = []
     if uses_separate_batch(cfg):
-        passes = _separate_batch_passes(s, step, metrics, prepare)
-    elif batch is not None and len(batch) > 0:
-        passes = [("grad_norm", batch, inputs, group_std, kept_ratio)]
+        passes = _separate_batch_passes(s, step, metrics)
+    elif filtered is not None and len(filtered.batch) > 0:
+        passes = [("grad_norm", filtered.batch, prepared.inputs, filtered.group_std, filtered.kept_ratio)]
     rows, sketches, reward_grad, dump = [], {}, {}, {}
     for prefix, b, inp, stds, kept in passes:
         result = probe(s, b, inp, stds, prefix, kept)
@@ -126,7 +123,7 @@ def probe(s, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, floa
                           shared_prefix=cfg.train.shared_prefix, memory_chunks=cfg.analysis.memory_chunks)
 
 
-def _separate_batch_passes(s, step: int, metrics: dict[str, float], prepare) -> list:
+def _separate_batch_passes(s, step: int, metrics: dict[str, float]) -> list:
     """Roll out, filter and prepare the separate analysis batch (and its unfiltered copy if asked)."""
     cfg = s.cfg
     groups = cfg.analysis.env_groups or cfg.train.env_groups
@@ -138,17 +135,15 @@ def _separate_batch_passes(s, step: int, metrics: dict[str, float], prepare) -> 
                              cfg.train.temperature, step_seed(cfg.seed, k, stream=3))
     metrics.update({"grad_analysis/source_env_groups": float(groups), "grad_analysis/source_group_size": float(size),
                     "grad_analysis/source_batch_size": float(len(raw))})
-    kept, filter_m, stds = filter_batch(raw, cfg.filter)
-    metrics.update({k.replace("rollout/", "grad_analysis/"): v for k, v in filter_m.items()})
-    metrics["grad_analysis/empty_after_filter"] = float(len(kept) == 0)
+    filtered = filter_batch(raw, cfg.filter, prefix="grad_analysis")
+    metrics.update(filtered.metrics)
+    metrics["grad_analysis/empty_after_filter"] = float(len(filtered.batch) == 0)
     passes = []
     if cfg.analysis.prefilter:
-        inputs, _, _ = prepare(raw, {}, 1.0)
-        passes.append(("grad_norm_prefilter", raw, inputs, stds, 1.0))
-    if len(kept) > 0:
-        kept_ratio = filter_m["rollout/filter_kept_ratio"]
-        inputs, _, _ = prepare(kept, {}, kept_ratio)
-        passes.append(("grad_norm", kept, inputs, stds, kept_ratio))
+        passes.append(("grad_norm_prefilter", raw, prepare_update(s, raw, 1.0).inputs, filtered.group_std, 1.0))
+    if len(filtered.batch) > 0:
+        inputs = prepare_update(s, filtered.batch, filtered.kept_ratio).inputs
+        passes.append(("grad_norm", filtered.batch, inputs, filtered.group_std, filtered.kept_ratio))
     return passes
 
 

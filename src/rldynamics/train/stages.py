@@ -3,7 +3,8 @@
 - `train_seeds` / `val_seeds`: which env seeds a rollout uses (RAGEN's seeding: step s uses
   seed_base + env_groups*(s-1) + g; validation always the same puzzles); `seed_step`: which step's seeds
   a step uses (its own, except in probe mode).
-- `filter_batch`: score groups, keep whole groups (rldynamics.algo.filter), return the kept batch.
+- `filter_batch`: score groups, keep whole groups (rldynamics.algo.filter); returns a `Filtered`: the kept batch
+  with the values later stages decide on (group reward stds, their mean, the kept ratio) and its metrics.
 - `advantages_and_returns`: dispatch to the estimator of `algo.adv_estimator`.
 - `data_metrics`: verl-style `critic/score/*`, `critic/advantages/*`, `response_length/*` summaries, and with a
   critic `critic/vf_explained_var` with its two terms (`critic/returns/var`, `critic/vf_residual_var`).
@@ -11,10 +12,14 @@
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import torch
 
 from rldynamics.algo.advantages import gae_advantages, grpo_advantages, reinforce_pp_advantages, rloo_advantages
-from rldynamics.algo.filter import filter_metrics, group_scores, group_stats, select_groups
+from rldynamics.algo.filter import filter_metrics, group_scores, group_stats, kept_ratio, mean_or_zero, select_groups
 from rldynamics.algo.losses import masked_mean
 from rldynamics.config import AlgoConfig, FilterConfig
 from rldynamics.rollout.batch import RolloutBatch
@@ -46,8 +51,27 @@ def step_seed(seed: int, step: int, stream: int = 0) -> int:
     return (seed * 1_000_003 + step * 7919 + stream * 104_729) % (2**63 - 1)
 
 
-def filter_batch(batch: RolloutBatch, cfg: FilterConfig) -> tuple[RolloutBatch, dict[str, float], dict[int, float]]:
-    """Keep whole groups by `cfg`; returns (kept batch, filter metrics, reward std of every group id).
+@contextmanager
+def timed(metrics: dict[str, float], name: str):
+    """Add the wall time of the block to `metrics["timing_s/<name>"]`."""
+    start = time.perf_counter()
+    yield
+    metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
+
+
+@dataclass
+class Filtered:
+    """A rollout after the filter: the kept batch and the values the later stages decide on."""
+
+    batch: RolloutBatch  # the kept groups, whole
+    group_std: dict[int, float]  # reward std of every group id, kept or not (the analysis buckets)
+    reward_std: float  # mean group reward std before filtering (early stopping's reward-variance rule)
+    kept_ratio: float  # kept groups / all groups (the advantages' loss scaling)
+    metrics: dict[str, float]  # the filter's `<prefix>/...` metrics
+
+
+def filter_batch(batch: RolloutBatch, cfg: FilterConfig, prefix: str = "rollout") -> Filtered:
+    """Keep whole groups by `cfg`; its metrics are named under `prefix`.
 
     The group reward std is always computed (it drives the analysis buckets and early stopping),
     even when the strategy is `none`.
@@ -61,10 +85,11 @@ def filter_batch(batch: RolloutBatch, cfg: FilterConfig) -> tuple[RolloutBatch, 
         scores = group_scores(rewards, cfg.metric)  # [G]
         kept = select_groups(scores, strategy=cfg.strategy, value=cfg.value, keep=cfg.keep,
                              prob_mode=cfg.prob_mode, include_zero=cfg.include_zero)  # [K]
-    metrics = filter_metrics(rewards, kept, scores)
     kept_ids = {group_ids[i] for i in kept.tolist()}
     rows = [i for i, g in enumerate(batch.group_ids.tolist()) if g in kept_ids]
-    return batch.select(rows), metrics, dict(zip(group_ids, stats["std"].tolist(), strict=True))
+    return Filtered(batch=batch.select(rows), group_std=dict(zip(group_ids, stats["std"].tolist(), strict=True)),
+                    reward_std=mean_or_zero(stats["std"].detach().cpu()), kept_ratio=kept_ratio(kept, len(group_ids)),
+                    metrics=filter_metrics(rewards, kept, scores, prefix))
 
 
 def advantages_and_returns(batch: RolloutBatch, values: torch.Tensor | None,
