@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from rldynamics.metric_names import ROLLOUT, filter_metric
+
 STRATEGIES: tuple[str, ...] = ("top_p", "top_k", "top_k_abs", "min_p")
 KEEP_MODES: tuple[str, ...] = ("largest", "smallest")
 PROB_MODES: tuple[str, ...] = ("linear", "softmax")
@@ -194,7 +196,7 @@ def kept_ratio(kept: torch.Tensor, num_groups: int) -> float:
 
 
 def filter_metrics(group_values: torch.Tensor, kept: torch.Tensor, scores: torch.Tensor,
-                   prefix: str = "rollout") -> dict[str, float]:
+                   prefix: str = ROLLOUT) -> dict[str, float]:
     """Metrics describing one filtering decision (RAGEN ``rollout/*`` names, ``ragen_behaviour.md`` §2.7).
 
     Args:
@@ -214,17 +216,17 @@ def filter_metrics(group_values: torch.Tensor, kept: torch.Tensor, scores: torch
         raise ValueError(f"scores must be [G] = {tuple(group_values.shape[:1])}, got {tuple(scores.shape)}")
     stats = group_stats(group_values)  # each [G]
     kept = kept.long().cpu()  # [K]
-    metrics: dict[str, float] = {}
+    values: dict[str, float] = {}
     for name, per_group in stats.items():
-        metrics[f"{prefix}/in_group_reward_{name}"] = mean_or_zero(per_group.detach().cpu())
-        metrics[f"{prefix}/chosen_in_group_reward_{name}"] = mean_or_zero(per_group.detach().cpu()[kept])
+        values[f"in_group_reward_{name}"] = mean_or_zero(per_group.detach().cpu())
+        values[f"chosen_in_group_reward_{name}"] = mean_or_zero(per_group.detach().cpu()[kept])
     for name in ("std", "max", "mean"):
-        metrics[f"{prefix}/in_group_{name}"] = metrics[f"{prefix}/in_group_reward_{name}"]
-        metrics[f"{prefix}/chosen_in_group_{name}"] = metrics[f"{prefix}/chosen_in_group_reward_{name}"]
-    metrics[f"{prefix}/filter_kept_count"] = float(kept.numel())
-    metrics[f"{prefix}/filter_kept_ratio"] = kept_ratio(kept, group_values.shape[0])
-    metrics[f"{prefix}/filter_zero_count"] = float((scores.abs() <= _ZERO_TOL).sum())
-    return metrics
+        values[f"in_group_{name}"] = values[f"in_group_reward_{name}"]
+        values[f"chosen_in_group_{name}"] = values[f"chosen_in_group_reward_{name}"]
+    values["filter_kept_count"] = float(kept.numel())
+    values["filter_kept_ratio"] = kept_ratio(kept, group_values.shape[0])
+    values["filter_zero_count"] = float((scores.abs() <= _ZERO_TOL).sum())
+    return {filter_metric(prefix, name): v for name, v in values.items()}
 
 
 def loss_scale(kept_ratio: float, mode: str) -> float:

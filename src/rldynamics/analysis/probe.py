@@ -70,13 +70,13 @@ from rldynamics import dist
 from rldynamics.algo.losses import term_coefs
 from rldynamics.algo.shares import sub_batch_share
 from rldynamics.analysis import bootstrap
-from rldynamics.analysis.bucket_names import bucket_name
 from rldynamics.analysis.buckets import assign_buckets
 from rldynamics.analysis.gram import cosine, gram, group_gram, local_slices, norm
 from rldynamics.analysis.objective import ActorInputs, actor_terms, coefs
 from rldynamics.analysis.reward_grad import layer_groups, reward_grad_metrics
 from rldynamics.analysis.sketch import GradientSketcher
 from rldynamics.config import AlgoConfig
+from rldynamics.metric_names import GRAD_NORM, actor, actor_grad_norm, bucket_metric, bucket_name, reward_grad_prefix
 from rldynamics.models.sharding import grad_spans, is_sharded, local_flat_grad, replica_shard
 from rldynamics.rollout.batch import RolloutBatch
 
@@ -112,7 +112,7 @@ class ProbeResult:
 
 def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, float], *,
                    algo: AlgoConfig, micro_batch_size: int, temperature: float, num_buckets: int = 6,
-                   bucket_mode: str = "quantile", prefix: str = "grad_norm", sketch_dim: int = 1024,
+                   bucket_mode: str = "quantile", prefix: str = GRAD_NORM, sketch_dim: int = 1024,
                    sketch_seed: int = 0, keep_gradients: bool = False,
                    component_advantages: dict[str, torch.Tensor] | None = None,
                    component_weights: dict[str, float] | None = None,
@@ -356,11 +356,12 @@ def _results(sums: dict[str, _Sums], named: list[tuple[str, list[int]]], bucket_
                                 for key, v in s.sketches.items()})
         result.gradients.update(s.gradients)
     for bucket, values in {"all": all_metrics, **per_bucket}.items():
-        result.metrics.update({f"{prefix}/{bucket}/{key}": v for key, v in values.items()})
-    rg_prefix = prefix.replace("grad_norm", "reward_grad")
+        result.metrics.update({bucket_metric(prefix, bucket, key): v for key, v in values.items()})
+    rg_prefix = reward_grad_prefix(prefix)
     for bucket in ("all", *per_bucket):
-        result.metrics.update({f"{rg_prefix}/{bucket}/{key}": v for key, v in per_bucket_rg.get(bucket, {}).items()})
-    if prefix == "grad_norm":
+        result.metrics.update({bucket_metric(rg_prefix, bucket, key): v
+                               for key, v in per_bucket_rg.get(bucket, {}).items()})
+    if prefix == GRAD_NORM:
         result.metrics.update(_actor_mirror(all_metrics))
     return result
 
@@ -587,8 +588,8 @@ def _reward_grad(result: ProbeResult, metrics: dict[str, dict[str, float]], buck
 def _actor_mirror(all_metrics: dict[str, float]) -> dict[str, float]:
     """RAGEN's root copies of the ``all`` bucket: ``actor/grad_norm/*`` and ``actor/loss/*``."""
     keys = [k for k in ("task", "entropy", "kl") if k in all_metrics]
-    out = {f"actor/grad_norm/{k}": all_metrics[k] for k in keys}
-    out.update({f"actor/{k}": v for k, v in all_metrics.items() if k.startswith("loss/")})
+    out = {actor_grad_norm(k): all_metrics[k] for k in keys}
+    out.update({actor(k): v for k, v in all_metrics.items() if k.startswith("loss/")})
     return out
 
 

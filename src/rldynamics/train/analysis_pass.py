@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from safetensors.torch import save
 
+from rldynamics import metric_names as names
 from rldynamics.algo.filter import loss_scale
 from rldynamics.analysis.objective import ActorInputs
 from rldynamics.analysis.probe import ProbeResult, gradient_probe
@@ -64,12 +65,12 @@ def run_analysis(s, step: int, filtered: Filtered | None, prepared: Prepared | N
     """Analyse the filtered training batch, prepared for its update (or a separate batch, prepared here by the same
     stages), and write the artefacts; returns the metrics."""
     cfg = s.cfg
-    metrics: dict[str, float] = {"grad_analysis/uses_training_batch": float(not uses_separate_batch(cfg))}
+    metrics: dict[str, float] = {_own("uses_training_batch"): float(not uses_separate_batch(cfg))}
     passes: list[tuple[str, RolloutBatch, ActorInputs, dict[int, float], float]] = []
     if uses_separate_batch(cfg):
         passes = _separate_batch_passes(s, step, metrics)
     elif filtered is not None and len(filtered.batch) > 0:
-        passes = [("grad_norm", filtered.batch, prepared.inputs, filtered.group_std, filtered.kept_ratio)]
+        passes = [(names.GRAD_NORM, filtered.batch, prepared.inputs, filtered.group_std, filtered.kept_ratio)]
     rows, sketches, reward_grad, dump = [], {}, {}, {}
     for prefix, b, inp, stds, kept in passes:
         result = probe(s, b, inp, stds, prefix, kept)
@@ -133,18 +134,23 @@ def _separate_batch_passes(s, step: int, metrics: dict[str, float]) -> list:
         raw = rollout_groups(cfg, s.model, s.tokenizer,
                              train_seeds(cfg.train.seed_base + ANALYSIS_SEED_OFFSET, groups, k), size,
                              cfg.train.temperature, step_seed(cfg.seed, k, stream=3))
-    metrics.update({"grad_analysis/source_env_groups": float(groups), "grad_analysis/source_group_size": float(size),
-                    "grad_analysis/source_batch_size": float(len(raw))})
-    filtered = filter_batch(raw, cfg.filter, prefix="grad_analysis")
+    metrics.update({_own("source_env_groups"): float(groups), _own("source_group_size"): float(size),
+                    _own("source_batch_size"): float(len(raw))})
+    filtered = filter_batch(raw, cfg.filter, prefix=names.GRAD_ANALYSIS)
     metrics.update(filtered.metrics)
-    metrics["grad_analysis/empty_after_filter"] = float(len(filtered.batch) == 0)
+    metrics[_own("empty_after_filter")] = float(len(filtered.batch) == 0)
     passes = []
     if cfg.analysis.prefilter:
-        passes.append(("grad_norm_prefilter", raw, prepare_update(s, raw, 1.0).inputs, filtered.group_std, 1.0))
+        passes.append((names.GRAD_NORM_PREFILTER, raw, prepare_update(s, raw, 1.0).inputs, filtered.group_std, 1.0))
     if len(filtered.batch) > 0:
         inputs = prepare_update(s, filtered.batch, filtered.kept_ratio).inputs
-        passes.append(("grad_norm", filtered.batch, inputs, filtered.group_std, filtered.kept_ratio))
+        passes.append((names.GRAD_NORM, filtered.batch, inputs, filtered.group_std, filtered.kept_ratio))
     return passes
+
+
+def _own(metric: str) -> str:
+    """A metric of the analysis's own bookkeeping: `grad_analysis/<metric>`."""
+    return names.filter_metric(names.GRAD_ANALYSIS, metric)
 
 
 def write_artefacts(out_dir: Path, metrics: dict[str, float], groups: list[tuple], sketches: dict,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rldynamics import metric_names as names
 from rldynamics.algo.filter import loss_scale
 from rldynamics.algo.losses import aggregate, masked_mean
 from rldynamics.analysis.objective import ActorInputs
@@ -46,7 +47,7 @@ def prepare_update(s: Session, batch: RolloutBatch, kept_ratio: float, *, old_pa
         with timed(m, "old_log_prob"):
             inputs.old_logprobs, token_entropy = _logprob_pass(cfg, s.model, batch, with_entropy=True)  # [N, L] each
         entropy = aggregate(token_entropy, batch.response_mask, cfg.algo.loss_agg_mode).item()
-        m["actor/entropy"] = entropy
+        m[names.ENTROPY] = entropy
     if s.ref_model is not None:
         with timed(m, "ref"):
             inputs.ref_logprobs, = _logprob_pass(cfg, s.ref_model, batch, with_entropy=False)  # [N, L]

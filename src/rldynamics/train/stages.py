@@ -22,6 +22,7 @@ from rldynamics.algo.advantages import gae_advantages, grpo_advantages, reinforc
 from rldynamics.algo.filter import filter_metrics, group_scores, group_stats, kept_ratio, mean_or_zero, select_groups
 from rldynamics.algo.losses import masked_mean
 from rldynamics.config import AlgoConfig, FilterConfig
+from rldynamics.metric_names import ROLLOUT, timing
 from rldynamics.rollout.batch import RolloutBatch
 
 
@@ -56,7 +57,7 @@ def timed(metrics: dict[str, float], name: str):
     """Add the wall time of the block to `metrics["timing_s/<name>"]`."""
     start = time.perf_counter()
     yield
-    metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
+    metrics[timing(name)] = metrics.get(timing(name), 0.0) + time.perf_counter() - start
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Filtered:
     metrics: dict[str, float]  # the filter's `<prefix>/...` metrics
 
 
-def filter_batch(batch: RolloutBatch, cfg: FilterConfig, prefix: str = "rollout") -> Filtered:
+def filter_batch(batch: RolloutBatch, cfg: FilterConfig, prefix: str = ROLLOUT) -> Filtered:
     """Keep whole groups by `cfg`; its metrics are named under `prefix`.
 
     The group reward std is always computed (it drives the analysis buckets and early stopping),

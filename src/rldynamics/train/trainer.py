@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from rldynamics import dist
+from rldynamics import metric_names as names
 from rldynamics.config import Config
 from rldynamics.models.sharding import all_finite
 from rldynamics.rollout.agent import env_metric_summary
@@ -110,7 +111,7 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
             try:
                 metrics, stop = train_step(s, step, stopper)
             except NonFiniteLogits:
-                metrics, stop = {"rollout/non_finite_logits": 1.0}, NON_FINITE_LOGITS
+                metrics, stop = {names.filter_metric(names.ROLLOUT, NON_FINITE_LOGITS): 1.0}, NON_FINITE_LOGITS
             if stop == EXITED:
                 s.log(step, metrics)
                 console.print(f"[yellow]exited after the gradient analysis of step {step}")
@@ -121,8 +122,8 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
                 if val.success is not None:
                     stop = stopper.after_validation(val.success)
             if stop is not None:
-                metrics[f"early_stopped/{stop}"] = 1.0
-            metrics["timing_s/step"] = time.perf_counter() - t0
+                metrics[names.early_stopped(stop)] = 1.0
+            metrics[names.STEP_TIME] = time.perf_counter() - t0
             s.log(step, metrics)  # before the checkpoint: a resumed run never lacks this row
             crash_point("logged", step)
             if stop not in (NON_FINITE_LOGITS, NON_FINITE_PARAMETERS) and _checkpoint_due(cfg, step, stop is not None):
@@ -168,7 +169,7 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
         batch = rollout_groups(cfg, s.model, s.tokenizer,
                                train_seeds(cfg.train.seed_base, cfg.train.env_groups, s.seed_step(step)),
                                cfg.train.group_size, cfg.train.temperature, step_seed(cfg.seed, s.seed_step(step)))
-    m.update(env_metric_summary(batch, f"train/{cfg.env.name}", cfg.train.group_size))
+    m.update(env_metric_summary(batch, names.env_prefix(cfg.env.name), cfg.train.group_size))
     m.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids))
     rows = reward_rows(batch, step, s.tokenizer)
     if s.main:
@@ -181,8 +182,8 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     batch = filtered.batch
     m.update(filtered.metrics)
     stop = stopper.after_rollout(filtered.reward_std, empty=len(batch) == 0)
-    m["rollout/empty_after_filter"] = float(len(batch) == 0)
-    m["rollout/consecutive_empty_after_filter_steps"] = float(stopper.empty)
+    m[names.filter_metric(names.ROLLOUT, "empty_after_filter")] = float(len(batch) == 0)
+    m[names.filter_metric(names.ROLLOUT, "consecutive_empty_after_filter_steps")] = float(stopper.empty)
     if len(batch) == 0:
         return m, _analyse(s, step, m, None, None) or stop
     if stop is not None:
@@ -211,9 +212,9 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
                                   torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1)))
         m.update(update.metrics)
         if prepared.entropy is None:  # one step on the rollout policy: its entropy is the update's
-            m["actor/entropy"] = update.entropy
+            m[names.ENTROPY] = update.entropy
         if not all_finite(s.model, s.critic):  # an optimizer step overflowed: nothing left to train or save
-            m["actor/non_finite_parameters"] = 1.0
+            m[names.actor(NON_FINITE_PARAMETERS)] = 1.0
             return m, NON_FINITE_PARAMETERS
     return m, None
 
@@ -221,7 +222,7 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
 def _analyse(s: Session, step: int, m: dict, filtered: Filtered | None, prepared: Prepared | None) -> str | None:
     """Run the gradient analysis when due; returns EXITED when the run should end right after it."""
     cfg = s.cfg
-    m["trainer/gradient_analysis_only"] = float(cfg.analysis.only)
+    m[names.GRADIENT_ANALYSIS_ONLY] = float(cfg.analysis.only)
     if not analysis_due(cfg, step):
         return None
     s.console.phase("analysis")
@@ -229,7 +230,7 @@ def _analyse(s: Session, step: int, m: dict, filtered: Filtered | None, prepared
         m.update(run_analysis(s, step, filtered, prepared))
     crash_point("analysis", step)
     if cfg.analysis.exit_after:
-        m["trainer/exited_after_gradient_analysis"] = 1.0
+        m[names.EXITED_AFTER_ANALYSIS] = 1.0
         return EXITED
     return None
 
@@ -265,8 +266,8 @@ def validate(s: Session) -> Validation:
             batch = rollout_groups(cfg, s.model, s.tokenizer, val_seeds(cfg.val.seed_base, cfg.val.env_groups),
                                    cfg.val.group_size, cfg.val.temperature, step_seed(cfg.seed, 0, stream=2))
         except NonFiniteLogits:
-            return Validation(None, {f"val-env/{cfg.env.name}/non_finite_logits": 1.0})
-    metrics = env_metric_summary(batch, f"val-env/{cfg.env.name}", cfg.val.group_size)
-    metrics["timing_s/val"] = time.perf_counter() - start
+            return Validation(None, {f"{names.env_prefix(cfg.env.name, validation=True)}/{NON_FINITE_LOGITS}": 1.0})
+    metrics = env_metric_summary(batch, names.env_prefix(cfg.env.name, validation=True), cfg.val.group_size)
+    metrics[names.VAL_TIME] = time.perf_counter() - start
     success = sum(m["success"] for m in batch.env_metrics) / len(batch) if batch.env_metrics else None
     return Validation(success, metrics)
