@@ -75,7 +75,7 @@ def test_exit_after_stops_before_any_update(fast_overrides):
 
 def test_separate_batch_with_prefilter(fast_overrides):
     run = train(make_config(overrides=[*fast_overrides, "log.name=sep", *ANALYSIS, "analysis.env_groups=3",
-                                       "analysis.group_size=2", "analysis.prefilter=true", "analysis.only=true",
+                                       "analysis.group_size=2", "analysis.prefilter=true", "analysis.exit_after=true",
                                        "train.steps=1", "filter.strategy=top_k_abs", "filter.value=1",
                                        "analysis.per_group=true", "analysis.bootstrap_resamples=50"]))
     row = read_metrics(run)[-1]
@@ -83,7 +83,7 @@ def test_separate_batch_with_prefilter(fast_overrides):
     assert row["grad_analysis/source_batch_size"] == 6.0
     assert row["grad_analysis/filter_kept_count"] == 1.0
     assert row["grad_norm_prefilter/all/sample_count"] == 6.0 and row["grad_norm/all/sample_count"] == 2.0
-    assert "actor/pg_loss" not in row and "critic/vf_loss" not in row  # probe mode updates nothing
+    assert "actor/pg_loss" not in row and "critic/vf_loss" not in row  # the analysis comes before any update
     metrics = json.loads((run / "analysis" / "step_1" / "metrics.json").read_text())
     assert metrics["grad_norm/all/task"] == row["grad_norm/all/task"]
     # per group: every analysed group's own norms in groups.csv, and intervals for the 3-group bucket

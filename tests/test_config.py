@@ -66,6 +66,20 @@ def test_save_load_roundtrip(tmp_path):
     assert load_config(tmp_path / "config.yaml") == cfg
 
 
+def test_an_old_config_yaml_with_retired_keys_still_loads(tmp_path, capsys):
+    """A run's config.yaml written before probe mode became its own command holds `analysis.only: false`: it loads
+    with a one-line note; `analysis.only=true` (probe mode through training) is refused, naming the command."""
+    cfg = make_config(overrides=["seed=7"])
+    save_config(cfg, tmp_path / "config.yaml")
+    text = (tmp_path / "config.yaml").read_text()
+    (tmp_path / "config.yaml").write_text(text.replace("  exit_after: false\n", "  exit_after: false\n  only: false\n"))
+    assert "only: false" in (tmp_path / "config.yaml").read_text()
+    assert load_config(tmp_path / "config.yaml") == cfg
+    assert "note: analysis.only" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="rldyn probe"):
+        make_config(overrides=["analysis.only=true"])
+
+
 def test_parse_overrides_nests_and_keeps_the_typed_text():
     assert parse_overrides(["a.b=1", "a.c=x", "d=true"]) == {"a": {"b": "1", "c": "x"}, "d": "true"}
 

@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 import math
 import re
+import sys
 import typing
 import unicodedata
 from dataclasses import dataclass, field
@@ -251,8 +252,6 @@ class AnalysisConfig:
     """Separate analysis batch: group size (null = training group size)."""
     exit_after: bool = False
     """End the run right after the first analysis (no update, no checkpoint)."""
-    only: bool = False
-    """Probe mode: never update critic or actor."""
     prefilter: bool = False
     """Also analyse the separate analysis batch before filtering."""
     reward_grad: bool = False
@@ -371,6 +370,10 @@ RANGES: dict[str, tuple[float, bool, float | None]] = {
     **dict.fromkeys(("model.warm_start_noise", "algo.clip_low", "algo.cispo_clip_low", "algo.gamma", "algo.lam",
                      "early_stop.val_success_threshold"), (0, True, 1)),
     "algo.clip_c": (1, False, None),
+}
+# Keys that are no longer settings, with what replaced them: an old config.yaml (a run's, a checkpoint's) still loads.
+RETIRED: dict[str, str] = {
+    "analysis.only": "probe mode is its own command, `rldyn probe <checkpoint>`",
 }
 DEVICE = re.compile(r"auto|cpu|mps|cuda(:[0-9]+)?")
 MAX_INT = 2**63 - 1  # seeds and sizes end up in torch / numpy int64
@@ -520,6 +523,9 @@ def _merge(base: Any, data: Any, source: str, prefix: str = "") -> Any:
     changes = {}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
+        if dotted in RETIRED:
+            _retire(dotted, value, source)
+            continue
         if key not in known:
             raise ConfigError(f"unknown config key {dotted!r} in {source}{_suggest(dotted, all_keys())}")
         current = getattr(base, key)
@@ -531,6 +537,15 @@ def _merge(base: Any, data: Any, source: str, prefix: str = "") -> Any:
         else:
             changes[key] = _convert(value, hints[key], dotted, source, current)
     return dataclasses.replace(base, **changes)
+
+
+def _retire(key: str, value: Any, source: str) -> None:
+    """A `RETIRED` key: ignored with a one-line note, except where ignoring it would do something else than asked
+    (`analysis.only=true` would train instead of probing)."""
+    if key == "analysis.only" and _BOOL.get(str(value).strip().lower()):
+        raise ConfigError(f"analysis.only=true in {source}: {RETIRED[key]}, which writes its own run directory; "
+                          "drop the key")
+    print(f"note: {key} in {source} is no longer a setting ({RETIRED[key]}); ignored", file=sys.stderr)
 
 
 def _at(prefix: str) -> str:

@@ -2,9 +2,9 @@
 
 - Cadence: analysis runs at steps 1, 1+every, 1+2*every, ... after the critic update and before the actor
   update, on the filtered training batch, or, when `analysis.env_groups` / `analysis.group_size` are set,
-  on a separate batch drawn with its own env seeds (seed_base + 500000 + groups*(k-1) + g at step k; in
-  probe mode k counts the probe's steps, so every probe draws the same puzzles) and sampling seed (inside a
-  forked RNG, so training is unaffected) and filtered with the same filter settings.
+  on a separate batch drawn with its own env seeds (seed_base + 500000 + groups*(k-1) + g at step k; a probe
+  draws those of step 1 whatever the checkpoint's step, so every probe draws the same puzzles) and sampling seed
+  (inside a forked RNG, so training is unaffected) and filtered with the same filter settings.
 - `analysis.prefilter` also analyses that separate batch before filtering (prefix `grad_norm_prefilter`).
 - `analysis.reward_grad` also differentiates the task loss with each named reward component's own advantages
   (`train.stages.component_advantages`, scaled like the trained advantages by the filter's loss scaling) and
@@ -61,14 +61,15 @@ def uses_separate_batch(cfg: Config) -> bool:
         a.group_size is not None and a.group_size != t.group_size)
 
 
-def run_analysis(s, step: int, filtered: Filtered | None, prepared: Prepared | None) -> dict[str, float]:
-    """Analyse the filtered training batch, prepared for its update (or a separate batch, prepared here by the same
-    stages), and write the artefacts; returns the metrics."""
+def run_analysis(s, step: int, filtered: Filtered | None, prepared: Prepared | None,
+                 seed_step: int) -> dict[str, float]:
+    """Analyse the filtered training batch, prepared for its update (or a separate batch drawn with the seeds of step
+    `seed_step` and prepared here by the same stages), and write the artefacts of `step`; returns the metrics."""
     cfg = s.cfg
     metrics: dict[str, float] = {_own("uses_training_batch"): float(not uses_separate_batch(cfg))}
     passes: list[tuple[str, RolloutBatch, ActorInputs, dict[int, float], float]] = []
     if uses_separate_batch(cfg):
-        passes = _separate_batch_passes(s, step, metrics)
+        passes = _separate_batch_passes(s, seed_step, metrics)
     elif filtered is not None and len(filtered.batch) > 0:
         passes = [(names.GRAD_NORM, filtered.batch, prepared.inputs, filtered.group_std, filtered.kept_ratio)]
     rows, sketches, reward_grad, dump = [], {}, {}, {}
@@ -124,12 +125,11 @@ def probe(s, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, floa
                           shared_prefix=cfg.train.shared_prefix, memory_chunks=cfg.analysis.memory_chunks)
 
 
-def _separate_batch_passes(s, step: int, metrics: dict[str, float]) -> list:
+def _separate_batch_passes(s, k: int, metrics: dict[str, float]) -> list:
     """Roll out, filter and prepare the separate analysis batch (and its unfiltered copy if asked)."""
     cfg = s.cfg
     groups = cfg.analysis.env_groups or cfg.train.env_groups
     size = cfg.analysis.group_size or cfg.train.group_size
-    k = s.seed_step(step)
     with torch.random.fork_rng(devices=[]):
         raw = rollout_groups(cfg, s.model, s.tokenizer,
                              train_seeds(cfg.train.seed_base + ANALYSIS_SEED_OFFSET, groups, k), size,

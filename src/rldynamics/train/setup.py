@@ -60,7 +60,6 @@ from rldynamics.train.checkpoint import (
     remove_stale,
     verify_checkpoint,
 )
-from rldynamics.train.stages import seed_step
 from rldynamics.train.warmstart import ensure_warm_start, tiny_corpus
 
 
@@ -78,7 +77,6 @@ class Session:
     critic: torch.nn.Module | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
     console: StepConsole | None = None
-    first_step: int = 1
     dumper: GradientDumper | None = None  # analysis.dump_gradients: started by the first dump
     main: bool = True  # rank 0 (or one process): the one that writes the run directory
 
@@ -86,10 +84,6 @@ class Session:
         """Append the metrics row of `step` (rank 0 only)."""
         if self.main:
             self.writer.log(step, metrics)
-
-    def seed_step(self, step: int) -> int:
-        """The step whose env seeds and sampling seed `step` uses (`stages.seed_step`)."""
-        return seed_step(step, self.first_step, self.cfg.analysis.only)
 
 
 @dataclass
@@ -197,9 +191,6 @@ def check_world(cfg: Config, ranks: int | None = None) -> None:
 def resolve_run_dir(cfg: Config) -> Path:
     """The run directory: `log.run_dir/log.name` (a new name when unset), or the run of a resumed checkpoint."""
     resume = cfg.checkpoint.resume
-    if resume and cfg.analysis.only:
-        raise ValueError("analysis.only=true with checkpoint.resume would log into the checkpointed run itself; use "
-                         "`rldyn probe <checkpoint>`, which writes its own run directory")
     if resume and resume != "latest":
         return Path(resume).resolve().parent.parent
     if resume == "latest" and not cfg.log.name:

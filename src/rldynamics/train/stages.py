@@ -1,8 +1,7 @@
 """The stages of a training step that sit between rollout and update, each a function of plain inputs.
 
 - `train_seeds` / `val_seeds`: which env seeds a rollout uses (RAGEN's seeding: step s uses
-  seed_base + env_groups*(s-1) + g; validation always the same puzzles); `seed_step`: which step's seeds
-  a step uses (its own, except in probe mode).
+  seed_base + env_groups*(s-1) + g; validation always the same puzzles).
 - `filter_batch`: score groups, keep whole groups (rldynamics.algo.filter); returns a `Filtered`: the kept batch
   with the values later stages decide on (group reward stds, their mean, the kept ratio) and its metrics.
 - `advantages_and_returns`: dispatch to the estimator of `algo.adv_estimator`.
@@ -29,17 +28,6 @@ from rldynamics.rollout.batch import RolloutBatch
 def train_seeds(seed_base: int, env_groups: int, step: int) -> list[int]:
     """Env seeds of the groups of training step `step` (1-based)."""
     return [seed_base + env_groups * (step - 1) + g for g in range(env_groups)]
-
-
-def seed_step(step: int, first_step: int, probe: bool) -> int:
-    """The step whose env seeds and sampling seed step `step` uses.
-
-    Training: its own, so a resumed run replays exactly the steps an uninterrupted one takes. Probe mode
-    (`analysis.only`): the k-th step of the run uses those of step k, whatever step it is logged at, so probes
-    of different checkpoints analyse the same puzzles with the same sampling seeds (RAGEN's probe restarts its
-    seed counter at the base seed in the same way).
-    """
-    return step - first_step + 1 if probe else step
 
 
 def val_seeds(seed_base: int, env_groups: int) -> list[int]:

@@ -21,16 +21,15 @@ groups, the no-grad passes, the updates and the analysis by rows; rank 0 alone w
 console and the checkpoints. With `train.row_seeded_sampling` a run gives the same batches, metrics and weights
 (within float reduction order) on any number of ranks.
 
-Probe mode (`analysis.only`, what `rldyn probe` runs): nothing is updated, early stopping is off, no
-checkpoint is written, a run resumed from a checkpoint keeps the checkpoint's step number (RAGEN's
-probe), and its k-th step draws the env seeds and sampling seed of step k (`stages.seed_step`), so probes
-of different checkpoints analyse the same puzzles.
+The stages of a step (`roll_out`, `record_filter`, `prepare`, `analyse`) are functions of the session that
+`rldyn probe` (`train/probe.py`) composes in its own way: the loop here has no probe mode. `analysis.exit_after`
+ends the loop right after the first analysis.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +66,16 @@ def train(cfg: Config, run_dir: Path | None = None) -> Path:
 
     Under torchrun every rank calls it; the checks and the run directory are rank 0's (`dist.on_main`), so a
     start that fails raises the same error on every rank before any work."""
+    with opened(cfg, run_dir) as (s, start, stopper):
+        run_steps(s, start.step, stopper)
+    return s.run_dir
+
+
+@contextmanager
+def opened(cfg: Config, run_dir: Path | None = None):
+    """A session set up (`setup`: checks, models, the resumed checkpoint) with its run directory locked and first
+    written; yields (session, start, early stopper). After the body: every gradient dump on disk, the writer closed
+    and the report written (not after an error: what was written stays as it is)."""
     setup.check_world(cfg)
     run_dir = dist.on_main(lambda: run_dir or setup.resolve_run_dir(cfg))
     start = dist.on_main(setup.plan_start, cfg, run_dir)  # reads only; raises before any work
@@ -76,7 +85,7 @@ def train(cfg: Config, run_dir: Path | None = None) -> Path:
     with ExitStack() as held:
         dist.on_main(_open, s, start, held)
         try:
-            run_steps(s, start.step, stopper)
+            yield s, start, stopper
         finally:
             if s.dumper is not None:
                 s.dumper.close()  # every queued gradient dump is on disk (or its error raised) before the run ends
@@ -84,7 +93,6 @@ def train(cfg: Config, run_dir: Path | None = None) -> Path:
             s.writer.close()
             if cfg.log.report:
                 _write_report(s.run_dir)
-    return s.run_dir
 
 
 def _open(s: Session, start: setup.Start, held: ExitStack) -> None:
@@ -100,19 +108,18 @@ def _open(s: Session, start: setup.Start, held: ExitStack) -> None:
 def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
     """Validation before training, then the steps after `start`, each logged before its checkpoint is saved."""
     cfg, env = s.cfg, s.cfg.env.name
-    s.first_step = start if cfg.analysis.only and start > 0 else start + 1  # a probe keeps the checkpoint's step
-    if cfg.val.before_train and (start == 0 or cfg.analysis.only):
+    if cfg.val.before_train and start == 0:
         s.log(start, validate(s).metrics)
     with StepConsole(cfg.train.steps, env, enabled=cfg.log.progress and s.main) as console:
         s.console = console
-        console.advance(s.first_step - 1, {})
-        for step in range(s.first_step, cfg.train.steps + 1):
+        console.advance(start, {})
+        for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
             try:
                 metrics, stop = train_step(s, step, stopper)
             except NonFiniteLogits:
-                metrics, stop = {names.filter_metric(names.ROLLOUT, NON_FINITE_LOGITS): 1.0}, NON_FINITE_LOGITS
-            if stop == EXITED:
+                metrics, stop = non_finite_logits(), NON_FINITE_LOGITS
+            if stop == EXITED:  # analysis.exit_after: the row of the analysis, nothing else
                 s.log(step, metrics)
                 console.print(f"[yellow]exited after the gradient analysis of step {step}")
                 break
@@ -138,6 +145,11 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
                 break
 
 
+def non_finite_logits() -> dict[str, float]:
+    """The row of a step whose sampling scores were not finite."""
+    return {names.filter_metric(names.ROLLOUT, NON_FINITE_LOGITS): 1.0}
+
+
 def _write_report(run_dir: Path) -> None:
     """Figures and the HTML report of the finished run (plotting reads only the run directory).
 
@@ -154,8 +166,6 @@ def _write_report(run_dir: Path) -> None:
 
 
 def _checkpoint_due(cfg: Config, step: int, last: bool) -> bool:
-    if cfg.analysis.only:  # nothing was updated: a probe never writes checkpoints
-        return False
     every = cfg.checkpoint.every
     final = step == cfg.train.steps or last
     return (every > 0 and step % every == 0) or (final and cfg.checkpoint.save_last)
@@ -164,38 +174,17 @@ def _checkpoint_due(cfg: Config, step: int, last: bool) -> bool:
 def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, float], str | None]:
     """One training step; returns its metrics and a stop reason (early stop, or EXITED after analysis)."""
     cfg, m = s.cfg, {}
-    s.console.phase("rollout")
-    with timed(m, "gen"):
-        batch = rollout_groups(cfg, s.model, s.tokenizer,
-                               train_seeds(cfg.train.seed_base, cfg.train.env_groups, s.seed_step(step)),
-                               cfg.train.group_size, cfg.train.temperature, step_seed(cfg.seed, s.seed_step(step)))
-    m.update(env_metric_summary(batch, names.env_prefix(cfg.env.name), cfg.train.group_size))
-    m.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids))
-    rows = reward_rows(batch, step, s.tokenizer)
-    if s.main:
-        s.writer.log_rewards(rows)
-    m.update(reward_stats(rows, batch.reward_names))
-    _log_samples(s, step, batch)
-    crash_point("samples", step)
-
-    filtered = filter_batch(batch, cfg.filter)
+    filtered = roll_out(s, step, step, m)
     batch = filtered.batch
-    m.update(filtered.metrics)
-    stop = stopper.after_rollout(filtered.reward_std, empty=len(batch) == 0)
-    m[names.filter_metric(names.ROLLOUT, "empty_after_filter")] = float(len(batch) == 0)
-    m[names.filter_metric(names.ROLLOUT, "consecutive_empty_after_filter_steps")] = float(stopper.empty)
+    stop = record_filter(m, stopper, filtered)
     if len(batch) == 0:
-        return m, _analyse(s, step, m, None, None) or stop
+        return m, _analyse(s, step, m, filtered, None) or stop
     if stop is not None:
         return m, stop
 
-    s.console.phase("log-probs")
-    own_old = single_pass(cfg.train, len(batch)) and not cfg.analysis.only and not analysis_due(cfg, step)
-    prepared = prepare_update(s, batch, filtered.kept_ratio, old_pass=not own_old)
-    m.update(prepared.metrics)
-    m.update(data_metrics(batch, prepared.inputs.advantages, prepared.returns, prepared.values))
-
-    if s.critic is not None and not cfg.analysis.only:
+    own_old = single_pass(cfg.train, len(batch)) and not analysis_due(cfg, step)
+    prepared = prepare(s, filtered, m, old_pass=not own_old)
+    if s.critic is not None:
         s.console.phase("critic")
         with timed(m, "update_critic"):
             m.update(update_critic(s.critic, s.critic_optimizer, batch, prepared.values, prepared.returns, cfg.algo,
@@ -205,31 +194,76 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
         return m, None
     if _analyse(s, step, m, filtered, prepared):
         return m, EXITED
-    if not cfg.analysis.only:
-        s.console.phase("actor")
-        with timed(m, "update_actor"):
-            update = update_actor(s.model, s.optimizer, batch, prepared.inputs, cfg.algo, cfg.train,
-                                  torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1)))
-        m.update(update.metrics)
-        if prepared.entropy is None:  # one step on the rollout policy: its entropy is the update's
-            m[names.ENTROPY] = update.entropy
-        if not all_finite(s.model, s.critic):  # an optimizer step overflowed: nothing left to train or save
-            m[names.actor(NON_FINITE_PARAMETERS)] = 1.0
-            return m, NON_FINITE_PARAMETERS
+    s.console.phase("actor")
+    with timed(m, "update_actor"):
+        update = update_actor(s.model, s.optimizer, batch, prepared.inputs, cfg.algo, cfg.train,
+                              torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1)))
+    m.update(update.metrics)
+    if prepared.entropy is None:  # one step on the rollout policy: its entropy is the update's
+        m[names.ENTROPY] = update.entropy
+    if not all_finite(s.model, s.critic):  # an optimizer step overflowed: nothing left to train or save
+        m[names.actor(NON_FINITE_PARAMETERS)] = 1.0
+        return m, NON_FINITE_PARAMETERS
     return m, None
 
 
-def _analyse(s: Session, step: int, m: dict, filtered: Filtered | None, prepared: Prepared | None) -> str | None:
-    """Run the gradient analysis when due; returns EXITED when the run should end right after it."""
+def roll_out(s: Session, step: int, seed_step: int, m: dict[str, float]) -> Filtered:
+    """Roll out the groups of `seed_step`'s env seeds and sampling seed, log its rewards and samples (as `step`),
+    and filter it; its metrics go into `m`."""
     cfg = s.cfg
-    m[names.GRADIENT_ANALYSIS_ONLY] = float(cfg.analysis.only)
-    if not analysis_due(cfg, step):
-        return None
+    s.console.phase("rollout")
+    with timed(m, "gen"):
+        batch = rollout_groups(cfg, s.model, s.tokenizer,
+                               train_seeds(cfg.train.seed_base, cfg.train.env_groups, seed_step),
+                               cfg.train.group_size, cfg.train.temperature, step_seed(cfg.seed, seed_step))
+    m.update(env_metric_summary(batch, names.env_prefix(cfg.env.name), cfg.train.group_size))
+    m.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids))
+    rows = reward_rows(batch, step, s.tokenizer)
+    if s.main:
+        s.writer.log_rewards(rows)
+    m.update(reward_stats(rows, batch.reward_names))
+    _log_samples(s, step, batch)
+    crash_point("samples", step)
+    filtered = filter_batch(batch, cfg.filter)
+    m.update(filtered.metrics)
+    return filtered
+
+
+def record_filter(m: dict[str, float], stopper: EarlyStopper, filtered: Filtered) -> str | None:
+    """Give the filter's outcome to the early stopper; returns its stop reason (or None)."""
+    empty = len(filtered.batch) == 0
+    stop = stopper.after_rollout(filtered.reward_std, empty=empty)
+    m[names.filter_metric(names.ROLLOUT, "empty_after_filter")] = float(empty)
+    m[names.filter_metric(names.ROLLOUT, "consecutive_empty_after_filter_steps")] = float(stopper.empty)
+    return stop
+
+
+def prepare(s: Session, filtered: Filtered, m: dict[str, float], *, old_pass: bool = True) -> Prepared:
+    """The update's inputs of the filtered batch (`prepare_update`) and the batch summaries; metrics into `m`."""
+    s.console.phase("log-probs")
+    prepared = prepare_update(s, filtered.batch, filtered.kept_ratio, old_pass=old_pass)
+    m.update(prepared.metrics)
+    m.update(data_metrics(filtered.batch, prepared.inputs.advantages, prepared.returns, prepared.values))
+    return prepared
+
+
+def analyse(s: Session, step: int, m: dict[str, float], filtered: Filtered, prepared: Prepared | None,
+            seed_step: int) -> None:
+    """The gradient analysis of `step` (`run_analysis`; a separate batch uses `seed_step`'s seeds); metrics into
+    `m`."""
     s.console.phase("analysis")
     with timed(m, "gradient_analysis"):
-        m.update(run_analysis(s, step, filtered, prepared))
+        m.update(run_analysis(s, step, filtered, prepared, seed_step))
     crash_point("analysis", step)
-    if cfg.analysis.exit_after:
+
+
+def _analyse(s: Session, step: int, m: dict, filtered: Filtered, prepared: Prepared | None) -> str | None:
+    """Run the gradient analysis when due; returns EXITED when the run should end right after it."""
+    m[names.GRADIENT_ANALYSIS_ONLY] = 0.0
+    if not analysis_due(s.cfg, step):
+        return None
+    analyse(s, step, m, filtered, prepared, step)
+    if s.cfg.analysis.exit_after:
         m[names.EXITED_AFTER_ANALYSIS] = 1.0
         return EXITED
     return None
