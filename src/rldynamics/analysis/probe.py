@@ -110,22 +110,11 @@ class ProbeResult:
     group_norms: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
-def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, float], *,
-                   algo: AlgoConfig, micro_batch_size: int, temperature: float, num_buckets: int = 6,
-                   bucket_mode: str = "quantile", prefix: str = GRAD_NORM, sketch_dim: int = 1024,
-                   sketch_seed: int = 0, keep_gradients: bool = False,
-                   component_advantages: dict[str, torch.Tensor] | None = None,
-                   component_weights: dict[str, float] | None = None,
-                   terms: tuple[str, ...] = ("task", "entropy", "kl"), zero_bucket: bool = False,
-                   per_group: bool = False, resamples: int = bootstrap.RESAMPLES,
-                   shared_prefix: bool = True, memory_chunks: int = 1) -> ProbeResult:
-    """Per-bucket gradient norms, cosines, losses and sketches of the loss components, without training.
+@dataclass(frozen=True)
+class ProbeSettings:
+    """How a probe differentiates and reports (one object for every pass of :func:`gradient_probe`).
 
-    Args:
-        model: the actor (a causal LM); its parameters, ``.grad`` and mode are left as found.
-        batch: the analysed rollout (N rows; groups are whole).
-        inputs: old log-probs, advantages and optional reference log-probs, ``[N, L]`` each.
-        group_std: reward std of every group id present in ``batch`` (the bucketing score).
+    Attributes:
         algo: loss settings (clip, ``loss_agg_mode``, coefficients, KL type) as in training.
         micro_batch_size: rows per forward pass (≥ 1); results do not depend on it.
         temperature: logits temperature, as in training.
@@ -133,9 +122,6 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
         prefix: metric namespace; ``"grad_norm"`` also mirrors ``all`` to ``actor/grad_norm/*``, ``actor/loss/*``.
         sketch_dim: count-sketch size (0 = no sketches); sketch_seed: its projection seed.
         keep_gradients: also return the full flat gradients (for tests and offline cosines).
-        component_advantages: reward component name -> ``[N, L]`` advantages of that component alone; adds the
-            ``reward_grad`` metrics (prefix ``grad_norm`` -> ``reward_grad``).
-        component_weights: weight of each component in the trained reward (default 1).
         terms: which of the loss terms task / entropy / kl to differentiate (kl needs reference log-probs);
             without ``task`` there are no RAGEN norms of it and no ``reward_grad`` cosines with the total.
         zero_bucket: zero-variance groups form ``bucket_0`` and ties stay together (``assign_buckets``).
@@ -144,30 +130,70 @@ def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: d
         shared_prefix: forward a prompt shared by rows of a micro-batch once (``models.forward.token_logprobs``).
         memory_chunks: 1 holds every gradient whole; C > 1 streams the parameters in C chunks (``chunk_bounds``):
             every pass is repeated per chunk and holds only that chunk's coordinates (module docstring). One process.
+    """
+
+    algo: AlgoConfig
+    micro_batch_size: int
+    temperature: float
+    num_buckets: int = 6
+    bucket_mode: str = "quantile"
+    prefix: str = GRAD_NORM
+    sketch_dim: int = 1024
+    sketch_seed: int = 0
+    keep_gradients: bool = False
+    terms: tuple[str, ...] = ("task", "entropy", "kl")
+    zero_bucket: bool = False
+    per_group: bool = False
+    resamples: int = bootstrap.RESAMPLES
+    shared_prefix: bool = True
+    memory_chunks: int = 1
+
+
+def gradient_probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, float],
+                   settings: ProbeSettings, component_advantages: dict[str, torch.Tensor] | None = None,
+                   component_weights: dict[str, float] | None = None) -> ProbeResult:
+    """Per-bucket gradient norms, cosines, losses and sketches of the loss components, without training.
+
+    Args:
+        model: the actor (a causal LM); its parameters, ``.grad`` and mode are left as found.
+        batch: the analysed rollout (N rows; groups are whole).
+        inputs: old log-probs, advantages and optional reference log-probs, ``[N, L]`` each.
+        group_std: reward std of every group id present in ``batch`` (the bucketing score).
+        settings: how to differentiate and report (:class:`ProbeSettings`).
+        component_advantages: reward component name -> ``[N, L]`` advantages of that component alone; adds the
+            ``reward_grad`` metrics (prefix ``grad_norm`` -> ``reward_grad``).
+        component_weights: weight of each component in the trained reward (default 1).
 
     Returns:
         A :class:`ProbeResult`; empty when the batch has no rows.
     """
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    if keep_gradients and dist.distributed():
+    if settings.micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {settings.micro_batch_size}")
+    if settings.keep_gradients and dist.distributed():
         raise ValueError("keep_gradients needs whole gradients, which a probe over several ranks never gathers")
-    if memory_chunks < 1 or (memory_chunks > 1 and dist.distributed()):
-        raise ValueError(f"memory_chunks={memory_chunks}: must be >= 1, and 1 over several ranks (each already holds "
+    chunks = settings.memory_chunks
+    if chunks < 1 or (chunks > 1 and dist.distributed()):
+        raise ValueError(f"memory_chunks={chunks}: must be >= 1, and 1 over several ranks (each already holds "
                          "1/world of every gradient)")
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     saved = [p.grad for p in model.parameters()]  # a sharded probe accumulates in .grad: put back on return
     try:
         with torch.random.fork_rng(devices=devices, device_type="cuda"):  # dropout draws are undone on return
-            return _probe(model, batch, inputs, group_std, algo=algo, micro_batch_size=micro_batch_size,
-                          temperature=temperature, num_buckets=num_buckets, bucket_mode=bucket_mode, prefix=prefix,
-                          sketch_dim=sketch_dim, sketch_seed=sketch_seed, keep_gradients=keep_gradients,
-                          components=component_advantages or {}, weights=component_weights or {}, terms=terms,
-                          zero_bucket=zero_bucket, per_group=per_group, resamples=resamples,
-                          shared_prefix=shared_prefix, memory_chunks=memory_chunks, devices=devices)
+            return _probe(model, batch, inputs, group_std, settings, component_advantages or {},
+                          component_weights or {}, devices)
     finally:
         for p, grad in zip(model.parameters(), saved, strict=True):
             p.grad = grad
+
+
+@dataclass
+class _Terms:
+    """What every pass of one probe differentiates: the term names (``pg``, ``entropy``, ``kl``, ``reward/<name>``),
+    the reward components' advantages, and the settings."""
+
+    names: list[str]
+    components: dict[str, torch.Tensor]
+    settings: ProbeSettings
 
 
 @dataclass
@@ -274,65 +300,62 @@ class _Sums:
             self.group_grams = grams if self.group_grams is None else self.group_grams + grams
 
 
-def _probe(model, batch, inputs, group_std, *, algo, micro_batch_size, temperature, num_buckets, bucket_mode,
-           prefix, sketch_dim, sketch_seed, keep_gradients, components, weights, terms, zero_bucket, per_group,
-           resamples, shared_prefix, memory_chunks, devices) -> ProbeResult:
+def _probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, float], settings: ProbeSettings,
+           components: dict[str, torch.Tensor], weights: dict[str, float], devices: list[int]) -> ProbeResult:
     """Body of :func:`gradient_probe` (runs inside a forked RNG)."""
     stds = _present_groups(batch.group_ids, group_std)
     if not stds:
         return ProbeResult(metrics={}, groups=[], sketches={})
     gids = sorted(stds)
     scores = torch.tensor([stds[g] for g in gids], dtype=torch.float64)  # [G]
-    split = assign_buckets(scores, mode=bucket_mode, num_buckets=num_buckets, zero_bucket=zero_bucket)
-    named = [(bucket_name(k, zero_bucket), [gids[i] for i in idx]) for k, idx in enumerate(split) if idx]
-    names = [n for n, c in COMPONENT_OF_TERM.items() if c in terms and (n != "kl" or inputs.ref_logprobs is not None)]
+    split = assign_buckets(scores, mode=settings.bucket_mode, num_buckets=settings.num_buckets,
+                           zero_bucket=settings.zero_bucket)
+    named = [(bucket_name(k, settings.zero_bucket), [gids[i] for i in idx]) for k, idx in enumerate(split) if idx]
+    names = [n for n, c in COMPONENT_OF_TERM.items()
+             if c in settings.terms and (n != "kl" or inputs.ref_logprobs is not None)]
     names += [f"reward/{k}" for k in components]
+    terms = _Terms(names, components, settings)
     bucket_rows = [torch.isin(batch.group_ids, torch.tensor(b)).nonzero().squeeze(1) for _, b in named]  # B x [n_b]
-    shares = [sub_batch_share(batch.response_mask, rows, algo.loss_agg_mode) for rows in bucket_rows]
+    shares = [sub_batch_share(batch.response_mask, rows, settings.algo.loss_agg_mode) for rows in bucket_rows]
     buckets = [(name, rows, share) for (name, _), rows, share in zip(named, bucket_rows, shares, strict=True)]
     sums = {name: _Sums(names) for name in (*(b for b, _ in named), "all")}
-    kwargs = dict(names=names, components=components, micro_batch_size=micro_batch_size, temperature=temperature,
-                  shared_prefix=shared_prefix)
     layer_names: list[str] = []
-    for layout in _layouts(model, sketch_dim, sketch_seed, memory_chunks):
+    for layout in _layouts(model, settings.sketch_dim, settings.sketch_seed, settings.memory_chunks):
         with torch.random.fork_rng(devices=devices, device_type="cuda"):  # every chunk's passes draw alike
-            _pass(model, batch, inputs, algo, layout, buckets, sums, per_group=per_group,
-                  keep_gradients=keep_gradients, **kwargs)
+            _pass(model, batch, inputs, layout, buckets, sums, terms)
         layer_names = list(layout.slices)
         del layout  # free this chunk's sketch tables before the next chunk's are drawn
-    return _results(sums, named, bucket_rows, batch, stds, names, algo, prefix=prefix, components=components,
-                    weights=weights, layer_names=layer_names, per_group=per_group, resamples=resamples,
-                    sketch_seed=sketch_seed)
+    return _results(sums, named, bucket_rows, batch, stds, terms, weights, layer_names)
 
 
-def _pass(model, batch: RolloutBatch, inputs: ActorInputs, algo: AlgoConfig, layout: _Layout,
-          buckets: list[tuple[str, torch.Tensor, float]], sums: dict[str, _Sums], *, per_group: bool,
-          keep_gradients: bool, **kwargs) -> None:
+def _pass(model, batch: RolloutBatch, inputs: ActorInputs, layout: _Layout,
+          buckets: list[tuple[str, torch.Tensor, float]], sums: dict[str, _Sums], terms: _Terms) -> None:
     """Every bucket's gradients over ``layout``'s coordinates, and ``all``'s as their share-weighted sum, added to
     ``sums``. Memory: the terms' vectors for ``all`` and for the current bucket (2 K local [p] vectors)."""
-    names = kwargs["names"]
+    names, keep = terms.names, terms.settings.keep_gradients
     all_grads = {n: _zeros(layout) for n in names}  # name -> [p]
     all_losses = dict.fromkeys(names, 0.0)
     for name, rows, share in buckets:
-        if per_group:
-            grads, losses, singles = _group_gradients(model, batch, rows, inputs, algo, layout, **kwargs)
+        if terms.settings.per_group:
+            grads, losses, singles = _group_gradients(model, batch, rows, inputs, layout, terms)
             sums[name].add_groups(singles)
             del singles
         else:
-            grads, losses = _bucket_gradients(model, batch, rows, inputs, algo, layout, **kwargs)
+            grads, losses = _bucket_gradients(model, batch, rows, inputs, layout, terms)
         for n in names:
             all_grads[n].add_(grads[n], alpha=share)  # [p]
             all_losses[n] += share * losses[n]
-        sums[name].add(name, grads, losses, layout, keep_gradients)
+        sums[name].add(name, grads, losses, layout, keep)
         del grads  # free this bucket's vectors before the next bucket allocates its own
-    sums["all"].add("all", all_grads, all_losses, layout, keep_gradients)
+    sums["all"].add("all", all_grads, all_losses, layout, keep)
 
 
 def _results(sums: dict[str, _Sums], named: list[tuple[str, list[int]]], bucket_rows: list[torch.Tensor],
-             batch: RolloutBatch, stds: dict[int, float], names: list[str], algo: AlgoConfig, *, prefix: str,
-             components: dict[str, torch.Tensor], weights: dict[str, float], layer_names: list[str],
-             per_group: bool, resamples: int, sketch_seed: int) -> ProbeResult:
+             batch: RolloutBatch, stds: dict[int, float], terms: _Terms, weights: dict[str, float],
+             layer_names: list[str]) -> ProbeResult:
     """The probe's metrics, matrices, sketches and gradients from every bucket's summed statistics."""
+    names, components, settings = terms.names, terms.components, terms.settings
+    algo, prefix = settings.algo, settings.prefix
     result = ProbeResult(metrics={}, groups=[], sketches={})
     total_rows = float(len(batch))
     per_bucket: dict[str, dict[str, float]] = {}
@@ -342,8 +365,8 @@ def _results(sums: dict[str, _Sums], named: list[tuple[str, list[int]]], bucket_
         per_bucket[name] = _bucket_metrics(s.grams.sum(0), names, s.losses, algo, count=float(rows.numel()),
                                            tokens=float(batch.response_mask[rows].sum()), total_rows=total_rows,
                                            stds=[stds[g] for g in groups])
-        if per_group:
-            _group_results(result, per_bucket[name], s, algo, resamples, sketch_seed + k)
+        if settings.per_group:
+            _group_results(result, per_bucket[name], s, algo, settings.resamples, settings.sketch_seed + k)
         _reward_grad(result, per_bucket_rg, name, s.grams, names, components, weights, layer_names)
         result.groups.extend((name, g, stds[g]) for g in groups)
     whole = sums["all"]
@@ -375,29 +398,30 @@ def _present_groups(group_ids: torch.Tensor, group_std: dict[int, float]) -> dic
     return {g: float(group_std[g]) for g in present}
 
 
-def _bucket_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, algo: AlgoConfig,
-                      layout: _Layout, *, names: list[str], components: dict[str, torch.Tensor],
-                      micro_batch_size: int, temperature: float,
-                      shared_prefix: bool) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def _bucket_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, layout: _Layout,
+                      terms: _Terms) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """This rank's part ``[p]`` of the signed, unweighted gradient of each term over the bucket ``rows``, and the
     term's unweighted loss value.
 
     Each micro-batch's terms are scaled by its share of the bucket's aggregation weight; each rank takes every
     contiguous block of rows (``dist.rank_chunks``), and the parts are summed over ranks (module docstring).
     """
+    names, settings = terms.names, terms.settings
+    algo = settings.algo
     mask = batch.response_mask[rows]  # [n_b, L]
     sharded = is_sharded(model)
-    chunks = dist.rank_chunks(torch.arange(rows.numel()), micro_batch_size, lockstep=sharded)
+    chunks = dist.rank_chunks(torch.arange(rows.numel()), settings.micro_batch_size, lockstep=sharded)
     shares = [0.0 if c is None else sub_batch_share(mask, c, algo.loss_agg_mode) for c in chunks]
     signs = _term_signs(algo)
     losses = torch.zeros(len(names), dtype=torch.float64)  # [K]
 
     def forward(positions: torch.Tensor | None, share: float) -> dict[str, torch.Tensor]:
-        terms, _ = actor_terms(model, batch, rows[positions if positions is not None else slice(0, 1)], inputs, algo,
-                               temperature=temperature, component_advantages=components, shared_prefix=shared_prefix)
+        values, _ = actor_terms(model, batch, rows[positions if positions is not None else slice(0, 1)], inputs, algo,
+                                temperature=settings.temperature, component_advantages=terms.components,
+                                shared_prefix=settings.shared_prefix)
         if share:
-            losses.add_(torch.tensor([share * terms[n].item() for n in names], dtype=torch.float64))  # [K]
-        return terms
+            losses.add_(torch.tensor([share * values[n].item() for n in names], dtype=torch.float64))  # [K]
+        return values
 
     if sharded:
         grads = _sharded_gradients(forward, chunks, shares, names, signs, layout)
@@ -527,15 +551,14 @@ class _GroupGradient:
     grads: dict[str, torch.Tensor]
 
 
-def _group_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, algo: AlgoConfig,
-                     layout: _Layout, **kwargs) -> tuple[dict[str, torch.Tensor], dict[str, float],
-                                                         list[_GroupGradient]]:
+def _group_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, layout: _Layout,
+                     terms: _Terms) -> tuple[dict[str, torch.Tensor], dict[str, float], list[_GroupGradient]]:
     """The bucket ``rows``' gradients and losses as the share-weighted sum of its groups' own, and the groups'.
 
     ``g_b = Σ_j s_j g_j`` with ``s_j = sub_batch_share(bucket mask, rows of group j)``: exact in every
-    ``loss_agg_mode``, as ``all`` is exact from the buckets. kwargs: those of ``_bucket_gradients``.
+    ``loss_agg_mode``, as ``all`` is exact from the buckets.
     """
-    names = kwargs["names"]
+    names, algo = terms.names, terms.settings.algo
     grads = {n: _zeros(layout) for n in names}  # name -> [p]
     losses = dict.fromkeys(names, 0.0)
     mask = batch.response_mask[rows]  # [n_b, L]
@@ -544,7 +567,7 @@ def _group_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: Act
     for gid in sorted(set(bucket_gids.tolist())):
         positions = (bucket_gids == gid).nonzero().squeeze(1)  # [n_j]
         share = sub_batch_share(mask, positions, algo.loss_agg_mode)
-        g_j, l_j = _bucket_gradients(model, batch, rows[positions], inputs, algo, layout, **kwargs)
+        g_j, l_j = _bucket_gradients(model, batch, rows[positions], inputs, layout, terms)
         for n in names:
             grads[n].add_(g_j[n], alpha=share)  # [p]
             losses[n] += share * l_j[n]

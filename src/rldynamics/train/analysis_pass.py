@@ -30,7 +30,7 @@ from safetensors.torch import save
 from rldynamics import metric_names as names
 from rldynamics.algo.filter import loss_scale
 from rldynamics.analysis.objective import ActorInputs
-from rldynamics.analysis.probe import ProbeResult, gradient_probe
+from rldynamics.analysis.probe import ProbeResult, ProbeSettings, gradient_probe
 from rldynamics.config import Config
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.tracking.files import replacing, write_file
@@ -115,14 +115,17 @@ def probe(s, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, floa
         scale = loss_scale(kept_ratio, cfg.filter.loss_scaling)
         components = {k: a * scale for k, a in component_advantages(batch, cfg.algo).items()}  # name -> [N, L]
         weights = dict(zip(batch.reward_names, batch.reward_weights, strict=True))
-    return gradient_probe(s.model, batch, inputs, group_std, algo=cfg.algo, micro_batch_size=cfg.train.micro_batch_size,
-                          temperature=cfg.train.temperature, num_buckets=cfg.analysis.num_buckets,
-                          bucket_mode=cfg.analysis.bucket_mode, prefix=prefix, sketch_seed=cfg.seed,
-                          component_advantages=components, component_weights=weights,
-                          terms=tuple(cfg.analysis.terms), keep_gradients=cfg.analysis.dump_gradients,
-                          zero_bucket=cfg.analysis.zero_bucket,
-                          per_group=cfg.analysis.per_group, resamples=cfg.analysis.bootstrap_resamples,
-                          shared_prefix=cfg.train.shared_prefix, memory_chunks=cfg.analysis.memory_chunks)
+    return gradient_probe(s.model, batch, inputs, group_std, probe_settings(cfg, prefix), components, weights)
+
+
+def probe_settings(cfg: Config, prefix: str) -> ProbeSettings:
+    """The probe's settings of a run, for the pass named `prefix`."""
+    a = cfg.analysis
+    return ProbeSettings(algo=cfg.algo, micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.train.temperature,
+                         num_buckets=a.num_buckets, bucket_mode=a.bucket_mode, prefix=prefix, sketch_seed=cfg.seed,
+                         keep_gradients=a.dump_gradients, terms=tuple(a.terms), zero_bucket=a.zero_bucket,
+                         per_group=a.per_group, resamples=a.bootstrap_resamples, shared_prefix=cfg.train.shared_prefix,
+                         memory_chunks=a.memory_chunks)
 
 
 def _separate_batch_passes(s, k: int, metrics: dict[str, float]) -> list:
