@@ -17,8 +17,10 @@ import torch
 
 from rldynamics.algo.losses import AGG_MODES
 from rldynamics.algo.shares import sub_batch_share
+from rldynamics.analysis.engines import chunk_bounds
 from rldynamics.analysis.objective import ActorInputs, actor_terms
-from rldynamics.analysis.probe import ProbeResult, ProbeSettings, chunk_bounds, gradient_probe, numerically_zero
+from rldynamics.analysis.probe import ProbeResult, ProbeSettings, gradient_probe
+from rldynamics.analysis.probe_metrics import numerically_zero
 from rldynamics.analysis.sketch import GradientSketcher
 from rldynamics.config import AlgoConfig
 from rldynamics.models.forward import batch_logprobs

@@ -28,6 +28,9 @@ GRAD_NORM = "grad_norm"  # per-bucket gradient metrics of the analysed batch
 GRAD_NORM_PREFILTER = "grad_norm_prefilter"  # the same of a separate analysis batch before filtering
 ALL = "all"  # the whole analysed batch, beside its buckets
 
+TERM_COMPONENT = {"pg": "task", "entropy": "entropy", "kl": "kl"}  # a loss term of the code -> RAGEN's name in keys
+TERM_LOSS = {"pg": "policy", "entropy": "entropy", "kl": "kl"}  # the same in `loss/<name>` keys
+
 ENTROPY = "actor/entropy"
 SCORE_MEAN = "critic/score/mean"
 IN_GROUP_REWARD_STD = "rollout/in_group_reward_std"
