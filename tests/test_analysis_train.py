@@ -151,7 +151,7 @@ def test_probe_reference_is_the_base_model_of_the_checkpoints_run(fast_overrides
     a probe's own settings that the warm start depends on (its seed and env keys) never make another one. With lr 0
     the actor is that base model, so the KL gradient is exactly zero, whatever the probe's settings."""
     run = train(make_config(overrides=[*fast_overrides, "log.name=base", "train.lr=0", "val.every=0",
-                                       "train.steps=1", "model.tiny_hidden_size=32"]))
+                                       "train.steps=1", "tiny.hidden_size=32"]))
     for name, overrides in (("same", []), ("other", ["seed=7", "env.max_new_tokens=4"])):
         probe = probe_checkpoint(run / "checkpoints" / "step_1", [*overrides, f"log.name={name}"])
         row = read_metrics(probe)[-1]
@@ -163,14 +163,14 @@ def test_probe_refuses_to_pair_the_actor_with_another_reference(fast_overrides, 
     one line, before anything is written: an override of what the base model is made of, a checkpoint without its
     run's config.yaml (the reference is then unknown), and a checkpoint copied into a run of another model."""
     narrow = train(make_config(overrides=[*fast_overrides, "log.name=narrow", "val.every=0", "train.steps=1",
-                                          "model.tiny_hidden_size=32"]))
+                                          "tiny.hidden_size=32"]))
     wide = train(make_config(overrides=[*fast_overrides, "log.name=wide", "val.every=0", "train.steps=1"]))
     checkpoint = narrow / "checkpoints" / "step_1"
     loose = tmp_path / "loose" / "step_1"
     shutil.copytree(checkpoint, loose)
     shutil.copytree(checkpoint, wide / "checkpoints" / "step_9")
     probes = tmp_path / "probes"
-    cases = [(checkpoint, ["model.tiny_hidden_size=64"], "model.tiny_hidden_size"),
+    cases = [(checkpoint, ["tiny.hidden_size=64"], "tiny.hidden_size"),
              (checkpoint, [f"actor_rollout_ref.model.path={wide / 'checkpoints' / 'step_1' / 'actor'}"], "model.path"),
              (loose, [], f"{loose.parent.parent / 'config.yaml'} is missing"),
              (wide / "checkpoints" / "step_9", [], "not the architecture of the base model")]

@@ -31,7 +31,7 @@ from rldynamics.train.early_stop import EarlyStopper
 from rldynamics.train.setup import Session, run_config
 
 PROBE_DEFAULTS = ["algo.kl_coef=0.001", "algo.kl_type=k3", "algo.entropy_coef=0.001"]
-RUN_MODEL_KEYS = ("model.path", "model.tiny_", "model.warm_start_")  # the run's base model: never a probe's to change
+RUN_MODEL_KEYS = ("model.path", "tiny.", "model.warm_start_")  # the run's base model: never a probe's to change
 PROBE_SEED_STEP = 1  # a probe draws the env and sampling seeds of step 1 (RAGEN's probe restarts its seed counter)
 
 

@@ -126,8 +126,9 @@ def base_model_path(cfg: Config) -> str:
     if cfg.model.path != "tiny":
         return resolve_model_path(cfg.model.path, corpus_fn=lambda: ())
     m = cfg.model
-    path = str(ensure_tiny_model(lambda: tiny_corpus(cfg.env), hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers,
-                                 intermediate_size=4 * m.tiny_hidden_size, tie_embeddings=m.tiny_tie_embeddings))
+    t = cfg.tiny
+    path = str(ensure_tiny_model(lambda: tiny_corpus(cfg.env), hidden_size=t.hidden_size, num_layers=t.layers,
+                                 intermediate_size=4 * t.hidden_size, tie_embeddings=t.tie_embeddings))
     return ensure_warm_start(path, cfg) if m.warm_start_episodes > 0 else path
 
 
@@ -233,7 +234,7 @@ def plan_start(cfg: Config, run_dir: Path) -> Start:
         return Start(in_place=in_place)
     if not in_place:
         run_config(path)  # a checkpoint of another run (a probe): its run's base model must be known
-    state = verify_checkpoint(path, needs_critic=cfg.algo.adv_estimator == "gae")
+    state = verify_checkpoint(path, needs_critic=cfg.algo.has_critic)
     return Start(checkpoint=path, state=state, in_place=in_place)
 
 
@@ -272,7 +273,7 @@ def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
             check_reference(actor_shapes, ref_model, base, ckpt)
         ref_model = wrap(prepare(ref_model.requires_grad_(False), cfg, base), cfg.model.shard)
     critic = critic_optimizer = None
-    if cfg.algo.adv_estimator == "gae":
+    if cfg.algo.has_critic:
         critic = load_value_model(str(ckpt / "critic") if ckpt else base, device=str(device))
         critic = wrap(prepare(critic, cfg, base), cfg.model.shard)
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic.lr, weight_decay=0.0)

@@ -4,7 +4,8 @@
   seed_base + env_groups*(s-1) + g; validation always the same puzzles).
 - `filter_batch`: score groups, keep whole groups (rldynamics.algo.filter); returns a `Filtered`: the kept batch
   with the values later stages decide on (group reward stds, their mean, the kept ratio) and its metrics.
-- `advantages_and_returns`: dispatch to the estimator of `algo.adv_estimator`.
+- `advantages_and_returns` / `component_advantages`: the estimator of `algo.adv_estimator` (`ESTIMATORS`, one
+  table).
 - `data_metrics`: verl-style `critic/score/*`, `critic/advantages/*`, `response_length/*` summaries, and with a
   critic `critic/vf_explained_var` with its two terms (`critic/returns/var`, `critic/vf_residual_var`).
 """
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -83,15 +85,8 @@ def filter_batch(batch: RolloutBatch, cfg: FilterConfig, prefix: str = ROLLOUT) 
 
 def advantages_and_returns(batch: RolloutBatch, values: torch.Tensor | None,
                            cfg: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Advantages [N, L] (and GAE returns [N, L], else None) by `cfg.adv_estimator`."""
-    mask = batch.response_mask  # [N, L]
-    if cfg.adv_estimator == "gae":
-        return gae_advantages(batch.token_rewards, values, mask, gamma=cfg.gamma, lam=cfg.lam, whiten=True)
-    if cfg.adv_estimator == "grpo":
-        return grpo_advantages(batch.scores, batch.group_ids, mask, norm_by_std=cfg.norm_adv_by_std), None
-    if cfg.adv_estimator == "rloo":
-        return rloo_advantages(batch.scores, batch.group_ids, mask), None
-    return reinforce_pp_advantages(batch.token_rewards, mask, gamma=cfg.gamma), None
+    """Advantages [N, L] (and GAE returns [N, L], else None) by `cfg.adv_estimator` (`ESTIMATORS`)."""
+    return ESTIMATORS[cfg.adv_estimator].advantages(batch, values, cfg)
 
 
 def component_advantages(batch: RolloutBatch, cfg: AlgoConfig) -> dict[str, torch.Tensor]:
@@ -100,16 +95,55 @@ def component_advantages(batch: RolloutBatch, cfg: AlgoConfig) -> dict[str, torc
     GRPO / RLOO / REINFORCE++ use the component's own scores and group statistics. GAE has no per-component
     critic, so each component gets the GRPO group-relative advantage (`algo.norm_adv_by_std` as set).
     """
-    out = {}
-    for k, name in enumerate(batch.reward_names):
-        scores = batch.reward_components[:, k]  # [N]
-        if cfg.adv_estimator == "rloo":
-            out[name] = rloo_advantages(scores, batch.group_ids, batch.response_mask)
-        elif cfg.adv_estimator == "reinforce_pp":
-            out[name] = reinforce_pp_advantages(batch.last_token(scores), batch.response_mask, gamma=cfg.gamma)
-        else:
-            out[name] = grpo_advantages(scores, batch.group_ids, batch.response_mask, norm_by_std=cfg.norm_adv_by_std)
-    return out
+    component = ESTIMATORS[cfg.adv_estimator].component
+    return {name: component(batch, batch.reward_components[:, k], cfg)  # [N] scores -> [N, L]
+            for k, name in enumerate(batch.reward_names)}
+
+
+def _gae(batch: RolloutBatch, values: torch.Tensor | None, cfg: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    return gae_advantages(batch.token_rewards, values, batch.response_mask, gamma=cfg.gamma, lam=cfg.lam, whiten=True)
+
+
+def _grpo(batch: RolloutBatch, values: torch.Tensor | None, cfg: AlgoConfig) -> tuple[torch.Tensor, None]:
+    return _grpo_of(batch, batch.scores, cfg), None
+
+
+def _grpo_of(batch: RolloutBatch, scores: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
+    return grpo_advantages(scores, batch.group_ids, batch.response_mask, norm_by_std=cfg.norm_adv_by_std)
+
+
+def _rloo(batch: RolloutBatch, values: torch.Tensor | None, cfg: AlgoConfig) -> tuple[torch.Tensor, None]:
+    return _rloo_of(batch, batch.scores, cfg), None
+
+
+def _rloo_of(batch: RolloutBatch, scores: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
+    return rloo_advantages(scores, batch.group_ids, batch.response_mask)
+
+
+def _reinforce_pp(batch: RolloutBatch, values: torch.Tensor | None, cfg: AlgoConfig) -> tuple[torch.Tensor, None]:
+    return reinforce_pp_advantages(batch.token_rewards, batch.response_mask, gamma=cfg.gamma), None
+
+
+def _reinforce_pp_of(batch: RolloutBatch, scores: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
+    return reinforce_pp_advantages(batch.last_token(scores), batch.response_mask, gamma=cfg.gamma)
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator: the trained advantages (and returns) of a batch, and those of one reward component's
+    scores alone (`component_advantages`). Whether it needs a critic: `AlgoConfig.has_critic`."""
+
+    advantages: Callable[[RolloutBatch, torch.Tensor | None, AlgoConfig], tuple[torch.Tensor, torch.Tensor | None]]
+    component: Callable[[RolloutBatch, torch.Tensor, AlgoConfig], torch.Tensor]
+
+
+# `algo.adv_estimator` -> its functions; its choices are the config field's (a test holds the two together)
+ESTIMATORS: dict[str, Estimator] = {
+    "gae": Estimator(_gae, _grpo_of),  # no per-component critic: components get GRPO's advantages
+    "grpo": Estimator(_grpo, _grpo_of),
+    "rloo": Estimator(_rloo, _rloo_of),
+    "reinforce_pp": Estimator(_reinforce_pp, _reinforce_pp_of),
+}
 
 
 def data_metrics(batch: RolloutBatch, advantages: torch.Tensor, returns: torch.Tensor | None,
