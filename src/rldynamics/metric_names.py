@@ -27,6 +27,7 @@ GRAD_ANALYSIS = "grad_analysis"  # the gradient analysis's own bookkeeping (and 
 GRAD_NORM = "grad_norm"  # per-bucket gradient metrics of the analysed batch
 GRAD_NORM_PREFILTER = "grad_norm_prefilter"  # the same of a separate analysis batch before filtering
 ALL = "all"  # the whole analysed batch, beside its buckets
+REWARD = "reward"  # per-component reward statistics of a rollout
 
 TERM_COMPONENT = {"pg": "task", "entropy": "entropy", "kl": "kl"}  # a loss term of the code -> RAGEN's name in keys
 TERM_LOSS = {"pg": "policy", "entropy": "entropy", "kl": "kl"}  # the same in `loss/<name>` keys
@@ -82,9 +83,15 @@ def filter_metric(prefix: str, name: str) -> str:
     return f"{prefix}/{name}"
 
 
-def reward_component(component: str, stat: str) -> str:
+def reward_component(component: str, stat: str, prefix: str = REWARD) -> str:
     """A statistic of one reward component: `reward/<component>/<stat>`."""
-    return f"reward/{component}/{stat}"
+    return f"{prefix}/{component}/{stat}"
+
+
+def parse_reward_component(key: str) -> tuple[str, str] | None:
+    """(component, stat) of a `reward_component` key; None for any other key."""
+    parts = key.split("/")
+    return (parts[1], parts[2]) if len(parts) == 3 and parts[0] == REWARD else None
 
 
 def bucket_metric(prefix: str, bucket: str, metric: str) -> str:
