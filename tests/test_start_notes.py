@@ -40,7 +40,7 @@ def test_settings_that_never_update_the_actor_are_named():
     assert "filter.value=0" in actor_never_updates(make_config("sokoban-tiny", None, ["filter.value=0"]))
     kept_nothing = make_config("sokoban-tiny", None, ["train.group_size=1", "filter.include_zero=false"])
     assert "include_zero" in actor_never_updates(kept_nothing)
-    for fine in (["train.steps=21"], ["train.steps=0"], ["analysis.only=true", "train.steps=2"]):
+    for fine in (["train.steps=21"], ["train.steps=0"]):
         assert actor_never_updates(make_config("sokoban-tiny-ppo", None, fine)) is None
     assert actor_never_updates(make_config("sokoban-tiny", None, ["filter.value=0", "filter.prob_mode=softmax"])) is None
 

@@ -21,12 +21,12 @@ from rldynamics.envs import ENVS
 
 
 def actor_never_updates(cfg: Config) -> str | None:
-    """Why no actor update can happen in this run, or None. (A probe, `analysis.only`, and `train.steps=0` are meant
-    not to update and get no warning.)"""
-    if cfg.analysis.only or cfg.train.steps == 0:
+    """Why no actor update can happen in this run, or None. (`train.steps=0`, a validation only, is meant not to update
+    and gets no warning.)"""
+    if cfg.train.steps == 0:
         return None
     if cfg.critic.warmup_steps >= cfg.train.steps:
-        what = "train only the critic" if cfg.algo.adv_estimator == "gae" else "skip the actor update (and, without a " \
+        what = "train only the critic" if cfg.algo.has_critic else "skip the actor update (and, without a " \
             f"critic under algo.adv_estimator={cfg.algo.adv_estimator}, train nothing)"
         return (f"critic.warmup_steps={cfg.critic.warmup_steps} >= train.steps={cfg.train.steps}: the actor is never "
                 f"updated (the first {cfg.critic.warmup_steps} steps {what}); set train.steps > "

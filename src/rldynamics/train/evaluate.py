@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from rldynamics import dist
+from rldynamics import metric_names as names
 from rldynamics.config import Config, ConfigError, apply_overrides, load_config, make_config, save_config
 from rldynamics.models.loading import load_model_and_tokenizer
 from rldynamics.models.sharding import wrap
@@ -82,7 +83,7 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0) -> dict[str, float]:
     session = Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=None,
                       main=dist.is_main())
     start = time.perf_counter()
-    metrics = validate(session)
+    metrics = validate(session).metrics
     metrics["timing_s/eval"] = time.perf_counter() - start
     if dist.is_main():
         with RunLock(run_dir):
@@ -109,6 +110,6 @@ def metrics_table(metrics: dict[str, float], env: str) -> str:
             for name in first if head + name in metrics]
     rows += [(k[len(head):], v) for k, v in metrics.items() if k.startswith(head) and k[len(head):] not in first]
     rows += [(f"reward component {k.split('/')[1]} ({k.split('/')[2]})", v) for k, v in metrics.items()
-             if k.startswith("val-reward/") and k.split("/")[2] in ("mean", "std")]
+             if k.startswith(f"{names.VAL_REWARD}/") and k.split("/")[2] in ("mean", "std")]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value:.4g}" for name, value in rows)
