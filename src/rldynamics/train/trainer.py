@@ -117,11 +117,14 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
     """Validation before training, then the steps after `start`, each logged before its checkpoint is saved."""
     cfg, env = s.cfg, s.cfg.env.name
     s.first_step = start if cfg.analysis.only and start > 0 else start + 1  # a probe keeps the checkpoint's step
+    before = {}
     if cfg.val.before_train and (start == 0 or cfg.analysis.only):
-        s.log(start, validate(s))
-    with StepConsole(cfg.train.steps, env, enabled=cfg.log.progress and s.main) as console:
+        before = validate(s)
+        s.log(start, before)
+    with StepConsole(cfg.train.steps, env, enabled=cfg.log.progress and s.main, probe=cfg.analysis.only,
+                     first=s.first_step) as console:
         s.console = console
-        console.advance(s.first_step - 1, {})
+        console.advance(s.first_step - 1, before)  # the `step 0` line: the validation before training
         for step in range(s.first_step, cfg.train.steps + 1):
             t0 = time.perf_counter()
             try:
@@ -130,7 +133,7 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
                 metrics, stop = {"rollout/non_finite_logits": 1.0}, NON_FINITE_LOGITS
             if stop == EXITED:
                 s.log(step, metrics)
-                console.print(f"[yellow]exited after the gradient analysis of step {step}")
+                console.analysis_done(step)
                 break
             if stop is None and cfg.val.every > 0 and (step % cfg.val.every == 0 or step == cfg.train.steps):
                 metrics.update(validate(s))
