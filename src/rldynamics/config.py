@@ -54,6 +54,9 @@ class ModelConfig:
     """Prompt format: null = the tokenizer's own chat template | chatml | path to a Jinja template file."""
     device: str = "auto"
     """Device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N (under torchrun: auto | cuda | cpu)."""
+    threads: int = 0
+    """CPU threads torch computes with; 0 = an exported OMP_NUM_THREADS, else half of the usable cores, at most 4
+    (torch's own default, every core, is the slowest choice when other work shares the machine; docs/training.md)."""
     shard: bool = True
     """Under torchrun: FSDP2-shard weights, grads and optimizer state (false: a full replica per rank, grads summed)."""
     tiny_hidden_size: int = 64
@@ -362,7 +365,7 @@ RANGES: dict[str, tuple[float, bool, float | None]] = {
         "early_stop.rv_window", "early_stop.val_patience", "critic.ppo_epochs"), (1, True, None)),
     **dict.fromkeys(("seed", "train.steps", "train.seed_base", "val.every", "val.seed_base", "checkpoint.every",
                      "checkpoint.keep_last", "critic.warmup_steps", "log.samples_per_step",
-                     "model.warm_start_episodes"), (0, True, None)),
+                     "model.warm_start_episodes", "model.threads"), (0, True, None)),
     **dict.fromkeys(("train.max_grad_norm", "train.temperature", "val.temperature",
                      "critic.max_grad_norm", "critic.clip_range", "model.warm_start_lr"), (0, False, None)),
     **dict.fromkeys(("train.lr", "critic.lr", "train.weight_decay", "algo.clip_high", "algo.kl_coef", "filter.value",
@@ -719,7 +722,7 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 
 RESUME_MAY_CHANGE = ("train.steps", "checkpoint.", "log.", "early_stop.", "filter.empty_stop_steps", "model.device",
-                     "model.shard")  # what a resumed run may change: how long it goes on, when it stops, where and
+                     "model.threads", "model.shard")  # what a resumed run may change: how long it goes on, when it stops, where and
 # how it logs, the device; every other key keeps the run's config.yaml (a prefix ending in "." covers a section)
 
 
