@@ -27,7 +27,9 @@ examples:
   rldyn train --help-config                         # every config key with its default and meaning
   rldyn train --help-config --ragen                 # the RAGEN / verl keys accepted and what they become
   rldyn train actor_rollout_ref.rollout.rollout_filter_value=0.9 es_manager.train.env_groups=8  # RAGEN's names
-  rldyn train analysis.enabled=true analysis.every=5  # gradient analysis every 5 steps
+  rldyn train analysis.every=5                      # gradient analysis every 5 steps (default: 50, RAGEN's)
+  rldyn train model.threads=2                       # torch CPU threads (default: OMP_NUM_THREADS, else half the
+                                                    # cores, at most 4)
   rldyn train --preset math-tiny                    # math word problems (rldynamic's reward components), CPU
   rldyn train --preset math-smollm2                 # a real pretrained model (SmolLM2-135M-Instruct) on this CPU
   rldyn train model.path=/models/my.gguf model.dtype=bfloat16 model.gradient_checkpointing=true  # GGUF, mixed precision
