@@ -31,7 +31,7 @@ def logged_run(tmp_path_factory):
     train = rldyn("train", *fast, "model.warm_start_epochs=2", "log.progress=true", "log.name=r",
                   f"log.run_dir={tmp / 'runs'}", cache=tmp / "cache")
     assert train.returncode == 0, train.stderr
-    probe = rldyn("probe", str(tmp / "runs" / "r" / "checkpoints" / "step_2"), "analysis.env_groups=2",
+    probe = rldyn("probe", str(tmp / "runs" / "r" / "checkpoints" / "step_2"), "--validate", "analysis.env_groups=2",
                   "log.progress=true", f"log.run_dir={tmp / 'runs'}", cache=tmp / "cache")
     assert probe.returncode == 0, probe.stderr
     return train.stdout, probe.stdout
@@ -58,3 +58,4 @@ def test_probe_labels_its_work_as_a_probe(logged_run):
     out = logged_run[1]
     assert "train" not in out.replace("/train", "") and "exited after" not in out, out
     assert re.search(r"^probe of step 2 done: gradient analysis written$", out, re.M), out
+    assert re.search(r"^probe of step 2 \| val \d", out, re.M), out  # --validate: the checkpoint's validation

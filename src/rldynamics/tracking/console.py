@@ -74,6 +74,7 @@ class StepConsole:
         self.env = env
         self.enabled = enabled
         self.probe = probe
+        self.first = first
         self.console = make_console()
         self.progress = progress_bar(enabled, self.console)
         self.offset = first - 1 if probe else 0  # a probe counts its own work: 0/1, then 1/1
@@ -97,8 +98,8 @@ class StepConsole:
         self.progress.update(self.task, completed=step - self.offset, info="")
         if not (self.enabled and metrics):
             return
-        if self.probe:
-            self.print(summary_line(step, metrics, self.env).replace("step", "probe of step", 1))
+        if self.probe:  # its one line with metrics: the validation (--validate) of the checkpoint's step
+            self.print(summary_line(self.first, metrics, self.env).replace("step", "probe of step", 1))
         elif self.lines.enabled and step > self.lines.first:
             self.lines.line(step, summary_line(step, metrics, self.env).split(" | ", 1)[-1])
         else:
