@@ -525,6 +525,8 @@ def test_report_opens_with_headline_numbers_environment_and_samples(tmp_path):
     assert ">34.0%<" in head and "6 of" not in head  # best, and train.steps is not in this config
     assert "13 s" in head  # wall time: 6 steps x 2 s + the first validation's 1 s
     assert "torch" in head and "1 torch thread" in head and "model.threads=1" in head
+    assert ">gradient analysis<" in head and ">off<" in head  # this run analysed no step
+    assert ">steps 1, 4<" in build_report(make_run(tmp_path / "a", steps=4))  # the steps it analysed
     samples = text[text.index('id="samples"'):]
     assert samples.index("seed 8") < samples.index("seed 7")  # a success first
     assert "&lt;answer&gt;Left&lt;/answer&gt; 8" in samples

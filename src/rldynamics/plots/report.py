@@ -198,6 +198,9 @@ def headline_section(run: RunData) -> str:
     if h.wall_s is not None:
         cells.append(("wall time", _duration(h.wall_s), "steps and validations (model build and warm start not "
                                                          "counted)"))
+    analysed = analysis_steps(run)
+    cells.append(("gradient analysis", f"step{'s' if len(analysed) > 1 else ''} {', '.join(map(str, analysed))}"
+                  if analysed else "off", "figures below" if analysed else "analysis.enabled=true turns it on"))
     body = "".join(f'<div class="cell"><div class="label">{html.escape(a)}</div><div class="value">{html.escape(b)}'
                    f'</div><div class="meta">{html.escape(c)}</div></div>' for a, b, c in cells)
     return f'<div class="headline">{body}</div>{environment_line(run)}'
