@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -56,8 +57,8 @@ def test_a_resume_appends_its_own_record(fast_overrides, monkeypatch):
     assert json.loads((run / "environment.jsonl").read_text().splitlines()[1])["threads"] == 1
 
 
-def test_weights_hash_names_and_contents(tmp_path):
-    (tmp_path / "a.safetensors").write_bytes(b"x")
-    first = weights_sha256(tmp_path)
-    (tmp_path / "a.safetensors").write_bytes(b"y")
-    assert weights_sha256(tmp_path) != first
+def test_weights_hash_is_the_files_sha256(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    assert weights_sha256(tmp_path) == hashlib.sha256(b"x").hexdigest()  # what sha256sum prints
+    (tmp_path / "model.safetensors").write_bytes(b"y")
+    assert weights_sha256(tmp_path) == hashlib.sha256(b"y").hexdigest()
