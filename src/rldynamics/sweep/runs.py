@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from rldynamics import metric_names as names
 from rldynamics.plots.data import RunData, as_float, early_stops, load_run
 from rldynamics.tracking.run_dir import read_config, row_step
 
@@ -39,8 +40,8 @@ if TYPE_CHECKING:
 STATUS_FILE = "sweep.json"
 PLAN_FILE = "plan.json"
 LOG_FILE = "train.log"
-EXITED = "trainer/exited_after_gradient_analysis"
-UPDATED = "actor/pg_loss"  # logged by every actor update
+UPDATED = names.actor("pg_loss")  # logged by every actor update
+EMPTY_AFTER_FILTER = names.filter_metric(names.ROLLOUT, "empty_after_filter")
 FINISHED = ("completed", "early_stopped")
 _SEED_DIR = re.compile(r"seed(\d+)")
 
@@ -129,7 +130,7 @@ def has_checkpoint(path: Path) -> bool:
 def val_key(run: RunData) -> str:
     """`val-env/<env.name>/success` of the run."""
     env = run.config.get("env") if isinstance(run.config.get("env"), dict) else {}
-    return f"val-env/{env.get('name', 'sokoban')}/success"
+    return names.val_success(env.get("name", "sokoban"))
 
 
 @dataclass
@@ -195,7 +196,8 @@ def outcome(path: Path, run: RunData | None = None) -> Outcome:
         found.state, found.detail = "damaged", broken
     elif stops:
         found.state, found.detail = "early_stopped", stops[0][1]
-    elif (last is not None and steps is not None and last >= steps) or (run.rows and run.rows[-1].get(EXITED)):
+    elif (last is not None and steps is not None and last >= steps) or (
+            run.rows and run.rows[-1].get(names.EXITED_AFTER_ANALYSIS)):
         found.state, found.detail = "completed", never_updated(run.rows)
     elif status.get("returncode") == 0:
         found.state = "damaged"
@@ -214,7 +216,7 @@ def never_updated(rows: list[dict[str, Any]]) -> str:
     steps = [r for r in rows if r.get("step", 0) >= 1]
     if not steps or any(UPDATED in r for r in steps):
         return ""
-    if all(as_float(r.get("rollout/empty_after_filter", 0)) == 1 for r in steps):
+    if all(as_float(r.get(EMPTY_AFTER_FILTER, 0)) == 1 for r in steps):
         return "never updated: the filter kept no group at any step"
     if all(as_float(r.get("critic/warmup", 0)) == 1 for r in steps):
         return "never updated: the critic warm-up (critic.warmup_steps) covered every step"
