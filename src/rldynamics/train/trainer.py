@@ -184,7 +184,8 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
         return m, stop
 
     own_old = single_pass(cfg.train, len(batch)) and not analysis_due(cfg, step)
-    prepared = prepare(s, filtered, m, old_pass=not own_old)
+    # the reference model is loaded for the analysis too; with KL off only an analysis step reads its log-probs
+    prepared = prepare(s, filtered, m, old_pass=not own_old, ref_pass=cfg.algo.kl_coef > 0 or analysis_due(cfg, step))
     if s.critic is not None:
         s.console.phase("critic")
         with timed(m, "update_critic"):
@@ -239,10 +240,11 @@ def record_filter(m: dict[str, float], stopper: EarlyStopper, filtered: Filtered
     return stop
 
 
-def prepare(s: Session, filtered: Filtered, m: dict[str, float], *, old_pass: bool = True) -> Prepared:
+def prepare(s: Session, filtered: Filtered, m: dict[str, float], *, old_pass: bool = True,
+            ref_pass: bool = True) -> Prepared:
     """The update's inputs of the filtered batch (`prepare_update`) and the batch summaries; metrics into `m`."""
     s.console.phase("log-probs")
-    prepared = prepare_update(s, filtered.batch, filtered.kept_ratio, old_pass=old_pass)
+    prepared = prepare_update(s, filtered.batch, filtered.kept_ratio, old_pass=old_pass, ref_pass=ref_pass)
     m.update(prepared.metrics)
     m.update(data_metrics(filtered.batch, prepared.inputs.advantages, prepared.returns, prepared.values))
     return prepared
