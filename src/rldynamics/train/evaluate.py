@@ -17,20 +17,13 @@ metrics.jsonl (one row); an existing run is never written into.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
-import torch
-
-from rldynamics import dist
 from rldynamics import metric_names as names
 from rldynamics.config import Config, ConfigError, apply_overrides, load_config, make_config, save_config
-from rldynamics.models.loading import load_model_and_tokenizer
-from rldynamics.models.sharding import wrap
-from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
-from rldynamics.train.checkpoint import read_trainer_state
-from rldynamics.train.setup import Session, base_model_path, prepare, resolve_device
-from rldynamics.train.trainer import validate
+
 
 def is_checkpoint(target: str | Path) -> bool:
     """True for a trainer checkpoint directory (`step_N` with `trainer_state.json` and `actor/`)."""
@@ -43,7 +36,7 @@ def eval_config(target: str, preset: str | None, overrides: list[str], default_p
     step = 0
     if is_checkpoint(target):
         checkpoint = Path(target).resolve()
-        step = read_trainer_state(checkpoint)["step"]
+        step = _checkpoint_step(checkpoint)
         run_config = checkpoint.parent.parent / "config.yaml"
         if preset is None and not run_config.is_file():
             raise ConfigError(f"{target}: its run's config.yaml ({run_config}) is missing, so the env and validation "
@@ -72,6 +65,15 @@ def eval_run_dir(cfg: Config, target: str, step: int) -> Path:
 def evaluate(cfg: Config, run_dir: Path, step: int = 0) -> dict[str, float]:
     """Validate `cfg.model.path` with the trainer's validation stage; write config.yaml and the metrics row (at `step`)
     to `run_dir`; return the metrics. Checks the run directory before loading anything and writes it only at the end."""
+    import torch
+
+    from rldynamics import dist
+    from rldynamics.models.loading import load_model_and_tokenizer
+    from rldynamics.models.sharding import wrap
+    from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
+    from rldynamics.train.setup import Session, base_model_path, prepare, resolve_device
+    from rldynamics.train.trainer import validate
+
     check_no_links(run_dir)
     _check_new(run_dir)
     RunLock(run_dir).check()
@@ -93,6 +95,20 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0) -> dict[str, float]:
             writer.log(step, metrics)
             writer.close()
     return metrics
+
+
+def _checkpoint_step(checkpoint: Path) -> int:
+    """The step a checkpoint was saved at, read from its trainer_state.json without torch (its files are verified
+    as the actor loads)."""
+    file = checkpoint / "trainer_state.json"
+    try:
+        step = json.loads(file.read_text(encoding="utf-8")).get("step")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise ConfigError(f"{file} is not a readable trainer state ({e.__class__.__name__}); is {checkpoint} a "
+                          "checkpoint written by rldyn train?") from None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"{file} has no step number; is {checkpoint} a checkpoint written by rldyn train?")
+    return step
 
 
 def _check_new(run_dir: Path) -> None:
