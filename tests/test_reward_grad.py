@@ -13,7 +13,7 @@ from rldynamics.algo.advantages import grpo_advantages
 from rldynamics.algo.losses import policy_loss
 from rldynamics.analysis.gram import gram, local_slices
 from rldynamics.analysis.objective import ActorInputs
-from rldynamics.analysis.probe import gradient_probe
+from rldynamics.analysis.probe import ProbeSettings, gradient_probe
 from rldynamics.analysis.reward_grad import layer_groups, reward_grad_metrics
 from rldynamics.config import AlgoConfig
 from rldynamics.models.forward import batch_logprobs, token_logprobs
@@ -65,8 +65,8 @@ def run_probe(model, batch, algo, **kw):
     inputs = ActorInputs(old_logprobs=old, advantages=advantages)
     stds = {g: float(batch.scores[batch.group_ids == g].std()) for g in range(GROUPS)}
     comps = component_advantages(batch, algo)
-    return gradient_probe(model, batch, inputs, stds, algo=algo, micro_batch_size=5, temperature=1.0,
-                          keep_gradients=True, component_advantages=comps, component_weights=WEIGHTS, **kw)
+    settings = ProbeSettings(algo=algo, micro_batch_size=5, temperature=1.0, keep_gradients=True, **kw)
+    return gradient_probe(model, batch, inputs, stds, settings, component_advantages=comps, component_weights=WEIGHTS)
 
 
 def algo_cfg(norm_by_std: bool, mode: str = "token-mean") -> AlgoConfig:
@@ -165,6 +165,9 @@ def test_training_run_logs_component_gradients(fast_overrides):
         assert (run / "plots" / name).stat().st_size > 5000, name
     page = (run / "report.html").read_text()
     assert 'id="reward-components"' in page and "constant within every group" in page  # step is always 0
+    assert plot_command(run, [2], out=run / "step2") == 0  # one step asked: no figure of another step
+    assert (run / "step2" / "reward_grad_matrix_step_2.png").is_file()
+    assert not list((run / "step2").glob("*step_1*"))
 
 
 def test_components_alone_skip_the_actor_terms(model):

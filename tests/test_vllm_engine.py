@@ -189,7 +189,7 @@ def test_seeded_training_run_is_reproducible_and_logs_the_mismatch(tiny_cache, t
     rows = []
     for name in ("a", "b"):
         cfg = make_config(overrides=[*FAST, f"log.run_dir={tmp_path}", f"log.name={name}", "rollout.engine=vllm",
-                                     "model.tiny_hidden_size=128", "rollout.vllm_kv_cache_gib=0.25"])
+                                     "tiny.hidden_size=128", "rollout.vllm_kv_cache_gib=0.25"])
         run = train(cfg)
         rows.append([json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()])
         samples = (run / "samples.jsonl").read_text()

@@ -27,11 +27,15 @@ examples:
   rldyn train --help-config                         # every config key with its default and meaning
   rldyn train --help-config --ragen                 # the RAGEN / verl keys accepted and what they become
   rldyn train actor_rollout_ref.rollout.rollout_filter_value=0.9 es_manager.train.env_groups=8  # RAGEN's names
-  rldyn train analysis.enabled=true analysis.every=5  # gradient analysis every 5 steps
+  rldyn train analysis.every=5                      # gradient analysis every 5 steps (default: 50, RAGEN's)
+  rldyn train model.threads=2                       # torch CPU threads (default: OMP_NUM_THREADS, else half the
+                                                    # cores, at most 4)
   rldyn train --preset math-tiny                    # math word problems (rldynamic's reward components), CPU
   rldyn train --preset math-smollm2                 # a real pretrained model (SmolLM2-135M-Instruct) on this CPU
   rldyn train model.path=/models/my.gguf model.dtype=bfloat16 model.gradient_checkpointing=true  # GGUF, mixed precision
   rldyn train --preset gsm8k-grpo model.path=/models/Qwen2.5-3B-Instruct env.math.source=/data/gsm8k/train.jsonl
+  rldyn train --preset math-tiny env.reward_funcs=[my_rewards:concise] env.reward_weights.concise=0.5  # TRL-style
+  rldyn train env.name=prompts env.max_turns=1 env.prompts.source=/data/my_set env.reward_funcs=[my_rewards:concise]
   rldyn train --nproc 8 --preset sokoban-ppo model.path=/models/Qwen2.5-3B   # 8 GPUs, FSDP2 (docs/multi-device.md)
   torchrun --nproc-per-node 8 -m rldynamics.cli train --preset sokoban-ppo   # the same, launched by hand
 """
@@ -99,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "gradient norms), logged at the checkpoint's step; writes its own run directory, never a "
                     "checkpoint, and never stops early. Defaults: KL k3 0.001 and entropy 0.001 enabled so both "
                     "are measured. The KL reference is the base model of the checkpoint's run, built from its "
-                    "config.yaml (runs/<run>/config.yaml), so model.path, model.tiny_* and model.warm_start_* "
+                    "config.yaml (runs/<run>/config.yaml), so model.path, tiny.* and model.warm_start_* "
                     "cannot be overridden. RAGEN / verl override names are accepted (rldyn train --help-config "
                     "--ragen).",
     )
@@ -107,6 +111,23 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. analysis.env_groups=32 analysis.prefilter=true")
     probe.add_argument("--validate", action="store_true", help="run a validation before the analysis")
+
+    evaluate = sub.add_parser(
+        "eval", help="validate a checkpoint or a model (success, pass@k, reward components, response length)",
+        description="One validation (the trainer's: the fixed validation seeds, val.group_size samples each at "
+                    "val.temperature) of a checkpoint, under its run's config.yaml and logged at its step, or of a "
+                    "model (directory, cached hub id, .gguf, tiny) under a preset; printed as a table and written to "
+                    "a run directory of its own (config.yaml, metrics.jsonl). Nothing is trained.",
+        epilog="examples:\n  rldyn eval runs/my_run/checkpoints/step_100\n"
+               "  rldyn eval runs/my_run/checkpoints/step_100 val.env_groups=1024 val.group_size=4   # pass@4\n"
+               "  rldyn eval /models/Qwen2.5-0.5B-Instruct --preset gsm8k-grpo env.math.source=/data/gsm8k_test.jsonl",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    evaluate.add_argument("target", metavar="CHECKPOINT_OR_MODEL",
+                          help="runs/<run>/checkpoints/step_<N>, a model directory, a cached hub id, a .gguf or tiny")
+    evaluate.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. val.env_groups=64")
+    evaluate.add_argument("--preset", default=None,
+                          help=f"preset (default: the checkpoint's run config, or {DEFAULT_PRESET} for a model)")
 
     plot = sub.add_parser(
         "plot", help="figures of a run directory (gradient analysis per step, training curves)",
@@ -161,31 +182,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run_job(command: str, job) -> int:
-    """Run `job()` (which returns a run directory); report bad input as one clear line and exit code 2.
+def _run_job(command: str, job, check=None) -> int:
+    """Run `check()` (the settings, read without torch: a bad key or value answers at once), then `job(checked)`
+    (which returns a run directory); report bad input as one clear line and exit code 2.
 
-    Under torchrun the process joins the process group first; rank 0 alone prints."""
+    Under torchrun the process joins the process group after the check; rank 0 alone prints."""
+    say = print if _main_rank() else (lambda *a, **k: None)
+    code, checked = _one_line_errors(command, say, check or (lambda: None))
+    if code:
+        return code
     from transformers.utils import logging as hf_logging
 
     from rldynamics import dist
-    from rldynamics.config import ConfigError
 
     hf_logging.disable_progress_bar()  # per-file load/save bars would drown the training progress bar
     dist.init_from_env()
-    say = print if dist.is_main() else (lambda *a, **k: None)
     try:
-        run_dir = job()
-    except ConfigError as e:
-        say(f"rldyn {command}: config error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except (FileExistsError, FileNotFoundError, ValueError, OSError, ImportError) as e:
-        say(f"rldyn {command}: {_one_line(e)}", file=sys.stderr)
-        return 2
+        code, run_dir = _one_line_errors(command, say, lambda: job(checked))
     finally:
         dist.close()
     if run_dir is not None:
         say(f"run directory: {run_dir}")
-    return 0
+    return code
+
+
+def _one_line_errors(command: str, say, fn) -> tuple[int, object]:
+    """(0, fn()), or (2, None) after saying in one line why bad input stopped it."""
+    from rldynamics.config import ConfigError
+
+    try:
+        return 0, fn()
+    except ConfigError as e:
+        say(f"rldyn {command}: config error: {_one_line(e)}", file=sys.stderr)
+    except (FileExistsError, FileNotFoundError, ValueError, OSError, ImportError) as e:
+        say(f"rldyn {command}: {_one_line(e)}", file=sys.stderr)
+    return 2, None
+
+
+def _main_rank() -> bool:
+    """This process prints: one process, or rank 0 under torchrun (read from its RANK variable, before torch)."""
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _launch(nproc: int, argv: list[str]) -> int:
@@ -254,47 +292,78 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
 
     def config(launcher: bool = False):
-        from rldynamics.train.setup import resume_base
-
         if not launcher:
             _print_ragen_translation(args.overrides)
         cfg = make_config(args.preset or DEFAULT_PRESET, args.config, args.overrides)  # fails before any work
         if cfg.checkpoint.resume:  # a resumed run starts from its saved settings, changed only where asked
+            from rldynamics.train.setup import resume_base
+
             cfg = make_config(args.preset, args.config, args.overrides, base=resume_base(cfg))
+        if not launcher:
+            _print_start_warnings(cfg, args.preset or DEFAULT_PRESET, args.config, args.overrides)
         return cfg
 
     if args.nproc != 1:  # the launcher checks what it can, once, then starts the ranks
         from rldynamics.train.setup import check_world
 
-        return _run_job("train", lambda: check_world(config(launcher=True), args.nproc)) or (
+        return _run_job("train", lambda _: None, check=lambda: check_world(config(launcher=True), args.nproc)) or (
             _launch(args.nproc, _without_nproc(args.argv)))
 
-    def job():
+    def job(cfg):
         from rldynamics.train.trainer import train
 
-        return train(config())
+        return train(cfg)
 
-    return _run_job("train", job)
+    return _run_job("train", job, check=config)
 
 
 def _print_ragen_translation(overrides: list[str]) -> None:
     """Say once what the RAGEN / verl keys among `overrides` became (nothing when there are none)."""
-    from rldynamics import dist
     from rldynamics.config import ragen_translation
 
     lines = ragen_translation(overrides)
-    if lines and dist.is_main():
+    if lines and _main_rank():
         print("RAGEN / verl keys translated:\n" + "\n".join(f"  {line}" for line in lines))
 
 
-def cmd_probe(args: argparse.Namespace) -> int:
-    from rldynamics.train.probe import probe_checkpoint
+def _print_start_warnings(cfg, preset: str | None, file: str | None, overrides: list[str]) -> None:
+    """One line per setting that will not do what it seems to (`rldynamics.start_notes`), before any work."""
+    from rldynamics import dist
+    from rldynamics.start_notes import start_warnings
 
-    def job():
+    if dist.is_main():
+        for line in start_warnings(cfg, preset, file, overrides):
+            print(line, file=sys.stderr)
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    def job(_):
+        from rldynamics.train.probe import probe_checkpoint
+
         _print_ragen_translation(args.overrides)
         return probe_checkpoint(args.checkpoint, args.overrides, validate=args.validate)
 
     return _run_job("probe", job)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    def check():
+        from rldynamics.train.evaluate import eval_config
+
+        _print_ragen_translation(args.overrides)
+        return eval_config(args.target, args.preset, args.overrides, DEFAULT_PRESET)
+
+    def job(checked):
+        from rldynamics.train.evaluate import eval_run_dir, evaluate, metrics_table
+
+        cfg, step = checked
+        run_dir = eval_run_dir(cfg, args.target, step)
+        metrics = evaluate(cfg, run_dir, step)
+        print(f"eval of {args.target} (step {step}, {cfg.val.env_groups} x {cfg.val.group_size} {cfg.env.name} "
+              f"validation rollouts at temperature {cfg.val.temperature:g}):\n{metrics_table(metrics, cfg.env.name)}")
+        return run_dir
+
+    return _run_job("eval", job, check=check)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -368,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         build_parser().print_help()
         return 0
-    commands = {"train": cmd_train, "probe": cmd_probe, "sweep": cmd_sweep, "plot": cmd_plot, "report": cmd_report,
-                "envs": cmd_envs}
+    commands = {"train": cmd_train, "probe": cmd_probe, "eval": cmd_eval, "sweep": cmd_sweep, "plot": cmd_plot,
+                "report": cmd_report, "envs": cmd_envs}
     return commands[args.command](args)
 
 

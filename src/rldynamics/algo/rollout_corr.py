@@ -26,9 +26,8 @@ import math
 
 import torch
 
+from rldynamics import metric_names as names
 from rldynamics.algo.losses import masked_mean, rollout_log_ratio, sequence_log_ratio
-
-PREFIX = "rollout/corr/"
 
 
 def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, *,
@@ -74,7 +73,7 @@ def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
         out["rollout_is_truncated_fraction"] = masked_mean((ratio > tis_cap).float(), mask).item()
     if mis:
         out["rollout_rs_masked_fraction"] = seq_high + seq_low
-    return {PREFIX + k: v for k, v in out.items()}
+    return {names.rollout_corr(k): v for k, v in out.items()}
 
 
 def needs_old_pass(cfg) -> bool:

@@ -17,7 +17,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from rldynamics.plots.analysis import DPI, auto_scale, new_figure, note, save_png
+from rldynamics import metric_names as names
+from rldynamics.plots.analysis import DPI, auto_scale, new_figure, note, readable_log_ticks, save_png
 from rldynamics.plots.data import (
     PREFIX,
     RunData,
@@ -30,6 +31,7 @@ from rldynamics.plots.data import (
     env_names,
     has_key,
     norm_is_zero,
+    off_terms,
     read_sketches,
     series,
 )
@@ -41,22 +43,26 @@ def curve_panels(run: RunData) -> list[tuple[str, list[tuple[str, str]]]]:
     """(panel title, [(metric key, legend label)]) for every panel whose metrics were logged."""
     envs = env_names(run)
     candidates: list[tuple[str, list[tuple[str, str]]]] = [
-        ("reward (critic/score/mean)", [("critic/score/mean", "mean score")]),
-        ("success rate", [(f"{split}/{e}/success", f"{split.split('-')[0]} {e}")
-                          for e in envs for split in ("train", "val-env")]),
-        ("rollout-policy entropy (actor/entropy)", [("actor/entropy", "entropy")]),
+        (f"reward ({names.SCORE_MEAN})", [(names.SCORE_MEAN, "mean score")]),
+        ("success rate", [(f"{names.env_prefix(e, validation)}/success", f"{'val' if validation else 'train'} {e}")
+                          for e in envs for validation in (False, True)]),
+        (f"rollout-policy entropy ({names.ENTROPY})", [(names.ENTROPY, "entropy")]),
         ("KL loss (actor/kl_loss)", [("actor/kl_loss", "kl_loss")]),
         ("grad norm (actor/grad_norm, pre-clip)", [("actor/grad_norm", "grad norm")]),
         ("clip fraction (actor/pg_clipfrac; rule of thumb 10–40 %)", [("actor/pg_clipfrac", "pg_clipfrac")]),
         ("policy loss (actor/pg_loss)", [("actor/pg_loss", "pg_loss")]),
-        ("filter kept ratio", [("rollout/filter_kept_ratio", "kept ratio")]),
-        ("in-group reward std", [("rollout/in_group_reward_std", "mean group std")]),
-        ("sampler/trainer mismatch (rollout/corr/k3_kl, kl)", [("rollout/corr/k3_kl", "k3"), ("rollout/corr/kl", "k1")]),
+        ("filter kept ratio", [(names.FILTER_KEPT_RATIO, "kept ratio")]),
+        ("in-group reward std", [(names.IN_GROUP_REWARD_STD, "mean group std")]),
+        ("sampler/trainer mismatch (rollout/corr/k3_kl, kl)",
+         [(names.rollout_corr("k3_kl"), "k3"), (names.rollout_corr("kl"), "k1")]),
         ("outside the mismatch band (rollout/corr/*_fraction_outside)",
-         [("rollout/corr/token_fraction_outside", "tokens"), ("rollout/corr/seq_fraction_outside", "sequences")]),
+         [(names.rollout_corr("token_fraction_outside"), "tokens"), (names.rollout_corr("seq_fraction_outside"),
+                                                                     "sequences")]),
         ("response length", [("response_length/mean", "tokens / response")] if has_key(run, "response_length/mean")
-         else [(f"train/{e}/response_length", e) for e in envs]),
+         else [(f"{names.env_prefix(e)}/response_length", e) for e in envs]),
     ]
+    if "kl" in off_terms(run.config):  # a KL loss that is off is 0 by construction: no flat panel
+        candidates = [c for c in candidates if not c[0].startswith("KL loss")]
     out = []
     for title, keys in candidates:
         present = [(k, label) for k, label in keys if has_key(run, k)]
@@ -150,7 +156,9 @@ def _lines_per_bucket(ax, run: RunData, steps: list[int], metric: str) -> bool:
             continue
         x = np.array([p[0] for p in pts], dtype=float)
         y = np.array([as_float(p[1]) for p in pts], dtype=float)
-        style = {"color": "k", "ls": "--"} if b == "all" else {"color": f"C{(bucket_sort_key(b)[1] - 1) % 10}"}
+        # a bucket at two steps holds other groups: only `all` (the whole batch) is joined across steps
+        style = {"color": "k", "ls": "--"} if b == "all" else {"color": f"C{(bucket_sort_key(b)[1] - 1) % 10}",
+                                                               "ls": "none"}
         fin = np.isfinite(y)
         ax.plot(x[fin], y[fin], marker="o", ms=4, label=bucket_label(b, run.bucket_mode, run.zero_bucket), **style)
         drawn = drawn or bool(fin.any())
@@ -229,8 +237,9 @@ def fig_reg_share(run: RunData, steps: list[int] | None = None) -> Figure | None
         zeros += [(xi, style["color"]) for xi in x[np.isfinite(y) & (y == 0)]]
         if not pos.any():
             continue
-        ax.plot(x[pos], y[pos], ls="-", lw=0.8, ms=5, label=bucket_label(b, run.bucket_mode, run.zero_bucket),
-                **style)
+        # a bucket at two steps holds other groups: buckets are not joined across steps, `all` (the batch) is
+        ax.plot(x[pos], y[pos], ls="--" if b == "all" else "none", lw=0.8, ms=5,
+                label=bucket_label(b, run.bucket_mode, run.zero_bucket), **style)
         ok = pos & np.isfinite(low) & np.isfinite(high)
         if ok.any():
             lo = np.where(low[ok] > 0, low[ok], y[ok] / 2)  # a whisker to 0 cannot be drawn on a log axis
@@ -242,6 +251,7 @@ def fig_reg_share(run: RunData, steps: list[int] | None = None) -> Figure | None
     else:
         ax.set_yscale("log")
         ax.set_ylim(float(np.min(np.concatenate(drawn))) / 3, 1.6)
+        readable_log_ticks(ax.yaxis)
         ax.axhline(1.0, color="0.6", lw=0.6, ls=":")
         for xi, color in zeros:
             ax.plot([xi], [0.02], marker="v", color=color, transform=ax.get_xaxis_transform(), clip_on=False)
@@ -265,9 +275,9 @@ def _bucket_series(run: RunData, steps: list[int], bucket: str, metric: str) -> 
 def sketch_cosine_matrix(sketches: dict[str, np.ndarray], component: str = "task",
                          prefix: str = PREFIX) -> tuple[list[str], np.ndarray]:
     """(bucket names, [B, B] cosine matrix) of the `<prefix>/bucket_k/<component>` sketches; nan for zero sketches."""
-    head = f"{prefix}/bucket_"
-    keys = sorted((k for k in sketches if k.startswith(head) and k.endswith(f"/{component}") and k.count("/") == 2),
-                  key=lambda k: bucket_sort_key(k.split("/")[1]))
+    parsed = {k: names.parse_bucket_metric(k, prefix) for k in sketches}
+    keys = sorted((k for k, p in parsed.items() if p and p[0] != names.ALL and p[1] == component),
+                  key=lambda k: bucket_sort_key(parsed[k][0]))
     if not keys:
         return [], np.zeros((0, 0))
     m = np.stack([sketches[k] for k in keys])  # [B, dim]
@@ -275,7 +285,7 @@ def sketch_cosine_matrix(sketches: dict[str, np.ndarray], component: str = "task
     with np.errstate(invalid="ignore", divide="ignore"):
         cos = (m @ m.T) / np.outer(norms, norms)  # [B, B]
     cos[~np.isfinite(cos)] = np.nan
-    return [k.split("/")[1] for k in keys], cos
+    return [parsed[k][0] for k in keys], cos
 
 
 def fig_sketch_cosines(run: RunData, step: int, component: str = "task") -> Figure | None:

@@ -134,7 +134,7 @@ def _load_error(path: str, dtype: str, e: Exception) -> str:
     first = first.split(". Supported architectures")[0][:300]
     if "Unsupported CPU attention" in first:
         return (f"rollout.engine=vllm: vLLM's CPU attention cannot run the model at {path} in {dtype} ({first}); "
-                "its head size must be one the CPU kernels have (the tiny model: model.tiny_hidden_size=128, head "
+                "its head size must be one the CPU kernels have (the tiny model: tiny.hidden_size=128, head "
                 "size 32), or use rollout.engine=hf")
     if "KV cache" in first and "max seq len" in first:
         return (f"rollout.engine=vllm: the engine's KV cache is too small for one sequence of the model at {path} "

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rldynamics import metric_names as names
 from rldynamics.plots.data import RunData, as_float, series
 from rldynamics.sweep import runs
 
@@ -52,8 +53,8 @@ class RunResult:
 
     @property
     def outcome(self) -> str:
-        """`completed`, `early_stopped: <reason>`, `failed`, ..."""
-        return f"early_stopped: {self.detail}" if self.state == "early_stopped" else self.state
+        """`completed`, `completed: never updated: <why>`, `early_stopped: <reason>`, `failed`, ..."""
+        return f"{self.state}: {self.detail}" if self.state in runs.FINISHED and self.detail else self.state
 
     @property
     def rel(self) -> str:
@@ -82,7 +83,7 @@ class PointResult:
     def outcome(self) -> str:
         """`completed` when every seed completed, else each other outcome with its count, e.g.
         `early_stopped: reward_variance_collapse (1/3)`."""
-        others = [r.outcome for r in self.runs if r.state != "completed"]
+        others = [r.outcome for r in self.runs if r.outcome != "completed"]
         if not others:
             return "completed"
         n = len(self.runs)
@@ -109,8 +110,8 @@ def run_result(path: Path) -> RunResult:
     return RunResult(label=path.parent.name, seed=runs.seed_of(path), state=found.state, detail=found.detail,
                      steps_run=found.step, final=float(values[fin][-1]) if fin.any() else math.nan,
                      best=float(values[fin].max()) if fin.any() else math.nan, val_steps=steps, val_values=values,
-                     reward_std=_mean(run, "rollout/in_group_reward_std"),
-                     kept_ratio=_mean(run, "rollout/filter_kept_ratio"),
+                     reward_std=_mean(run, names.IN_GROUP_REWARD_STD),
+                     kept_ratio=_mean(run, names.FILTER_KEPT_RATIO),
                      wall_s=wall, step_s=step_s, report=report, log=log, metric=runs.val_key(run),
                      tail=runs.log_tail(path, 12) if found.state in NEEDS_LOOK else [])
 
@@ -123,10 +124,10 @@ def _mean(run: RunData, key: str) -> float:
 
 def _times(run: RunData) -> tuple[float, float]:
     """(wall seconds of the logged steps plus the step-0 validation, mean seconds per step)."""
-    _, per_step = series(run, "timing_s/step")
+    _, per_step = series(run, names.STEP_TIME)
     if not run.rows or not len(per_step):
         return math.nan, math.nan
-    first = as_float(run.rows[0].get("timing_s/val")) if run.rows[0]["step"] == 0 else math.nan
+    first = as_float(run.rows[0].get(names.VAL_TIME)) if run.rows[0]["step"] == 0 else math.nan
     return float(per_step.sum() + (first if math.isfinite(first) else 0.0)), float(per_step.mean())
 
 

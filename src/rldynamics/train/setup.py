@@ -50,7 +50,9 @@ from rldynamics.models.sharding import wrap
 from rldynamics.models.tiny import ensure_tiny_model
 from rldynamics.rollout import vllm_engine
 from rldynamics.rollout.vllm_engine import rollout_engine
+from rldynamics.threads import choose_threads
 from rldynamics.tracking.console import StepConsole
+from rldynamics.tracking.environment import describe, record_start
 from rldynamics.tracking.grad_dump import GradientDumper
 from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
 from rldynamics.tracking.sinks import TensorBoardSink, WandbSink, check_installed
@@ -62,7 +64,6 @@ from rldynamics.train.checkpoint import (
     remove_stale,
     verify_checkpoint,
 )
-from rldynamics.train.stages import seed_step
 from rldynamics.train.warmstart import ensure_warm_start, tiny_corpus
 
 
@@ -80,19 +81,15 @@ class Session:
     critic: torch.nn.Module | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
     console: StepConsole | None = None
-    first_step: int = 1
     dumper: GradientDumper | None = None  # analysis.dump_gradients: started by the first dump
     engine: object | None = None  # the rollout engine of rollout.engine=vllm (None: HF generate per rollout)
     main: bool = True  # rank 0 (or one process): the one that writes the run directory
+    environment: dict | None = None  # what computes this start (`tracking.environment`), recorded by open_run
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append the metrics row of `step` (rank 0 only)."""
         if self.main:
             self.writer.log(step, metrics)
-
-    def seed_step(self, step: int) -> int:
-        """The step whose env seeds and sampling seed `step` uses (`stages.seed_step`)."""
-        return seed_step(step, self.first_step, self.cfg.analysis.only)
 
 
 @dataclass
@@ -135,8 +132,9 @@ def base_model_path(cfg: Config) -> str:
     if cfg.model.path != "tiny":
         return resolve_model_path(cfg.model.path, corpus_fn=lambda: ())
     m = cfg.model
-    path = str(ensure_tiny_model(lambda: tiny_corpus(cfg.env), hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers,
-                                 intermediate_size=4 * m.tiny_hidden_size, tie_embeddings=m.tiny_tie_embeddings))
+    t = cfg.tiny
+    path = str(ensure_tiny_model(lambda: tiny_corpus(cfg.env), hidden_size=t.hidden_size, num_layers=t.layers,
+                                 intermediate_size=4 * t.hidden_size, tie_embeddings=t.tie_embeddings))
     return ensure_warm_start(path, cfg) if m.warm_start_episodes > 0 else path
 
 
@@ -203,9 +201,6 @@ def check_world(cfg: Config, ranks: int | None = None) -> None:
 def resolve_run_dir(cfg: Config) -> Path:
     """The run directory: `log.run_dir/log.name` (a new name when unset), or the run of a resumed checkpoint."""
     resume = cfg.checkpoint.resume
-    if resume and cfg.analysis.only:
-        raise ValueError("analysis.only=true with checkpoint.resume would log into the checkpointed run itself; use "
-                         "`rldyn probe <checkpoint>`, which writes its own run directory")
     if resume and resume != "latest":
         return Path(resume).resolve().parent.parent
     if resume == "latest" and not cfg.log.name:
@@ -250,7 +245,7 @@ def plan_start(cfg: Config, run_dir: Path) -> Start:
         return Start(in_place=in_place)
     if not in_place:
         run_config(path)  # a checkpoint of another run (a probe): its run's base model must be known
-    state = verify_checkpoint(path, needs_critic=cfg.algo.adv_estimator == "gae")
+    state = verify_checkpoint(path, needs_critic=cfg.algo.has_critic)
     return Start(checkpoint=path, state=state, in_place=in_place)
 
 
@@ -274,6 +269,7 @@ def check_resume_settings(cfg: Config, run_dir: Path) -> None:
 def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
     """Build the training session for `cfg`, resuming `start`; writes nothing (`open_run` does, under the lock)."""
     device = resolve_device(cfg.model.device)
+    threads, threads_from = set_threads(cfg, device)
     torch.manual_seed(cfg.seed)
     base = dist.on_main(run_base_path, cfg, start)  # the tiny model is built (and warm-started) once, by rank 0
     ckpt = start.checkpoint
@@ -289,15 +285,33 @@ def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
             check_reference(actor_shapes, ref_model, base, ckpt)
         ref_model = wrap(prepare(ref_model.requires_grad_(False), cfg, base), cfg.model.shard)
     critic = critic_optimizer = None
-    if cfg.algo.adv_estimator == "gae":
+    if cfg.algo.has_critic:
         critic = load_value_model(str(ckpt / "critic") if ckpt else base, device=str(device))
         critic = wrap(prepare(critic, cfg, base), cfg.model.shard)
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic.lr, weight_decay=0.0)
     if ckpt is not None:
         load_trainer_state(ckpt, model=model, optimizer=optimizer, critic=critic, critic_optimizer=critic_optimizer)
+    environment = describe(start.step, threads, threads_from, _device_name(device),
+                           base if cfg.model.path == "tiny" and dist.is_main() else None)
     return Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=optimizer,
                    ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer, main=dist.is_main(),
-                   engine=rollout_engine(cfg, base, model))
+                   environment=environment, engine=rollout_engine(cfg, base, model))
+
+
+def set_threads(cfg: Config, device: torch.device) -> tuple[int, str]:
+    """Set torch's CPU thread count (`threads.choose_threads`) and say it, with the device, in the run's first console
+    line; returns (threads, where the number comes from)."""
+    threads, threads_from = choose_threads(cfg.model.threads)
+    torch.set_num_threads(threads)
+    if dist.is_main():
+        print(f"device {_device_name(device)}, {threads} torch thread{'s' if threads > 1 else ''} ({threads_from})",
+              flush=True)
+    return threads, threads_from
+
+
+def _device_name(device: torch.device) -> str:
+    """`cpu`, or `cuda:0 (NVIDIA H100 80GB HBM3)`."""
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
 
 
 def prepare(model: torch.nn.Module, cfg: Config, base: str) -> torch.nn.Module:
@@ -326,6 +340,8 @@ def open_run(s: Session, start: Start) -> None:
     remove_stale(s.run_dir / "checkpoints")
     s.writer.sinks = _sinks(s.cfg, s.run_dir)
     save_config(s.cfg, s.run_dir / "config.yaml")
+    if s.environment is not None:
+        record_start(s.run_dir, s.environment)
 
 
 def load_early_stop(stopper, start: Start) -> None:
