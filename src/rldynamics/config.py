@@ -270,6 +270,31 @@ class AnalysisConfig:
 
 
 @dataclass
+class CollapseConfig:
+    """RAGEN-2's template-collapse diagnostics (RAGEN's `collapse_detection.*`; docs/collapse.md)."""
+
+    enabled: bool = False
+    """Cross-score the training batch's replies under its prompts on schedule: mutual-information proxies
+    (collapse_first_turn_sample/*, collapse_trajectory_sample/*). Read-only: training is unchanged."""
+    compute_freq: int = 5
+    """Diagnose at step 1, then at every step divisible by this (RAGEN's schedule)."""
+    micro_batch_size: int = 128
+    """Rows [prompt | reply] per forward of the cross-scoring."""
+    first_turn_enabled: bool = True
+    """Pairs of (first prompt, first reply), one column per group."""
+    multi_turn_enabled: bool = True
+    """Trajectory-uniform pairs (a trajectory, then one of its turns; each pair its own column)."""
+    num_samples: int = 64
+    """Pairs per mode (first turn: drawn without replacement; trajectory: with); 0 = all (RAGEN's `all`)."""
+    std_eps: float = 1e-3
+    """Added to the marginal std in the z-scores."""
+    ema_decay: float = 0.9
+    """EMA decay of the marginal std (`*_ema`)."""
+    bootstrap_resamples: int = 200
+    """Prompt-cluster bootstrap resamples of the MI and retrieval intervals (.../ci_low|ci_high); 0 = none."""
+
+
+@dataclass
 class CheckpointConfig:
     every: int = 0
     """Save every N steps (and at the end when > 0); 0 = only at the end if save_last."""
@@ -329,6 +354,7 @@ class Config:
     critic: CriticConfig = field(default_factory=CriticConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)
     analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -359,16 +385,19 @@ RANGES: dict[str, tuple[float, bool, float | None]] = {
         "analysis.env_groups", "analysis.group_size",
         "model.tiny_hidden_size",
         "model.tiny_layers", "model.warm_start_turns", "model.warm_start_epochs", "early_stop.rv_baseline_steps",
-        "early_stop.rv_window", "early_stop.val_patience", "critic.ppo_epochs"), (1, True, None)),
+        "early_stop.rv_window", "early_stop.val_patience", "critic.ppo_epochs", "collapse.compute_freq",
+        "collapse.micro_batch_size"), (1, True, None)),
     **dict.fromkeys(("seed", "train.steps", "train.seed_base", "val.every", "val.seed_base", "checkpoint.every",
                      "checkpoint.keep_last", "critic.warmup_steps", "log.samples_per_step",
-                     "model.warm_start_episodes"), (0, True, None)),
+                     "model.warm_start_episodes", "collapse.num_samples", "collapse.bootstrap_resamples",
+                     "collapse.std_eps"), (0, True, None)),
     **dict.fromkeys(("train.max_grad_norm", "train.temperature", "val.temperature",
                      "critic.max_grad_norm", "critic.clip_range", "model.warm_start_lr"), (0, False, None)),
     **dict.fromkeys(("train.lr", "critic.lr", "train.weight_decay", "algo.clip_high", "algo.kl_coef", "filter.value",
                      "early_stop.rv_ratio"),
                     (0, True, None)),
-    **dict.fromkeys(("model.warm_start_noise", "algo.clip_low", "algo.cispo_clip_low", "algo.gamma", "algo.lam",
+    **dict.fromkeys(("model.warm_start_noise", "collapse.ema_decay", "algo.clip_low", "algo.cispo_clip_low",
+                     "algo.gamma", "algo.lam",
                      "early_stop.val_success_threshold"), (0, True, 1)),
     "algo.clip_c": (1, False, None),
 }

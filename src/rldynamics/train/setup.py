@@ -28,7 +28,7 @@ written. A run killed before its first checkpoint is restarted from step 0 by `c
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -81,6 +81,7 @@ class Session:
     first_step: int = 1
     dumper: GradientDumper | None = None  # analysis.dump_gradients: started by the first dump
     main: bool = True  # rank 0 (or one process): the one that writes the run directory
+    collapse_ema: dict = field(default_factory=dict)  # collapse diagnostics: EMA of the marginal std per mode
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append the metrics row of `step` (rank 0 only)."""

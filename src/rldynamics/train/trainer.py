@@ -3,6 +3,8 @@
     rollout -> filter (whole groups) -> old / ref log-probs, values -> advantages (+ filter loss scaling)
     -> critic update -> [gradient analysis, on schedule, read-only] -> actor update
 
+(the collapse diagnostics, on their own schedule and read-only, score the unfiltered rollout: `train/collapse_stage.py`)
+
 then, in `train`, validation, the step's metrics row and the checkpoint. Every sampling call is seeded from
 (seed, step), so a resumed run replays exactly the steps an uninterrupted run would have taken. The gradient
 analysis (`train/analysis_pass.py`) is read-only: a run with it on ends with the parameters of the run with it off.
@@ -52,6 +54,7 @@ from rldynamics.train import setup
 from rldynamics.train.actor import single_pass, update_actor
 from rldynamics.train.analysis_pass import analysis_due, run_analysis
 from rldynamics.train.checkpoint import crash_point, save_checkpoint
+from rldynamics.train.collapse_stage import collapse_due, run_collapse
 from rldynamics.train.critic import update_critic
 from rldynamics.train.early_stop import EarlyStopper
 from rldynamics.train.setup import Session
@@ -192,6 +195,9 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     m.update(reward_stats(rows, batch.reward_names))
     _log_samples(s, step, batch)
     crash_point("samples", step)
+    if collapse_due(cfg, step):  # read-only, on the unfiltered batch
+        s.console.phase("collapse")
+        m.update(run_collapse(s, step, batch))
 
     batch, filter_m, group_std = filter_batch(batch, cfg.filter)
     m.update(filter_m)
