@@ -16,6 +16,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from rldynamics.plots.analysis import STEP_FIGURES, fmt, png_bytes, step_data
+from rldynamics.plots.collapse import check_template_collapse, fig_mi_entropy, fig_regimes, mode_of
 from rldynamics.plots.curves import fig_cosines, fig_reg_share, fig_sketch_cosines, fig_training_curves
 from rldynamics.plots.data import (
     PREFIX,
@@ -171,6 +172,24 @@ def reward_components_section(run: RunData) -> str:
     return "".join(out)
 
 
+def collapse_section(run: RunData) -> str:
+    """Template-collapse diagnostics: the health rule, MI and entropy over steps, the entropy-vs-MI plane."""
+    mode = mode_of(run)
+    if mode is None:
+        return ""
+    out = ['<h2 id="collapse">Template collapse (mutual information)</h2>',
+           f'<p class="meta">Cross-scoring of the <code>{html.escape(mode)}</code> pairs (docs/collapse.md): MI '
+           "estimate I(X;Z), conditional entropy H(Z|X) and marginal entropy H(Z) per token, retrieval accuracy "
+           "of the prompt from the reply above chance. Rule: entropy steady while MI or retrieval above chance "
+           "falls to half its peak = template collapse.</p>"]
+    flags = check_template_collapse(run.rows)
+    out += [_flag_html(f) for f in flags] or ['<p class="ok">No template collapse: MI and retrieval did not fall '
+                                              "while the entropy held.</p>"]
+    out.append(figure_html(fig_mi_entropy(run), "MI and entropy over the diagnosed steps; retrieval above chance"))
+    out.append(figure_html(fig_regimes(run), "Entropy vs MI: the four regimes and the run's path"))
+    return "".join(out)
+
+
 def _config_section(run: RunData) -> str:
     file = run.path / "config.yaml"
     text = file.read_text(encoding="utf-8", errors="replace") if file.exists() else None
@@ -190,7 +209,8 @@ def build_report(run_dir: str | Path | RunData) -> str:
         f'<p class="meta">run directory <code>{html.escape(str(run.path.resolve()))}</code> · {span} · '
         f"report generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} by rldynamics</p>",
         '<nav><a href="#health">Health</a><a href="#config">Config</a><a href="#curves">Training curves</a>'
-        '<a href="#analysis">Gradient analysis</a><a href="#reward-components">Reward components</a></nav>',
+        '<a href="#analysis">Gradient analysis</a><a href="#reward-components">Reward components</a>'
+        '<a href="#collapse">Template collapse</a></nav>',
         health_section(run),
         _config_section(run),
         '<h2 id="curves">Training curves</h2>',
@@ -198,6 +218,7 @@ def build_report(run_dir: str | Path | RunData) -> str:
         else '<p class="meta">No known training metrics were logged.</p>',
         analysis_section(run),
         reward_components_section(run),
+        collapse_section(run),
     ]
     title = html.escape(f"rldynamics report — {run.name}")
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
