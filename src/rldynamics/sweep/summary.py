@@ -7,7 +7,10 @@ Per run: final and best validation success (`val-env/<env.name>/success`, last a
 steps run, outcome (completed, early_stopped: <reason>, failed, damaged, missing, interrupted, unfinished: see
 `sweep/runs.py`; every run of `OUT/plan.json` is listed, a missing one too), mean pre-filter
 reward std (`rollout/in_group_reward_std`) and kept ratio (`rollout/filter_kept_ratio`) over the training
-steps, and wall time (sum of `timing_s/step` plus the step-0 validation). Per point: mean and sample std
+steps, wall time (sum of `timing_s/step` plus the step-0 validation) and, when the runs logged the collapse
+diagnostics (`collapse.enabled`), the final MI estimate, conditional entropy and retrieval above chance
+(`plots/collapse.py`), with the rank correlation over runs of final success with final MI and with final entropy
+and their bootstrap intervals (RAGEN-2's finding: MI tracks success, entropy does not). Per point: mean and sample std
 (n - 1) over the seeds that validated. An early-stopped run is a failed regime, as in RAGEN's protocol:
 its numbers are those at the stop, and the point's outcome names it. This module imports no torch.
 """
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rldynamics.plots.collapse import ENTROPY, MI, RETRIEVAL, final_value, spearman, spearman_interval
 from rldynamics.plots.data import RunData, as_float, series
 from rldynamics.sweep import runs
 
@@ -49,6 +53,9 @@ class RunResult:
     log: str | None
     metric: str
     tail: list[str] = field(default_factory=list)
+    mi: float = math.nan  # final collapse MI estimate (nats per token), nan without the diagnostics
+    entropy: float = math.nan  # final conditional entropy estimate H(Z|X)
+    retrieval: float = math.nan  # final retrieval accuracy above chance
 
     @property
     def outcome(self) -> str:
@@ -112,7 +119,8 @@ def run_result(path: Path) -> RunResult:
                      reward_std=_mean(run, "rollout/in_group_reward_std"),
                      kept_ratio=_mean(run, "rollout/filter_kept_ratio"),
                      wall_s=wall, step_s=step_s, report=report, log=log, metric=runs.val_key(run),
-                     tail=runs.log_tail(path, 12) if found.state in NEEDS_LOOK else [])
+                     tail=runs.log_tail(path, 12) if found.state in NEEDS_LOOK else [],
+                     mi=final_value(run, MI), entropy=final_value(run, ENTROPY), retrieval=final_value(run, RETRIEVAL))
 
 
 def _mean(run: RunData, key: str) -> float:
@@ -203,7 +211,8 @@ def duration(seconds: float) -> str:
 CSV_COLUMNS = ("point", "value", "seeds", "outcome", "final_success_mean", "final_success_std", "best_success_mean",
                "best_success_std", "final_success_per_seed", "best_success_per_seed", "steps_per_seed",
                "outcome_per_seed", "in_group_reward_std_mean", "filter_kept_ratio_mean", "wall_time_s_mean",
-               "step_time_s_mean")
+               "step_time_s_mean", "final_mi_mean", "final_entropy_mean", "final_mi_per_seed",
+               "final_entropy_per_seed")
 
 
 def csv_text(summary: SweepSummary) -> str:
@@ -220,7 +229,8 @@ def csv_text(summary: SweepSummary) -> str:
                          *(num(v) for v in p.stat("final")), *(num(v) for v in p.stat("best")),
                          per_seed("final"), per_seed("best"), per_seed("steps_run"),
                          ";".join(r.outcome for r in p.runs), num(p.stat("reward_std")[0]),
-                         num(p.stat("kept_ratio")[0]), num(p.stat("wall_s")[0]), num(p.stat("step_s")[0])])
+                         num(p.stat("kept_ratio")[0]), num(p.stat("wall_s")[0]), num(p.stat("step_s")[0]),
+                         num(p.stat("mi")[0]), num(p.stat("entropy")[0]), per_seed("mi"), per_seed("entropy")])
     return buf.getvalue()
 
 
@@ -233,7 +243,44 @@ def point_rows(summary: SweepSummary) -> list[list[str]]:
                      ", ".join(str(r.steps_run if r.steps_run is not None else "–") for r in p.runs), p.outcome,
                      num(p.stat("reward_std")[0], 3) or "–", num(p.stat("kept_ratio")[0], 3) or "–",
                      duration(p.stat("wall_s")[0]), num(p.stat("step_s")[0], 3) or "–"])
+    if has_collapse(summary):
+        rows[0] += ["final MI", "final H(Z|X)"]
+        for row, p in zip(rows[1:], summary.points, strict=True):
+            row += [num(p.stat("mi")[0], 3) or "–", num(p.stat("entropy")[0], 3) or "–"]
     return rows
+
+
+def has_collapse(summary: SweepSummary) -> bool:
+    """Whether any run logged the collapse diagnostics."""
+    return any(math.isfinite(r.mi) for p in summary.points for r in p.runs)
+
+
+def collapse_finding(summary: SweepSummary, resamples: int = 2000) -> dict[str, tuple[float, float, float, int]]:
+    """Spearman correlation over runs of final success with final MI, retrieval above chance and entropy:
+    name -> (rho, ci_low, ci_high, runs), over the runs with all of them finite (`plots.collapse.spearman`)."""
+    done = [r for p in summary.points for r in p.runs
+            if all(math.isfinite(v) for v in (r.final, r.mi, r.entropy, r.retrieval))]
+    success = np.array([r.final for r in done])
+    out = {}
+    for name in ("mi", "retrieval", "entropy"):
+        values = np.array([getattr(r, name) for r in done])
+        out[name] = (spearman(success, values), *spearman_interval(success, values, resamples), len(done))
+    return out
+
+
+def collapse_markdown(summary: SweepSummary) -> str:
+    """The `summary.md` section of the collapse diagnostics: the finding, then every run's final values."""
+    finding = collapse_finding(summary)
+    what = {"mi": "final MI estimate", "retrieval": "final retrieval above chance",
+            "entropy": "final conditional entropy H(Z|X)"}
+    lines = ["\n## Template collapse: success vs MI and entropy\n\n",
+             "Spearman rank correlation over runs of the final success with (95 % bootstrap interval over runs):\n\n"]
+    lines += [f"- {what[k]}: {num(rho, 3) or 'undefined'} [{num(lo, 3) or '–'}, {num(hi, 3) or '–'}] ({n} runs)\n"
+              for k, (rho, lo, hi, n) in finding.items()]
+    table = [["point", "seed", "outcome", "final %", "final MI", "final H(Z|X)", "retrieval above chance"]]
+    table += [[p.label, str(r.seed), r.outcome, pct(r.final), num(r.mi, 3) or "–", num(r.entropy, 3) or "–",
+               num(r.retrieval, 3) or "–"] for p in summary.points for r in p.runs]
+    return "".join(lines) + "\n" + _md_table(table)
 
 
 def run_rows(summary: SweepSummary) -> list[list[str]]:
@@ -287,6 +334,8 @@ def markdown(summary: SweepSummary) -> str:
     parts = [f"# Sweep `{summary.name}`\n\n{intro(summary)}\n\n", _md_table(point_rows(summary)),
              "\n![validation success vs step](summary_curves.png)\n\n![final success per point](summary_value.png)\n",
              "\n## Runs\n\n", _md_table(runs_table)]
+    if has_collapse(summary):
+        parts.append(collapse_markdown(summary))
     failed = failed_runs(summary)
     if failed:
         parts.append("\n## Failed runs\n\n")
