@@ -50,3 +50,17 @@ def test_diagnostics_leave_training_bit_identical(fast_overrides):
                     "mi_zscore_ema", "mi_estimate/ci_low"):
             assert f"collapse_first_turn_sample/{key}" in row, key
         assert "collapse_trajectory_sample/mi_estimate" in row and "timing_s/collapse_multi_turn_step" in row
+
+
+def test_valid_thinking_rate_counts_turns_with_reasoning():
+    from types import SimpleNamespace
+
+    from rldynamics.rollout.batch import RolloutBatch
+    from rldynamics.train.collapse_stage import valid_thinking_rate
+
+    texts = {1: "plan</think><answer>Up</answer>", 2: " </think><answer>Up</answer>", 3: "<answer>Up</answer>"}
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "".join(texts[int(i)] for i in ids))
+    ids = torch.tensor([[0, 1, 0, 2], [0, 3, 0, 1]])
+    mask = torch.tensor([[0.0, 1, 0, 1], [0, 1, 0, 1]])
+    batch = RolloutBatch(ids, torch.ones_like(ids), mask, scores=torch.zeros(2), group_ids=torch.arange(2))
+    assert valid_thinking_rate(batch, tokenizer) == 0.5  # 4 turns: "plan" twice; blank and missing think text

@@ -191,9 +191,10 @@ def fig_runs_mi_success(runs: list[RunData], success_key: str) -> Figure | None:
 
 
 def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Spearman's rank correlation (average ranks for ties); nan with fewer than 3 pairs or a constant side."""
+    """Spearman's rank correlation (average ranks for ties); nan with fewer than 3 pairs, a constant side or a
+    value that is not finite."""
     x, y = np.asarray(x, float), np.asarray(y, float)
-    if len(x) < 3:
+    if len(x) < 3 or not (np.isfinite(x).all() and np.isfinite(y).all()):
         return math.nan
     rx, ry = _ranks(x), _ranks(y)
     if np.ptp(rx) == 0 or np.ptp(ry) == 0:

@@ -56,6 +56,7 @@ class RunResult:
     mi: float = math.nan  # final collapse MI estimate (nats per token), nan without the diagnostics
     entropy: float = math.nan  # final conditional entropy estimate H(Z|X)
     retrieval: float = math.nan  # final retrieval accuracy above chance
+    policy_entropy: float = math.nan  # final `actor/entropy` (token entropy of the update's batch)
 
     @property
     def outcome(self) -> str:
@@ -120,7 +121,14 @@ def run_result(path: Path) -> RunResult:
                      kept_ratio=_mean(run, "rollout/filter_kept_ratio"),
                      wall_s=wall, step_s=step_s, report=report, log=log, metric=runs.val_key(run),
                      tail=runs.log_tail(path, 12) if found.state in NEEDS_LOOK else [],
-                     mi=final_value(run, MI), entropy=final_value(run, ENTROPY), retrieval=final_value(run, RETRIEVAL))
+                     mi=final_value(run, MI), entropy=final_value(run, ENTROPY), retrieval=final_value(run, RETRIEVAL),
+                     policy_entropy=_last(run, "actor/entropy"))
+
+
+def _last(run: RunData, key: str) -> float:
+    _, y = series(run, key)
+    y = y[np.isfinite(y)]
+    return float(y[-1]) if len(y) else math.nan
 
 
 def _mean(run: RunData, key: str) -> float:
@@ -256,15 +264,15 @@ def has_collapse(summary: SweepSummary) -> bool:
 
 
 def collapse_finding(summary: SweepSummary, resamples: int = 2000) -> dict[str, tuple[float, float, float, int]]:
-    """Spearman correlation over runs of final success with final MI, retrieval above chance and entropy:
-    name -> (rho, ci_low, ci_high, runs), over the runs with all of them finite (`plots.collapse.spearman`)."""
+    """Spearman correlation over runs of final success with final MI, retrieval above chance, conditional entropy
+    and policy entropy (`actor/entropy`): name -> (rho, ci_low, ci_high, runs), over the runs with the success, MI,
+    retrieval and conditional entropy finite (and, for the policy entropy, logged) (`plots.collapse.spearman`)."""
     done = [r for p in summary.points for r in p.runs
             if all(math.isfinite(v) for v in (r.final, r.mi, r.entropy, r.retrieval))]
-    success = np.array([r.final for r in done])
     out = {}
-    for name in ("mi", "retrieval", "entropy"):
-        values = np.array([getattr(r, name) for r in done])
-        out[name] = (spearman(success, values), *spearman_interval(success, values, resamples), len(done))
+    for name in ("mi", "retrieval", "entropy", "policy_entropy"):
+        pairs = np.array([(r.final, getattr(r, name)) for r in done if math.isfinite(getattr(r, name))]).reshape(-1, 2)
+        out[name] = (spearman(*pairs.T), *spearman_interval(*pairs.T, resamples), len(pairs))
     return out
 
 
@@ -272,14 +280,15 @@ def collapse_markdown(summary: SweepSummary) -> str:
     """The `summary.md` section of the collapse diagnostics: the finding, then every run's final values."""
     finding = collapse_finding(summary)
     what = {"mi": "final MI estimate", "retrieval": "final retrieval above chance",
-            "entropy": "final conditional entropy H(Z|X)"}
+            "entropy": "final conditional entropy H(Z|X)", "policy_entropy": "final policy entropy actor/entropy"}
     lines = ["\n## Template collapse: success vs MI and entropy\n\n",
              "Spearman rank correlation over runs of the final success with (95 % bootstrap interval over runs):\n\n"]
     lines += [f"- {what[k]}: {num(rho, 3) or 'undefined'} [{num(lo, 3) or '–'}, {num(hi, 3) or '–'}] ({n} runs)\n"
               for k, (rho, lo, hi, n) in finding.items()]
-    table = [["point", "seed", "outcome", "final %", "final MI", "final H(Z|X)", "retrieval above chance"]]
+    table = [["point", "seed", "outcome", "final %", "final MI", "final H(Z|X)", "retrieval above chance",
+              "actor/entropy"]]
     table += [[p.label, str(r.seed), r.outcome, pct(r.final), num(r.mi, 3) or "–", num(r.entropy, 3) or "–",
-               num(r.retrieval, 3) or "–"] for p in summary.points for r in p.runs]
+               num(r.retrieval, 3) or "–", num(r.policy_entropy, 3) or "–"] for p in summary.points for r in p.runs]
     return "".join(lines) + "\n" + _md_table(table)
 
 
