@@ -1,6 +1,6 @@
 """Memory per rank of a training step with the gradient analysis: a model, checked against measured peak RSS.
 
-    python bench/memory_model.py table                       # the README table: 0.5B / 3B / 7B on 1 and 8 x 80 GB
+    python bench/memory_model.py table                       # the docs/multi-device.md table: 0.5B / 3B / 7B on 1 and 8 x 80 GB
     python bench/memory_model.py predict --params 3b --world 8 [--dtype bfloat16] [--checkpointing] [--chunks 8] [...]
     python bench/memory_model.py check [--world 1 2] [--dtype float32 bfloat16] [--checkpointing 0 1] [--chunks 1 4]
                                                              # predicted vs measured peak RSS on CPU (tiny, 50M)
@@ -167,7 +167,7 @@ def budget(s: Setup) -> dict[str, float]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------- the README table
+# ---------------------------------------------------------------------------------------------- the docs/multi-device.md table
 
 
 def table() -> str:

@@ -4,7 +4,7 @@
 
 One table per run directory and analysis step, followed by the least-squares log-log slope of the per-group task
 and regulariser norms against the group reward std (groups with RV > 0 and a non-zero norm; needs
-`analysis.per_group=true`). With `--by-step` (the README's "RAGEN-2's gradient finding" tables): one table per
+`analysis.per_group=true`). With `--by-step` (docs/gradient-analysis.md's "RAGEN-2's gradient finding" tables): one table per
 analysis round (the k-th analysis step of every run, whatever its step number) with the runs stacked, then one
 table of the slopes.
 """

@@ -4,7 +4,7 @@
 into the rollout, so a change there must not leave the benchmark broken. Its FLOP count of our update reads the
 shapes of the model's forward calls, so it is checked against hand-counted shapes of the real forward path.
 TRL itself is not needed here. `bench/memory_model.py`'s budget is pinned term by term (float32 state, the
-compute dtype, checkpointing, the probe's chunks), and the README's memory table must be the one it prints.
+compute dtype, checkpointing, the probe's chunks), and docs/multi-device.md's memory table must be the one it prints.
 """
 
 import importlib

@@ -8,7 +8,7 @@ checkpoints. `train.row_seeded_sampling=true` makes the batches
 independent of how rows are split over ranks. `train.shared_prefix=false`: an FSDP2-sharded update forwards whole
 rows (`analysis.objective.actor_terms`), so the one-process run does too, and both compute the same sums.
 
-Tolerance (stated in the README, Multi-device): the rollouts are identical; the rest differs by float rounding
+Tolerance (stated in docs/multi-device.md): the rollouts are identical; the rest differs by float rounding
 of sums taken in another order (gradients summed over ranks, micro-batches of other rows): after 3 steps every
 metric agrees within 1e-3 relative or 1e-6 absolute (loss values near 0), the weights within 1e-6 in relative L2
 norm and 1e-5 per entry (measured: 2e-8 and 1.7e-7 for the actor, 1.2e-7 and 5e-7 for the critic). A batch whose

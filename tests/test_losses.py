@@ -88,7 +88,7 @@ def test_aggregate_bad_arguments():
 
 
 def test_seq_mean_token_sum_norm_is_batch_size_times_trls_dr_grpo():
-    """README "Differences from RAGEN": Σ(l·m) / T here, Σ(l·m) / (B·T) in TRL's `dr_grpo` (B sequences, T tokens)."""
+    """docs/differences-from-ragen.md: Σ(l·m) / T here, Σ(l·m) / (B·T) in TRL's `dr_grpo` (B sequences, T tokens)."""
     gen = torch.Generator().manual_seed(0)
     values = torch.randn(5, 7, generator=gen)
     mask = torch.rand(5, 7, generator=gen) < 0.6

@@ -65,7 +65,7 @@ def test_parse_with_think(text: str, actions: list[str], format_ok: bool, think:
 
 @pytest.mark.parametrize(
     ("text", "enable_think", "actions", "think"),
-    [  # README "Differences from RAGEN": RAGEN strips the tags from the matched text and gives Up for the first two
+    [  # docs/differences-from-ragen.md: RAGEN strips the tags from the matched text and gives Up for the first two
         ("<answer><answer>Up</answer>", False, [], ""),
         ("<answer>Up</think></answer>", False, [], ""),
         ("<answer>Up<|endoftext|></answer>", False, ["Up"], ""),  # RAGEN keeps <|endoftext|>: unknown action

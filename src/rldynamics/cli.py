@@ -32,7 +32,7 @@ examples:
   rldyn train --preset math-smollm2                 # a real pretrained model (SmolLM2-135M-Instruct) on this CPU
   rldyn train model.path=/models/my.gguf model.dtype=bfloat16 model.gradient_checkpointing=true  # GGUF, mixed precision
   rldyn train --preset gsm8k-grpo model.path=/models/Qwen2.5-3B-Instruct env.math.source=/data/gsm8k/train.jsonl
-  rldyn train --nproc 8 --preset sokoban-ppo model.path=/models/Qwen2.5-3B   # 8 GPUs, FSDP2 (README: Multi-device)
+  rldyn train --nproc 8 --preset sokoban-ppo model.path=/models/Qwen2.5-3B   # 8 GPUs, FSDP2 (docs/multi-device.md)
   torchrun --nproc-per-node 8 -m rldynamics.cli train --preset sokoban-ppo   # the same, launched by hand
 """
 
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "the run directory (config, metrics, samples, checkpoints) is written under log.run_dir. "
                     "A resumed run (checkpoint.resume=latest|PATH) keeps the settings of its config.yaml; only "
                     f"{resume_may_change()} may be changed, other changes are refused. Several ranks: --nproc W, "
-                    "or torchrun (README: Multi-device).",
+                    "or torchrun (docs/multi-device.md).",
         epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.lr=1e-5")
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "(overrides may come before or after it)")
     train.add_argument("--nproc", type=int, default=1, metavar="W",
                        help="ranks on this machine (default 1): runs `torchrun --standalone --nproc-per-node W` "
-                            "over this command (one GPU per rank; gloo on CPU); see README: Multi-device")
+                            "over this command (one GPU per rank; gloo on CPU); see docs/multi-device.md")
     train.add_argument("--help-config", action="store_true", help="list every config key and exit")
     train.add_argument("--ragen", action="store_true",
                        help="with --help-config: list the RAGEN / verl override names accepted and what they become")
@@ -348,9 +348,9 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The parsed command line; exits with a usage error (argparse's) on an unknown option or sub-command."""
     parser = build_parser()
-    argv = sys.argv[1:] if argv is None else argv
     args, extra = parser.parse_known_args(argv)
     args.argv = argv[argv.index("train") + 1:] if args.command == "train" else []
     # argparse takes one run of positionals: items after an option (`--config F a=1`, `sweep NAME --values V a=1`)
@@ -360,8 +360,13 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(args, field) or any(x.startswith("-") or (field == "overrides" and "=" not in x) for x in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         setattr(args, field, [*getattr(args, field), *extra])
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.command is None:
-        parser.print_help()
+        build_parser().print_help()
         return 0
     commands = {"train": cmd_train, "probe": cmd_probe, "sweep": cmd_sweep, "plot": cmd_plot, "report": cmd_report,
                 "envs": cmd_envs}

@@ -146,7 +146,7 @@ class TrainConfig:
     shared_prefix: bool = True
     """Forward a prompt shared by a group's trajectories once per micro-batch (update, log-prob passes, analysis)."""
     row_seeded_sampling: bool = False
-    """Every trajectory samples from its own seeded stream: same run on any number of ranks (README: Multi-device)."""
+    """Every trajectory samples from its own seeded stream: same run on any number of ranks (docs/multi-device.md)."""
 
 
 @dataclass

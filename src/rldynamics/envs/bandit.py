@@ -17,7 +17,7 @@ Design choices:
   risky arm either beats the safe one for everybody (25 %) or loses for everybody (75 %), so an estimator
   that standardises rewards within a group (GRPO with `algo.norm_adv_by_std=true`) gives both cases
   advantages of equal size and pushes toward the safe arm, while RLOO weights them by the payoff gap and
-  follows the expected payoff (README: measured with the tiny model).
+  follows the expected payoff (docs/environments.md: measured with the tiny model).
 """
 
 from __future__ import annotations
