@@ -27,7 +27,8 @@ SOKOBAN_TAG = "<Sokoban tag>"  # CoordSokoban, SimpleSokoban, LargerSokoban, ...
 USE_KL_LOSS = "actor_rollout_ref.actor.use_kl_loss"
 KL_LOSS_COEF = "actor_rollout_ref.actor.kl_loss_coef"
 RAGEN_SECTIONS = ("actor_rollout_ref", "es_manager", "trainer", "algorithm", "agent_proxy", "custom_envs",
-                  "ray_kwargs", "system", "data", "model_path", "collapse_detection")  # key prefixes that are never ours
+                  "ray_kwargs", "system", "data", "model_path",
+                  "collapse_detection")  # key prefixes that are never ours
 
 
 class UnsupportedKey(ValueError):
