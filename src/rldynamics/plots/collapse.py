@@ -150,7 +150,8 @@ def check_template_collapse(rows: list[dict[str, Any]], *, fall: float = 0.5, st
         if dropped and held:
             flags.append(Flag(f"template_collapse_{name}", "warning",
                               f"template collapse: {label} fell from {y[peak]:.3g} to {y[end]:.3g} between steps "
-                              f"{int(s[peak])} and {int(s[end])} while the entropy held",
+                              f"{int(s[peak])} and {int(s[end])} while the entropy did not fall ({h[peak]:.3g} → "
+                              f"{h[end]:.3g})",
                               "The replies stay as diverse as before for a given input (conditional entropy steady) "
                               "but depend less on the input: the policy answers with an input-agnostic template "
                               "(RAGEN-2). Entropy alone would not show it.",

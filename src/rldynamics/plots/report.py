@@ -184,7 +184,7 @@ def collapse_section(run: RunData) -> str:
            "falls to half its peak = template collapse.</p>"]
     flags = check_template_collapse(run.rows)
     out += [_flag_html(f) for f in flags] or ['<p class="ok">No template collapse: MI and retrieval did not fall '
-                                              "while the entropy held.</p>"]
+                                              "while the entropy held or rose.</p>"]
     out.append(figure_html(fig_mi_entropy(run), "MI and entropy over the diagnosed steps; retrieval above chance"))
     out.append(figure_html(fig_regimes(run), "Entropy vs MI: the four regimes and the run's path"))
     return "".join(out)
