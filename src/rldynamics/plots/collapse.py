@@ -177,12 +177,15 @@ def fig_runs_mi_success(runs: list[RunData], success_key: str) -> Figure | None:
         return None
     fig = new_figure(11, 3.8)
     left, right = fig.subplots(1, 2)
+    names = [r.name for r in runs]
+    unique = len(set(names)) == len(names)  # sweep runs are all named seed<s>: then their point too
     for i, run in enumerate(runs):
         color = RUN_COLORS[i % len(RUN_COLORS)]
+        label = run.name if unique else f"{run.path.parent.name}/{run.name}"
         s, y = series(run, success_key)
-        left.plot(s, y, "o-", color=color, label=run.name)
+        left.plot(s, y, "o-", color=color, label=label)
         s, y = collapse_series(run, MI)
-        right.plot(s, y, "s-", color=color, label=run.name)
+        right.plot(s, y, "s-", color=color, label=label)
     left.set_title("validation success", fontsize=10)
     right.set_title("MI estimate I(X;Z) (nats per token)", fontsize=10)
     for ax in (left, right):
