@@ -64,3 +64,17 @@ def test_valid_thinking_rate_counts_turns_with_reasoning():
     mask = torch.tensor([[0.0, 1, 0, 1], [0, 1, 0, 1]])
     batch = RolloutBatch(ids, torch.ones_like(ids), mask, scores=torch.zeros(2), group_ids=torch.arange(2))
     assert valid_thinking_rate(batch, tokenizer) == 0.5  # 4 turns: "plan" twice; blank and missing think text
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_ema_of_the_uninterrupted_one(fast_overrides):
+    common = [*fast_overrides, "train.steps=3", "val.every=0", "collapse_detection.compute_freq=1",
+              "collapse.bootstrap_resamples=0", "checkpoint.every=1", "collapse.multi_turn_enabled=false"]
+    whole = train(make_config(overrides=[*common, "log.name=whole"]))
+    train(make_config(overrides=[*common, "log.name=cut", "train.steps=2"]))
+    resumed = train(make_config(overrides=[*common, "log.name=cut", "checkpoint.resume=latest"]))
+    head = "collapse_first_turn_sample"
+    a, b = read_metrics(whole)[-1], read_metrics(resumed)[-1]
+    assert a["step"] == b["step"] == 3 and a[f"{head}/marginal_std"] != a[f"{head}/marginal_std_ema"]  # an EMA
+    for key in ("marginal_std_ema", "mi_zscore_ema", "marginal_std_ema_seq"):
+        assert b[f"{head}/{key}"] == a[f"{head}/{key}"], key

@@ -27,6 +27,7 @@ written. A run killed before its first checkpoint is restarted from step 0 by `c
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -289,7 +290,8 @@ def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
     if ckpt is not None:
         load_trainer_state(ckpt, model=model, optimizer=optimizer, critic=critic, critic_optimizer=critic_optimizer)
     return Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=optimizer,
-                   ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer, main=dist.is_main())
+                   ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer, main=dist.is_main(),
+                   collapse_ema=copy.deepcopy((start.state or {}).get("collapse_ema", {})))  # a resumed run goes on
 
 
 def prepare(model: torch.nn.Module, cfg: Config, base: str) -> torch.nn.Module:

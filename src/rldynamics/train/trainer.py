@@ -148,7 +148,7 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
                 console.phase("checkpoint")
                 save_checkpoint(s.run_dir / "checkpoints", step, model=s.model, tokenizer=s.tokenizer,
                                 optimizer=s.optimizer, critic=s.critic, critic_optimizer=s.critic_optimizer,
-                                trainer_state={"early_stop": stopper.state_dict()},
+                                trainer_state={"early_stop": stopper.state_dict(), "collapse_ema": s.collapse_ema},
                                 keep_last=cfg.checkpoint.keep_last)
             console.advance(step, metrics)
             if stop is not None:
