@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import re
 import resource
 import statistics
@@ -38,7 +39,7 @@ import torch
 
 from rldynamics.algo.shares import sub_batch_share
 from rldynamics.analysis.objective import ActorInputs, actor_terms, coefs
-from rldynamics.analysis.probe import gradient_probe
+from rldynamics.analysis.probe import ProbeSettings, gradient_probe
 from rldynamics.config import AlgoConfig, TrainConfig
 from rldynamics.models.forward import batch_logprobs, micro_batches
 from rldynamics.models.tiny import build_tiny_model, build_tiny_tokenizer
@@ -172,11 +173,11 @@ def main() -> None:
     train = TrainConfig(mini_batch_size=32, micro_batch_size=16, ppo_epochs=1, shuffle=False)
     trained = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-6)
-    probe_kw = dict(algo=algo, micro_batch_size=train.micro_batch_size, temperature=1.0, num_buckets=6)
+    settings = ProbeSettings(algo=algo, micro_batch_size=train.micro_batch_size, temperature=1.0, num_buckets=6)
     comps = component_advantages(batch, AlgoConfig(adv_estimator="grpo"))  # name -> [N, L]
     weights = dict(zip(batch.reward_names, batch.reward_weights, strict=True))
-    comp_kw = dict(probe_kw, component_advantages=comps, component_weights=weights)
-    result = gradient_probe(model, batch, inputs, group_std, **probe_kw)
+    only_components = dataclasses.replace(settings, terms=())
+    result = gradient_probe(model, batch, inputs, group_std, settings)
     buckets = {"all": torch.arange(len(batch))}
     for name in sorted({b for b, _, _ in result.groups}, key=lambda b: int(b.split("_")[1])):
         gids = torch.tensor([g for b, g, _ in result.groups if b == name])  # [G_b]
@@ -185,13 +186,14 @@ def main() -> None:
     worst = max(abs(naive[k] - result.metrics[f"grad_norm/{k}"]) / max(naive[k], 1e-12) for k in naive)
     phases = {
         "a: update_actor epoch": lambda: update_actor(trained, optimizer, batch, inputs, algo, train),
-        "b: gradient_probe": lambda: gradient_probe(model, batch, inputs, group_std, **probe_kw),
+        "b: gradient_probe": lambda: gradient_probe(model, batch, inputs, group_std, settings),
         "c: naive (RAGEN protocol)": lambda: naive_probe(model, batch, inputs, buckets, algo,
                                                          micro_batch_size=train.micro_batch_size, temperature=1.0),
-        "d: 3 reward components": lambda: gradient_probe(model, batch, inputs, group_std, terms=(), **comp_kw),
-        "e: probe + 3 components": lambda: gradient_probe(model, batch, inputs, group_std, **comp_kw),
-        "f: probe, per group + CIs": lambda: gradient_probe(model, batch, inputs, group_std, per_group=True,
-                                                            **probe_kw),
+        "d: 3 reward components": lambda: gradient_probe(model, batch, inputs, group_std, only_components, comps,
+                                                         weights),
+        "e: probe + 3 components": lambda: gradient_probe(model, batch, inputs, group_std, settings, comps, weights),
+        "f: probe, per group + CIs": lambda: gradient_probe(model, batch, inputs, group_std,
+                                                            dataclasses.replace(settings, per_group=True)),
     }
     times: dict[str, list[float]] = {k: [] for k in phases}
     peaks: dict[str, float] = dict.fromkeys(phases, 0.0)

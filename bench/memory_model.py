@@ -201,7 +201,7 @@ def _worker(spec: dict, out: str) -> None:
     from analysis_overhead import _hwm_kib, _rss_kib
     from rldynamics import dist
     from rldynamics.analysis.objective import ActorInputs
-    from rldynamics.analysis.probe import gradient_probe
+    from rldynamics.analysis.probe import ProbeSettings, gradient_probe
     from rldynamics.config import AlgoConfig, TrainConfig
     from rldynamics.models.forward import batch_logprobs
     from rldynamics.models.precision import compute_in, enable_checkpointing
@@ -248,8 +248,8 @@ def _worker(spec: dict, out: str) -> None:
     stds = {g: float(g % 3) for g in range(rows)}
     update_actor(model, optimizer, batch, inputs, algo,  # first: the optimizer state exists from the second step on
                  TrainConfig(mini_batch_size=rows, micro_batch_size=micro_rows, ppo_epochs=1))
-    gradient_probe(model, batch, inputs, stds, algo=algo, micro_batch_size=micro_rows, temperature=1.0, num_buckets=2,
-                   memory_chunks=spec["chunks"])
+    gradient_probe(model, batch, inputs, stds, ProbeSettings(algo=algo, micro_batch_size=micro_rows, temperature=1.0,
+                                                             num_buckets=2, memory_chunks=spec["chunks"]))
     peak = (_hwm_kib() - start) * 1024
     with open(f"{out}/rank{dist.rank()}.json", "w") as f:
         json.dump({"peak": peak, "params": sum(p.numel() for p in model.parameters())}, f)

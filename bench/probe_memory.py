@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from analysis_overhead import corpus, make_batch
-from rldynamics.analysis.probe import ProbeResult, gradient_probe
+from rldynamics.analysis.probe import ProbeResult, ProbeSettings, gradient_probe
 from rldynamics.config import AlgoConfig
 from rldynamics.models.tiny import build_tiny_model, build_tiny_tokenizer
 from rldynamics.train.stages import component_advantages
@@ -136,13 +136,14 @@ def main() -> None:
                                               length=args.length, seed=0)
         comps = component_advantages(batch, AlgoConfig(adv_estimator="grpo"))  # name -> [N, L]
         weights = dict(zip(batch.reward_names, batch.reward_weights, strict=True))
-        kw = dict(algo=algo, micro_batch_size=args.micro_batch, temperature=1.0, num_buckets=6,
-                  component_advantages=comps, component_weights=weights, per_group=True, resamples=200)
+        kw = dict(algo=algo, micro_batch_size=args.micro_batch, temperature=1.0, num_buckets=6, per_group=True,
+                  resamples=200)
         params = sum(p.numel() for p in model.parameters())
         whole = None
         for chunks in (1, *args.chunks):
             def run(c=chunks):
-                return gradient_probe(model, batch, inputs, group_std, memory_chunks=c, **kw)
+                return gradient_probe(model, batch, inputs, group_std, ProbeSettings(memory_chunks=c, **kw), comps,
+                                      weights)
 
             start = time.perf_counter()
             result = run()

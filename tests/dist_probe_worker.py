@@ -12,7 +12,7 @@ import sys
 import torch
 
 from rldynamics import dist
-from rldynamics.analysis.probe import gradient_probe
+from rldynamics.analysis.probe import ProbeSettings, gradient_probe
 from rldynamics.models.sharding import wrap
 from rldynamics.models.tiny import build_tiny_model, build_tiny_tokenizer
 from test_probe import DIST_CASES, algo_cfg, components_of, make_batch, sokoban_corpus
@@ -28,9 +28,9 @@ def main(out_dir: str) -> None:
         batch, inputs, stds = make_batch(model)
         model = wrap(model, shard)
         for case, (mode, kwargs) in DIST_CASES.items():
-            result = gradient_probe(model, batch, inputs, stds, algo=algo_cfg(mode), temperature=1.0,
-                                    component_advantages=components_of(batch) if "components" in case else None,
-                                    **kwargs)
+            result = gradient_probe(model, batch, inputs, stds, ProbeSettings(algo=algo_cfg(mode), temperature=1.0,
+                                                                              **kwargs),
+                                    component_advantages=components_of(batch) if "components" in case else None)
             results[f"{case}/shard={shard}"] = {"metrics": result.metrics,
                                                 "sketches": {k: v.tolist() for k, v in result.sketches.items()},
                                                 "group_norms": {str(g): v for g, v in result.group_norms.items()}}

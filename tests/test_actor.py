@@ -29,7 +29,7 @@ def _update(model, batch, inputs, overrides):
     cfg = make_config(overrides=["train.mini_batch_size=6", "train.lr=1e-2", *overrides])
     model = copy.deepcopy(model)
     metrics = update_actor(model, torch.optim.AdamW(model.parameters(), lr=cfg.train.lr), batch, inputs, cfg.algo,
-                           cfg.train)
+                           cfg.train).metrics
     return model, metrics
 
 
@@ -144,7 +144,7 @@ def test_on_policy_update_without_old_pass_matches_the_old_pass(setup, policy_lo
     results = []
     for inp in (inputs, own):  # SGD with lr 1: the parameter change is the clipped gradient itself
         m = copy.deepcopy(model)
-        metrics = update_actor(m, torch.optim.SGD(m.parameters(), lr=1.0), batch, inp, cfg.algo, cfg.train)
+        metrics = update_actor(m, torch.optim.SGD(m.parameters(), lr=1.0), batch, inp, cfg.algo, cfg.train).metrics
         results.append((m, metrics))
     (with_pass, m_pass), (without, m_own) = results
     for p, q in zip(with_pass.parameters(), without.parameters(), strict=True):

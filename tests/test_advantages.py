@@ -224,3 +224,11 @@ def test_group_estimators_bad_shapes():
         grpo_advantages(torch.zeros(3), torch.zeros(4, dtype=torch.long), torch.ones(3, 2))
     with pytest.raises(ValueError, match="rows"):
         rloo_advantages(torch.zeros(3), torch.zeros(3, dtype=torch.long), torch.ones(2, 2))
+
+
+def test_every_estimator_choice_has_its_functions_and_only_gae_a_critic():
+    from rldynamics.config import CHOICES, AlgoConfig
+    from rldynamics.train.stages import ESTIMATORS
+
+    assert set(ESTIMATORS) == set(CHOICES["algo.adv_estimator"])
+    assert [name for name in ESTIMATORS if AlgoConfig(adv_estimator=name).has_critic] == ["gae"]

@@ -75,7 +75,7 @@ def test_exit_after_stops_before_any_update(fast_overrides):
 
 def test_separate_batch_with_prefilter(fast_overrides):
     run = train(make_config(overrides=[*fast_overrides, "log.name=sep", *ANALYSIS, "analysis.env_groups=3",
-                                       "analysis.group_size=2", "analysis.prefilter=true", "analysis.only=true",
+                                       "analysis.group_size=2", "analysis.prefilter=true", "analysis.exit_after=true",
                                        "train.steps=1", "filter.strategy=top_k_abs", "filter.value=1",
                                        "analysis.per_group=true", "analysis.bootstrap_resamples=50"]))
     row = read_metrics(run)[-1]
@@ -83,7 +83,7 @@ def test_separate_batch_with_prefilter(fast_overrides):
     assert row["grad_analysis/source_batch_size"] == 6.0
     assert row["grad_analysis/filter_kept_count"] == 1.0
     assert row["grad_norm_prefilter/all/sample_count"] == 6.0 and row["grad_norm/all/sample_count"] == 2.0
-    assert "actor/pg_loss" not in row and "critic/vf_loss" not in row  # probe mode updates nothing
+    assert "actor/pg_loss" not in row and "critic/vf_loss" not in row  # the analysis comes before any update
     metrics = json.loads((run / "analysis" / "step_1" / "metrics.json").read_text())
     assert metrics["grad_norm/all/task"] == row["grad_norm/all/task"]
     # per group: every analysed group's own norms in groups.csv, and intervals for the 3-group bucket
@@ -151,7 +151,7 @@ def test_probe_reference_is_the_base_model_of_the_checkpoints_run(fast_overrides
     a probe's own settings that the warm start depends on (its seed and env keys) never make another one. With lr 0
     the actor is that base model, so the KL gradient is exactly zero, whatever the probe's settings."""
     run = train(make_config(overrides=[*fast_overrides, "log.name=base", "train.lr=0", "val.every=0",
-                                       "train.steps=1", "model.tiny_hidden_size=32"]))
+                                       "train.steps=1", "tiny.hidden_size=32"]))
     for name, overrides in (("same", []), ("other", ["seed=7", "env.max_new_tokens=4"])):
         probe = probe_checkpoint(run / "checkpoints" / "step_1", [*overrides, f"log.name={name}"])
         row = read_metrics(probe)[-1]
@@ -163,14 +163,14 @@ def test_probe_refuses_to_pair_the_actor_with_another_reference(fast_overrides, 
     one line, before anything is written: an override of what the base model is made of, a checkpoint without its
     run's config.yaml (the reference is then unknown), and a checkpoint copied into a run of another model."""
     narrow = train(make_config(overrides=[*fast_overrides, "log.name=narrow", "val.every=0", "train.steps=1",
-                                          "model.tiny_hidden_size=32"]))
+                                          "tiny.hidden_size=32"]))
     wide = train(make_config(overrides=[*fast_overrides, "log.name=wide", "val.every=0", "train.steps=1"]))
     checkpoint = narrow / "checkpoints" / "step_1"
     loose = tmp_path / "loose" / "step_1"
     shutil.copytree(checkpoint, loose)
     shutil.copytree(checkpoint, wide / "checkpoints" / "step_9")
     probes = tmp_path / "probes"
-    cases = [(checkpoint, ["model.tiny_hidden_size=64"], "model.tiny_hidden_size"),
+    cases = [(checkpoint, ["tiny.hidden_size=64"], "tiny.hidden_size"),
              (checkpoint, [f"actor_rollout_ref.model.path={wide / 'checkpoints' / 'step_1' / 'actor'}"], "model.path"),
              (loose, [], f"{loose.parent.parent / 'config.yaml'} is missing"),
              (wide / "checkpoints" / "step_9", [], "not the architecture of the base model")]

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rldynamics.analysis.bucket_names import bucket_label, bucket_name, fixed_rv_interval
 from rldynamics.analysis.buckets import ZERO_RV_TOL, assign_buckets
+from rldynamics.metric_names import bucket_label, bucket_name, fixed_rv_interval
 
 
 def buckets(scores, **kwargs) -> list[list[int]]:

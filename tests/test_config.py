@@ -66,6 +66,26 @@ def test_save_load_roundtrip(tmp_path):
     assert load_config(tmp_path / "config.yaml") == cfg
 
 
+def test_an_old_config_yaml_with_retired_keys_still_loads(tmp_path, capsys):
+    """A run's config.yaml written before probe mode became its own command holds `analysis.only: false`, and the
+    tiny model's knobs under `model.tiny_*`: it loads as the same config, with a one-line note per old key;
+    `analysis.only=true` (probe mode through training) is refused, naming the command."""
+    cfg = make_config(overrides=["seed=7", "tiny.hidden_size=32", "tiny.tie_embeddings=false"])
+    save_config(cfg, tmp_path / "config.yaml")
+    text = (tmp_path / "config.yaml").read_text()
+    old = text.replace("tiny:\n  hidden_size: 32\n  layers: 2\n  tie_embeddings: false\n", "").replace(
+        "model:\n", "model:\n  tiny_hidden_size: 32\n  tiny_layers: 2\n  tiny_tie_embeddings: false\n").replace(
+        "  exit_after: false\n", "  exit_after: false\n  only: false\n")
+    assert "only: false" in old and "tiny_hidden_size: 32" in old and "\ntiny:" not in old
+    (tmp_path / "config.yaml").write_text(old)
+    assert load_config(tmp_path / "config.yaml") == cfg
+    err = capsys.readouterr().err
+    assert "note: analysis.only" in err and "note: model.tiny_hidden_size" in err and "is now tiny.hidden_size" in err
+    assert make_config(overrides=["model.tiny_layers=3"]).tiny.layers == 3  # old command lines too
+    with pytest.raises(ConfigError, match="rldyn probe"):
+        make_config(overrides=["analysis.only=true"])
+
+
 def test_parse_overrides_nests_and_keeps_the_typed_text():
     assert parse_overrides(["a.b=1", "a.c=x", "d=true"]) == {"a": {"b": "1", "c": "x"}, "d": "true"}
 

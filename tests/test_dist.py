@@ -39,8 +39,8 @@ LR = 3e-4
 PRESET = "math-tiny"  # one-turn arithmetic replies: the length component varies, so the rewards do from step 1
 RUN = [*FAST, "train.steps=3", "train.group_size=3", "train.mini_batch_size=64", "train.micro_batch_size=2",
        "train.ppo_epochs=1", f"train.lr={LR}", "train.row_seeded_sampling=true", "train.shared_prefix=false",
-       "model.tiny_layers=1",
-       "model.tiny_hidden_size=32", "env.max_turns=1", "env.max_new_tokens=10", "env.math.length_target=20",
+       "tiny.layers=1",
+       "tiny.hidden_size=32", "env.max_turns=1", "env.max_new_tokens=10", "env.math.length_target=20",
        "val.env_groups=2", "val.every=3", "val.before_train=false", "algo.adv_estimator=gae", "algo.kl_coef=0.01",
        "algo.entropy_coef=0.001", "analysis.enabled=true", "analysis.every=1", "analysis.reward_grad=true",
        "analysis.num_buckets=2", "checkpoint.every=1", "log.samples_per_step=100", "collapse.enabled=true",

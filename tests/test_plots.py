@@ -16,6 +16,7 @@ import yaml
 from matplotlib.image import imread
 from safetensors.numpy import save_file
 
+from rldynamics import metric_names as names
 from rldynamics.plots import health
 from rldynamics.plots.analysis import step_data
 from rldynamics.plots.cli import plot_command, report_command
@@ -33,7 +34,7 @@ BUCKET_RVS = {"bucket_1": [0.0, 0.0], "bucket_2": [0.0, 0.3], "bucket_3": [0.8, 
 def _bucket_metrics(step: int, rng: np.random.Generator, kl: bool = True) -> dict[str, float]:
     """RAGEN-named analysis metrics for 4 buckets (+ all); bucket_1 has zero RV hence zero task gradient."""
     m = {}
-    for b, rvs in {**BUCKET_RVS, "all": sum(BUCKET_RVS.values(), [])}.items():
+    for b, rvs in {**BUCKET_RVS, names.ALL: sum(BUCKET_RVS.values(), [])}.items():
         rv = float(np.mean(rvs))
         task, raw_ent, raw_kl = 0.5 * rv, 2.0 + rng.random(), 0.3 + 0.1 * step
         count = 8.0 * len(rvs)
@@ -48,7 +49,7 @@ def _bucket_metrics(step: int, rng: np.random.Generator, kl: bool = True) -> dic
         if kl:
             vals.update({"kl": 1e-3 * raw_kl, "raw/kl": raw_kl, "loss/kl": 1e-4, "per_sample/kl": 1e-3 * raw_kl / count,
                          "per_token/kl": 1e-3 * raw_kl / (count * 30), "cos/task_kl": -0.05, "cos/entropy_kl": 0.2})
-        m.update({f"grad_norm/{b}/{k}": v for k, v in vals.items()})
+        m.update({names.bucket_metric(names.GRAD_NORM, b, k): v for k, v in vals.items()})
     return m
 
 
@@ -60,14 +61,15 @@ def _write_analysis(writer: RunWriter, step: int, rng: np.random.Generator) -> N
         gid = 0
         for b, rvs in BUCKET_RVS.items():
             for rv in rvs:
-                w.writerow(["grad_norm", b, gid, rv])
+                w.writerow([names.GRAD_NORM, b, gid, rv])
                 gid += 1
-        w.writerow(["grad_norm_prefilter", "bucket_1", 99, 0.0])  # other prefix: must not reach the CSV table
+        w.writerow([names.GRAD_NORM_PREFILTER, "bucket_1", 99, 0.0])  # other prefix: must not reach the CSV table
     base = rng.standard_normal(1024).astype(np.float32)
-    sketches = {f"grad_norm/{b}/task": (base + k * rng.standard_normal(1024)).astype(np.float32)
-                for k, b in enumerate([*BUCKET_RVS, "all"])}
-    save_file({**sketches, "grad_norm/bucket_1/entropy": base}, str(d / "sketches.safetensors"))
-    (d / "metrics.json").write_text(json.dumps({"grad_analysis/uses_training_batch": 1.0}))
+    sketches = {names.bucket_metric(names.GRAD_NORM, b, "task"):
+                (base + k * rng.standard_normal(1024)).astype(np.float32) for k, b in enumerate([*BUCKET_RVS, names.ALL])}
+    save_file({**sketches, names.bucket_metric(names.GRAD_NORM, "bucket_1", "entropy"): base},
+              str(d / "sketches.safetensors"))
+    (d / "metrics.json").write_text(json.dumps({names.filter_metric(names.GRAD_ANALYSIS, "uses_training_batch"): 1.0}))
 
 
 def make_run(path: Path, *, steps: int = 6, analysis: tuple[int, ...] = (1, 4), healthy: bool = True,
@@ -77,20 +79,21 @@ def make_run(path: Path, *, steps: int = 6, analysis: tuple[int, ...] = (1, 4), 
     cfg = {"env": {"name": "sokoban"}, "train": {"env_groups": 8}, "log": {"name": name or path.name}}
     (path / "config.yaml").write_text(yaml.safe_dump(cfg))
     rng = np.random.default_rng(0)
-    writer.log(0, {"val-env/sokoban/success": 0.1})
+    writer.log(0, {names.val_success("sokoban"): 0.1})
     for s in range(1, steps + 1):
-        m = {"critic/score/mean": (0.2 * s if healthy else 2.0 - 0.3 * s), "actor/entropy": 1.0 - 0.02 * s,
-             "actor/grad_norm": 0.3 + 0.01 * s, "actor/pg_clipfrac": 0.2 if healthy else 0.6,
-             "actor/pg_loss": 0.01 * (-1) ** s, "actor/kl_loss": 0.001 * s, "actor/skipped_steps": 0.0,
-             "rollout/filter_kept_ratio": 0.75, "rollout/filter_kept_count": 6.0, "rollout/filter_zero_count": 1.0,
-             "rollout/in_group_reward_std": 1.0, "response_length/mean": 30.0 + s,
-             "train/sokoban/success": 0.1 + 0.05 * s, "train/sokoban/response_length": 7.0}
+        m = {names.SCORE_MEAN: (0.2 * s if healthy else 2.0 - 0.3 * s), names.ENTROPY: 1.0 - 0.02 * s,
+             names.actor("grad_norm"): 0.3 + 0.01 * s, names.actor("pg_clipfrac"): 0.2 if healthy else 0.6,
+             names.actor("pg_loss"): 0.01 * (-1) ** s, names.actor("kl_loss"): 0.001 * s,
+             names.actor("skipped_steps"): 0.0, names.FILTER_KEPT_RATIO: 0.75, names.FILTER_KEPT_COUNT: 6.0,
+             names.FILTER_ZERO_COUNT: 1.0, names.IN_GROUP_REWARD_STD: 1.0, "response_length/mean": 30.0 + s,
+             f"{names.env_prefix('sokoban')}/success": 0.1 + 0.05 * s,
+             f"{names.env_prefix('sokoban')}/response_length": 7.0}
         if not healthy and s == 3:
-            m["actor/grad_norm"] = math.nan
+            m[names.actor("grad_norm")] = math.nan
         if not healthy and s == steps:
-            m["early_stopped/reward_variance_collapse"] = 1.0
+            m[names.early_stopped("reward_variance_collapse")] = 1.0
         if s % 2 == 0:
-            m["val-env/sokoban/success"] = 0.1 + 0.04 * s
+            m[names.val_success("sokoban")] = 0.1 + 0.04 * s
         if s in analysis:
             m.update(_bucket_metrics(s, rng, kl=kl))
             _write_analysis(writer, s, rng)

@@ -17,8 +17,10 @@ import torch
 
 from rldynamics.algo.losses import AGG_MODES
 from rldynamics.algo.shares import sub_batch_share
+from rldynamics.analysis.engines import chunk_bounds
 from rldynamics.analysis.objective import ActorInputs, actor_terms
-from rldynamics.analysis.probe import ProbeResult, chunk_bounds, gradient_probe, numerically_zero
+from rldynamics.analysis.probe import ProbeResult, ProbeSettings, gradient_probe
+from rldynamics.analysis.probe_metrics import numerically_zero
 from rldynamics.analysis.sketch import GradientSketcher
 from rldynamics.config import AlgoConfig
 from rldynamics.models.forward import batch_logprobs
@@ -94,7 +96,8 @@ def probe(model, data, **kw) -> ProbeResult:
     batch, inputs, stds = data
     kw.setdefault("algo", algo_cfg())
     kw.setdefault("micro_batch_size", 3)
-    return gradient_probe(model, batch, inputs, stds, temperature=1.0, **kw)
+    components = {k: kw.pop(k) for k in ("component_advantages", "component_weights") if k in kw}
+    return gradient_probe(model, batch, inputs, stds, ProbeSettings(temperature=1.0, **kw), **components)
 
 
 def bucket_rows(result: ProbeResult, batch: RolloutBatch, bucket: str) -> torch.Tensor:
@@ -188,15 +191,16 @@ def test_single_group_buckets(model, data):
 def test_fixed_rv_buckets_keep_interval_names(model, data):
     batch, inputs, _ = data
     stds = dict(zip((7, 17, 27, 37, 47), (2.5, 2.7, 5.5, 3.1, 2.2), strict=True))  # [0,1) and [1,2) stay empty
-    fixed = gradient_probe(model, batch, inputs, stds, algo=algo_cfg(), micro_batch_size=3, temperature=1.0,
-                           bucket_mode="fixed_rv", sketch_dim=0)
+    fixed = gradient_probe(model, batch, inputs, stds, ProbeSettings(algo=algo_cfg(), micro_batch_size=3,
+                                                                     temperature=1.0, bucket_mode="fixed_rv",
+                                                                     sketch_dim=0))
     names = {k.split("/")[1] for k in fixed.metrics if k.startswith("grad_norm/bucket_")}
     assert names == {"bucket_3", "bucket_4", "bucket_6"}
     assert {b: sorted(s for bb, _, s in fixed.groups if bb == b) for b in names} == {
         "bucket_3": [2.2, 2.5, 2.7], "bucket_4": [3.1], "bucket_6": [5.5]}
     # the derived `all` does not depend on how the batch was partitioned
-    quantile = gradient_probe(model, batch, inputs, stds, algo=algo_cfg(), micro_batch_size=3, temperature=1.0,
-                              num_buckets=2, sketch_dim=0)
+    quantile = gradient_probe(model, batch, inputs, stds, ProbeSettings(algo=algo_cfg(), micro_batch_size=3,
+                                                                        temperature=1.0, num_buckets=2, sketch_dim=0))
     for key, value in quantile.metrics.items():
         if key.startswith("grad_norm/all/") or key.startswith("actor/"):
             assert fixed.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-8), key
@@ -213,14 +217,16 @@ def test_empty_batch(model, data):
     none = torch.zeros(0, dtype=torch.long)
     empty = batch.select(none)
     empty_inputs = ActorInputs(inputs.old_logprobs[none], inputs.advantages[none], inputs.ref_logprobs[none])
-    result = gradient_probe(model, empty, empty_inputs, stds, algo=algo_cfg(), micro_batch_size=2, temperature=1.0)
+    result = gradient_probe(model, empty, empty_inputs, stds, ProbeSettings(algo=algo_cfg(), micro_batch_size=2,
+                                                                            temperature=1.0))
     assert result.metrics == {} and result.groups == [] and result.sketches == {}
 
 
 def test_without_reference_no_kl_keys(model, data):
     batch, inputs, stds = data
     no_ref = dataclasses.replace(inputs, ref_logprobs=None)
-    result = gradient_probe(model, batch, no_ref, stds, algo=algo_cfg(), micro_batch_size=4, temperature=1.0)
+    result = gradient_probe(model, batch, no_ref, stds, ProbeSettings(algo=algo_cfg(), micro_batch_size=4,
+                                                                      temperature=1.0))
     assert not [k for k in result.metrics if "kl" in k.split("/")[-1]]
     assert "grad_norm/all/entropy" in result.metrics and "grad_norm/all/cos/task_entropy" in result.metrics
     assert not [k for k in result.sketches if k.endswith("/kl")]
@@ -230,7 +236,8 @@ def test_missing_group_std_is_named(model, data):
     batch, inputs, stds = data
     partial = dict(list(stds.items())[1:])
     with pytest.raises(ValueError, match="group ids"):
-        gradient_probe(model, batch, inputs, partial, algo=algo_cfg(), micro_batch_size=4, temperature=1.0)
+        gradient_probe(model, batch, inputs, partial, ProbeSettings(algo=algo_cfg(), micro_batch_size=4,
+                                                                    temperature=1.0))
 
 
 # ---- metric names and definitions ---------------------------------------------------------------------------
@@ -292,8 +299,8 @@ def test_zero_gradients_give_undefined_cosines_not_zero(model, data):
     # d = 0 everywhere, where the k3 gradient 1 - e^d is exactly 0
     own, _ = batch_logprobs(model, batch.input_ids, batch.attention_mask, micro_batch_size=1)  # [N, L]
     at_ref = dataclasses.replace(inputs, ref_logprobs=own)
-    m = gradient_probe(model, batch, at_ref, stds, algo=algo_cfg(), micro_batch_size=1, temperature=1.0,
-                       num_buckets=2, sketch_dim=0).metrics
+    m = gradient_probe(model, batch, at_ref, stds, ProbeSettings(algo=algo_cfg(), micro_batch_size=1, temperature=1.0,
+                                                                 num_buckets=2, sketch_dim=0)).metrics
     for b in ("all", "bucket_1", "bucket_2"):
         key = f"grad_norm/{b}"
         assert m[f"{key}/raw/kl"] == 0.0 and m[f"{key}/zero_grad/kl"] == 1.0
@@ -310,8 +317,8 @@ def test_zero_gradients_give_undefined_cosines_not_zero(model, data):
     # no task gradient and no regulariser (coefficients 0, KL at the reference): the share is 0/0
     none = dataclasses.replace(flat, ref_logprobs=own)
     quiet = dataclasses.replace(algo_cfg(), entropy_coef=0.0)
-    m = gradient_probe(model, batch, none, stds, algo=quiet, micro_batch_size=1, temperature=1.0,
-                       sketch_dim=0).metrics
+    m = gradient_probe(model, batch, none, stds, ProbeSettings(algo=quiet, micro_batch_size=1, temperature=1.0,
+                                                               sketch_dim=0)).metrics
     assert m["grad_norm/all/regularizer"] == 0.0 and math.isnan(m["grad_norm/all/reg_share"])
 
 
@@ -323,8 +330,8 @@ def test_kl_gradient_at_rounding_level_counts_as_zero(model, data):
     noise = 1e-6 * torch.randn(own.shape, generator=torch.Generator().manual_seed(0))  # [N, L]
     for shift, zero in ((noise, True), (1e-2 + noise, False)):
         at = dataclasses.replace(inputs, ref_logprobs=own + shift)
-        m = gradient_probe(model, batch, at, stds, algo=algo_cfg(), micro_batch_size=1, temperature=1.0,
-                           num_buckets=2, sketch_dim=0).metrics
+        m = gradient_probe(model, batch, at, stds, ProbeSettings(algo=algo_cfg(), micro_batch_size=1, temperature=1.0,
+                                                                 num_buckets=2, sketch_dim=0)).metrics
         for b in ("all", "bucket_1", "bucket_2"):
             key = f"grad_norm/{b}"
             assert m[f"{key}/zero_grad/kl"] == float(zero)
@@ -481,8 +488,9 @@ def test_single_group_bucket_has_no_interval(model, data):
 def test_zero_bucket_in_the_probe(model, data):
     batch, inputs, stds = data
     stds = {**stds, 7: 0.0, 27: 0.0}
-    result = gradient_probe(model, batch, inputs, stds, algo=algo_cfg(), micro_batch_size=3, temperature=1.0,
-                            num_buckets=2, sketch_dim=0, zero_bucket=True)
+    result = gradient_probe(model, batch, inputs, stds, ProbeSettings(algo=algo_cfg(), micro_batch_size=3,
+                                                                      temperature=1.0, num_buckets=2, sketch_dim=0,
+                                                                      zero_bucket=True))
     assert sorted(g for b, g, _ in result.groups if b == "bucket_0") == [7, 27]
     assert {b for b, _, _ in result.groups} == {"bucket_0", "bucket_1", "bucket_2"}
     assert result.metrics["grad_norm/bucket_0/reward_std_max"] == 0.0

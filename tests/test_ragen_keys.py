@@ -18,7 +18,7 @@ SEED_KEYS: list[tuple[str, dict]] = [
     ("trainer.gradient_analysis_env_groups=128", {"analysis.env_groups": 128}),
     ("trainer.gradient_analysis_group_size=16", {"analysis.group_size": 16}),
     ("trainer.gradient_analysis_log_prefilter=True", {"analysis.prefilter": True}),
-    ("trainer.gradient_analysis_only=True", {"analysis.only": True}),
+    ("trainer.gradient_analysis_only=False", {}),
     ("actor_rollout_ref.rollout.gradient_analysis_num_buckets=6", {"analysis.num_buckets": 6}),
     ("actor_rollout_ref.rollout.gradient_analysis_bucket_mode=fixed_rv", {"analysis.bucket_mode": "fixed_rv"}),
     ("es_manager.train.env_groups=8", {"train.env_groups": 8}),
@@ -160,6 +160,7 @@ def test_env_tag_keys_map_to_the_env_section():
     ("actor_rollout_ref.actor.kl_loss_type=full", "full KL"),
     ("trainer.logger=['console','mlflow']", "mlflow"),
     ("actor_rollout_ref.rollout.n=4", "group_size"),
+    ("trainer.gradient_analysis_only=True", "rldyn probe <checkpoint>"),
     ("trainer.gradient_analysis_evry=1", r"no rldynamics equivalent \(did you mean trainer.gradient_analysis_every"),
 ])
 def test_unsupported_ragen_keys_and_values_are_refused_by_name(override, match):

@@ -108,7 +108,7 @@ def test_two_steps_with_the_analysis_then_a_bare_reload(smollm2_dir, fast_overri
 
 def test_the_analysis_leaves_the_real_model_bit_identical(smollm2, sampled_rollout):
     from rldynamics.analysis.objective import ActorInputs
-    from rldynamics.analysis.probe import gradient_probe
+    from rldynamics.analysis.probe import ProbeSettings, gradient_probe
 
     model, _ = smollm2
     batch, _, _ = sampled_rollout
@@ -118,8 +118,8 @@ def test_the_analysis_leaves_the_real_model_bit_identical(smollm2, sampled_rollo
     inputs = ActorInputs(old_logprobs=None, advantages=torch.randn(batch.input_ids.shape, generator=gen),
                          ref_logprobs=torch.zeros(batch.input_ids.shape))
     algo = make_config(overrides=["algo.entropy_coef=0.01", "algo.kl_coef=0.01"]).algo
-    result = gradient_probe(model, batch, inputs, {int(g): 0.5 for g in batch.group_ids}, algo=algo,
-                            micro_batch_size=1, temperature=1.0, num_buckets=1)
+    settings = ProbeSettings(algo=algo, micro_batch_size=1, temperature=1.0, num_buckets=1)
+    result = gradient_probe(model, batch, inputs, {int(g): 0.5 for g in batch.group_ids}, settings)
     assert result.metrics["grad_norm/all/task"] > 0 and result.metrics["grad_norm/all/entropy"] > 0
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters()) and torch.equal(torch.get_rng_state(), rng)

@@ -13,7 +13,7 @@ from rldynamics.algo.advantages import grpo_advantages
 from rldynamics.algo.losses import policy_loss
 from rldynamics.analysis.gram import gram, local_slices
 from rldynamics.analysis.objective import ActorInputs
-from rldynamics.analysis.probe import gradient_probe
+from rldynamics.analysis.probe import ProbeSettings, gradient_probe
 from rldynamics.analysis.reward_grad import layer_groups, reward_grad_metrics
 from rldynamics.config import AlgoConfig
 from rldynamics.models.forward import batch_logprobs, token_logprobs
@@ -65,8 +65,8 @@ def run_probe(model, batch, algo, **kw):
     inputs = ActorInputs(old_logprobs=old, advantages=advantages)
     stds = {g: float(batch.scores[batch.group_ids == g].std()) for g in range(GROUPS)}
     comps = component_advantages(batch, algo)
-    return gradient_probe(model, batch, inputs, stds, algo=algo, micro_batch_size=5, temperature=1.0,
-                          keep_gradients=True, component_advantages=comps, component_weights=WEIGHTS, **kw)
+    settings = ProbeSettings(algo=algo, micro_batch_size=5, temperature=1.0, keep_gradients=True, **kw)
+    return gradient_probe(model, batch, inputs, stds, settings, component_advantages=comps, component_weights=WEIGHTS)
 
 
 def algo_cfg(norm_by_std: bool, mode: str = "token-mean") -> AlgoConfig:

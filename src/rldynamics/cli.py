@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "gradient norms), logged at the checkpoint's step; writes its own run directory, never a "
                     "checkpoint, and never stops early. Defaults: KL k3 0.001 and entropy 0.001 enabled so both "
                     "are measured. The KL reference is the base model of the checkpoint's run, built from its "
-                    "config.yaml (runs/<run>/config.yaml), so model.path, model.tiny_* and model.warm_start_* "
+                    "config.yaml (runs/<run>/config.yaml), so model.path, tiny.* and model.warm_start_* "
                     "cannot be overridden. RAGEN / verl override names are accepted (rldyn train --help-config "
                     "--ragen).",
     )

@@ -11,7 +11,8 @@ Design choices:
   finite number, a bool is true/false, yes/no or on/off, and `null` (or nothing) unsets an optional field.
   Unknown keys, bad values, control characters, a key given twice in one YAML mapping and invalid YAML fail
   before any work with one line naming the key (and close matches) (`ConfigError`). The conversion is driven
-  by the field types, so new sections need no parsing code; `RANGES` and `CHOICES` hold the value checks.
+  by the field types, so new sections need no parsing code; each field's value check sits with it
+  (`_one_of` choices, `_within` ranges; collected in `CHOICES` and `RANGES`).
 - Choices are plain strings checked against tuples in `validate`; the resolved config is saved as YAML
   in the run directory and can be loaded back with `load_config`.
 """
@@ -22,6 +23,7 @@ import dataclasses
 import difflib
 import math
 import re
+import sys
 import typing
 import unicodedata
 from dataclasses import dataclass, field
@@ -40,11 +42,25 @@ class ConfigError(ValueError):
     """A bad config key or value; the message names it and says how to fix it."""
 
 
+def _one_of(default: str, *allowed: str) -> Any:
+    """A field whose value must be one of `allowed` (checked by `validate`, collected in `CHOICES`)."""
+    return field(default=default, metadata={"choices": allowed})
+
+
+def _within(default: Any, low: float, inclusive: bool = True, high: float | None = None) -> Any:
+    """A number field that must be >= `low` (> `low` when not `inclusive`) and <= `high` when given (checked by
+    `validate` after the type, collected in `RANGES`; an optional field's null is not checked)."""
+    return field(default=default, metadata={"range": (low, inclusive, high)})
+
+
+KL_TYPES = tuple(k + s for k in ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs") for s in ("", "+"))
+
+
 @dataclass
 class ModelConfig:
     path: str = "tiny"
     """HF model id or local directory; `tiny` = the embedded default model built locally."""
-    dtype: str = "float32"
+    dtype: str = _one_of("float32", "float32", "bfloat16", "auto")
     """Compute dtype: float32 | bfloat16 (mixed precision: weights, gradients and AdamW state stay float32, forward
     and backward run in bfloat16, as verl does) | auto (bfloat16 for a bfloat16 or float16 checkpoint)."""
     gradient_checkpointing: bool = False
@@ -56,22 +72,28 @@ class ModelConfig:
     """Device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N (under torchrun: auto | cuda | cpu)."""
     shard: bool = True
     """Under torchrun: FSDP2-shard weights, grads and optimizer state (false: a full replica per rank, grads summed)."""
-    tiny_hidden_size: int = 64
-    """Tiny model only: hidden size of the embedded Qwen2-architecture model."""
-    tiny_layers: int = 2
-    """Tiny model only: transformer layers."""
-    tiny_tie_embeddings: bool = True
-    """Tiny model only: the LM head shares the input embedding matrix (as in Qwen2's small models)."""
-    warm_start_episodes: int = 8192
+    warm_start_episodes: int = _within(8192, 0)
     """Tiny model only: solver demonstrations (episodes) for the supervised warm start (0 = none)."""
-    warm_start_turns: int = 1
+    warm_start_turns: int = _within(1, 1)
     """Tiny model only: turns per demonstration episode (1 = many cheap single-state examples)."""
-    warm_start_noise: float = 0.4
+    warm_start_noise: float = _within(0.4, 0, high=1)
     """Tiny model only: probability that a demonstrated action is replaced by a random one."""
-    warm_start_epochs: int = 6
+    warm_start_epochs: int = _within(6, 1)
     """Tiny model only: passes over the demonstrations in the warm start."""
-    warm_start_lr: float = 1e-3
+    warm_start_lr: float = _within(1e-3, 0, inclusive=False)
     """Tiny model only: AdamW learning rate of the warm start."""
+
+
+@dataclass
+class TinyConfig:
+    """The embedded tiny model (`model.path=tiny`): its architecture. Its warm start: `model.warm_start_*`."""
+
+    hidden_size: int = _within(64, 1)
+    """Hidden size of the embedded Qwen2-architecture model."""
+    layers: int = _within(2, 1)
+    """Transformer layers."""
+    tie_embeddings: bool = True
+    """The LM head shares the input embedding matrix (as in Qwen2's small models)."""
 
 
 @dataclass
@@ -80,13 +102,13 @@ class EnvConfig:
 
     name: str = "sokoban"
     """Environment name in `rldynamics.envs.ENVS` (`rldyn envs` lists them with their keys)."""
-    max_turns: int = 5
+    max_turns: int = _within(5, 1)
     """Turns per episode (one model response per turn)."""
-    max_actions_per_turn: int = 2
+    max_actions_per_turn: int = _within(2, 1)
     """Actions executed per turn; extra actions in a response are dropped."""
-    max_actions_per_traj: int = 10
+    max_actions_per_traj: int = _within(10, 1)
     """Actions per episode; the episode ends (truncated) when reached."""
-    max_new_tokens: int = 24
+    max_new_tokens: int = _within(24, 1)
     """Tokens the model may generate per turn."""
     enable_think: bool = False
     """Require `<think>...</think>` before `<answer>...</answer>` (every turn's prompt opens the `<think>`)."""
@@ -119,27 +141,27 @@ _ENV_TYPES: dict[tuple, type] = {}
 
 @dataclass
 class TrainConfig:
-    steps: int = 30
+    steps: int = _within(30, 0)
     """Training steps (one rollout + update each)."""
-    env_groups: int = 16
+    env_groups: int = _within(16, 1)
     """Groups per rollout; the envs of a group share one initial state."""
-    group_size: int = 8
+    group_size: int = _within(8, 1)
     """Trajectories per group."""
-    seed_base: int = 10000
+    seed_base: int = _within(10000, 0)
     """Step s uses env seeds seed_base + env_groups*(s-1) + g (RAGEN's train seeds)."""
-    lr: float = 2e-4
+    lr: float = _within(2e-4, 0)
     """Actor AdamW learning rate."""
-    weight_decay: float = 0.01
+    weight_decay: float = _within(0.01, 0)
     """Actor AdamW weight decay."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = _within(1, 1)
     """Passes over the batch per step."""
-    mini_batch_size: int = 32
+    mini_batch_size: int = _within(32, 1)
     """Sequences per optimizer step."""
-    micro_batch_size: int = 16
+    micro_batch_size: int = _within(16, 1)
     """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = _within(1.0, 0, inclusive=False)
     """Global L2 gradient clipping (the pre-clip norm is logged as actor/grad_norm)."""
-    temperature: float = 1.0
+    temperature: float = _within(1.0, 0, inclusive=False)
     """Sampling temperature of training rollouts."""
     shuffle: bool = False
     """Shuffle sequences before splitting into mini-batches (seeded)."""
@@ -151,79 +173,86 @@ class TrainConfig:
 
 @dataclass
 class ValConfig:
-    every: int = 10
+    every: int = _within(10, 0)
     """Validate every N steps (and after the last step); 0 = never in the loop."""
     before_train: bool = True
     """Validate before the first step (logged at step 0)."""
-    env_groups: int = 256
+    env_groups: int = _within(256, 1)
     """Validation puzzles (fixed seeds seed_base .. seed_base+env_groups-1)."""
-    group_size: int = 1
+    group_size: int = _within(1, 1)
     """Samples per validation puzzle."""
-    temperature: float = 0.5
+    temperature: float = _within(0.5, 0, inclusive=False)
     """Sampling temperature of validation rollouts."""
-    seed_base: int = 123
+    seed_base: int = _within(123, 0)
     """First validation env seed (RAGEN's)."""
 
 
 @dataclass
 class AlgoConfig:
-    adv_estimator: str = "gae"
+    adv_estimator: str = _one_of("gae", "gae", "grpo", "rloo", "reinforce_pp")
     """gae | grpo | rloo | reinforce_pp."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group std (False = Dr.GRPO)."""
-    policy_loss: str = "ppo"
+    policy_loss: str = _one_of("ppo", "ppo", "cispo")
     """ppo (dual-clip when clip_c is set) | cispo."""
-    clip_low: float = 0.2
+    clip_low: float = _within(0.2, 0, high=1)
     """Lower clip range (ppo): ratio >= 1 - clip_low."""
-    clip_high: float = 0.28
+    clip_high: float = _within(0.28, 0)
     """Upper clip range: ratio <= 1 + clip_high (clip-higher); cispo: the IS weight's cap."""
-    cispo_clip_low: float | None = None
+    cispo_clip_low: float | None = _within(None, 0, high=1)
     """cispo: lower bound 1 - cispo_clip_low of the IS weight, or null for none (as published)."""
-    clip_c: float | None = 3.0
+    clip_c: float | None = _within(3.0, 1, inclusive=False)
     """Dual-clip constant for negative advantages (> 1), or null to disable."""
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = _one_of("token-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                 "seq-mean-token-sum-norm")
     """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm."""
-    gamma: float = 1.0
+    gamma: float = _within(1.0, 0, high=1)
     """Discount factor."""
-    lam: float = 1.0
+    lam: float = _within(1.0, 0, high=1)
     """GAE lambda."""
-    kl_coef: float = 0.0
+    kl_coef: float = _within(0.0, 0)
     """KL loss coefficient (a reference model is loaded only when > 0 or when analysis needs it)."""
-    kl_type: str = "low_var_kl"
+    kl_type: str = _one_of("low_var_kl", *KL_TYPES)
     """k1|kl, k2|mse, k3|low_var_kl, abs; a trailing + = straight-through k2 gradient."""
     entropy_coef: float = 0.001
     """Entropy bonus coefficient."""
 
+    @property
+    def has_critic(self) -> bool:
+        """Whether the run learns a value model (a critic): GAE does; GRPO, RLOO and REINFORCE++ are critic-free."""
+        return self.adv_estimator == "gae"
+
 
 @dataclass
 class CriticConfig:
-    lr: float = 1e-3
+    lr: float = _within(1e-3, 0)
     """Critic AdamW learning rate (GAE only)."""
-    clip_range: float = 0.5
+    clip_range: float = _within(0.5, 0, inclusive=False)
     """Value clipping range around the old values."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = _within(1.0, 0, inclusive=False)
     """Critic gradient clipping."""
-    ppo_epochs: int | None = None
+    ppo_epochs: int | None = _within(None, 1)
     """Passes of the critic over the batch per step (null = train.ppo_epochs)."""
-    warmup_steps: int = 0
+    warmup_steps: int = _within(0, 0)
     """The first N steps update only the critic (no actor update, no analysis); RAGEN's trainer.critic_warmup."""
 
 
 @dataclass
 class FilterConfig:
-    strategy: str = "top_p"
+    strategy: str = _one_of("top_p", "none", "top_p", "top_k", "top_k_abs", "min_p")
     """none | top_p | top_k | top_k_abs | min_p (whole groups are kept or dropped)."""
-    value: float = 1.0
+    value: float = _within(1.0, 0)
     """Strategy parameter (top_p: mass; top_k: fraction of groups; top_k_abs: count; min_p: ratio)."""
-    keep: str = "largest"
+    keep: str = _one_of("largest", "largest", "smallest")
     """largest | smallest scores are kept."""
-    metric: str = "reward_std"
+    metric: str = _one_of("reward_std", "reward_std", "reward_variance", "reward", "reward_mean", "reward_sum",
+                          "reward_max")
     """Group score: reward_std | reward | reward_sum | reward_max."""
-    prob_mode: str = "linear"
+    prob_mode: str = _one_of("linear", "linear", "softmax")
     """top_p: linear | softmax."""
     include_zero: bool = True
     """Keep groups whose score is zero as candidates."""
-    loss_scaling: str = "none"
+    loss_scaling: str = _one_of("none", "none", "linear", "sqrt")
     """Scale advantages by the kept ratio: none | linear | sqrt."""
     empty_stop_steps: int = 5
     """Stop after this many consecutive steps with an empty filtered batch (<= 0 disables)."""
@@ -233,26 +262,24 @@ class FilterConfig:
 class AnalysisConfig:
     enabled: bool = False
     """Run the gradient analysis on schedule."""
-    every: int = 10
+    every: int = _within(10, 1)
     """Analyse at steps 1, 1+every, 1+2*every, ..."""
-    num_buckets: int = 6
+    num_buckets: int = _within(6, 1)
     """Reward-variance buckets."""
-    bucket_mode: str = "quantile"
+    bucket_mode: str = _one_of("quantile", "quantile", "fixed_rv")
     """quantile | fixed_rv."""
     zero_bucket: bool = True
     """Zero-variance groups form their own bucket_0 and tied reward stds share a bucket (false: RAGEN's plain split)."""
     per_group: bool = False
     """Differentiate every group alone too: per-group norms in groups.csv, 95 % bootstrap CIs (.../ci_low|ci_high)."""
-    bootstrap_resamples: int = 1000
+    bootstrap_resamples: int = _within(1000, 1)
     """Bootstrap resamples of the per-group intervals (with per_group)."""
-    env_groups: int | None = None
+    env_groups: int | None = _within(None, 1)
     """Separate analysis batch: groups (null = analyse the training batch)."""
-    group_size: int | None = None
+    group_size: int | None = _within(None, 1)
     """Separate analysis batch: group size (null = training group size)."""
     exit_after: bool = False
     """End the run right after the first analysis (no update, no checkpoint)."""
-    only: bool = False
-    """Probe mode: never update critic or actor."""
     prefilter: bool = False
     """Also analyse the separate analysis batch before filtering."""
     reward_grad: bool = False
@@ -261,9 +288,9 @@ class AnalysisConfig:
     """Loss terms the probe differentiates: any of task, entropy, kl ([] with reward_grad: components only)."""
     dump_gradients: bool = False
     """Write every analysed gradient in full, per parameter, to analysis/step_<N>/gradients.npz (float32; big)."""
-    dump_max_pending: int = 2
+    dump_max_pending: int = _within(2, 1)
     """Gradient dumps held in memory while a background thread writes them (the step waits beyond this)."""
-    memory_chunks: int = 1
+    memory_chunks: int = _within(1, 1)
     """Probe memory: 1 holds every analysed gradient whole (2 x terms float32 copies of the parameters); C > 1
     differentiates the parameters in C chunks, holding ~1/C of that (at least the largest tensor) for C forward passes
     per micro-batch, with the same numbers. One process only."""
@@ -276,31 +303,31 @@ class CollapseConfig:
     enabled: bool = False
     """Cross-score the training batch's replies under its prompts on schedule: mutual-information proxies
     (collapse_first_turn_sample/*, collapse_trajectory_sample/*). Read-only: training is unchanged."""
-    compute_freq: int = 5
+    compute_freq: int = _within(5, 1)
     """Diagnose at step 1, then at every step divisible by this (RAGEN's schedule)."""
-    micro_batch_size: int = 128
+    micro_batch_size: int = _within(128, 1)
     """Rows [prompt | reply] per forward of the cross-scoring."""
     first_turn_enabled: bool = True
     """Pairs of (first prompt, first reply), one column per group."""
     multi_turn_enabled: bool = True
     """Trajectory-uniform pairs (a trajectory, then one of its turns; each pair its own column)."""
-    num_samples: int = 64
+    num_samples: int = _within(64, 0)
     """Pairs per mode (first turn: drawn without replacement; trajectory: with); 0 = all (RAGEN's `all`)."""
-    std_eps: float = 1e-3
+    std_eps: float = _within(1e-3, 0)
     """Added to the marginal std in the z-scores."""
-    ema_decay: float = 0.9
+    ema_decay: float = _within(0.9, 0, high=1)
     """EMA decay of the marginal std (`*_ema`)."""
-    bootstrap_resamples: int = 200
+    bootstrap_resamples: int = _within(200, 0)
     """Prompt-cluster bootstrap resamples of the MI and retrieval intervals (.../ci_low|ci_high); 0 = none."""
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0
+    every: int = _within(0, 0)
     """Save every N steps (and at the end when > 0); 0 = only at the end if save_last."""
     save_last: bool = True
     """Save a checkpoint after the last step."""
-    keep_last: int = 0
+    keep_last: int = _within(0, 0)
     """Keep only the newest N checkpoints, deleting older ones after each save (0 = keep all)."""
     resume: str | None = None
     """Resume from a checkpoint directory, or `latest` (newest in this run's checkpoints/)."""
@@ -310,15 +337,15 @@ class CheckpointConfig:
 class EarlyStopConfig:
     enabled: bool = True
     """Stop on reward-variance collapse, low validation success or repeated empty batches."""
-    rv_baseline_steps: int = 10
+    rv_baseline_steps: int = _within(10, 1)
     """Steps that form the reward-std baseline."""
-    rv_window: int = 10
+    rv_window: int = _within(10, 1)
     """Consecutive steps that must all be below rv_ratio * baseline."""
-    rv_ratio: float = 0.1
+    rv_ratio: float = _within(0.1, 0)
     """Collapse threshold as a fraction of the baseline."""
-    val_success_threshold: float = 0.01
+    val_success_threshold: float = _within(0.01, 0, high=1)
     """Validation success below this counts as a low-success validation."""
-    val_patience: int = 5
+    val_patience: int = _within(5, 1)
     """Consecutive low-success validations that stop the run."""
 
 
@@ -328,7 +355,7 @@ class LogConfig:
     """Parent directory of run directories."""
     name: str | None = None
     """Run name (default: <env>_<model>_<time>)."""
-    samples_per_step: int = 4
+    samples_per_step: int = _within(4, 0)
     """Decoded trajectories written to samples.jsonl per step."""
     wandb: bool = False
     """Mirror metrics to Weights & Biases (WANDB_MODE=offline works)."""
@@ -344,9 +371,10 @@ class LogConfig:
 
 @dataclass
 class Config:
-    seed: int = 0
+    seed: int = _within(0, 0)
     """Seed of model init, sampling and shuffling."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    tiny: TinyConfig = field(default_factory=TinyConfig)
     env: EnvConfig = field(default_factory=lambda: env_config_type()())
     train: TrainConfig = field(default_factory=TrainConfig)
     val: ValConfig = field(default_factory=ValConfig)
@@ -360,46 +388,34 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
 
-CHOICES: dict[str, tuple[str, ...]] = {
-    "model.dtype": ("float32", "bfloat16", "auto"),
-    "algo.adv_estimator": ("gae", "grpo", "rloo", "reinforce_pp"),
-    "algo.policy_loss": ("ppo", "cispo"),
-    "algo.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
-    "algo.kl_type": tuple(k + s for k in ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs") for s in ("", "+")),
-    "filter.strategy": ("none", "top_p", "top_k", "top_k_abs", "min_p"),
-    "filter.keep": ("largest", "smallest"),
-    "filter.metric": ("reward_std", "reward_variance", "reward", "reward_mean", "reward_sum", "reward_max"),
-    "filter.prob_mode": ("linear", "softmax"),
-    "filter.loss_scaling": ("none", "linear", "sqrt"),
-    "analysis.bucket_mode": ("quantile", "fixed_rv"),
-}
 
+
+def _field_checks(kind: str, obj: Any = None, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> the `kind` check ("choices" or "range") of every field that has one, sections recursively."""
+    obj = Config() if obj is None else obj
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(_field_checks(kind, value, f"{prefix}{f.name}."))
+        elif kind in f.metadata:
+            out[f"{prefix}{f.name}"] = f.metadata[kind]
+    return out
+
+
+CHOICES: dict[str, tuple[str, ...]] = _field_checks("choices")  # key -> allowed values (`_one_of`)
 # Ranges, checked after the types (every float is already finite, every int a whole number).
-# key -> (lowest allowed, lowest is allowed itself, highest allowed or None); null optional values are not checked.
-RANGES: dict[str, tuple[float, bool, float | None]] = {
-    **dict.fromkeys((
-        "env.max_turns", "env.max_actions_per_turn", "env.max_actions_per_traj", "env.max_new_tokens",
-        "train.env_groups", "train.group_size", "train.ppo_epochs",
-        "train.mini_batch_size", "train.micro_batch_size", "val.env_groups", "val.group_size", "analysis.every",
-        "analysis.num_buckets", "analysis.dump_max_pending", "analysis.bootstrap_resamples", "analysis.memory_chunks",
-        "analysis.env_groups", "analysis.group_size",
-        "model.tiny_hidden_size",
-        "model.tiny_layers", "model.warm_start_turns", "model.warm_start_epochs", "early_stop.rv_baseline_steps",
-        "early_stop.rv_window", "early_stop.val_patience", "critic.ppo_epochs", "collapse.compute_freq",
-        "collapse.micro_batch_size"), (1, True, None)),
-    **dict.fromkeys(("seed", "train.steps", "train.seed_base", "val.every", "val.seed_base", "checkpoint.every",
-                     "checkpoint.keep_last", "critic.warmup_steps", "log.samples_per_step",
-                     "model.warm_start_episodes", "collapse.num_samples", "collapse.bootstrap_resamples",
-                     "collapse.std_eps"), (0, True, None)),
-    **dict.fromkeys(("train.max_grad_norm", "train.temperature", "val.temperature",
-                     "critic.max_grad_norm", "critic.clip_range", "model.warm_start_lr"), (0, False, None)),
-    **dict.fromkeys(("train.lr", "critic.lr", "train.weight_decay", "algo.clip_high", "algo.kl_coef", "filter.value",
-                     "early_stop.rv_ratio"),
-                    (0, True, None)),
-    **dict.fromkeys(("model.warm_start_noise", "collapse.ema_decay", "algo.clip_low", "algo.cispo_clip_low",
-                     "algo.gamma", "algo.lam",
-                     "early_stop.val_success_threshold"), (0, True, 1)),
-    "algo.clip_c": (1, False, None),
+# key -> (lowest allowed, lowest is allowed itself, highest allowed or None) (`_within`)
+RANGES: dict[str, tuple[float, bool, float | None]] = _field_checks("range")
+# Old keys, so that an old config.yaml (a run's, a checkpoint's) and old commands still work, each with a one-line note:
+# renamed keys are read at their new place, retired ones (no longer settings) say what replaced them.
+RENAMED: dict[str, str] = {
+    "model.tiny_hidden_size": "tiny.hidden_size",
+    "model.tiny_layers": "tiny.layers",
+    "model.tiny_tie_embeddings": "tiny.tie_embeddings",
+}
+RETIRED: dict[str, str] = {
+    "analysis.only": "probe mode is its own command, `rldyn probe <checkpoint>`",
 }
 DEVICE = re.compile(r"auto|cpu|mps|cuda(:[0-9]+)?")
 MAX_INT = 2**63 - 1  # seeds and sizes end up in torch / numpy int64
@@ -544,11 +560,16 @@ def _merge(base: Any, data: Any, source: str, prefix: str = "") -> Any:
     """A copy of the dataclass `base` with `data` (nested dicts of raw strings) converted and merged in."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of config keys{_at(prefix)}, got {_shown(data)}")
+    if not prefix:
+        data = _renamed(data, source)
     known = {f.name: f for f in dataclasses.fields(base)}
     hints = typing.get_type_hints(type(base))
     changes = {}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
+        if dotted in RETIRED:
+            _retire(dotted, value, source)
+            continue
         if key not in known:
             raise ConfigError(f"unknown config key {dotted!r} in {source}{_suggest(dotted, all_keys())}")
         current = getattr(base, key)
@@ -560,6 +581,41 @@ def _merge(base: Any, data: Any, source: str, prefix: str = "") -> Any:
         else:
             changes[key] = _convert(value, hints[key], dotted, source, current)
     return dataclasses.replace(base, **changes)
+
+
+def _renamed(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """`data` with the `RENAMED` keys moved to their new place (a value given at the new place wins)."""
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for old, new in RENAMED.items():
+        section, key = old.split(".")
+        if not isinstance(data.get(section), dict) or key not in data[section]:
+            continue
+        value = data[section].pop(key)
+        new_section, new_key = new.split(".")
+        target = data.setdefault(new_section, {})
+        if isinstance(target, dict):
+            target.setdefault(new_key, value)
+        _note(f"note: {old} in {source} is now {new}; read as {new}")
+    return data
+
+
+def _note(line: str) -> None:
+    """Print a note about an old key once per process (a run reads its config.yaml more than once)."""
+    if line not in _NOTED:
+        _NOTED.add(line)
+        print(line, file=sys.stderr)
+
+
+_NOTED: set[str] = set()
+
+
+def _retire(key: str, value: Any, source: str) -> None:
+    """A `RETIRED` key: ignored with a one-line note, except where ignoring it would do something else than asked
+    (`analysis.only=true` would train instead of probing)."""
+    if key == "analysis.only" and _BOOL.get(str(value).strip().lower()):
+        raise ConfigError(f"analysis.only=true in {source}: {RETIRED[key]}, which writes its own run directory; "
+                          "drop the key")
+    _note(f"note: {key} in {source} is no longer a setting ({RETIRED[key]}); ignored")
 
 
 def _at(prefix: str) -> str:

@@ -209,7 +209,9 @@ RAGEN_KEYS: dict[str, Rule] = {
     "trainer.gradient_analysis_env_groups": Rule("analysis.env_groups"),
     "trainer.gradient_analysis_group_size": Rule("analysis.group_size"),
     "trainer.gradient_analysis_log_prefilter": Rule("analysis.prefilter"),
-    "trainer.gradient_analysis_only": Rule("analysis.only"),
+    "trainer.gradient_analysis_only": Rule("", _only(False, "the analysis of a checkpoint without training is its own "
+                                                            "command here, `rldyn probe <checkpoint>`; drop the key"),
+                                           "True -> `rldyn probe`"),
     "trainer.exit_after_gradient_analysis": Rule("analysis.exit_after"),
     "trainer.log_group_rv_table": ignored("analysis/step_<N>/groups.csv always holds every group's reward std"),
     "trainer.n_gpus_per_node": ignored("batches are never trimmed or padded to the GPU count; several GPUs: "

@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from rldynamics.metric_names import ROLLOUT, filter_metric
+
 STRATEGIES: tuple[str, ...] = ("top_p", "top_k", "top_k_abs", "min_p")
 KEEP_MODES: tuple[str, ...] = ("largest", "smallest")
 PROB_MODES: tuple[str, ...] = ("linear", "softmax")
@@ -183,17 +185,25 @@ def select_groups(
     return ranked[:k].sort().values  # [K]
 
 
-def _mean_or_zero(x: torch.Tensor) -> float:
+def mean_or_zero(x: torch.Tensor) -> float:
+    """The mean of a per-group statistic [G] (0.0 for no groups)."""
     return float(x.mean()) if x.numel() else 0.0
 
 
-def filter_metrics(group_values: torch.Tensor, kept: torch.Tensor, scores: torch.Tensor) -> dict[str, float]:
+def kept_ratio(kept: torch.Tensor, num_groups: int) -> float:
+    """Kept groups / all groups (0.0 for no groups): what the advantages' loss scaling reads."""
+    return kept.numel() / num_groups if num_groups else 0.0
+
+
+def filter_metrics(group_values: torch.Tensor, kept: torch.Tensor, scores: torch.Tensor,
+                   prefix: str = ROLLOUT) -> dict[str, float]:
     """Metrics describing one filtering decision (RAGEN ``rollout/*`` names, ``ragen_behaviour.md`` §2.7).
 
     Args:
         group_values: ``[G, n]`` per-trajectory rewards.
         kept: ``[K]`` kept group indices (as returned by :func:`select_groups`).
         scores: ``[G]`` the selection scores.
+        prefix: the metric namespace (``rollout``; a separate analysis batch: ``grad_analysis``).
 
     Returns:
         ``rollout/in_group_reward_{std,max,mean,sum}`` (mean over all groups),
@@ -206,18 +216,17 @@ def filter_metrics(group_values: torch.Tensor, kept: torch.Tensor, scores: torch
         raise ValueError(f"scores must be [G] = {tuple(group_values.shape[:1])}, got {tuple(scores.shape)}")
     stats = group_stats(group_values)  # each [G]
     kept = kept.long().cpu()  # [K]
-    metrics: dict[str, float] = {}
+    values: dict[str, float] = {}
     for name, per_group in stats.items():
-        metrics[f"rollout/in_group_reward_{name}"] = _mean_or_zero(per_group.detach().cpu())
-        metrics[f"rollout/chosen_in_group_reward_{name}"] = _mean_or_zero(per_group.detach().cpu()[kept])
+        values[f"in_group_reward_{name}"] = mean_or_zero(per_group.detach().cpu())
+        values[f"chosen_in_group_reward_{name}"] = mean_or_zero(per_group.detach().cpu()[kept])
     for name in ("std", "max", "mean"):
-        metrics[f"rollout/in_group_{name}"] = metrics[f"rollout/in_group_reward_{name}"]
-        metrics[f"rollout/chosen_in_group_{name}"] = metrics[f"rollout/chosen_in_group_reward_{name}"]
-    num_groups = group_values.shape[0]
-    metrics["rollout/filter_kept_count"] = float(kept.numel())
-    metrics["rollout/filter_kept_ratio"] = kept.numel() / num_groups if num_groups else 0.0
-    metrics["rollout/filter_zero_count"] = float((scores.abs() <= _ZERO_TOL).sum())
-    return metrics
+        values[f"in_group_{name}"] = values[f"in_group_reward_{name}"]
+        values[f"chosen_in_group_{name}"] = values[f"chosen_in_group_reward_{name}"]
+    values["filter_kept_count"] = float(kept.numel())
+    values["filter_kept_ratio"] = kept_ratio(kept, group_values.shape[0])
+    values["filter_zero_count"] = float((scores.abs() <= _ZERO_TOL).sum())
+    return {filter_metric(prefix, name): v for name, v in values.items()}
 
 
 def loss_scale(kept_ratio: float, mode: str) -> float:

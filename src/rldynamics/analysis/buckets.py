@@ -9,7 +9,7 @@ Design choices:
 - ``fixed_rv`` uses RAGEN's fixed edges 0..5 (tuned to Sokoban's reward scale) and ignores
   ``num_buckets``; it expects non-negative scores (a std) and rejects anything else. It always returns
   all six intervals, empty ones included, so position k is interval k and ``bucket_3`` always names
-  [2, 3) (RAGEN's naming; see ``bucket_names.py``); callers skip the empty ones.
+  [2, 3) (RAGEN's naming; see ``metric_names.py``); callers skip the empty ones.
 - ``zero_bucket``: groups whose score is at most ``ZERO_RV_TOL`` (identical rewards, up to float rounding)
   get a bucket of their own at position 0 (``bucket_0``), returned even when empty. The others are split as
   above, with one change to quantile buckets: groups whose scores are equal (consecutive differences within
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from rldynamics.analysis.bucket_names import FIXED_RV_EDGES
+from rldynamics.metric_names import FIXED_RV_EDGES
 
 BUCKET_MODES: tuple[str, ...] = ("quantile", "fixed_rv")
 ZERO_RV_TOL = 1e-6

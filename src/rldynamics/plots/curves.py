@@ -17,6 +17,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from rldynamics import metric_names as names
 from rldynamics.plots.analysis import DPI, auto_scale, new_figure, note, save_png
 from rldynamics.plots.data import (
     PREFIX,
@@ -41,18 +42,18 @@ def curve_panels(run: RunData) -> list[tuple[str, list[tuple[str, str]]]]:
     """(panel title, [(metric key, legend label)]) for every panel whose metrics were logged."""
     envs = env_names(run)
     candidates: list[tuple[str, list[tuple[str, str]]]] = [
-        ("reward (critic/score/mean)", [("critic/score/mean", "mean score")]),
-        ("success rate", [(f"{split}/{e}/success", f"{split.split('-')[0]} {e}")
-                          for e in envs for split in ("train", "val-env")]),
-        ("rollout-policy entropy (actor/entropy)", [("actor/entropy", "entropy")]),
+        (f"reward ({names.SCORE_MEAN})", [(names.SCORE_MEAN, "mean score")]),
+        ("success rate", [(f"{names.env_prefix(e, validation)}/success", f"{'val' if validation else 'train'} {e}")
+                          for e in envs for validation in (False, True)]),
+        (f"rollout-policy entropy ({names.ENTROPY})", [(names.ENTROPY, "entropy")]),
         ("KL loss (actor/kl_loss)", [("actor/kl_loss", "kl_loss")]),
         ("grad norm (actor/grad_norm, pre-clip)", [("actor/grad_norm", "grad norm")]),
         ("clip fraction (actor/pg_clipfrac; rule of thumb 10–40 %)", [("actor/pg_clipfrac", "pg_clipfrac")]),
         ("policy loss (actor/pg_loss)", [("actor/pg_loss", "pg_loss")]),
-        ("filter kept ratio", [("rollout/filter_kept_ratio", "kept ratio")]),
-        ("in-group reward std", [("rollout/in_group_reward_std", "mean group std")]),
+        ("filter kept ratio", [(names.FILTER_KEPT_RATIO, "kept ratio")]),
+        ("in-group reward std", [(names.IN_GROUP_REWARD_STD, "mean group std")]),
         ("response length", [("response_length/mean", "tokens / response")] if has_key(run, "response_length/mean")
-         else [(f"train/{e}/response_length", e) for e in envs]),
+         else [(f"{names.env_prefix(e)}/response_length", e) for e in envs]),
     ]
     out = []
     for title, keys in candidates:
@@ -262,9 +263,9 @@ def _bucket_series(run: RunData, steps: list[int], bucket: str, metric: str) -> 
 def sketch_cosine_matrix(sketches: dict[str, np.ndarray], component: str = "task",
                          prefix: str = PREFIX) -> tuple[list[str], np.ndarray]:
     """(bucket names, [B, B] cosine matrix) of the `<prefix>/bucket_k/<component>` sketches; nan for zero sketches."""
-    head = f"{prefix}/bucket_"
-    keys = sorted((k for k in sketches if k.startswith(head) and k.endswith(f"/{component}") and k.count("/") == 2),
-                  key=lambda k: bucket_sort_key(k.split("/")[1]))
+    parsed = {k: names.parse_bucket_metric(k, prefix) for k in sketches}
+    keys = sorted((k for k, p in parsed.items() if p and p[0] != names.ALL and p[1] == component),
+                  key=lambda k: bucket_sort_key(parsed[k][0]))
     if not keys:
         return [], np.zeros((0, 0))
     m = np.stack([sketches[k] for k in keys])  # [B, dim]
@@ -272,7 +273,7 @@ def sketch_cosine_matrix(sketches: dict[str, np.ndarray], component: str = "task
     with np.errstate(invalid="ignore", divide="ignore"):
         cos = (m @ m.T) / np.outer(norms, norms)  # [B, B]
     cos[~np.isfinite(cos)] = np.nan
-    return [k.split("/")[1] for k in keys], cos
+    return [parsed[k][0] for k in keys], cos
 
 
 def fig_sketch_cosines(run: RunData, step: int, component: str = "task") -> Figure | None:

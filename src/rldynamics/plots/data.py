@@ -12,7 +12,7 @@ Design choices:
   run has one), and values beyond ±1e300 count as overflowed (drawn like inf: matplotlib cannot place ticks on
   an axis that wide).
 - Buckets are labelled by the run's ``analysis.bucket_mode`` (``Q3`` for quantile buckets, ``[2, 3)`` for
-  fixed_rv buckets, whose names always denote the same interval; ``rldynamics.analysis.bucket_names``).
+  fixed_rv buckets, whose names always denote the same interval; ``rldynamics.metric_names``).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import yaml
 
-from rldynamics.analysis import bucket_names as naming
+from rldynamics import metric_names as naming
 from rldynamics.tracking.run_dir import read_config, read_metrics
 
-PREFIX = "grad_norm"
+PREFIX = naming.GRAD_NORM
 COMPONENTS = ("task", "entropy", "kl")
 PLOT_LIMIT = 1e300  # larger magnitudes are treated as overflowed (inf)
 MAX_STEP = 2**63 - 1
@@ -173,11 +173,7 @@ def analysis_steps(run: RunData, prefix: str = PREFIX) -> list[int]:
 
 def bucket_names(row: dict[str, Any], prefix: str = PREFIX) -> list[str]:
     """`bucket_k` names present in the row, sorted numerically."""
-    found = set()
-    for k in row:
-        parts = k.split("/")
-        if len(parts) >= 3 and parts[0] == prefix and naming.bucket_number(parts[1]) is not None:
-            found.add(parts[1])
+    found = {parsed[0] for k in row if (parsed := naming.parse_bucket_metric(k, prefix)) and parsed[0] != naming.ALL}
     return sorted(found, key=naming.bucket_number)
 
 
@@ -189,16 +185,12 @@ def bucket_label(bucket: str, mode: str = "quantile", zero_bucket: bool = False)
 
 def bucket_values(row: dict[str, Any], buckets: list[str], metric: str, prefix: str = PREFIX) -> np.ndarray:
     """`[len(buckets)]` float array of `<prefix>/<bucket>/<metric>`, nan where not logged."""
-    return np.array([as_float(row.get(f"{prefix}/{b}/{metric}")) for b in buckets], dtype=float)
+    return np.array([as_float(row.get(naming.bucket_metric(prefix, b, metric))) for b in buckets], dtype=float)
 
 
 def bucket_metric_names(row: dict[str, Any], prefix: str = PREFIX) -> list[str]:
     """Every metric name logged for some bucket (e.g. `task`, `raw/kl`, `loss/policy`), in a stable order."""
-    names = set()
-    for k in row:
-        parts = k.split("/", 2)
-        if len(parts) == 3 and parts[0] == prefix and (parts[1] == "all" or naming.bucket_number(parts[1])):
-            names.add(parts[2])
+    names = {parsed[1] for k in row if (parsed := naming.parse_bucket_metric(k, prefix))}
     return sorted(names, key=_metric_order)
 
 
@@ -217,10 +209,10 @@ def norm_is_zero(row: dict[str, Any], bucket: str, comp: str, prefix: str = PREF
     Read from the probe's `zero_grad/<comp>` flag (its cosines are then NaN); runs written before the flag existed
     logged those cosines as 0, and a (raw) norm of exactly 0 tells the same.
     """
-    flag = row.get(f"{prefix}/{bucket}/zero_grad/{comp}")
+    flag = row.get(naming.bucket_metric(prefix, bucket, f"zero_grad/{comp}"))
     if isinstance(flag, (int, float)):
         return flag == 1
-    for key in (f"{prefix}/{bucket}/raw/{comp}", f"{prefix}/{bucket}/{comp}"):
+    for key in (naming.bucket_metric(prefix, bucket, f"raw/{comp}"), naming.bucket_metric(prefix, bucket, comp)):
         if isinstance(row.get(key), (int, float)):
             return row[key] == 0
     return False
@@ -328,9 +320,9 @@ def env_names(run: RunData) -> list[str]:
         names.append(str(env["name"]))
     for r in run.rows:
         for k in r:
-            parts = k.split("/")
-            if len(parts) == 3 and parts[0] in ("train", "val-env") and parts[2] == "success" and parts[1] not in names:
-                names.append(parts[1])
+            parsed = naming.parse_env_metric(k)
+            if parsed and parsed[2] == "success" and parsed[1] not in names:
+                names.append(parsed[1])
     return names
 
 
@@ -345,8 +337,8 @@ def series(run: RunData, key: str) -> tuple[np.ndarray, np.ndarray]:
 
 def early_stops(run: RunData) -> list[tuple[int, str]]:
     """(step, reason) of every `early_stopped/<reason>` flag the run logged."""
-    return [(r["step"], k.split("/", 1)[1]) for r in run.rows for k, v in r.items()
-            if k.startswith("early_stopped/") and v]
+    return [(r["step"], reason) for r in run.rows for k, v in r.items()
+            if (reason := naming.early_stop_reason(k)) is not None and v]
 
 
 def has_key(run: RunData, key: str) -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from rldynamics import metric_names as names
 from rldynamics.plots.data import as_float
 
 SEVERITIES = ("error", "warning", "note")
@@ -164,7 +165,7 @@ def check_zero_variance(rows: list[dict[str, Any]], num_groups: int | None = Non
     flags = []
     fractions = []
     for r in rows:
-        zero = as_float(r.get("rollout/filter_zero_count"))
+        zero = as_float(r.get(names.FILTER_ZERO_COUNT))
         n = float(num_groups) if num_groups else _groups_of_row(r)
         if math.isfinite(zero) and n and math.isfinite(n):
             fractions.append(zero / n)
@@ -176,7 +177,7 @@ def check_zero_variance(rows: list[dict[str, Any]], num_groups: int | None = Non
                           "the regularisers then dominate the update. Raise temperature/group size or filter groups.",
                           {"mean share (last steps)": f"{recent.mean():.1%}", "last step share": f"{recent[-1]:.1%}",
                            "groups per step": num_groups or "from filter_kept_count / filter_kept_ratio"}))
-    _, std = _series(rows, "rollout/in_group_reward_std")
+    _, std = _series(rows, names.IN_GROUP_REWARD_STD)
     std = std[np.isfinite(std)]
     if std.size:
         tail, head = float(std[-last:].mean()), float(std[:last].mean())
@@ -194,14 +195,14 @@ def check_zero_variance(rows: list[dict[str, Any]], num_groups: int | None = Non
 
 
 def _groups_of_row(row: dict[str, Any]) -> float:
-    kept, ratio = as_float(row.get("rollout/filter_kept_count")), as_float(row.get("rollout/filter_kept_ratio"))
+    kept, ratio = as_float(row.get(names.FILTER_KEPT_COUNT)), as_float(row.get(names.FILTER_KEPT_RATIO))
     return kept / ratio if math.isfinite(kept) and math.isfinite(ratio) and ratio > 0 else math.nan
 
 
 def check_early_stop(rows: list[dict[str, Any]]) -> list[Flag]:
     """`early_stopped/<reason>` keys with a true value."""
-    hits = [(r.get("step"), k.split("/", 1)[1]) for r in rows for k, v in r.items()
-            if k.startswith("early_stopped/") and (not isinstance(v, (int, float)) or v != 0)]
+    hits = [(r.get("step"), reason) for r in rows for k, v in r.items()
+            if (reason := names.early_stop_reason(k)) is not None and (not isinstance(v, (int, float)) or v != 0)]
     return [Flag("early_stop", "warning", f"training stopped early: {reason} (step {step})",
                  "The trainer's early-stop rule fired; later steps were not run.", {"step": step, "reason": reason})
             for step, reason in hits]
@@ -226,14 +227,14 @@ ZERO_GRADIENT_CAUSES = {
 }
 
 
-def check_zero_gradients(rows: list[dict[str, Any]], prefix: str = "grad_norm") -> list[Flag]:
+def check_zero_gradients(rows: list[dict[str, Any]], prefix: str = names.GRAD_NORM) -> list[Flag]:
     """Analysis gradients that are exactly zero (`zero_grad/<component>` = 1), one note per component."""
     where: dict[str, list[tuple[int, str]]] = {}
     for r in rows:
         for k, v in r.items():
-            parts = k.split("/")
-            if len(parts) == 4 and parts[0] == prefix and parts[2] == "zero_grad" and as_float(v) == 1:
-                where.setdefault(parts[3], []).append((int(r["step"]), parts[1]))
+            bucket, metric = names.parse_bucket_metric(k, prefix) or ("", "")
+            if metric.startswith("zero_grad/") and as_float(v) == 1:
+                where.setdefault(metric.split("/", 1)[1], []).append((int(r["step"]), bucket))
     flags = []
     for comp, hits in sorted(where.items()):
         steps = sorted({s for s, _ in hits})

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
+from rldynamics import metric_names as naming
 from rldynamics.plots.analysis import fmt, new_figure
 from rldynamics.plots.data import RunData, analysis_dirs, as_float, series
 from rldynamics.plots.health import Flag
@@ -25,13 +26,13 @@ RG = "reward_grad"
 
 def component_names(run: RunData) -> list[str]:
     """Reward component names logged by the run (`reward/<name>/mean`), in first-seen order."""
-    names: list[str] = []
+    found: list[str] = []
     for row in run.rows:
         for key in row:
-            parts = key.split("/")
-            if len(parts) == 3 and parts[0] == "reward" and parts[2] == "mean" and parts[1] not in names:
-                names.append(parts[1])
-    return names
+            parsed = naming.parse_reward_component(key)
+            if parsed and parsed[1] == "mean" and parsed[0] not in found:
+                found.append(parsed[0])
+    return found
 
 
 def read_reward_grad(run: RunData) -> dict[int, dict[str, Any]]:
@@ -129,7 +130,7 @@ def fig_component_rewards(run: RunData) -> Figure | None:
     for col, (stat, ylabel) in enumerate((("mean", "mean (raw)"), ("zero_std_group_frac", "groups with zero std"))):
         ax = fig.add_subplot(1, 2, col + 1)
         for name in names:
-            x, y = series(run, f"reward/{name}/{stat}")
+            x, y = series(run, naming.reward_component(name, stat))
             if len(x):
                 ax.plot(x, y, lw=1.2, label=name)
         ax.set_xlabel("step")
@@ -200,10 +201,10 @@ def check_reward_components(run: RunData, last: int = 10) -> list[Flag]:
                               {"latest cosine": fmt(float(finite[-1])),
                                "median cosine": fmt(float(np.median(finite)))}))
     for name in component_names(run):
-        x, y = series(run, f"reward/{name}/zero_std_group_frac")
+        x, y = series(run, naming.reward_component(name, "zero_std_group_frac"))
         recent = y[-last:][np.isfinite(y[-last:])]
         if len(recent) and bool(np.all(recent >= 1.0)):
-            _, mean = series(run, f"reward/{name}/mean")
+            _, mean = series(run, naming.reward_component(name, "mean"))
             flags.append(Flag("reward_component_constant", "note",
                               f"Reward component {name} is constant within every group",
                               f"In the last {len(recent)} steps every group gave all its trajectories the same {name}: "

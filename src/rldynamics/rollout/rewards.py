@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from rldynamics import metric_names
 from rldynamics.config import EnvConfig
 
 
@@ -24,7 +25,7 @@ def weighted_sum(components: dict[str, float], weights: dict[str, float]) -> flo
 
 
 def reward_component_metrics(components: torch.Tensor, names: tuple[str, ...], group_ids: torch.Tensor,
-                             prefix: str = "reward") -> dict[str, float]:
+                             prefix: str = metric_names.REWARD) -> dict[str, float]:
     """`<prefix>/<name>/mean|std|zero_std_group_frac` of each raw component over a batch.
 
     Args:
@@ -39,9 +40,9 @@ def reward_component_metrics(components: torch.Tensor, names: tuple[str, ...], g
     for k, name in enumerate(names):
         values = components[:, k].double()  # [N]
         constant = [bool((values[m] == values[m][0]).all()) for m in groups]
-        out[f"{prefix}/{name}/mean"] = values.mean().item()
-        out[f"{prefix}/{name}/std"] = values.std().item() if len(values) > 1 else 0.0
-        out[f"{prefix}/{name}/zero_std_group_frac"] = sum(constant) / len(constant)
+        out[metric_names.reward_component(name, "mean", prefix)] = values.mean().item()
+        out[metric_names.reward_component(name, "std", prefix)] = values.std().item() if len(values) > 1 else 0.0
+        out[metric_names.reward_component(name, "zero_std_group_frac", prefix)] = sum(constant) / len(constant)
     return out
 
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from rldynamics import metric_names as names
 from rldynamics.plots.data import RunData, as_float, early_stops, load_run
 from rldynamics.tracking.run_dir import read_config, row_step
 
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 STATUS_FILE = "sweep.json"
 PLAN_FILE = "plan.json"
 LOG_FILE = "train.log"
-EXITED = "trainer/exited_after_gradient_analysis"
 FINISHED = ("completed", "early_stopped")
 _SEED_DIR = re.compile(r"seed(\d+)")
 
@@ -127,7 +127,7 @@ def has_checkpoint(path: Path) -> bool:
 def val_key(run: RunData) -> str:
     """`val-env/<env.name>/success` of the run."""
     env = run.config.get("env") if isinstance(run.config.get("env"), dict) else {}
-    return f"val-env/{env.get('name', 'sokoban')}/success"
+    return names.val_success(env.get("name", "sokoban"))
 
 
 @dataclass
@@ -193,7 +193,8 @@ def outcome(path: Path, run: RunData | None = None) -> Outcome:
         found.state, found.detail = "damaged", broken
     elif stops:
         found.state, found.detail = "early_stopped", stops[0][1]
-    elif (last is not None and steps is not None and last >= steps) or (run.rows and run.rows[-1].get(EXITED)):
+    elif (last is not None and steps is not None and last >= steps) or (
+            run.rows and run.rows[-1].get(names.EXITED_AFTER_ANALYSIS)):
         found.state = "completed"
     elif status.get("returncode") == 0:
         found.state = "damaged"

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rldynamics import metric_names as names
 from rldynamics.plots.collapse import ENTROPY, MI, RETRIEVAL, final_value, spearman, spearman_interval
 from rldynamics.plots.data import RunData, as_float, series
 from rldynamics.sweep import runs
@@ -117,12 +118,12 @@ def run_result(path: Path) -> RunResult:
     return RunResult(label=path.parent.name, seed=runs.seed_of(path), state=found.state, detail=found.detail,
                      steps_run=found.step, final=float(values[fin][-1]) if fin.any() else math.nan,
                      best=float(values[fin].max()) if fin.any() else math.nan, val_steps=steps, val_values=values,
-                     reward_std=_mean(run, "rollout/in_group_reward_std"),
-                     kept_ratio=_mean(run, "rollout/filter_kept_ratio"),
+                     reward_std=_mean(run, names.IN_GROUP_REWARD_STD),
+                     kept_ratio=_mean(run, names.FILTER_KEPT_RATIO),
                      wall_s=wall, step_s=step_s, report=report, log=log, metric=runs.val_key(run),
                      tail=runs.log_tail(path, 12) if found.state in NEEDS_LOOK else [],
                      mi=final_value(run, MI), entropy=final_value(run, ENTROPY), retrieval=final_value(run, RETRIEVAL),
-                     policy_entropy=_last(run, "actor/entropy"))
+                     policy_entropy=_last(run, names.ENTROPY))
 
 
 def _last(run: RunData, key: str) -> float:
@@ -139,10 +140,10 @@ def _mean(run: RunData, key: str) -> float:
 
 def _times(run: RunData) -> tuple[float, float]:
     """(wall seconds of the logged steps plus the step-0 validation, mean seconds per step)."""
-    _, per_step = series(run, "timing_s/step")
+    _, per_step = series(run, names.STEP_TIME)
     if not run.rows or not len(per_step):
         return math.nan, math.nan
-    first = as_float(run.rows[0].get("timing_s/val")) if run.rows[0]["step"] == 0 else math.nan
+    first = as_float(run.rows[0].get(names.VAL_TIME)) if run.rows[0]["step"] == 0 else math.nan
     return float(per_step.sum() + (first if math.isfinite(first) else 0.0)), float(per_step.mean())
 
 

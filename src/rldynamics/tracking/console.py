@@ -5,15 +5,17 @@ from __future__ import annotations
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from rldynamics import metric_names as names
+
 SUMMARY_KEYS = (
-    ("reward", "critic/score/mean"),
-    ("success", "train/{env}/success"),
-    ("val", "val-env/{env}/success"),
-    ("kept", "rollout/filter_kept_ratio"),
-    ("pg", "actor/pg_loss"),
-    ("H", "actor/entropy"),
-    ("|g|", "actor/grad_norm"),
-    ("s", "timing_s/step"),
+    ("reward", names.SCORE_MEAN),
+    ("success", names.env_prefix("{env}") + "/success"),
+    ("val", names.val_success("{env}")),
+    ("kept", names.FILTER_KEPT_RATIO),
+    ("pg", names.actor("pg_loss")),
+    ("H", names.ENTROPY),
+    ("|g|", names.actor("grad_norm")),
+    ("s", names.STEP_TIME),
 )
 
 

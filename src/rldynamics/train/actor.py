@@ -6,6 +6,8 @@ The loss of a micro-batch is `analysis.objective.actor_terms` (one forward, the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rldynamics.algo.losses import weighted_total
@@ -28,9 +30,18 @@ def single_pass(train: TrainConfig, batch_size: int) -> bool:
     return train.ppo_epochs == 1 and train.mini_batch_size >= batch_size
 
 
+@dataclass
+class ActorUpdate:
+    """What one actor update returns."""
+
+    entropy: float  # mean over mini-batches of the aggregated entropy during the update (`actor/entropy_loss`)
+    metrics: dict[str, float]  # `actor/*`
+
+
 def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, algo: AlgoConfig, train: TrainConfig,
-                 generator: torch.Generator | None = None) -> dict[str, float]:
-    """PPO epochs over mini-batches with gradient accumulation over micro-batches; returns actor metrics.
+                 generator: torch.Generator | None = None) -> ActorUpdate:
+    """PPO epochs over mini-batches with gradient accumulation over micro-batches; returns the update's entropy
+    and its metrics.
 
     verl's names: `actor/entropy_loss` is the mean over mini-batches of the aggregated entropy during the update
     (`actor/entropy`, the rollout policy's entropy, is logged by the old-log-prob pass), `actor/kl_coef` the
@@ -57,4 +68,4 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
     out = {f"actor/{k}": v for k, v in stats.items()}
     out["actor/lr"] = optimizer.param_groups[0]["lr"]
     out["actor/kl_coef"] = algo.kl_coef
-    return out
+    return ActorUpdate(entropy=stats["entropy_loss"], metrics=out)

@@ -2,9 +2,9 @@
 
 - Cadence: analysis runs at steps 1, 1+every, 1+2*every, ... after the critic update and before the actor
   update, on the filtered training batch, or, when `analysis.env_groups` / `analysis.group_size` are set,
-  on a separate batch drawn with its own env seeds (seed_base + 500000 + groups*(k-1) + g at step k; in
-  probe mode k counts the probe's steps, so every probe draws the same puzzles) and sampling seed (inside a
-  forked RNG, so training is unaffected) and filtered with the same filter settings.
+  on a separate batch drawn with its own env seeds (seed_base + 500000 + groups*(k-1) + g at step k; a probe
+  draws those of step 1 whatever the checkpoint's step, so every probe draws the same puzzles) and sampling seed
+  (inside a forked RNG, so training is unaffected) and filtered with the same filter settings.
 - `analysis.prefilter` also analyses that separate batch before filtering (prefix `grad_norm_prefilter`).
 - `analysis.reward_grad` also differentiates the task loss with each named reward component's own advantages
   (`train.stages.component_advantages`, scaled like the trained advantages by the filter's loss scaling) and
@@ -27,15 +27,17 @@ import numpy as np
 import torch
 from safetensors.torch import save
 
+from rldynamics import metric_names as names
 from rldynamics.algo.filter import loss_scale
 from rldynamics.analysis.objective import ActorInputs
-from rldynamics.analysis.probe import ProbeResult, gradient_probe
+from rldynamics.analysis.probe import ProbeResult, ProbeSettings, gradient_probe
 from rldynamics.config import Config
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.tracking.files import replacing, write_file
 from rldynamics.tracking.grad_dump import GradientDumper
+from rldynamics.train.prepare import Prepared, prepare_update
 from rldynamics.train.sharded import rollout_groups
-from rldynamics.train.stages import component_advantages, filter_batch, step_seed, train_seeds
+from rldynamics.train.stages import Filtered, component_advantages, filter_batch, step_seed, train_seeds
 
 ANALYSIS_SEED_OFFSET = 500_000  # separate analysis batches use their own env seeds
 GROUP_NORM_COLUMNS = ("share", "rows", "tokens", "task", "entropy", "kl", "raw/entropy", "raw/kl", "regularizer",
@@ -59,20 +61,17 @@ def uses_separate_batch(cfg: Config) -> bool:
         a.group_size is not None and a.group_size != t.group_size)
 
 
-def run_analysis(s, step: int, batch: RolloutBatch | None, inputs: ActorInputs | None,
-                 group_std: dict[int, float] | None, kept_ratio: float, prepare) -> dict[str, float]:
-    """Analyse the training batch (or a separate one) and write the artefacts; returns the metrics.
-
-    `prepare(batch, metrics, kept_ratio) -> (inputs, values, returns)` computes log-probs and advantages for a
-    separate batch exactly as the training step does.
-    """
+def run_analysis(s, step: int, filtered: Filtered | None, prepared: Prepared | None,
+                 seed_step: int) -> dict[str, float]:
+    """Analyse the filtered training batch, prepared for its update (or a separate batch drawn with the seeds of step
+    `seed_step` and prepared here by the same stages), and write the artefacts of `step`; returns the metrics."""
     cfg = s.cfg
-    metrics: dict[str, float] = {"grad_analysis/uses_training_batch": float(not uses_separate_batch(cfg))}
+    metrics: dict[str, float] = {_own("uses_training_batch"): float(not uses_separate_batch(cfg))}
     passes: list[tuple[str, RolloutBatch, ActorInputs, dict[int, float], float]] = []
     if uses_separate_batch(cfg):
-        passes = _separate_batch_passes(s, step, metrics, prepare)
-    elif batch is not None and len(batch) > 0:
-        passes = [("grad_norm", batch, inputs, group_std, kept_ratio)]
+        passes = _separate_batch_passes(s, seed_step, metrics)
+    elif filtered is not None and len(filtered.batch) > 0:
+        passes = [(names.GRAD_NORM, filtered.batch, prepared.inputs, filtered.group_std, filtered.kept_ratio)]
     rows, sketches, reward_grad, dump = [], {}, {}, {}
     for prefix, b, inp, stds, kept in passes:
         result = probe(s, b, inp, stds, prefix, kept)
@@ -116,40 +115,45 @@ def probe(s, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, floa
         scale = loss_scale(kept_ratio, cfg.filter.loss_scaling)
         components = {k: a * scale for k, a in component_advantages(batch, cfg.algo).items()}  # name -> [N, L]
         weights = dict(zip(batch.reward_names, batch.reward_weights, strict=True))
-    return gradient_probe(s.model, batch, inputs, group_std, algo=cfg.algo, micro_batch_size=cfg.train.micro_batch_size,
-                          temperature=cfg.train.temperature, num_buckets=cfg.analysis.num_buckets,
-                          bucket_mode=cfg.analysis.bucket_mode, prefix=prefix, sketch_seed=cfg.seed,
-                          component_advantages=components, component_weights=weights,
-                          terms=tuple(cfg.analysis.terms), keep_gradients=cfg.analysis.dump_gradients,
-                          zero_bucket=cfg.analysis.zero_bucket,
-                          per_group=cfg.analysis.per_group, resamples=cfg.analysis.bootstrap_resamples,
-                          shared_prefix=cfg.train.shared_prefix, memory_chunks=cfg.analysis.memory_chunks)
+    return gradient_probe(s.model, batch, inputs, group_std, probe_settings(cfg, prefix), components, weights)
 
 
-def _separate_batch_passes(s, step: int, metrics: dict[str, float], prepare) -> list:
+def probe_settings(cfg: Config, prefix: str) -> ProbeSettings:
+    """The probe's settings of a run, for the pass named `prefix`."""
+    a = cfg.analysis
+    return ProbeSettings(algo=cfg.algo, micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.train.temperature,
+                         num_buckets=a.num_buckets, bucket_mode=a.bucket_mode, prefix=prefix, sketch_seed=cfg.seed,
+                         keep_gradients=a.dump_gradients, terms=tuple(a.terms), zero_bucket=a.zero_bucket,
+                         per_group=a.per_group, resamples=a.bootstrap_resamples, shared_prefix=cfg.train.shared_prefix,
+                         memory_chunks=a.memory_chunks)
+
+
+def _separate_batch_passes(s, k: int, metrics: dict[str, float]) -> list:
     """Roll out, filter and prepare the separate analysis batch (and its unfiltered copy if asked)."""
     cfg = s.cfg
     groups = cfg.analysis.env_groups or cfg.train.env_groups
     size = cfg.analysis.group_size or cfg.train.group_size
-    k = s.seed_step(step)
     with torch.random.fork_rng(devices=[]):
         raw = rollout_groups(cfg, s.model, s.tokenizer,
                              train_seeds(cfg.train.seed_base + ANALYSIS_SEED_OFFSET, groups, k), size,
                              cfg.train.temperature, step_seed(cfg.seed, k, stream=3))
-    metrics.update({"grad_analysis/source_env_groups": float(groups), "grad_analysis/source_group_size": float(size),
-                    "grad_analysis/source_batch_size": float(len(raw))})
-    kept, filter_m, stds = filter_batch(raw, cfg.filter)
-    metrics.update({k.replace("rollout/", "grad_analysis/"): v for k, v in filter_m.items()})
-    metrics["grad_analysis/empty_after_filter"] = float(len(kept) == 0)
+    metrics.update({_own("source_env_groups"): float(groups), _own("source_group_size"): float(size),
+                    _own("source_batch_size"): float(len(raw))})
+    filtered = filter_batch(raw, cfg.filter, prefix=names.GRAD_ANALYSIS)
+    metrics.update(filtered.metrics)
+    metrics[_own("empty_after_filter")] = float(len(filtered.batch) == 0)
     passes = []
     if cfg.analysis.prefilter:
-        inputs, _, _ = prepare(raw, {}, 1.0)
-        passes.append(("grad_norm_prefilter", raw, inputs, stds, 1.0))
-    if len(kept) > 0:
-        kept_ratio = filter_m["rollout/filter_kept_ratio"]
-        inputs, _, _ = prepare(kept, {}, kept_ratio)
-        passes.append(("grad_norm", kept, inputs, stds, kept_ratio))
+        passes.append((names.GRAD_NORM_PREFILTER, raw, prepare_update(s, raw, 1.0).inputs, filtered.group_std, 1.0))
+    if len(filtered.batch) > 0:
+        inputs = prepare_update(s, filtered.batch, filtered.kept_ratio).inputs
+        passes.append((names.GRAD_NORM, filtered.batch, inputs, filtered.group_std, filtered.kept_ratio))
     return passes
+
+
+def _own(metric: str) -> str:
+    """A metric of the analysis's own bookkeeping: `grad_analysis/<metric>`."""
+    return names.filter_metric(names.GRAD_ANALYSIS, metric)
 
 
 def write_artefacts(out_dir: Path, metrics: dict[str, float], groups: list[tuple], sketches: dict,

@@ -7,13 +7,13 @@
    any other resets it; `val_patience` in a row stops the run.
 3. Empty filtered batches: `filter.empty_stop_steps` consecutive empty steps stop the run.
 
-In probe mode (`analysis.only`) the rules are off: the policy never changes there, and a probe of the last
-checkpoint of a run that stopped early must still reach its analysis. The counts are kept either way.
+A probe (`train/probe.py`) keeps the counts of its checkpoint and never stops: the policy never changes there,
+and a probe of the last checkpoint of a run that stopped early must still reach its analysis.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from rldynamics.config import Config, EarlyStopConfig
 
@@ -29,9 +29,8 @@ class EarlyStopper:
 
     @classmethod
     def for_run(cls, cfg: Config) -> EarlyStopper:
-        """The stopper of a run: `cfg.early_stop`, switched off in probe mode (`analysis.only`)."""
-        rules = replace(cfg.early_stop, enabled=cfg.early_stop.enabled and not cfg.analysis.only)
-        return cls(rules, cfg.filter.empty_stop_steps)
+        """The stopper of a run: `cfg.early_stop`."""
+        return cls(cfg.early_stop, cfg.filter.empty_stop_steps)
 
     def after_rollout(self, reward_std: float, empty: bool) -> str | None:
         """Record a step's pre-filter mean group reward std; returns a stop reason or None."""

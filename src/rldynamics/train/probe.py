@@ -1,7 +1,8 @@
 """`rldyn probe`: one gradient-analysis pass on a saved checkpoint, written to its own run directory.
 
-The probe loads the checkpoint's run (same config, same weights and critic) in probe mode (`analysis.only`):
-nothing is updated, early stopping is off (the probe of the last checkpoint of a run that stopped early
+The probe loads the checkpoint's run (same config, same weights and critic) and composes the stages of a training
+step itself: rollout on the fixed probe seeds -> filter -> prepare -> gradient analysis -> one metrics row.
+Nothing is updated, nothing stops it early (the probe of the last checkpoint of a run that stopped early
 still analyses) and no checkpoint is written. As in RAGEN's probe, the metrics are logged at the
 checkpoint's step N, and the analysed batch is drawn from a fixed seed stream: the env seeds and sampling
 seed of step 1 (`train.seed_base + g` for group g; a separate analysis batch: `train.seed_base + 500000 + g`),
@@ -20,13 +21,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rldynamics import metric_names as names
 from rldynamics.config import Config, ConfigError, apply_overrides, config_diff
+from rldynamics.rollout.sampling import NonFiniteLogits
+from rldynamics.tracking.console import StepConsole
+from rldynamics.train import trainer
 from rldynamics.train.checkpoint import read_trainer_state
-from rldynamics.train.setup import run_config
-from rldynamics.train.trainer import train
+from rldynamics.train.early_stop import EarlyStopper
+from rldynamics.train.setup import Session, run_config
 
 PROBE_DEFAULTS = ["algo.kl_coef=0.001", "algo.kl_type=k3", "algo.entropy_coef=0.001"]
-RUN_MODEL_KEYS = ("model.path", "model.tiny_", "model.warm_start_")  # the run's base model: never a probe's to change
+RUN_MODEL_KEYS = ("model.path", "tiny.", "model.warm_start_")  # the run's base model: never a probe's to change
+PROBE_SEED_STEP = 1  # a probe draws the env and sampling seeds of step 1 (RAGEN's probe restarts its seed counter)
 
 
 def probe_config(checkpoint: Path, overrides: list[str], validate: bool = False) -> Config:
@@ -38,7 +44,7 @@ def probe_config(checkpoint: Path, overrides: list[str], validate: bool = False)
     step = read_trainer_state(checkpoint)["step"]
     base = run_config(checkpoint)
     mode = [f"checkpoint.resume={checkpoint}", f"train.steps={step}", "analysis.enabled=true", "analysis.every=1",
-            "analysis.exit_after=true", "analysis.only=true", f"val.before_train={str(validate).lower()}"]
+            "analysis.exit_after=true", f"val.before_train={str(validate).lower()}"]
     cfg = apply_overrides(base, PROBE_DEFAULTS + mode + overrides)
     changed = [f"{key}={new} (the run's: {old})" for key, old, new in config_diff(base, cfg)
                if key.startswith(RUN_MODEL_KEYS)]
@@ -54,4 +60,40 @@ def probe_checkpoint(checkpoint: str | Path, overrides: list[str], validate: boo
     cfg = probe_config(checkpoint, overrides, validate)
     name = cfg.log.name if any(o.startswith("log.name=") for o in overrides) else (
         f"probe_{checkpoint.parent.parent.name}_{checkpoint.name}")
-    return train(cfg, Path(cfg.log.run_dir) / name)
+    with trainer.opened(cfg, Path(cfg.log.run_dir) / name) as (s, start, stopper):
+        probe_steps(s, start.step, stopper)
+    return s.run_dir
+
+
+def probe_steps(s: Session, step: int, stopper: EarlyStopper) -> None:
+    """Validation (with `val.before_train`, what `--validate` sets), then the analysis of the checkpoint, both
+    logged at the checkpoint's `step`."""
+    cfg = s.cfg
+    if cfg.val.before_train:
+        s.log(step, trainer.validate(s).metrics)
+    with StepConsole(cfg.train.steps, cfg.env.name, enabled=cfg.log.progress and s.main) as console:
+        s.console = console
+        console.advance(step - 1, {})
+        try:
+            metrics = analyse_checkpoint(s, step, stopper)
+        except NonFiniteLogits:
+            metrics = {**trainer.non_finite_logits(), names.early_stopped(trainer.NON_FINITE_LOGITS): 1.0}
+            console.print(f"[yellow]early stop at step {step}: {trainer.NON_FINITE_LOGITS}")
+        else:
+            console.print(f"[yellow]exited after the gradient analysis of step {step}")
+        s.log(step, metrics)
+
+
+def analyse_checkpoint(s: Session, step: int, stopper: EarlyStopper) -> dict[str, float]:
+    """The probe's row: rollout of the probe seeds, filter, prepare (no update), gradient analysis.
+
+    The stopper only counts (`rollout/consecutive_empty_after_filter_steps` continues the checkpoint's count);
+    its stop reasons are ignored."""
+    m: dict[str, float] = {}
+    filtered = trainer.roll_out(s, step, PROBE_SEED_STEP, m)
+    trainer.record_filter(m, stopper, filtered)
+    prepared = trainer.prepare(s, filtered, m) if len(filtered.batch) > 0 else None
+    m[names.GRADIENT_ANALYSIS_ONLY] = 1.0
+    trainer.analyse(s, step, m, filtered, prepared, PROBE_SEED_STEP)
+    m[names.EXITED_AFTER_ANALYSIS] = 1.0
+    return m

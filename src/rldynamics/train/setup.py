@@ -61,7 +61,6 @@ from rldynamics.train.checkpoint import (
     remove_stale,
     verify_checkpoint,
 )
-from rldynamics.train.stages import seed_step
 from rldynamics.train.warmstart import ensure_warm_start, tiny_corpus
 
 
@@ -79,7 +78,6 @@ class Session:
     critic: torch.nn.Module | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
     console: StepConsole | None = None
-    first_step: int = 1
     dumper: GradientDumper | None = None  # analysis.dump_gradients: started by the first dump
     main: bool = True  # rank 0 (or one process): the one that writes the run directory
     collapse_ema: dict = field(default_factory=dict)  # collapse diagnostics: EMA of the marginal std per mode
@@ -88,10 +86,6 @@ class Session:
         """Append the metrics row of `step` (rank 0 only)."""
         if self.main:
             self.writer.log(step, metrics)
-
-    def seed_step(self, step: int) -> int:
-        """The step whose env seeds and sampling seed `step` uses (`stages.seed_step`)."""
-        return seed_step(step, self.first_step, self.cfg.analysis.only)
 
 
 @dataclass
@@ -134,8 +128,9 @@ def base_model_path(cfg: Config) -> str:
     if cfg.model.path != "tiny":
         return resolve_model_path(cfg.model.path, corpus_fn=lambda: ())
     m = cfg.model
-    path = str(ensure_tiny_model(lambda: tiny_corpus(cfg.env), hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers,
-                                 intermediate_size=4 * m.tiny_hidden_size, tie_embeddings=m.tiny_tie_embeddings))
+    t = cfg.tiny
+    path = str(ensure_tiny_model(lambda: tiny_corpus(cfg.env), hidden_size=t.hidden_size, num_layers=t.layers,
+                                 intermediate_size=4 * t.hidden_size, tie_embeddings=t.tie_embeddings))
     return ensure_warm_start(path, cfg) if m.warm_start_episodes > 0 else path
 
 
@@ -199,9 +194,6 @@ def check_world(cfg: Config, ranks: int | None = None) -> None:
 def resolve_run_dir(cfg: Config) -> Path:
     """The run directory: `log.run_dir/log.name` (a new name when unset), or the run of a resumed checkpoint."""
     resume = cfg.checkpoint.resume
-    if resume and cfg.analysis.only:
-        raise ValueError("analysis.only=true with checkpoint.resume would log into the checkpointed run itself; use "
-                         "`rldyn probe <checkpoint>`, which writes its own run directory")
     if resume and resume != "latest":
         return Path(resume).resolve().parent.parent
     if resume == "latest" and not cfg.log.name:
@@ -244,7 +236,7 @@ def plan_start(cfg: Config, run_dir: Path) -> Start:
         return Start(in_place=in_place)
     if not in_place:
         run_config(path)  # a checkpoint of another run (a probe): its run's base model must be known
-    state = verify_checkpoint(path, needs_critic=cfg.algo.adv_estimator == "gae")
+    state = verify_checkpoint(path, needs_critic=cfg.algo.has_critic)
     return Start(checkpoint=path, state=state, in_place=in_place)
 
 
@@ -283,7 +275,7 @@ def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
             check_reference(actor_shapes, ref_model, base, ckpt)
         ref_model = wrap(prepare(ref_model.requires_grad_(False), cfg, base), cfg.model.shard)
     critic = critic_optimizer = None
-    if cfg.algo.adv_estimator == "gae":
+    if cfg.algo.has_critic:
         critic = load_value_model(str(ckpt / "critic") if ckpt else base, device=str(device))
         critic = wrap(prepare(critic, cfg, base), cfg.model.shard)
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic.lr, weight_decay=0.0)

@@ -1,39 +1,35 @@
 """The stages of a training step that sit between rollout and update, each a function of plain inputs.
 
 - `train_seeds` / `val_seeds`: which env seeds a rollout uses (RAGEN's seeding: step s uses
-  seed_base + env_groups*(s-1) + g; validation always the same puzzles); `seed_step`: which step's seeds
-  a step uses (its own, except in probe mode).
-- `filter_batch`: score groups, keep whole groups (rldynamics.algo.filter), return the kept batch.
-- `advantages_and_returns`: dispatch to the estimator of `algo.adv_estimator`.
+  seed_base + env_groups*(s-1) + g; validation always the same puzzles).
+- `filter_batch`: score groups, keep whole groups (rldynamics.algo.filter); returns a `Filtered`: the kept batch
+  with the values later stages decide on (group reward stds, their mean, the kept ratio) and its metrics.
+- `advantages_and_returns` / `component_advantages`: the estimator of `algo.adv_estimator` (`ESTIMATORS`, one
+  table).
 - `data_metrics`: verl-style `critic/score/*`, `critic/advantages/*`, `response_length/*` summaries, and with a
   critic `critic/vf_explained_var` with its two terms (`critic/returns/var`, `critic/vf_residual_var`).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import torch
 
 from rldynamics.algo.advantages import gae_advantages, grpo_advantages, reinforce_pp_advantages, rloo_advantages
-from rldynamics.algo.filter import filter_metrics, group_scores, group_stats, select_groups
+from rldynamics.algo.filter import filter_metrics, group_scores, group_stats, kept_ratio, mean_or_zero, select_groups
 from rldynamics.algo.losses import masked_mean
 from rldynamics.config import AlgoConfig, FilterConfig
+from rldynamics.metric_names import ROLLOUT, timing
 from rldynamics.rollout.batch import RolloutBatch
 
 
 def train_seeds(seed_base: int, env_groups: int, step: int) -> list[int]:
     """Env seeds of the groups of training step `step` (1-based)."""
     return [seed_base + env_groups * (step - 1) + g for g in range(env_groups)]
-
-
-def seed_step(step: int, first_step: int, probe: bool) -> int:
-    """The step whose env seeds and sampling seed step `step` uses.
-
-    Training: its own, so a resumed run replays exactly the steps an uninterrupted one takes. Probe mode
-    (`analysis.only`): the k-th step of the run uses those of step k, whatever step it is logged at, so probes
-    of different checkpoints analyse the same puzzles with the same sampling seeds (RAGEN's probe restarts its
-    seed counter at the base seed in the same way).
-    """
-    return step - first_step + 1 if probe else step
 
 
 def val_seeds(seed_base: int, env_groups: int) -> list[int]:
@@ -46,8 +42,27 @@ def step_seed(seed: int, step: int, stream: int = 0) -> int:
     return (seed * 1_000_003 + step * 7919 + stream * 104_729) % (2**63 - 1)
 
 
-def filter_batch(batch: RolloutBatch, cfg: FilterConfig) -> tuple[RolloutBatch, dict[str, float], dict[int, float]]:
-    """Keep whole groups by `cfg`; returns (kept batch, filter metrics, reward std of every group id).
+@contextmanager
+def timed(metrics: dict[str, float], name: str):
+    """Add the wall time of the block to `metrics["timing_s/<name>"]`."""
+    start = time.perf_counter()
+    yield
+    metrics[timing(name)] = metrics.get(timing(name), 0.0) + time.perf_counter() - start
+
+
+@dataclass
+class Filtered:
+    """A rollout after the filter: the kept batch and the values the later stages decide on."""
+
+    batch: RolloutBatch  # the kept groups, whole
+    group_std: dict[int, float]  # reward std of every group id, kept or not (the analysis buckets)
+    reward_std: float  # mean group reward std before filtering (early stopping's reward-variance rule)
+    kept_ratio: float  # kept groups / all groups (the advantages' loss scaling)
+    metrics: dict[str, float]  # the filter's `<prefix>/...` metrics
+
+
+def filter_batch(batch: RolloutBatch, cfg: FilterConfig, prefix: str = ROLLOUT) -> Filtered:
+    """Keep whole groups by `cfg`; its metrics are named under `prefix`.
 
     The group reward std is always computed (it drives the analysis buckets and early stopping),
     even when the strategy is `none`.
@@ -61,23 +76,17 @@ def filter_batch(batch: RolloutBatch, cfg: FilterConfig) -> tuple[RolloutBatch, 
         scores = group_scores(rewards, cfg.metric)  # [G]
         kept = select_groups(scores, strategy=cfg.strategy, value=cfg.value, keep=cfg.keep,
                              prob_mode=cfg.prob_mode, include_zero=cfg.include_zero)  # [K]
-    metrics = filter_metrics(rewards, kept, scores)
     kept_ids = {group_ids[i] for i in kept.tolist()}
     rows = [i for i, g in enumerate(batch.group_ids.tolist()) if g in kept_ids]
-    return batch.select(rows), metrics, dict(zip(group_ids, stats["std"].tolist(), strict=True))
+    return Filtered(batch=batch.select(rows), group_std=dict(zip(group_ids, stats["std"].tolist(), strict=True)),
+                    reward_std=mean_or_zero(stats["std"].detach().cpu()), kept_ratio=kept_ratio(kept, len(group_ids)),
+                    metrics=filter_metrics(rewards, kept, scores, prefix))
 
 
 def advantages_and_returns(batch: RolloutBatch, values: torch.Tensor | None,
                            cfg: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Advantages [N, L] (and GAE returns [N, L], else None) by `cfg.adv_estimator`."""
-    mask = batch.response_mask  # [N, L]
-    if cfg.adv_estimator == "gae":
-        return gae_advantages(batch.token_rewards, values, mask, gamma=cfg.gamma, lam=cfg.lam, whiten=True)
-    if cfg.adv_estimator == "grpo":
-        return grpo_advantages(batch.scores, batch.group_ids, mask, norm_by_std=cfg.norm_adv_by_std), None
-    if cfg.adv_estimator == "rloo":
-        return rloo_advantages(batch.scores, batch.group_ids, mask), None
-    return reinforce_pp_advantages(batch.token_rewards, mask, gamma=cfg.gamma), None
+    """Advantages [N, L] (and GAE returns [N, L], else None) by `cfg.adv_estimator` (`ESTIMATORS`)."""
+    return ESTIMATORS[cfg.adv_estimator].advantages(batch, values, cfg)
 
 
 def component_advantages(batch: RolloutBatch, cfg: AlgoConfig) -> dict[str, torch.Tensor]:
@@ -86,16 +95,55 @@ def component_advantages(batch: RolloutBatch, cfg: AlgoConfig) -> dict[str, torc
     GRPO / RLOO / REINFORCE++ use the component's own scores and group statistics. GAE has no per-component
     critic, so each component gets the GRPO group-relative advantage (`algo.norm_adv_by_std` as set).
     """
-    out = {}
-    for k, name in enumerate(batch.reward_names):
-        scores = batch.reward_components[:, k]  # [N]
-        if cfg.adv_estimator == "rloo":
-            out[name] = rloo_advantages(scores, batch.group_ids, batch.response_mask)
-        elif cfg.adv_estimator == "reinforce_pp":
-            out[name] = reinforce_pp_advantages(batch.last_token(scores), batch.response_mask, gamma=cfg.gamma)
-        else:
-            out[name] = grpo_advantages(scores, batch.group_ids, batch.response_mask, norm_by_std=cfg.norm_adv_by_std)
-    return out
+    component = ESTIMATORS[cfg.adv_estimator].component
+    return {name: component(batch, batch.reward_components[:, k], cfg)  # [N] scores -> [N, L]
+            for k, name in enumerate(batch.reward_names)}
+
+
+def _gae(batch: RolloutBatch, values: torch.Tensor | None, cfg: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    return gae_advantages(batch.token_rewards, values, batch.response_mask, gamma=cfg.gamma, lam=cfg.lam, whiten=True)
+
+
+def _grpo(batch: RolloutBatch, values: torch.Tensor | None, cfg: AlgoConfig) -> tuple[torch.Tensor, None]:
+    return _grpo_of(batch, batch.scores, cfg), None
+
+
+def _grpo_of(batch: RolloutBatch, scores: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
+    return grpo_advantages(scores, batch.group_ids, batch.response_mask, norm_by_std=cfg.norm_adv_by_std)
+
+
+def _rloo(batch: RolloutBatch, values: torch.Tensor | None, cfg: AlgoConfig) -> tuple[torch.Tensor, None]:
+    return _rloo_of(batch, batch.scores, cfg), None
+
+
+def _rloo_of(batch: RolloutBatch, scores: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
+    return rloo_advantages(scores, batch.group_ids, batch.response_mask)
+
+
+def _reinforce_pp(batch: RolloutBatch, values: torch.Tensor | None, cfg: AlgoConfig) -> tuple[torch.Tensor, None]:
+    return reinforce_pp_advantages(batch.token_rewards, batch.response_mask, gamma=cfg.gamma), None
+
+
+def _reinforce_pp_of(batch: RolloutBatch, scores: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
+    return reinforce_pp_advantages(batch.last_token(scores), batch.response_mask, gamma=cfg.gamma)
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator: the trained advantages (and returns) of a batch, and those of one reward component's
+    scores alone (`component_advantages`). Whether it needs a critic: `AlgoConfig.has_critic`."""
+
+    advantages: Callable[[RolloutBatch, torch.Tensor | None, AlgoConfig], tuple[torch.Tensor, torch.Tensor | None]]
+    component: Callable[[RolloutBatch, torch.Tensor, AlgoConfig], torch.Tensor]
+
+
+# `algo.adv_estimator` -> its functions; its choices are the config field's (a test holds the two together)
+ESTIMATORS: dict[str, Estimator] = {
+    "gae": Estimator(_gae, _grpo_of),  # no per-component critic: components get GRPO's advantages
+    "grpo": Estimator(_grpo, _grpo_of),
+    "rloo": Estimator(_rloo, _rloo_of),
+    "reinforce_pp": Estimator(_reinforce_pp, _reinforce_pp_of),
+}
 
 
 def data_metrics(batch: RolloutBatch, advantages: torch.Tensor, returns: torch.Tensor | None,

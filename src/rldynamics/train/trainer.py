@@ -23,26 +23,23 @@ groups, the no-grad passes, the updates and the analysis by rows; rank 0 alone w
 console and the checkpoints. With `train.row_seeded_sampling` a run gives the same batches, metrics and weights
 (within float reduction order) on any number of ranks.
 
-Probe mode (`analysis.only`, what `rldyn probe` runs): nothing is updated, early stopping is off, no
-checkpoint is written, a run resumed from a checkpoint keeps the checkpoint's step number (RAGEN's
-probe), and its k-th step draws the env seeds and sampling seed of step k (`stages.seed_step`), so probes
-of different checkpoints analyse the same puzzles.
+The stages of a step (`roll_out`, `record_filter`, `prepare`, `analyse`) are functions of the session that
+`rldyn probe` (`train/probe.py`) composes in its own way: the loop here has no probe mode. `analysis.exit_after`
+ends the loop right after the first analysis.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from rldynamics import dist
-from rldynamics.algo.filter import loss_scale
-from rldynamics.algo.losses import aggregate, masked_mean
-from rldynamics.analysis.objective import ActorInputs
+from rldynamics import metric_names as names
 from rldynamics.config import Config
-from rldynamics.models.forward import batch_logprobs, batch_values
 from rldynamics.models.sharding import all_finite
 from rldynamics.rollout.agent import env_metric_summary
 from rldynamics.rollout.batch import RolloutBatch
@@ -57,28 +54,14 @@ from rldynamics.train.checkpoint import crash_point, save_checkpoint
 from rldynamics.train.collapse_stage import collapse_due, run_collapse
 from rldynamics.train.critic import update_critic
 from rldynamics.train.early_stop import EarlyStopper
+from rldynamics.train.prepare import Prepared, prepare_update
 from rldynamics.train.setup import Session
-from rldynamics.train.sharded import rollout_groups, row_pass
-from rldynamics.train.stages import (
-    advantages_and_returns,
-    data_metrics,
-    filter_batch,
-    step_seed,
-    train_seeds,
-    val_seeds,
-)
+from rldynamics.train.sharded import rollout_groups
+from rldynamics.train.stages import Filtered, data_metrics, filter_batch, step_seed, timed, train_seeds, val_seeds
 
 EXITED = "exited_after_gradient_analysis"
 NON_FINITE_LOGITS = "non_finite_logits"
 NON_FINITE_PARAMETERS = "non_finite_parameters"
-
-
-@contextmanager
-def timed(metrics: dict[str, float], name: str):
-    """Add the wall time of the block to `metrics["timing_s/<name>"]`."""
-    start = time.perf_counter()
-    yield
-    metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
 
 
 def train(cfg: Config, run_dir: Path | None = None) -> Path:
@@ -86,6 +69,16 @@ def train(cfg: Config, run_dir: Path | None = None) -> Path:
 
     Under torchrun every rank calls it; the checks and the run directory are rank 0's (`dist.on_main`), so a
     start that fails raises the same error on every rank before any work."""
+    with opened(cfg, run_dir) as (s, start, stopper):
+        run_steps(s, start.step, stopper)
+    return s.run_dir
+
+
+@contextmanager
+def opened(cfg: Config, run_dir: Path | None = None):
+    """A session set up (`setup`: checks, models, the resumed checkpoint) with its run directory locked and first
+    written; yields (session, start, early stopper). After the body: every gradient dump on disk, the writer closed
+    and the report written (not after an error: what was written stays as it is)."""
     setup.check_world(cfg)
     run_dir = dist.on_main(lambda: run_dir or setup.resolve_run_dir(cfg))
     start = dist.on_main(setup.plan_start, cfg, run_dir)  # reads only; raises before any work
@@ -95,7 +88,7 @@ def train(cfg: Config, run_dir: Path | None = None) -> Path:
     with ExitStack() as held:
         dist.on_main(_open, s, start, held)
         try:
-            run_steps(s, start.step, stopper)
+            yield s, start, stopper
         finally:
             if s.dumper is not None:
                 s.dumper.close()  # every queued gradient dump is on disk (or its error raised) before the run ends
@@ -103,7 +96,6 @@ def train(cfg: Config, run_dir: Path | None = None) -> Path:
             s.writer.close()
             if cfg.log.report:
                 _write_report(s.run_dir)
-    return s.run_dir
 
 
 def _open(s: Session, start: setup.Start, held: ExitStack) -> None:
@@ -119,29 +111,29 @@ def _open(s: Session, start: setup.Start, held: ExitStack) -> None:
 def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
     """Validation before training, then the steps after `start`, each logged before its checkpoint is saved."""
     cfg, env = s.cfg, s.cfg.env.name
-    s.first_step = start if cfg.analysis.only and start > 0 else start + 1  # a probe keeps the checkpoint's step
-    if cfg.val.before_train and (start == 0 or cfg.analysis.only):
-        s.log(start, validate(s))
+    if cfg.val.before_train and start == 0:
+        s.log(start, validate(s).metrics)
     with StepConsole(cfg.train.steps, env, enabled=cfg.log.progress and s.main) as console:
         s.console = console
-        console.advance(s.first_step - 1, {})
-        for step in range(s.first_step, cfg.train.steps + 1):
+        console.advance(start, {})
+        for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
             try:
                 metrics, stop = train_step(s, step, stopper)
             except NonFiniteLogits:
-                metrics, stop = {"rollout/non_finite_logits": 1.0}, NON_FINITE_LOGITS
-            if stop == EXITED:
+                metrics, stop = non_finite_logits(), NON_FINITE_LOGITS
+            if stop == EXITED:  # analysis.exit_after: the row of the analysis, nothing else
                 s.log(step, metrics)
                 console.print(f"[yellow]exited after the gradient analysis of step {step}")
                 break
             if stop is None and cfg.val.every > 0 and (step % cfg.val.every == 0 or step == cfg.train.steps):
-                metrics.update(validate(s))
-                if f"val-env/{env}/success" in metrics:
-                    stop = stopper.after_validation(metrics[f"val-env/{env}/success"])
+                val = validate(s)
+                metrics.update(val.metrics)
+                if val.success is not None:
+                    stop = stopper.after_validation(val.success)
             if stop is not None:
-                metrics[f"early_stopped/{stop}"] = 1.0
-            metrics["timing_s/step"] = time.perf_counter() - t0
+                metrics[names.early_stopped(stop)] = 1.0
+            metrics[names.STEP_TIME] = time.perf_counter() - t0
             s.log(step, metrics)  # before the checkpoint: a resumed run never lacks this row
             crash_point("logged", step)
             if stop not in (NON_FINITE_LOGITS, NON_FINITE_PARAMETERS) and _checkpoint_due(cfg, step, stop is not None):
@@ -154,6 +146,11 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
             if stop is not None:
                 console.print(f"[yellow]early stop at step {step}: {stop}")
                 break
+
+
+def non_finite_logits() -> dict[str, float]:
+    """The row of a step whose sampling scores were not finite."""
+    return {names.filter_metric(names.ROLLOUT, NON_FINITE_LOGITS): 1.0}
 
 
 def _write_report(run_dir: Path) -> None:
@@ -172,8 +169,6 @@ def _write_report(run_dir: Path) -> None:
 
 
 def _checkpoint_due(cfg: Config, step: int, last: bool) -> bool:
-    if cfg.analysis.only:  # nothing was updated: a probe never writes checkpoints
-        return False
     every = cfg.checkpoint.every
     final = step == cfg.train.steps or last
     return (every > 0 and step % every == 0) or (final and cfg.checkpoint.save_last)
@@ -182,12 +177,49 @@ def _checkpoint_due(cfg: Config, step: int, last: bool) -> bool:
 def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, float], str | None]:
     """One training step; returns its metrics and a stop reason (early stop, or EXITED after analysis)."""
     cfg, m = s.cfg, {}
+    filtered = roll_out(s, step, step, m)
+    batch = filtered.batch
+    stop = record_filter(m, stopper, filtered)
+    if len(batch) == 0:
+        return m, _analyse(s, step, m, filtered, None) or stop
+    if stop is not None:
+        return m, stop
+
+    own_old = single_pass(cfg.train, len(batch)) and not analysis_due(cfg, step)
+    prepared = prepare(s, filtered, m, old_pass=not own_old)
+    if s.critic is not None:
+        s.console.phase("critic")
+        with timed(m, "update_critic"):
+            m.update(update_critic(s.critic, s.critic_optimizer, batch, prepared.values, prepared.returns, cfg.algo,
+                                   cfg.critic, cfg.train))
+    if step <= cfg.critic.warmup_steps:  # critic warm-up: the actor waits for a critic that predicts something
+        m["critic/warmup"] = 1.0
+        return m, None
+    if _analyse(s, step, m, filtered, prepared):
+        return m, EXITED
+    s.console.phase("actor")
+    with timed(m, "update_actor"):
+        update = update_actor(s.model, s.optimizer, batch, prepared.inputs, cfg.algo, cfg.train,
+                              torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1)))
+    m.update(update.metrics)
+    if prepared.entropy is None:  # one step on the rollout policy: its entropy is the update's
+        m[names.ENTROPY] = update.entropy
+    if not all_finite(s.model, s.critic):  # an optimizer step overflowed: nothing left to train or save
+        m[names.actor(NON_FINITE_PARAMETERS)] = 1.0
+        return m, NON_FINITE_PARAMETERS
+    return m, None
+
+
+def roll_out(s: Session, step: int, seed_step: int, m: dict[str, float]) -> Filtered:
+    """Roll out the groups of `seed_step`'s env seeds and sampling seed, log its rewards and samples (as `step`),
+    and filter it; its metrics go into `m`."""
+    cfg = s.cfg
     s.console.phase("rollout")
     with timed(m, "gen"):
         batch = rollout_groups(cfg, s.model, s.tokenizer,
-                               train_seeds(cfg.train.seed_base, cfg.train.env_groups, s.seed_step(step)),
-                               cfg.train.group_size, cfg.train.temperature, step_seed(cfg.seed, s.seed_step(step)))
-    m.update(env_metric_summary(batch, f"train/{cfg.env.name}", cfg.train.group_size))
+                               train_seeds(cfg.train.seed_base, cfg.train.env_groups, seed_step),
+                               cfg.train.group_size, cfg.train.temperature, step_seed(cfg.seed, seed_step))
+    m.update(env_metric_summary(batch, names.env_prefix(cfg.env.name), cfg.train.group_size))
     m.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids))
     rows = reward_rows(batch, step, s.tokenizer)
     if s.main:
@@ -198,103 +230,49 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     if collapse_due(cfg, step):  # read-only, on the unfiltered batch
         s.console.phase("collapse")
         m.update(run_collapse(s, step, batch))
+    filtered = filter_batch(batch, cfg.filter)
+    m.update(filtered.metrics)
+    return filtered
 
-    batch, filter_m, group_std = filter_batch(batch, cfg.filter)
-    m.update(filter_m)
-    stop = stopper.after_rollout(filter_m["rollout/in_group_reward_std"], empty=len(batch) == 0)
-    m["rollout/empty_after_filter"] = float(len(batch) == 0)
-    m["rollout/consecutive_empty_after_filter_steps"] = float(stopper.empty)
-    if len(batch) == 0:
-        return m, _analyse(s, step, m, None, None, None, 0.0) or stop
-    if stop is not None:
-        return m, stop
 
+def record_filter(m: dict[str, float], stopper: EarlyStopper, filtered: Filtered) -> str | None:
+    """Give the filter's outcome to the early stopper; returns its stop reason (or None)."""
+    empty = len(filtered.batch) == 0
+    stop = stopper.after_rollout(filtered.reward_std, empty=empty)
+    m[names.filter_metric(names.ROLLOUT, "empty_after_filter")] = float(empty)
+    m[names.filter_metric(names.ROLLOUT, "consecutive_empty_after_filter_steps")] = float(stopper.empty)
+    return stop
+
+
+def prepare(s: Session, filtered: Filtered, m: dict[str, float], *, old_pass: bool = True) -> Prepared:
+    """The update's inputs of the filtered batch (`prepare_update`) and the batch summaries; metrics into `m`."""
     s.console.phase("log-probs")
-    own_old = single_pass(cfg.train, len(batch)) and not cfg.analysis.only and not analysis_due(cfg, step)
-    inputs, values, returns = prepare_update(s, batch, m, filter_m["rollout/filter_kept_ratio"], old_pass=not own_old)
-    m.update(data_metrics(batch, inputs.advantages, returns, values))
-
-    if s.critic is not None and not cfg.analysis.only:
-        s.console.phase("critic")
-        with timed(m, "update_critic"):
-            m.update(update_critic(s.critic, s.critic_optimizer, batch, values, returns, cfg.algo, cfg.critic,
-                                   cfg.train))
-    if step <= cfg.critic.warmup_steps:  # critic warm-up: the actor waits for a critic that predicts something
-        m["critic/warmup"] = 1.0
-        return m, None
-    if _analyse(s, step, m, batch, inputs, group_std, filter_m["rollout/filter_kept_ratio"]):
-        return m, EXITED
-    if not cfg.analysis.only:
-        s.console.phase("actor")
-        with timed(m, "update_actor"):
-            m.update(update_actor(s.model, s.optimizer, batch, inputs, cfg.algo, cfg.train,
-                                  torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1))))
-        if inputs.old_logprobs is None:  # one step on the rollout policy: its entropy is the update's
-            m["actor/entropy"] = m["actor/entropy_loss"]
-        if not all_finite(s.model, s.critic):  # an optimizer step overflowed: nothing left to train or save
-            m["actor/non_finite_parameters"] = 1.0
-            return m, NON_FINITE_PARAMETERS
-    return m, None
+    prepared = prepare_update(s, filtered.batch, filtered.kept_ratio, old_pass=old_pass)
+    m.update(prepared.metrics)
+    m.update(data_metrics(filtered.batch, prepared.inputs.advantages, prepared.returns, prepared.values))
+    return prepared
 
 
-def _analyse(s: Session, step: int, m: dict, batch, inputs, group_std, kept_ratio: float) -> str | None:
-    """Run the gradient analysis when due; returns EXITED when the run should end right after it."""
-    cfg = s.cfg
-    m["trainer/gradient_analysis_only"] = float(cfg.analysis.only)
-    if not analysis_due(cfg, step):
-        return None
+def analyse(s: Session, step: int, m: dict[str, float], filtered: Filtered, prepared: Prepared | None,
+            seed_step: int) -> None:
+    """The gradient analysis of `step` (`run_analysis`; a separate batch uses `seed_step`'s seeds); metrics into
+    `m`."""
     s.console.phase("analysis")
     with timed(m, "gradient_analysis"):
-        m.update(run_analysis(s, step, batch, inputs, group_std, kept_ratio,
-                              lambda b, metrics, kept: prepare_update(s, b, metrics, kept)))
+        m.update(run_analysis(s, step, filtered, prepared, seed_step))
     crash_point("analysis", step)
-    if cfg.analysis.exit_after:
-        m["trainer/exited_after_gradient_analysis"] = 1.0
+
+
+def _analyse(s: Session, step: int, m: dict, filtered: Filtered, prepared: Prepared | None) -> str | None:
+    """Run the gradient analysis when due; returns EXITED when the run should end right after it."""
+    m[names.GRADIENT_ANALYSIS_ONLY] = 0.0
+    if not analysis_due(s.cfg, step):
+        return None
+    analyse(s, step, m, filtered, prepared, step)
+    if s.cfg.analysis.exit_after:
+        m[names.EXITED_AFTER_ANALYSIS] = 1.0
         return EXITED
     return None
-
-
-def prepare_update(s: Session, batch: RolloutBatch, m: dict, kept_ratio: float, *,
-                   old_pass: bool = True) -> tuple[ActorInputs, torch.Tensor | None, torch.Tensor | None]:
-    """Old / reference log-probs, critic values, advantages (scaled by the filter) and returns of a batch.
-
-    `old_pass=False` skips the old-log-prob forward for an on-policy update (`actor.single_pass`): the update
-    then uses its own detached log-probs (`ActorInputs.old_logprobs` None) and `actor/entropy` comes from it.
-    """
-    cfg = s.cfg
-    micro = cfg.train.micro_batch_size
-    inputs = ActorInputs(old_logprobs=None, advantages=torch.zeros_like(batch.response_mask))
-    if old_pass:
-        with timed(m, "old_log_prob"):
-            inputs.old_logprobs, entropy = _logprob_pass(cfg, s.model, batch, with_entropy=True)  # [N, L] each
-        m["actor/entropy"] = aggregate(entropy, batch.response_mask, cfg.algo.loss_agg_mode).item()
-    if s.ref_model is not None:
-        with timed(m, "ref"):
-            inputs.ref_logprobs, = _logprob_pass(cfg, s.ref_model, batch, with_entropy=False)  # [N, L]
-        m["rollout/ref_log_prob"] = masked_mean(inputs.ref_logprobs, batch.response_mask).item()
-    values = None
-    if s.critic is not None:
-        with timed(m, "values"):
-            values, = row_pass((s.critic,), batch, lambda rows: (batch_values(
-                s.critic, batch.input_ids[rows], batch.attention_mask[rows], micro_batch_size=micro),))  # [N, L]
-    with timed(m, "adv"):
-        advantages, returns = advantages_and_returns(batch, values, cfg.algo)  # [N, L]
-        inputs.advantages = advantages * loss_scale(kept_ratio, cfg.filter.loss_scaling)  # [N, L]
-    return inputs, values, returns
-
-
-def _logprob_pass(cfg: Config, model, batch: RolloutBatch, *, with_entropy: bool) -> tuple[torch.Tensor, ...]:
-    """The log-probs (and entropies) of `batch`'s response tokens under `model`, without gradients, the rows split
-    over the ranks (`row_pass`). ([N, L], and [N, L] with `with_entropy`)"""
-
-    def compute(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        logprobs, entropy = batch_logprobs(
-            model, batch.input_ids[rows], batch.attention_mask[rows], micro_batch_size=cfg.train.micro_batch_size,
-            temperature=cfg.train.temperature, with_entropy=with_entropy, positions=batch.response_mask[rows],
-            shared_prefix=cfg.train.shared_prefix)  # [n, L], [n, L] | None
-        return (logprobs, entropy) if with_entropy else (logprobs,)
-
-    return row_pass((model,), batch, compute)
 
 
 def _log_samples(s: Session, step: int, batch: RolloutBatch) -> None:
@@ -306,11 +284,19 @@ def _log_samples(s: Session, step: int, batch: RolloutBatch) -> None:
                                     for i in list(picks)[:k]])
 
 
+@dataclass
+class Validation:
+    """A validation's success rate (None when it has none: non-finite sampling scores) and its metrics."""
+
+    success: float | None
+    metrics: dict[str, float]
+
+
 @torch.no_grad()
-def validate(s: Session) -> dict[str, float]:
+def validate(s: Session) -> Validation:
     """Validation rollouts on the fixed puzzles; RNG streams are left as they were.
 
-    Returns only `val-env/<env>/non_finite_logits` when the policy's sampling scores are not finite."""
+    Its metrics are only `val-env/<env>/non_finite_logits` when the policy's sampling scores are not finite."""
     cfg = s.cfg
     if s.console is not None:
         s.console.phase("validation")
@@ -320,8 +306,8 @@ def validate(s: Session) -> dict[str, float]:
             batch = rollout_groups(cfg, s.model, s.tokenizer, val_seeds(cfg.val.seed_base, cfg.val.env_groups),
                                    cfg.val.group_size, cfg.val.temperature, step_seed(cfg.seed, 0, stream=2))
         except NonFiniteLogits:
-            return {f"val-env/{cfg.env.name}/non_finite_logits": 1.0}
-    metrics = env_metric_summary(batch, f"val-env/{cfg.env.name}", cfg.val.group_size)
-    metrics["timing_s/val"] = time.perf_counter() - start
-    return metrics
-
+            return Validation(None, {f"{names.env_prefix(cfg.env.name, validation=True)}/{NON_FINITE_LOGITS}": 1.0})
+    metrics = env_metric_summary(batch, names.env_prefix(cfg.env.name, validation=True), cfg.val.group_size)
+    metrics[names.VAL_TIME] = time.perf_counter() - start
+    success = sum(m["success"] for m in batch.env_metrics) / len(batch) if batch.env_metrics else None
+    return Validation(success, metrics)

@@ -1,0 +1,164 @@
+"""The names of the metrics a run writes: one owner for the trainer, the probe, the plots, the sweeps and the tests.
+
+Pure Python (no torch): the plots and sweeps read names with it. Every name is `<namespace>/.../<metric>`; the
+builders below spell them and the parsers read them back, so a rename here reaches every writer and reader.
+Decisions of the trainer never read a metric: the stages return typed values (`train/stages.py`).
+
+- Namespaces of a training row: `rollout/` (the filter's RAGEN names), `actor/`, `critic/`, `response_length/`,
+  `train/<env>/` and `val-env/<env>/` (env metrics), `reward/<component>/` (reward components), `timing_s/` (wall
+  time of a phase), `early_stopped/<reason>`, `trainer/`, and of an analysis step `grad_norm/<bucket>/...`
+  (`grad_norm_prefilter/` for the unfiltered separate batch), `reward_grad/<bucket>/...` and `grad_analysis/`.
+- Bucket names are RAGEN's: ``bucket_<k>``, k = 1, 2, ... (``reference/ragen_behaviour.md`` §3.4).
+  quantile: ``bucket_k`` is the k-th quantile bucket, lowest reward std first; labelled ``Q<k>``.
+  fixed_rv: ``bucket_k`` is always the interval [k-1, k) of group reward std (the last one [5, ∞)), also
+  when lower intervals are empty, so a name means the same interval at every step and in every run;
+  labelled by its interval. Zero bucket (``analysis.zero_bucket``): ``bucket_0`` holds the zero-variance groups,
+  labelled ``RV=0``; the other names keep their meaning (quantile buckets of the remaining groups; fixed_rv's
+  first interval becomes (0, 1)). ``all`` is the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+ROLLOUT = "rollout"  # the training batch's filter metrics
+GRAD_ANALYSIS = "grad_analysis"  # the gradient analysis's own bookkeeping (and a separate batch's filter metrics)
+GRAD_NORM = "grad_norm"  # per-bucket gradient metrics of the analysed batch
+GRAD_NORM_PREFILTER = "grad_norm_prefilter"  # the same of a separate analysis batch before filtering
+ALL = "all"  # the whole analysed batch, beside its buckets
+REWARD = "reward"  # per-component reward statistics of a rollout
+
+TERM_COMPONENT = {"pg": "task", "entropy": "entropy", "kl": "kl"}  # a loss term of the code -> RAGEN's name in keys
+TERM_LOSS = {"pg": "policy", "entropy": "entropy", "kl": "kl"}  # the same in `loss/<name>` keys
+
+ENTROPY = "actor/entropy"
+SCORE_MEAN = "critic/score/mean"
+IN_GROUP_REWARD_STD = "rollout/in_group_reward_std"
+FILTER_KEPT_RATIO = "rollout/filter_kept_ratio"
+FILTER_KEPT_COUNT = "rollout/filter_kept_count"
+FILTER_ZERO_COUNT = "rollout/filter_zero_count"
+GRADIENT_ANALYSIS_ONLY = "trainer/gradient_analysis_only"
+EXITED_AFTER_ANALYSIS = "trainer/exited_after_gradient_analysis"
+STEP_TIME = "timing_s/step"
+VAL_TIME = "timing_s/val"
+EARLY_STOPPED = "early_stopped/"
+
+
+def timing(phase: str) -> str:
+    """Wall time of a phase of the step: `timing_s/<phase>`."""
+    return f"timing_s/{phase}"
+
+
+def env_prefix(env: str, validation: bool = False) -> str:
+    """The namespace of the env metrics of training (`train/<env>`) or validation (`val-env/<env>`) rollouts."""
+    return f"{'val-env' if validation else 'train'}/{env}"
+
+
+def val_success(env: str) -> str:
+    """The validation success rate of `env`."""
+    return f"{env_prefix(env, validation=True)}/success"
+
+
+def parse_env_metric(key: str) -> tuple[bool, str, str] | None:
+    """(validation?, env, metric) of a `train/<env>/<metric>` or `val-env/<env>/<metric>` key; else None."""
+    parts = key.split("/")
+    if len(parts) == 3 and parts[0] in ("train", "val-env"):
+        return parts[0] == "val-env", parts[1], parts[2]
+    return None
+
+
+def early_stopped(reason: str) -> str:
+    """The flag of an early stop for `reason`."""
+    return f"{EARLY_STOPPED}{reason}"
+
+
+def early_stop_reason(key: str) -> str | None:
+    """The reason of an `early_stopped/<reason>` key; None for any other key."""
+    return key[len(EARLY_STOPPED):] if key.startswith(EARLY_STOPPED) else None
+
+
+def filter_metric(prefix: str, name: str) -> str:
+    """A filter metric (`rollout/<name>`; a separate analysis batch's: `grad_analysis/<name>`)."""
+    return f"{prefix}/{name}"
+
+
+def reward_component(component: str, stat: str, prefix: str = REWARD) -> str:
+    """A statistic of one reward component: `reward/<component>/<stat>`."""
+    return f"{prefix}/{component}/{stat}"
+
+
+def parse_reward_component(key: str) -> tuple[str, str] | None:
+    """(component, stat) of a `reward_component` key; None for any other key."""
+    parts = key.split("/")
+    return (parts[1], parts[2]) if len(parts) == 3 and parts[0] == REWARD else None
+
+
+def bucket_metric(prefix: str, bucket: str, metric: str) -> str:
+    """A metric of one analysis bucket: `<prefix>/<bucket>/<metric>` (e.g. `grad_norm/bucket_2/task`)."""
+    return f"{prefix}/{bucket}/{metric}"
+
+
+def parse_bucket_metric(key: str, prefix: str = GRAD_NORM) -> tuple[str, str] | None:
+    """(bucket, metric) of a `bucket_metric(prefix, ...)` key whose bucket is `all` or `bucket_<k>`; else None."""
+    parts = key.split("/", 2)
+    if len(parts) == 3 and parts[0] == prefix and (parts[1] == ALL or bucket_number(parts[1]) is not None):
+        return parts[1], parts[2]
+    return None
+
+
+def reward_grad_prefix(prefix: str) -> str:
+    """The namespace of the reward-component metrics of an analysis pass (`grad_norm` -> `reward_grad`)."""
+    return prefix.replace(GRAD_NORM, "reward_grad")
+
+
+def actor_grad_norm(component: str) -> str:
+    """RAGEN's root copy of the whole batch's gradient norm of a loss component."""
+    return f"actor/grad_norm/{component}"
+
+
+def actor(metric: str) -> str:
+    """An actor metric: `actor/<metric>`."""
+    return f"actor/{metric}"
+
+
+FIXED_RV_EDGES: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 5.0)  # [0,1), [1,2), ..., [4,5), [5, inf)
+ZERO_BUCKET = "bucket_0"
+_BUCKET_RE = re.compile(r"^bucket_(\d+)$")
+
+
+def bucket_name(position: int, zero_bucket: bool = False) -> str:
+    """The metric name of the bucket at 0-based `position`: ``bucket_<position + 1>``, or ``bucket_<position>``
+    when position 0 is the zero bucket."""
+    return f"bucket_{position if zero_bucket else position + 1}"
+
+
+def bucket_number(bucket: str) -> int | None:
+    """k of ``bucket_k``; None for any other name (e.g. ``all``)."""
+    m = _BUCKET_RE.match(bucket)
+    return int(m.group(1)) if m else None
+
+
+def fixed_rv_interval(bucket: str) -> tuple[float, float] | None:
+    """The reward-std interval [low, high) of a fixed_rv bucket name; None for other names."""
+    k = bucket_number(bucket)
+    if k is None or not 1 <= k <= len(FIXED_RV_EDGES) + 1:
+        return None
+    edges = (0.0, *FIXED_RV_EDGES, math.inf)
+    return edges[k - 1], edges[k]
+
+
+def bucket_label(bucket: str, mode: str = "quantile", zero_bucket: bool = False) -> str:
+    """Axis label of a bucket: ``RV=0`` (the zero bucket), ``Q3`` (quantile), ``[2, 3)`` (fixed_rv; ``(0, 1)`` for
+    the first interval when the zero bucket holds RV = 0); other names unchanged."""
+    k = bucket_number(bucket)
+    if k is None:
+        return bucket
+    if k == 0:
+        return "RV=0"
+    interval = fixed_rv_interval(bucket) if mode == "fixed_rv" else None
+    if interval is None:
+        return f"Q{k}"
+    low, high = interval
+    opening = "(" if zero_bucket and low == 0 else "["
+    return f"{opening}{low:g}, {'∞' if math.isinf(high) else f'{high:g}'})"

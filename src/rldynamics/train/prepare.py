@@ -1,0 +1,77 @@
+"""The stage between the filter and the updates: old / reference log-probs, critic values, advantages, returns.
+
+`prepare_update` is the one place these are computed, for the training step and for a separate analysis batch
+(`train/analysis_pass.py`) alike, so an analysed batch is prepared exactly as a trained one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rldynamics import metric_names as names
+from rldynamics.algo.filter import loss_scale
+from rldynamics.algo.losses import aggregate, masked_mean
+from rldynamics.analysis.objective import ActorInputs
+from rldynamics.config import Config
+from rldynamics.models.forward import batch_logprobs, batch_values
+from rldynamics.rollout.batch import RolloutBatch
+from rldynamics.train.setup import Session
+from rldynamics.train.sharded import row_pass
+from rldynamics.train.stages import advantages_and_returns, timed
+
+
+@dataclass
+class Prepared:
+    """The inputs of the updates (and of the gradient analysis) of one batch."""
+
+    inputs: ActorInputs  # old / reference log-probs and the (loss-scaled) advantages, [N, L] each
+    values: torch.Tensor | None  # critic values [N, L] (None without a critic)
+    returns: torch.Tensor | None  # GAE returns [N, L] (None for the other estimators)
+    entropy: float | None  # the rollout policy's aggregated entropy (None when the old-log-prob pass was skipped)
+    metrics: dict[str, float] = field(default_factory=dict)  # timings, `actor/entropy`, `rollout/ref_log_prob`
+
+
+def prepare_update(s: Session, batch: RolloutBatch, kept_ratio: float, *, old_pass: bool = True) -> Prepared:
+    """Old / reference log-probs, critic values, advantages (scaled by the filter's `kept_ratio`) and returns.
+
+    `old_pass=False` skips the old-log-prob forward for an on-policy update (`actor.single_pass`): the update
+    then uses its own detached log-probs (`ActorInputs.old_logprobs` None) and `actor/entropy` comes from it.
+    """
+    cfg, m = s.cfg, {}
+    micro = cfg.train.micro_batch_size
+    inputs = ActorInputs(old_logprobs=None, advantages=torch.zeros_like(batch.response_mask))
+    entropy = None
+    if old_pass:
+        with timed(m, "old_log_prob"):
+            inputs.old_logprobs, token_entropy = _logprob_pass(cfg, s.model, batch, with_entropy=True)  # [N, L] each
+        entropy = aggregate(token_entropy, batch.response_mask, cfg.algo.loss_agg_mode).item()
+        m[names.ENTROPY] = entropy
+    if s.ref_model is not None:
+        with timed(m, "ref"):
+            inputs.ref_logprobs, = _logprob_pass(cfg, s.ref_model, batch, with_entropy=False)  # [N, L]
+        m["rollout/ref_log_prob"] = masked_mean(inputs.ref_logprobs, batch.response_mask).item()
+    values = None
+    if s.critic is not None:
+        with timed(m, "values"):
+            values, = row_pass((s.critic,), batch, lambda rows: (batch_values(
+                s.critic, batch.input_ids[rows], batch.attention_mask[rows], micro_batch_size=micro),))  # [N, L]
+    with timed(m, "adv"):
+        advantages, returns = advantages_and_returns(batch, values, cfg.algo)  # [N, L]
+        inputs.advantages = advantages * loss_scale(kept_ratio, cfg.filter.loss_scaling)  # [N, L]
+    return Prepared(inputs=inputs, values=values, returns=returns, entropy=entropy, metrics=m)
+
+
+def _logprob_pass(cfg: Config, model, batch: RolloutBatch, *, with_entropy: bool) -> tuple[torch.Tensor, ...]:
+    """The log-probs (and entropies) of `batch`'s response tokens under `model`, without gradients, the rows split
+    over the ranks (`row_pass`). ([N, L], and [N, L] with `with_entropy`)"""
+
+    def compute(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logprobs, entropy = batch_logprobs(
+            model, batch.input_ids[rows], batch.attention_mask[rows], micro_batch_size=cfg.train.micro_batch_size,
+            temperature=cfg.train.temperature, with_entropy=with_entropy, positions=batch.response_mask[rows],
+            shared_prefix=cfg.train.shared_prefix)  # [n, L], [n, L] | None
+        return (logprobs, entropy) if with_entropy else (logprobs,)
+
+    return row_pass((model,), batch, compute)
