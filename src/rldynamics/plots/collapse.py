@@ -23,11 +23,12 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
+from rldynamics import metric_names as names
 from rldynamics.plots.analysis import DPI, RUN_COLORS, new_figure, save_png
 from rldynamics.plots.data import RunData, series
 from rldynamics.plots.health import Flag
 
-MODES = ("collapse_first_turn_sample", "collapse_trajectory_sample")
+MODES = (names.COLLAPSE_FIRST_TURN, names.COLLAPSE_TRAJECTORY)
 MI, ENTROPY, MARGINAL_ENTROPY = "mi_estimate", "conditional_entropy_est", "reasoning_entropy_est"
 RETRIEVAL = "retrieval_above_chance"
 

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from rldynamics import metric_names as names
 from rldynamics.analysis.collapse import bootstrap_intervals, collapse_metrics
 from rldynamics.analysis.cross_scoring import (
     Pairs,
@@ -36,7 +37,6 @@ from rldynamics.train.sharded import row_pass
 from rldynamics.train.stages import step_seed
 
 SAMPLE_STREAM = 5  # step_seed stream of the pair sampling and the bootstrap
-FIRST_TURN, TRAJECTORY = "collapse_first_turn_sample", "collapse_trajectory_sample"
 THINK = re.compile(r"^(.*?)</think>", re.DOTALL)
 
 
@@ -58,19 +58,20 @@ def run_collapse(s, step: int, batch: RolloutBatch) -> dict[str, float]:
         pairs, valid = first_turn_pairs(batch.input_ids, batch.response_mask, batch.group_ids, cfg.num_samples,
                                         generator)
         total = len(batch)
-        out.update({"collapse/first_turn_num_total": float(total), "collapse/first_turn_num_valid": float(valid),
-                    "collapse/first_turn_valid_rate": valid / total if total else 0.0})
+        out.update({f"{names.COLLAPSE}/first_turn_num_total": float(total),
+                    f"{names.COLLAPSE}/first_turn_num_valid": float(valid),
+                    f"{names.COLLAPSE}/first_turn_valid_rate": valid / total if total else 0.0})
         if pairs is not None:
-            out.update(_diagnose(s, pairs, FIRST_TURN, generator))
-        out["timing_s/collapse_first_turn_step"] = time.perf_counter() - start
+            out.update(_diagnose(s, pairs, names.COLLAPSE_FIRST_TURN, generator))
+        out[names.timing("collapse_first_turn_step")] = time.perf_counter() - start
     if cfg.multi_turn_enabled:
         start = time.perf_counter()
         pairs = trajectory_pairs(batch.input_ids, batch.response_mask, cfg.num_samples, generator)
         if pairs is not None:
-            out.update(_diagnose(s, pairs, TRAJECTORY, generator))
-        out["timing_s/collapse_multi_turn_step"] = time.perf_counter() - start
+            out.update(_diagnose(s, pairs, names.COLLAPSE_TRAJECTORY, generator))
+        out[names.timing("collapse_multi_turn_step")] = time.perf_counter() - start
     if s.cfg.env.enable_think:
-        out["collapse/valid_thinking_rate"] = valid_thinking_rate(batch, s.tokenizer)
+        out[f"{names.COLLAPSE}/valid_thinking_rate"] = valid_thinking_rate(batch, s.tokenizer)
     return out
 
 
