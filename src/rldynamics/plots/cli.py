@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from rldynamics import metric_names as names
 from rldynamics.plots.analysis import save_png, write_paper_grid, write_step
 from rldynamics.plots.collapse import fig_runs_mi_success, mode_of, write_collapse_figures
 from rldynamics.plots.curves import write_curves
@@ -109,7 +110,7 @@ def _paper(runs: list[RunData], steps: list[int], out_dir: Path) -> int:
             env = runs[0].config.get("env", {}).get("name", "sokoban") if isinstance(runs[0].config.get("env"),
                                                                                       dict) else "sokoban"
             out_dir.mkdir(parents=True, exist_ok=True)
-            path = save_png(fig_runs_mi_success(runs, f"val-env/{env}/success"), out_dir / "paper_mi_success.png")
+            path = save_png(fig_runs_mi_success(runs, names.val_success(env)), out_dir / "paper_mi_success.png")
             print(f"wrote {path}")
     except ValueError as e:
         return _err("plot", f"--paper: {e}")
