@@ -44,7 +44,7 @@ FAST = [
     "train.steps=2", "train.env_groups=2", "train.group_size=2", "train.mini_batch_size=2",
     "train.micro_batch_size=1", "val.env_groups=3", "val.every=1", "env.max_turns=2", "env.max_new_tokens=8",
     "model.warm_start_episodes=8", "model.warm_start_epochs=1", "log.progress=false", "log.samples_per_step=1",
-    "log.report=false",
+    "log.report=false", "analysis.enabled=false",
 ]
 
 

@@ -104,6 +104,24 @@ def test_cli_rejects_bad_key_before_any_work(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing was written
 
 
+# Runs `rldyn ARGV` in this interpreter, then prints whether torch was ever imported (an atexit hook runs after main).
+TORCH_FREE = """
+import atexit, sys
+atexit.register(lambda: print("torch imported:", "torch" in sys.modules, file=sys.stderr))
+from rldynamics.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("argv", [["train", "train.lrr=1"], ["train", "train.lr=abc"], ["train", "--help-config"],
+                                  ["--help"], ["train", "--help"], ["train", "env.name=sokobann"]])
+def test_cli_answers_config_and_help_without_importing_torch(tmp_path, argv):
+    out = subprocess.run([sys.executable, "-c", TORCH_FREE, *argv, f"log.run_dir={tmp_path}"],
+                         capture_output=True, text=True)
+    assert "torch imported: False" in out.stderr, out.stderr
+    assert out.returncode in (0, 2) and "Traceback" not in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize(
     "override, key, expected",
     [

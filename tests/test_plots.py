@@ -18,10 +18,12 @@ from safetensors.numpy import save_file
 
 from rldynamics import metric_names as names
 from rldynamics.plots import health
-from rldynamics.plots.analysis import step_data
+from rldynamics.plots.analysis import fig_grad_norms, fig_losses, fig_normed_grads, fig_summary, step_data
 from rldynamics.plots.cli import plot_command, report_command
-from rldynamics.plots.curves import trailing_mean
+from rldynamics.plots.curves import fig_reg_share, fig_training_curves, trailing_mean
 from rldynamics.plots.data import analysis_steps, load_run
+from rldynamics.plots.report import build_report
+from rldynamics.tracking.environment import describe, record_start
 from rldynamics.tracking.run_dir import RunWriter
 
 STEP_FILES = ["gradient_analysis_summary_step_{}.png", "gradient_analysis_plots_step_{}.png",
@@ -79,9 +81,10 @@ def make_run(path: Path, *, steps: int = 6, analysis: tuple[int, ...] = (1, 4), 
     cfg = {"env": {"name": "sokoban"}, "train": {"env_groups": 8}, "log": {"name": name or path.name}}
     (path / "config.yaml").write_text(yaml.safe_dump(cfg))
     rng = np.random.default_rng(0)
-    writer.log(0, {names.val_success("sokoban"): 0.1})
+    writer.log(0, {names.val_success("sokoban"): 0.1, names.VAL_TIME: 1.0})
     for s in range(1, steps + 1):
         m = {names.SCORE_MEAN: (0.2 * s if healthy else 2.0 - 0.3 * s), names.ENTROPY: 1.0 - 0.02 * s,
+             names.STEP_TIME: 2.0,
              names.actor("grad_norm"): 0.3 + 0.01 * s, names.actor("pg_clipfrac"): 0.2 if healthy else 0.6,
              names.actor("pg_loss"): 0.01 * (-1) ** s, names.actor("kl_loss"): 0.001 * s,
              names.actor("skipped_steps"): 0.0, names.FILTER_KEPT_RATIO: 0.75, names.FILTER_KEPT_COUNT: 6.0,
@@ -503,3 +506,86 @@ def test_plot_and_report_never_write_through_a_link(run, tmp_path, capsys, link)
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and f"{copy / link} is a symbolic link" in err, err
     assert victim.read_text() == "not a figure"
+
+
+# ---------------------------------------------------------------- the report's first screen and its figures
+
+
+def _set_config(path: Path, **sections) -> None:
+    cfg = yaml.safe_load((path / "config.yaml").read_text())
+    cfg.update(sections)
+    (path / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def test_report_opens_with_headline_numbers_environment_and_samples(tmp_path):
+    path = make_run(tmp_path / "h", steps=6, analysis=())  # validation 10 % at step 0, then 18, 26, 34 %
+    RunWriter(path).log_samples(6, [{"seed": 7, "reward": -1.0, "success": 0.0, "text": "<answer>Up</answer> 7"},
+                                    {"seed": 8, "reward": 10.0, "success": 1.0, "text": "<answer>Left</answer> 8"}])
+    record_start(path, describe(0, 1, "model.threads=1", "cpu"))
+    text = build_report(path)
+    head = text[:text.index('id="health"')]
+    assert "10.0% → 34.0% (+24.0 points)" in head and "step 0 → step 6" in head  # start and end
+    assert ">34.0%<" in head and "6 of" not in head  # best, and train.steps is not in this config
+    assert "13 s" in head  # wall time: 6 steps x 2 s + the first validation's 1 s
+    assert "torch" in head and "1 torch thread" in head and "model.threads=1" in head
+    assert ">gradient analysis<" in head and ">off<" in head  # this run analysed no step
+    assert ">steps 1, 4<" in build_report(make_run(tmp_path / "a", steps=4))  # the steps it analysed
+    samples = text[text.index('id="samples"'):]
+    assert samples.index("seed 8") < samples.index("seed 7")  # a success first
+    assert "&lt;answer&gt;Left&lt;/answer&gt; 8" in samples
+
+
+def test_falling_validation_is_flagged():
+    def flags(values):
+        rows = [{"step": 10 * i, "val-env/sokoban/success": v} for i, v in enumerate(values)]
+        return [f.check for f in health.health_checks(rows, {"env": {"name": "sokoban"}})]
+
+    assert flags([0.30, 0.27, 0.22]) == ["val_falling"]
+    assert flags([0.10, 0.40, 0.25]) == ["val_past_peak"]
+    assert flags([0.10, 0.12, 0.11]) == [] and flags([0.3, 0.1]) == []  # within noise; too few validations
+
+
+def test_terms_that_are_off_get_no_panels(tmp_path):
+    path = make_run(tmp_path / "off", steps=2, analysis=(1,), kl=False)
+    _set_config(path, algo={"kl_coef": 0.0, "entropy_coef": 0.001})
+    run = load_run(path)
+    titles = [ax.get_title() for ax in fig_training_curves(run).axes]
+    assert not any("KL" in t for t in titles) and any("entropy" in t for t in titles)
+    sd = step_data(run, 1)
+    for fig in (fig_grad_norms(sd), fig_losses(sd), fig_normed_grads(sd)):
+        titles = [ax.get_title() for ax in fig.axes]
+        assert "kl: off" in titles and not any(t.startswith(("kl gradient", "loss/kl", "kl:  per")) for t in titles)
+    _set_config(path, algo={"kl_coef": 0.001, "entropy_coef": 0.001})
+    assert any("KL" in ax.get_title() for ax in fig_training_curves(load_run(path)).axes)
+
+
+def _visible_tick_labels(axis, renderer):
+    labels = [t for t in (*axis.get_majorticklabels(), *axis.get_minorticklabels()) if t.get_visible() and t.get_text()]
+    return [(t.get_text(), t.get_window_extent(renderer)) for t in labels]
+
+
+def test_log_axes_label_the_zero_slot_and_never_overlap(run):
+    sd = step_data(load_run(run), 1)  # bucket_1 holds RV=0 groups only
+    fig = fig_summary(sd)
+    renderer = fig.canvas.get_renderer()
+    fig.canvas.draw()
+    ax = fig.axes[1]  # task norm vs bucket RV
+    slot = ax.xaxis.get_minorticklocs()
+    assert len(slot) == 1 and [t.get_text() for t in ax.xaxis.get_minorticklabels()] == ["0"]
+    divider = 2 * slot[0]
+    shown = [(float(x), lab.get_text()) for x, lab in zip(ax.xaxis.get_majorticklocs(), ax.xaxis.get_majorticklabels(),
+                                                         strict=True) if lab.get_text()]
+    assert shown and all(x >= divider for x, _ in shown)  # no decade labelled where the RV=0 points sit
+    for figure in (fig, fig_reg_share(load_run(run))):
+        figure.canvas.draw()
+        for axes in figure.axes:
+            for axis in (axes.xaxis, axes.yaxis):
+                boxes = _visible_tick_labels(axis, figure.canvas.get_renderer())
+                for (a, box_a), (b, box_b) in zip(boxes, boxes[1:]):
+                    assert not any(box_a.overlaps(other) for _, other in boxes if other is not box_a), (a, b)
+
+
+def test_regulariser_share_buckets_are_not_joined_across_steps(run):
+    ax = fig_reg_share(load_run(run)).axes[0]
+    styles = {line.get_label(): line.get_linestyle() for line in ax.get_lines() if not line.get_label().startswith("_")}
+    assert styles["all"] == "--" and styles and all(st == "None" for lab, st in styles.items() if lab != "all")

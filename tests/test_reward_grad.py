@@ -165,6 +165,9 @@ def test_training_run_logs_component_gradients(fast_overrides):
         assert (run / "plots" / name).stat().st_size > 5000, name
     page = (run / "report.html").read_text()
     assert 'id="reward-components"' in page and "constant within every group" in page  # step is always 0
+    assert plot_command(run, [2], out=run / "step2") == 0  # one step asked: no figure of another step
+    assert (run / "step2" / "reward_grad_matrix_step_2.png").is_file()
+    assert not list((run / "step2").glob("*step_1*"))
 
 
 def test_components_alone_skip_the_actor_terms(model):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import math
 import resource
 import shutil
@@ -77,7 +78,8 @@ def test_bad_input_fails_before_any_run(tmp_path, capsys, args, message):
     assert not out.exists()
 
 
-def test_slots_split_cores_and_devices():
+def test_slots_split_cores_and_devices(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # exported, it would be every slot's count
     cpu = make_slots(parallel=2, cores=2)
     assert [(s.name, s.env["OMP_NUM_THREADS"]) for s in cpu] == [("cpu 0", "1"), ("cpu 1", "1")]
     gpu = make_slots(devices=["0", "1", "2", "3"], devices_per_run=2, cores=16)
@@ -89,8 +91,9 @@ def test_slots_split_cores_and_devices():
             make_slots(**bad)
 
 
-def _write_run(out, label, seed, val, overrides=(), stop=None, status=None):
-    """A run directory written with the real RunWriter: validation every step, `stop` = early-stop reason."""
+def _write_run(out, label, seed, val, overrides=(), stop=None, status=None, kept=1.0):
+    """A run directory written with the real RunWriter: validation every step, `stop` = early-stop reason, `kept` the
+    filter's kept ratio of every step (0: no group kept, no actor update)."""
     path = out / label / f"seed{seed}"
     cfg = make_config(overrides=[*FAST, f"train.steps={len(val) - 1}", f"seed={seed}", f"log.run_dir={out / label}",
                                  f"log.name=seed{seed}", *overrides])
@@ -100,8 +103,10 @@ def _write_run(out, label, seed, val, overrides=(), stop=None, status=None):
     for step, v in enumerate(val):
         row = {"val-env/sokoban/success": v, "timing_s/val": 1.0}
         if step > 0:
-            row.update({"rollout/in_group_reward_std": 0.5 * step, "rollout/filter_kept_ratio": 1.0,
-                        "timing_s/step": 2.0})
+            row.update({"rollout/in_group_reward_std": 0.5 * step, "rollout/filter_kept_ratio": kept,
+                        "rollout/empty_after_filter": float(kept == 0), "timing_s/step": 2.0})
+            if kept:
+                row["actor/pg_loss"] = 0.1
         if stop and step == len(val) - 1:
             row[f"early_stopped/{stop}"] = 1.0
         writer.log(step, row)
@@ -128,6 +133,17 @@ def test_summary_marks_early_stop_as_failed_regime(tmp_path):
     md = (out / "summary.md").read_text()
     assert "| b | 5.0 ± 7.1 | 10.0 ± 0.0 | 2 | 2, 1 | early_stopped: reward_variance_collapse (1/2) |" in md
     assert all((out / f).stat().st_size > 0 for f in FILES)
+
+
+def test_a_point_that_never_updated_is_flagged(tmp_path):
+    out = tmp_path / "sw"
+    _write_run(out, "a", 0, [0.1, 0.1, 0.1], kept=0.0)
+    _write_run(out, "a", 1, [0.1, 0.2, 0.3])
+    write_summary(out)
+    rows = (out / "summary.csv").read_text().splitlines()
+    a = dict(zip(rows[0].split(","), rows[1].split(","), strict=True))
+    flag = "completed: never updated: the filter kept no group at any step"
+    assert a["outcome"] == f"{flag} (1/2)" and a["outcome_per_seed"] == f"{flag};completed"
 
 
 def test_plan_resumes_restarts_skips_and_refuses_other_settings(tmp_path, fast_overrides):
@@ -158,6 +174,8 @@ def test_tiny_sweep_in_parallel_reruns_nothing_and_resummarizes_byte_for_byte(tm
     assert main(args) == 0
     first = capsys.readouterr().out
     assert "2 run(s) at a time (cpu 0, cpu 1)" in first and first.count("started") == 2
+    table = [line for line in first.splitlines() if re.search(r"│ +0 │ completed", line)]  # the live table
+    assert len(table) == 2 and all(re.search(r"│ cpu [01] +│ +\d+s │", line) for line in table), first
     for label in ("0.9", "nofilter"):
         run = out / label / "seed0"
         assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
@@ -169,6 +187,8 @@ def test_tiny_sweep_in_parallel_reruns_nothing_and_resummarizes_byte_for_byte(tm
     assert main(args) == 0
     again = capsys.readouterr().out
     assert "runs: 2 finished (skipped)" in again and "started" not in again
+    table = [line for line in again.splitlines() if re.search(r"│ +0 │ completed", line)]
+    assert len(table) == 2 and all(re.search(r"│ cpu [01] +│ +\d+s │", line) for line in table), again
     assert {p: p.read_text() for p in out.glob("*/seed0/train.log")} == logs
 
     copy = tmp_path / "copied"

@@ -77,6 +77,16 @@ def test_on_policy_update_skips_the_old_log_prob_pass(fast_overrides):
         assert r["actor/ppo_kl"] == 0.0
 
 
+def test_reference_pass_only_where_something_reads_it(fast_overrides):
+    """With KL off, the reference log-probs are computed only at analysis steps (the probe measures the KL gradient
+    there); with KL on, at every step."""
+    common = [*fast_overrides, "val.every=0", "val.before_train=false", "analysis.enabled=true", "analysis.every=2"]
+    off = train(make_config(overrides=[*common, "log.name=off", "algo.kl_coef=0"]))
+    assert ["timing_s/ref" in r for r in read_metrics(off)] == [True, False]  # analysis at step 1 only
+    on = train(make_config(overrides=[*common, "log.name=on", "algo.kl_coef=0.001"]))
+    assert all("timing_s/ref" in r for r in read_metrics(on))
+
+
 def test_trains_another_architecture_from_a_local_path(fast_overrides, tmp_path):
     """`model.path=DIR` takes any causal LM saved with save_pretrained: here a Llama, with critic and reference."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM

@@ -27,7 +27,9 @@ examples:
   rldyn train --help-config                         # every config key with its default and meaning
   rldyn train --help-config --ragen                 # the RAGEN / verl keys accepted and what they become
   rldyn train actor_rollout_ref.rollout.rollout_filter_value=0.9 es_manager.train.env_groups=8  # RAGEN's names
-  rldyn train analysis.enabled=true analysis.every=5  # gradient analysis every 5 steps
+  rldyn train analysis.every=5                      # gradient analysis every 5 steps (default: 50, RAGEN's)
+  rldyn train model.threads=2                       # torch CPU threads (default: OMP_NUM_THREADS, else half the
+                                                    # cores, at most 4)
   rldyn train --preset math-tiny                    # math word problems (rldynamic's reward components), CPU
   rldyn train --preset math-smollm2                 # a real pretrained model (SmolLM2-135M-Instruct) on this CPU
   rldyn train model.path=/models/my.gguf model.dtype=bfloat16 model.gradient_checkpointing=true  # GGUF, mixed precision
@@ -161,31 +163,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run_job(command: str, job) -> int:
-    """Run `job()` (which returns a run directory); report bad input as one clear line and exit code 2.
+def _run_job(command: str, job, check=None) -> int:
+    """Run `check()` (the settings, read without torch: a bad key or value answers at once), then `job(checked)`
+    (which returns a run directory); report bad input as one clear line and exit code 2.
 
-    Under torchrun the process joins the process group first; rank 0 alone prints."""
+    Under torchrun the process joins the process group after the check; rank 0 alone prints."""
+    say = print if _main_rank() else (lambda *a, **k: None)
+    code, checked = _one_line_errors(command, say, check or (lambda: None))
+    if code:
+        return code
     from transformers.utils import logging as hf_logging
 
     from rldynamics import dist
-    from rldynamics.config import ConfigError
 
     hf_logging.disable_progress_bar()  # per-file load/save bars would drown the training progress bar
     dist.init_from_env()
-    say = print if dist.is_main() else (lambda *a, **k: None)
     try:
-        run_dir = job()
-    except ConfigError as e:
-        say(f"rldyn {command}: config error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except (FileExistsError, FileNotFoundError, ValueError, OSError, ImportError) as e:
-        say(f"rldyn {command}: {_one_line(e)}", file=sys.stderr)
-        return 2
+        code, run_dir = _one_line_errors(command, say, lambda: job(checked))
     finally:
         dist.close()
     if run_dir is not None:
         say(f"run directory: {run_dir}")
-    return 0
+    return code
+
+
+def _one_line_errors(command: str, say, fn) -> tuple[int, object]:
+    """(0, fn()), or (2, None) after saying in one line why bad input stopped it."""
+    from rldynamics.config import ConfigError
+
+    try:
+        return 0, fn()
+    except ConfigError as e:
+        say(f"rldyn {command}: config error: {_one_line(e)}", file=sys.stderr)
+    except (FileExistsError, FileNotFoundError, ValueError, OSError, ImportError) as e:
+        say(f"rldyn {command}: {_one_line(e)}", file=sys.stderr)
+    return 2, None
+
+
+def _main_rank() -> bool:
+    """This process prints: one process, or rank 0 under torchrun (read from its RANK variable, before torch)."""
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _launch(nproc: int, argv: list[str]) -> int:
@@ -254,43 +273,42 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
 
     def config(launcher: bool = False):
-        from rldynamics.train.setup import resume_base
-
         if not launcher:
             _print_ragen_translation(args.overrides)
         cfg = make_config(args.preset or DEFAULT_PRESET, args.config, args.overrides)  # fails before any work
         if cfg.checkpoint.resume:  # a resumed run starts from its saved settings, changed only where asked
+            from rldynamics.train.setup import resume_base
+
             cfg = make_config(args.preset, args.config, args.overrides, base=resume_base(cfg))
         return cfg
 
     if args.nproc != 1:  # the launcher checks what it can, once, then starts the ranks
         from rldynamics.train.setup import check_world
 
-        return _run_job("train", lambda: check_world(config(launcher=True), args.nproc)) or (
+        return _run_job("train", lambda _: None, check=lambda: check_world(config(launcher=True), args.nproc)) or (
             _launch(args.nproc, _without_nproc(args.argv)))
 
-    def job():
+    def job(cfg):
         from rldynamics.train.trainer import train
 
-        return train(config())
+        return train(cfg)
 
-    return _run_job("train", job)
+    return _run_job("train", job, check=config)
 
 
 def _print_ragen_translation(overrides: list[str]) -> None:
     """Say once what the RAGEN / verl keys among `overrides` became (nothing when there are none)."""
-    from rldynamics import dist
     from rldynamics.config import ragen_translation
 
     lines = ragen_translation(overrides)
-    if lines and dist.is_main():
+    if lines and _main_rank():
         print("RAGEN / verl keys translated:\n" + "\n".join(f"  {line}" for line in lines))
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from rldynamics.train.probe import probe_checkpoint
+    def job(_):
+        from rldynamics.train.probe import probe_checkpoint
 
-    def job():
         _print_ragen_translation(args.overrides)
         return probe_checkpoint(args.checkpoint, args.overrides, validate=args.validate)
 

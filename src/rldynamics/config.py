@@ -70,6 +70,9 @@ class ModelConfig:
     """Prompt format: null = the tokenizer's own chat template | chatml | path to a Jinja template file."""
     device: str = "auto"
     """Device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N (under torchrun: auto | cuda | cpu)."""
+    threads: int = _within(0, 0)
+    """CPU threads torch computes with; 0 = an exported OMP_NUM_THREADS, else half of the usable cores, at most 4
+    (torch's own default, every core, is the slowest choice when other work shares the machine; docs/training.md)."""
     shard: bool = True
     """Under torchrun: FSDP2-shard weights, grads and optimizer state (false: a full replica per rank, grads summed)."""
     warm_start_episodes: int = _within(8192, 0)
@@ -804,8 +807,9 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 
 RESUME_MAY_CHANGE = ("train.steps", "checkpoint.", "log.", "early_stop.", "filter.empty_stop_steps", "model.device",
-                     "model.shard")  # what a resumed run may change: how long it goes on, when it stops, where and
-# how it logs, the device; every other key keeps the run's config.yaml (a prefix ending in "." covers a section)
+                     "model.threads", "model.shard")  # what a resumed run may change: how long it goes on, when it
+# stops, where and how it logs, the device and threads; every other key keeps the run's config.yaml (a prefix
+# ending in "." covers a section)
 
 
 def resume_may_change() -> str:

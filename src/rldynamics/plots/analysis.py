@@ -23,7 +23,7 @@ import csv
 import io
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +33,12 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.text import Text
+from matplotlib.ticker import FixedFormatter, FixedLocator, FuncFormatter, LogLocator
 
 from rldynamics.plots.data import (
     COMPONENTS,
     RunData,
+    off_terms,
     analysis_steps,
     bucket_intervals,
     bucket_label,
@@ -128,6 +130,20 @@ def whisker(length: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(length), length, 0.0)
 
 
+def readable_log_ticks(axis, zero_slot: float | None = None) -> None:
+    """Tick labels of a log axis that never overlap: plain numbers (0.5, 1, 2, 5 over a few decades, powers of ten
+    over more), no minor labels. With `zero_slot` (where zero-RV points sit, left of the divider at twice it) no
+    decade is labelled left of the divider, where it would read as the RV of those points: the slot is labelled 0.
+    Call after the axis limits are set."""
+    low, high = sorted(axis.get_view_interval())
+    decades = math.log10(high / low) if low > 0 else 10.0
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades <= 2.5 else (1.0,), numticks=8))
+    divider = zero_slot * 2.0 if zero_slot is not None else None
+    axis.set_major_formatter(FuncFormatter(lambda x, _: "" if divider is not None and x < divider else f"{x:g}"))
+    axis.set_minor_locator(FixedLocator([zero_slot] if zero_slot is not None else []))
+    axis.set_minor_formatter(FixedFormatter(["0"] if zero_slot is not None else []))
+
+
 def note(ax, text: str) -> None:
     """Centered grey message inside an axes (e.g. a metric that was not logged)."""
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4", fontsize=9, wrap=True)
@@ -209,6 +225,7 @@ def share_points(ax, labels: list[str], values: np.ndarray, ci: tuple[np.ndarray
     for xi, v in zip(x[pos], values[pos], strict=True):
         ax.annotate(fmt(v), (xi, v), textcoords="offset points", xytext=(6, 0), fontsize=7, va="center")
     ax.set_ylim(min(values[pos].min(), np.nanmin(ci[0][pos]) if ci is not None else 1.0, 1.0) / 3, 1.6)
+    readable_log_ticks(ax.yaxis)
     ax.axhline(1.0, color="0.6", lw=0.6, ls=":")
     for xi, v in zip(x, values, strict=True):
         if not (np.isfinite(v) and v > 0):
@@ -231,6 +248,7 @@ class StepData:
     mode: str = "quantile"
     zero_bucket: bool = False
     path: Path | None = None
+    off: dict[str, str] = field(default_factory=dict)  # loss terms the run switched off (`data.off_terms`)
 
     @property
     def labels(self) -> list[str]:
@@ -258,7 +276,15 @@ def step_data(run: RunData, step: int) -> StepData:
     row = run.row(step)
     return StepData(run_name=run.name, step=step, row=row, buckets=bucket_names(row),
                     groups=read_groups(run.path, step), mode=run.bucket_mode, zero_bucket=run.zero_bucket,
-                    path=run.path)
+                    path=run.path, off=off_terms(run.config))
+
+
+def term_off(ax, term: str, setting: str, more: str = "") -> None:
+    """A panel of a switched-off term: says so instead of drawing bars that are 0 by construction."""
+    ax.set_title(f"{term}: off", fontsize=10)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    note(ax, f"{term} is off ({setting}): not in the loss{more}")
 
 
 def fig_grad_norms(sd: StepData) -> Figure:
@@ -269,6 +295,10 @@ def fig_grad_norms(sd: StepData) -> Figure:
     fig = new_figure(15, 4.2 * (rows - 1) + 1.6, )
     gs = fig.add_gridspec(rows, 3, height_ratios=[4] * (rows - 1) + [0.3 + 0.22 * len(sd.buckets)])
     for j, comp in enumerate(("kl", "entropy", "task")):
+        if comp in sd.off:
+            term_off(fig.add_subplot(gs[0, j]), comp, sd.off[comp],
+                     "; its unweighted gradient is drawn below" if comp in raw else "")
+            continue
         bars(fig.add_subplot(gs[0, j]), sd.labels, sd.values(comp), COLORS[comp], ylabel="Grad Norm Magnitude",
              title=f"{comp} gradient norm" + (" (× coefficient)" if comp != "task" else ""), ci=sd.ci(comp))
     if rows == 3:
@@ -280,7 +310,8 @@ def fig_grad_norms(sd: StepData) -> Figure:
         ax.set_ylabel("share")
         share_points(ax, sd.labels, sd.values("reg_share"), sd.ci("reg_share"), COLORS["regularizer"])
     for ax in fig.axes:
-        ax.set_xlabel("Reward Variance Bucket")
+        if ax.get_xticks().size:
+            ax.set_xlabel("Reward Variance Bucket")
     if sd.ci("task") is not None:
         fig.text(0.99, 0.005, "whiskers: 95 % bootstrap intervals over groups", ha="right", fontsize=7, color="0.3")
     text_ax = fig.add_subplot(gs[rows - 1, :])
@@ -305,6 +336,9 @@ def fig_losses(sd: StepData) -> Figure:
     fig = new_figure(11, 7.5)
     panels = [("policy", COLORS["task"]), ("entropy", COLORS["entropy"]), ("kl", COLORS["kl"]), ("total", "#444444")]
     for ax, (name, color) in zip(fig.subplots(2, 2).ravel(), panels, strict=True):
+        if name in sd.off:
+            term_off(ax, name, sd.off[name])
+            continue
         bars(ax, sd.labels, sd.values(f"loss/{name}"), color, ylabel="Loss", title=f"loss/{name}")
         ax.set_xlabel("Reward Variance Bucket")
     fig.suptitle(f"{sd.run_name} — step {sd.step}: losses per bucket")
@@ -341,6 +375,9 @@ def fig_normed_grads(sd: StepData) -> Figure:
     fig = new_figure(15, 4.5)
     x = np.arange(len(sd.buckets))
     for ax, comp in zip(fig.subplots(1, 3), COMPONENTS, strict=True):
+        if comp in sd.off:
+            term_off(ax, comp, sd.off[comp])
+            continue
         ps, pt = sd.values(f"per_sample/{comp}"), sd.values(f"per_token/{comp}")
         ax.set_title(f"{comp}: per-sample vs per-token norm", fontsize=10)
         ax.set_xticks(x, sd.labels)
@@ -378,9 +415,12 @@ def fig_summary(sd: StepData) -> Figure:
     ax_task.set_title("task gradient norm vs bucket RV", fontsize=10)
     _vs_rv(ax_task, sd, {"task": "task"}, "task gradient norm")
     reg = {"entropy + KL": "regularizer"}
-    reg.update({comp: comp for comp in ("entropy", "kl") if sd.has(comp)})
-    ax_reg.set_title("regulariser (entropy + KL) gradient norm vs bucket RV", fontsize=10)
-    _vs_rv(ax_reg, sd, reg, "gradient norm (× coefficient)")
+    reg.update({comp: comp for comp in ("entropy", "kl") if sd.has(comp) and comp not in sd.off})
+    if {"entropy", "kl"} <= sd.off.keys():
+        term_off(ax_reg, "the regulariser", f"{sd.off['entropy']}, {sd.off['kl']}")
+    else:
+        ax_reg.set_title("regulariser (entropy + KL) gradient norm vs bucket RV", fontsize=10)
+        _vs_rv(ax_reg, sd, reg, "gradient norm (× coefficient)")
     fig.suptitle(f"{sd.run_name} — step {sd.step}: summary" +
                  ("  (whiskers: 95 % bootstrap intervals over groups)" if sd.ci("task") is not None else ""))
     return fig
@@ -485,6 +525,7 @@ def _rv_positions(ax, rv: np.ndarray, zero: np.ndarray, scale_from: np.ndarray) 
     if zero.any():
         x[zero] = slot * np.geomspace(0.8, 1.25, int(zero.sum())) if zero.sum() > 1 else slot
     ax.set_xlim((slot or low) / 2.0, high * 2.0)
+    readable_log_ticks(ax.xaxis, slot)
     return x, slot
 
 
@@ -502,6 +543,9 @@ def fig_groups(sd: StepData) -> Figure | None:
     label = {b: bucket_label(b, sd.mode, sd.zero_bucket) for b in dict.fromkeys(g["bucket"].tolist())}
     axes = fig.subplots(1, 2)
     for ax, (metric, name) in zip(axes, (("task", "task"), ("regularizer", "entropy + KL")), strict=True):
+        if metric == "regularizer" and {"entropy", "kl"} <= sd.off.keys():
+            term_off(ax, "the regulariser", f"{sd.off['entropy']}, {sd.off['kl']}")
+            continue
         _group_scatter(ax, g, metric, name, label)
     handles: dict[str, object] = {}
     for ax in axes:
@@ -563,6 +607,8 @@ def _group_scatter(ax, g: dict[str, np.ndarray], metric: str, name: str, label: 
         ax.axvline(slot * 2.0, color="0.5", lw=0.8, ls=":")
         ax.text(slot, 0.99, "RV=0", transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=7)
     ax.set_xlim(slot / 2.0 if (rv == 0).any() else slot * 2.0, high * 2.0)
+    readable_log_ticks(ax.xaxis, slot if (rv == 0).any() else None)
+    readable_log_ticks(ax.yaxis)
     if zero_norm:
         text.append(f"{zero_norm} group(s) with norm exactly 0 not drawn (log axis)")
     ax.set_title(title + "\n" + "; ".join(text), fontsize=9)

@@ -80,7 +80,7 @@ def _per_step(run: RunData, steps: list[int] | None, out_dir: Path) -> int:
         written = write_curves(run, out_dir, steps=chosen)
         for s in chosen:
             written += write_step(run, s, out_dir)
-        written += write_reward_component_figures(run, out_dir, save_png)
+        written += write_reward_component_figures(run, out_dir, save_png, chosen if steps is not None else None)
         written += write_collapse_figures(run, out_dir)
     except OSError as e:
         return _err("plot", f"could not write to {out_dir}: {e}")

@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from rldynamics import metric_names as names
-from rldynamics.plots.analysis import DPI, auto_scale, new_figure, note, save_png
+from rldynamics.plots.analysis import DPI, auto_scale, new_figure, note, readable_log_ticks, save_png
 from rldynamics.plots.data import (
     PREFIX,
     RunData,
@@ -31,6 +31,7 @@ from rldynamics.plots.data import (
     env_names,
     has_key,
     norm_is_zero,
+    off_terms,
     read_sketches,
     series,
 )
@@ -55,6 +56,8 @@ def curve_panels(run: RunData) -> list[tuple[str, list[tuple[str, str]]]]:
         ("response length", [("response_length/mean", "tokens / response")] if has_key(run, "response_length/mean")
          else [(f"{names.env_prefix(e)}/response_length", e) for e in envs]),
     ]
+    if "kl" in off_terms(run.config):  # a KL loss that is off is 0 by construction: no flat panel
+        candidates = [c for c in candidates if not c[0].startswith("KL loss")]
     out = []
     for title, keys in candidates:
         present = [(k, label) for k, label in keys if has_key(run, k)]
@@ -148,7 +151,9 @@ def _lines_per_bucket(ax, run: RunData, steps: list[int], metric: str) -> bool:
             continue
         x = np.array([p[0] for p in pts], dtype=float)
         y = np.array([as_float(p[1]) for p in pts], dtype=float)
-        style = {"color": "k", "ls": "--"} if b == "all" else {"color": f"C{(bucket_sort_key(b)[1] - 1) % 10}"}
+        # a bucket at two steps holds other groups: only `all` (the whole batch) is joined across steps
+        style = {"color": "k", "ls": "--"} if b == "all" else {"color": f"C{(bucket_sort_key(b)[1] - 1) % 10}",
+                                                               "ls": "none"}
         fin = np.isfinite(y)
         ax.plot(x[fin], y[fin], marker="o", ms=4, label=bucket_label(b, run.bucket_mode, run.zero_bucket), **style)
         drawn = drawn or bool(fin.any())
@@ -227,8 +232,9 @@ def fig_reg_share(run: RunData, steps: list[int] | None = None) -> Figure | None
         zeros += [(xi, style["color"]) for xi in x[np.isfinite(y) & (y == 0)]]
         if not pos.any():
             continue
-        ax.plot(x[pos], y[pos], ls="-", lw=0.8, ms=5, label=bucket_label(b, run.bucket_mode, run.zero_bucket),
-                **style)
+        # a bucket at two steps holds other groups: buckets are not joined across steps, `all` (the batch) is
+        ax.plot(x[pos], y[pos], ls="--" if b == "all" else "none", lw=0.8, ms=5,
+                label=bucket_label(b, run.bucket_mode, run.zero_bucket), **style)
         ok = pos & np.isfinite(low) & np.isfinite(high)
         if ok.any():
             lo = np.where(low[ok] > 0, low[ok], y[ok] / 2)  # a whisker to 0 cannot be drawn on a log axis
@@ -240,6 +246,7 @@ def fig_reg_share(run: RunData, steps: list[int] | None = None) -> Figure | None
     else:
         ax.set_yscale("log")
         ax.set_ylim(float(np.min(np.concatenate(drawn))) / 3, 1.6)
+        readable_log_ticks(ax.yaxis)
         ax.axhline(1.0, color="0.6", lw=0.6, ls=":")
         for xi, color in zeros:
             ax.plot([xi], [0.02], marker="v", color=color, transform=ax.get_xaxis_transform(), clip_on=False)

@@ -335,6 +335,49 @@ def series(run: RunData, key: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(steps, dtype=float), np.asarray(values, dtype=float)
 
 
+TERM_COEFS = {"kl": "kl_coef", "entropy": "entropy_coef"}
+
+
+def off_terms(config: dict[str, Any]) -> dict[str, str]:
+    """The loss terms a run's config switched off, each with the setting that did (`{"kl": "algo.kl_coef=0"}`):
+    their weighted gradient, loss and curve are 0 by construction, so figures say "off" instead of drawing zeros."""
+    algo = config.get("algo") if isinstance(config.get("algo"), dict) else {}
+    return {term: f"algo.{key}=0" for term, key in TERM_COEFS.items() if key in algo and as_float(algo[key]) == 0}
+
+
+@dataclass
+class Headline:
+    """The numbers a report starts with. `val`: ((first step, value), (last step, value), (best step, value)) of the
+    validation success, None when not validated; `wall_s`: the logged step and validation times summed."""
+
+    val: tuple[tuple[int, float], tuple[int, float], tuple[int, float]] | None
+    last_step: int | None
+    steps: int | None
+    stopped: str
+    wall_s: float | None
+
+
+def headline(run: RunData) -> Headline:
+    """The run's headline numbers from its metrics rows and config."""
+    envs = env_names(run)
+    x, y = series(run, naming.val_success(envs[0])) if envs else (np.zeros(0), np.zeros(0))
+    ok = np.isfinite(y)
+    x, y = x[ok].astype(int), y[ok]
+    val = None
+    if y.size:
+        best = int(np.argmax(y))
+        val = ((int(x[0]), float(y[0])), (int(x[-1]), float(y[-1])), (int(x[best]), float(y[best])))
+    train = run.config.get("train") if isinstance(run.config.get("train"), dict) else {}
+    steps = train.get("steps") if isinstance(train.get("steps"), int) else None
+    stops = early_stops(run)
+    times = [as_float(r.get(naming.STEP_TIME)) for r in run.rows] + [as_float(run.rows[0].get(naming.VAL_TIME))
+                                                                     if run.rows and run.rows[0]["step"] == 0 else 0.0]
+    times = [t for t in times if math.isfinite(t)]
+    return Headline(val=val, last_step=run.rows[-1]["step"] if run.rows else None, steps=steps,
+                    stopped=f"early stop at step {stops[0][0]}: {stops[0][1]}" if stops else "",
+                    wall_s=float(sum(times)) if times else None)
+
+
 def early_stops(run: RunData) -> list[tuple[int, str]]:
     """(step, reason) of every `early_stopped/<reason>` flag the run logged."""
     return [(r["step"], reason) for r in run.rows for k, v in r.items()

@@ -6,6 +6,7 @@ thumb, stated in the flag text, not hard truths:
 - clip fraction: mean `actor/pg_clipfrac` over the last steps outside 10–40 % (above: warning; below: a note —
   with one PPO epoch on fresh rollouts low clipping is expected);
 - reward trend: slope of a least-squares line through `critic/score/mean` over steps ≤ 0 (warning);
+- falling validation: the last validation success 5 points below the first, or 10 below the best (warning);
 - loss swings: std of `actor/pg_loss` above 5× its median magnitude and above 0.1. The policy loss averages ~0
   with normalised advantages, so "std / |mean|" would flag every run; the median magnitude is the robust scale
   and the absolute floor ignores wiggles of a loss that stays near 0;
@@ -199,6 +200,43 @@ def _groups_of_row(row: dict[str, Any]) -> float:
     return kept / ratio if math.isfinite(kept) and math.isfinite(ratio) and ratio > 0 else math.nan
 
 
+def val_success_key(rows: list[dict[str, Any]], config: dict[str, Any] | None = None) -> str | None:
+    """`val-env/<env.name>/success` of the run (from its config, else the first such key logged; None if none)."""
+    env = (config or {}).get("env")
+    if isinstance(env, dict) and isinstance(env.get("name"), str):
+        return names.val_success(env["name"])
+    for row in rows:
+        for key in row:
+            parsed = names.parse_env_metric(key)  # (validation?, env, metric)
+            if parsed and parsed[0] and parsed[2] == "success":
+                return key
+    return None
+
+
+def check_val_falling(rows: list[dict[str, Any]], key: str | None, drop_from_start: float = 0.05,
+                      drop_from_best: float = 0.10, min_points: int = 3) -> list[Flag]:
+    """Validation success that ended `drop_from_start` below its first value or `drop_from_best` below its best
+    (absolute; with 512 validation puzzles near 20 % one standard error is about 2 points)."""
+    steps, v = _series(rows, key) if key else (np.zeros(0), np.zeros(0))
+    ok = np.isfinite(v)
+    if ok.sum() < min_points:
+        return []
+    steps, v = steps[ok], v[ok]
+    first, last, best = float(v[0]), float(v[-1]), int(np.argmax(v))
+    numbers = {"first": f"{first:.1%} (step {int(steps[0])})", "best": f"{v[best]:.1%} (step {int(steps[best])})",
+               "last": f"{last:.1%} (step {int(steps[-1])})", "validations": int(v.size)}
+    if last <= first - drop_from_start:
+        return [Flag("val_falling", "warning", f"validation success fell from {first:.1%} to {last:.1%}",
+                     f"The last validation is {first - last:.1%} below the first (threshold {drop_from_start:.0%}): "
+                     "training made the policy worse on the fixed validation puzzles. Look at the lr, the KL / "
+                     "entropy coefficients and the samples; the best checkpoint is the one to keep.", numbers)]
+    if last <= float(v[best]) - drop_from_best:
+        return [Flag("val_past_peak", "warning", f"validation success fell {v[best] - last:.1%} below its best",
+                     f"It peaked at step {int(steps[best])} and ended {v[best] - last:.1%} lower (threshold "
+                     f"{drop_from_best:.0%}): the run went past its best policy.", numbers)]
+    return []
+
+
 def check_early_stop(rows: list[dict[str, Any]]) -> list[Flag]:
     """`early_stopped/<reason>` keys with a true value."""
     hits = [(r.get("step"), reason) for r in rows for k, v in r.items()
@@ -251,7 +289,8 @@ def health_checks(rows: list[dict[str, Any]], config: dict[str, Any] | None = No
     """Every check over the metrics rows, sorted by severity (errors first)."""
     train = (config or {}).get("train")
     groups = train.get("env_groups") if isinstance(train, dict) else None
-    flags = [*check_grad_norm(rows), *check_clipfrac(rows), *check_reward_trend(rows), *check_loss_swings(rows),
+    flags = [*check_grad_norm(rows), *check_clipfrac(rows), *check_reward_trend(rows),
+             *check_val_falling(rows, val_success_key(rows, config)), *check_loss_swings(rows),
              *check_zero_variance(rows, num_groups=groups if isinstance(groups, int) and groups > 0 else None),
              *check_early_stop(rows), *check_skipped_steps(rows), *check_zero_gradients(rows)]
     return sorted(flags, key=lambda f: SEVERITIES.index(f.severity))

@@ -1,8 +1,10 @@
 """`rldyn report`: one self-contained HTML page for a run directory.
 
-The page holds the run name and resolved config (collapsible), the health checks, the training curves and,
-for every gradient-analysis step, its figures and a bucket-metrics table. Figures are embedded as base64
-PNG and the style sheet is inline, so the file can be mailed or opened offline; nothing external is loaded.
+First screen: the headline numbers (validation success at the start and the end, the best validation and its step,
+steps run, wall time, what computed the run) and the health checks. Then the training curves, the gradient analysis
+(across-step views, then per analysis step its figures, with the bucket-metrics table folded), a few sample
+trajectories, the reward components, and the resolved config (folded). Figures are embedded as base64 PNG and the
+style sheet is inline, so the file can be mailed or opened offline; nothing external is loaded.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from rldynamics.plots.curves import fig_cosines, fig_reg_share, fig_sketch_cosin
 from rldynamics.plots.data import (
     PREFIX,
     RunData,
+    headline,
     analysis_steps,
     as_float,
     bucket_label,
@@ -39,7 +42,9 @@ from rldynamics.plots.reward_components import (
     fig_response_lengths,
     read_reward_grad,
 )
+from rldynamics.tracking.environment import PACKAGES, read_environment
 from rldynamics.tracking.files import write_file
+from rldynamics.tracking.run_dir import read_samples
 
 REPORT_DPI = 110
 STEP_FIGURE_TITLES = {
@@ -69,6 +74,10 @@ th { background: #f3f3f3; } td.name, th.name { text-align: left; font-family: mo
 .badge { font-weight: bold; text-transform: uppercase; font-size: 0.75em; margin-right: 0.6em; }
 .ok { border-left: 5px solid #2e7d32; background: #edf7ed; padding: 0.6em 1em; }
 .flag table { margin-top: 0.3em; } .missing { color: #b00; } .undef { color: #888; font-style: italic; }
+.headline { display: flex; flex-wrap: wrap; gap: 0.8em; margin: 1em 0 0.4em; }
+.headline .cell { border: 1px solid #ddd; border-radius: 4px; padding: 0.5em 1em; min-width: 12em; }
+.headline .label { color: #666; font-size: 0.85em; } .headline .value { font-size: 1.35em; font-weight: bold; }
+details pre { white-space: pre-wrap; }
 """
 
 
@@ -143,9 +152,11 @@ def analysis_section(run: RunData) -> str:
     for step in steps:
         sd = step_data(run, step)
         out.append(f'<h3 id="step-{step}">Step {step}</h3>')
-        out.append(f"<details open><summary>bucket metrics</summary>{bucket_table(run, step)}</details>")
         for name, make in STEP_FIGURES.items():
             out.append(figure_html(make(sd), STEP_FIGURE_TITLES[name]))
+        metrics = len(bucket_metric_names(sd.row))
+        out.append(f"<details><summary>bucket metrics of step {step} ({metrics} metrics × {len(sd.buckets)} buckets"
+                   f" and all; the numbers behind the figures)</summary>{bucket_table(run, step)}</details>")
         out.append(figure_html(fig_sketch_cosines(run, step),
                                "Cosine between buckets' task gradients (count-sketch)"))
     return "".join(out)
@@ -190,6 +201,71 @@ def collapse_section(run: RunData) -> str:
     return "".join(out)
 
 
+def headline_section(run: RunData) -> str:
+    """The numbers a reader wants first: validation success at the start, the end and its best, steps, wall time."""
+    h = headline(run)
+    cells = []
+    if h.val:
+        (s0, v0), (s1, v1), (sb, vb) = h.val
+        cells += [("validation success", f"{v0:.1%} → {v1:.1%} ({100 * (v1 - v0):+.1f} points)",
+                   f"step {s0} → step {s1}"),
+                  ("best validation", f"{vb:.1%}", f"step {sb}")]
+    else:
+        cells.append(("validation success", "not logged", "val.every=0 and val.before_train=false"))
+    if h.steps is not None:
+        cells.append(("steps", f"{h.last_step} of {h.steps}", h.stopped or "as configured"))
+    if h.wall_s is not None:
+        cells.append(("wall time", _duration(h.wall_s), "steps and validations (model build and warm start not "
+                                                         "counted)"))
+    analysed = analysis_steps(run)
+    cells.append(("gradient analysis", f"step{'s' if len(analysed) > 1 else ''} {', '.join(map(str, analysed))}"
+                  if analysed else "off", "figures below" if analysed else "analysis.enabled=true turns it on"))
+    body = "".join(f'<div class="cell"><div class="label">{html.escape(a)}</div><div class="value">{html.escape(b)}'
+                   f'</div><div class="meta">{html.escape(c)}</div></div>' for a, b, c in cells)
+    return f'<div class="headline">{body}</div>{environment_line(run)}'
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(round(seconds), 60)
+    return f"{minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"{minutes} min {s} s" if minutes else f"{s} s"
+
+
+def environment_line(run: RunData) -> str:
+    """What computed the run (`environment.jsonl`): versions, threads, device, the tiny model's weights hash."""
+    records = read_environment(run.path)
+    if not records:
+        return '<p class="meta">No environment.jsonl: the versions and threads of this run were not recorded.</p>'
+    lines = []
+    for r in records:
+        versions = ", ".join(f"{p} {r.get(p, '?')}" for p in PACKAGES)
+        model = f"; initial weights sha256 {str(r['base_model_sha256'])[:12]}…" if r.get("base_model_sha256") else ""
+        since = f" (from step {r.get('start_step', '?')})" if len(records) > 1 else ""
+        threads = r.get("threads", "?")
+        lines.append(f"{versions}; {threads} torch thread{'' if threads == 1 else 's'} ({r.get('threads_from', '?')}) "
+                     f"on {r.get('device', '?')}{model}{since}")
+    return '<p class="meta">Computed with ' + "<br>".join(html.escape(x) for x in lines) + "</p>"
+
+
+def samples_section(run: RunData, per_step: int = 2) -> str:
+    """A few training trajectories as the model wrote them, from the first and the last step with samples (a success
+    first where there is one), folded."""
+    samples = read_samples(run.path)
+    if not samples:
+        return ""
+    steps = sorted({s["step"] for s in samples})
+    out = ['<h2 id="samples">Sample trajectories</h2>',
+           f'<p class="meta">Training rollouts of steps {steps[0]} and {steps[-1]} (samples.jsonl holds '
+           f"log.samples_per_step of every step: {len(samples)} in all).</p>"]
+    for step in dict.fromkeys((steps[0], steps[-1])):
+        rows = sorted((s for s in samples if s["step"] == step), key=lambda s: -as_float(s.get("success", 0)))
+        for s in rows[:per_step]:
+            head = (f"step {step} · seed {s.get('seed', '?')} · reward {fmt(as_float(s.get('reward')))} · "
+                    f"{'success' if as_float(s.get('success', 0)) > 0 else 'no success'}")
+            out.append(f"<details><summary>{html.escape(head)}</summary><pre>{html.escape(str(s.get('text', '')))}"
+                       "</pre></details>")
+    return "".join(out)
+
+
 def _config_section(run: RunData) -> str:
     file = run.path / "config.yaml"
     text = file.read_text(encoding="utf-8", errors="replace") if file.exists() else None
@@ -208,17 +284,20 @@ def build_report(run_dir: str | Path | RunData) -> str:
         f"<h1>{html.escape(run.name)}</h1>",
         f'<p class="meta">run directory <code>{html.escape(str(run.path.resolve()))}</code> · {span} · '
         f"report generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} by rldynamics</p>",
-        '<nav><a href="#health">Health</a><a href="#config">Config</a><a href="#curves">Training curves</a>'
-        '<a href="#analysis">Gradient analysis</a><a href="#reward-components">Reward components</a>'
-        '<a href="#collapse">Template collapse</a></nav>',
+        '<nav><a href="#health">Health</a><a href="#curves">Training curves</a>'
+        '<a href="#analysis">Gradient analysis</a><a href="#samples">Samples</a>'
+        '<a href="#reward-components">Reward components</a><a href="#collapse">Template collapse</a>'
+        '<a href="#config">Config</a></nav>',
+        headline_section(run),
         health_section(run),
-        _config_section(run),
         '<h2 id="curves">Training curves</h2>',
         figure_html(curves, "Training curves") if curves
         else '<p class="meta">No known training metrics were logged.</p>',
         analysis_section(run),
+        samples_section(run),
         reward_components_section(run),
         collapse_section(run),
+        _config_section(run),
     ]
     title = html.escape(f"rldynamics report — {run.name}")
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'

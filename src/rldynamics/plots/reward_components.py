@@ -213,13 +213,16 @@ def check_reward_components(run: RunData, last: int = 10) -> list[Flag]:
     return flags
 
 
-def write_reward_component_figures(run: RunData, out: str | Path, save) -> list[Path]:
-    """Write every reward-component figure of the run into `out`; `save(fig, path)` writes one PNG."""
+def write_reward_component_figures(run: RunData, out: str | Path, save, steps: list[int] | None = None) -> list[Path]:
+    """Write every reward-component figure of the run into `out` (the per-step ones for `steps` only, default all);
+    `save(fig, path)` writes one PNG."""
     out = Path(out)
     figures: list[tuple[str, Figure | None]] = [("reward_components.png", fig_component_rewards(run)),
                                                 ("response_lengths.png", fig_response_lengths(run)),
                                                 ("reward_grad_cosines.png", fig_cosines_over_steps(run))]
     for step, matrices in read_reward_grad(run).items():
+        if steps is not None and step not in steps:
+            continue
         figures += [(f"reward_grad_matrix_step_{step}.png", fig_cosine_matrix(matrices, step)),
                     (f"reward_grad_layers_step_{step}.png", fig_layer_profile(matrices, step))]
     written = []

@@ -1,7 +1,7 @@
 """Running a sweep plan: one `rldyn train` process per run, on CPU thread shares or disjoint GPU sets.
 
-- Slots: on CPU `--parallel K` gives K slots that split the cores (`OMP_NUM_THREADS` and friends), so K runs
-  do not oversubscribe the machine; on GPUs `--devices 0,1,2,3 --devices-per-run D` gives one slot per D
+- Slots: on CPU `--parallel K` gives K slots that split the cores (`OMP_NUM_THREADS` and friends; an exported
+  `OMP_NUM_THREADS` is kept), so K runs do not oversubscribe the machine; on GPUs `--devices 0,1,2,3 --devices-per-run D` gives one slot per D
   devices (`CUDA_VISIBLE_DEVICES`), with the cores split the same way.
 - Each run is its own process group writing stdout and stderr to `<run>/train.log`; a crash is recorded in
   `<run>/sweep.json` with its last log line, and the other runs go on.
@@ -33,6 +33,7 @@ from rich.live import Live
 from rich.table import Table
 
 from rldynamics.sweep import runs
+from rldynamics.threads import default_threads, explicit_threads
 from rldynamics.sweep.plan import RunPlan, SweepPlan
 from rldynamics.sweep.protocols import SweepError
 from rldynamics.tracking.run_dir import RunInUse, RunLock
@@ -96,7 +97,11 @@ def cpu_count() -> int:
 
 def make_slots(parallel: int | None = None, devices: list[str] | None = None, devices_per_run: int = 1,
                cores: int | None = None) -> list[Slot]:
-    """CPU slots (`parallel`) or GPU slots (disjoint groups of `devices_per_run` of `devices`)."""
+    """CPU slots (`parallel`) or GPU slots (disjoint groups of `devices_per_run` of `devices`).
+
+    Each slot's thread count is an exported `OMP_NUM_THREADS` when there is one (the user's explicit choice), else
+    the slot's share of the cores; on CPU at most what one run alone takes by default (`threads.default_threads`).
+    A `model.threads=N` override, given to every run, wins over both (`threads.choose_threads`)."""
     cores = cores or cpu_count()
     if devices:
         if parallel is not None:
@@ -107,7 +112,7 @@ def make_slots(parallel: int | None = None, devices: list[str] | None = None, de
         if len(set(devices)) != len(devices):
             raise SweepError(f"--devices lists a device twice: {','.join(devices)}")
         groups = [devices[i:i + devices_per_run] for i in range(0, len(devices), devices_per_run)]
-        threads = str(max(1, cores // len(groups)))
+        threads = str(explicit_threads() or max(1, cores // len(groups)))
         return [Slot(f"cuda {','.join(g)}",
                      {"CUDA_VISIBLE_DEVICES": ",".join(g), **dict.fromkeys(THREAD_VARS, threads)}, ranks=len(g))
                 for g in groups]
@@ -116,7 +121,7 @@ def make_slots(parallel: int | None = None, devices: list[str] | None = None, de
     parallel = 1 if parallel is None else parallel
     if parallel < 1:
         raise SweepError(f"--parallel must be >= 1, got {parallel}")
-    threads = str(max(1, cores // parallel))
+    threads = str(explicit_threads() or max(1, min(cores // parallel, default_threads(cores))))
     return [Slot(f"cpu {i}", dict.fromkeys(THREAD_VARS, threads)) for i in range(parallel)]
 
 
@@ -129,6 +134,8 @@ class Job:
     slot: Slot | None = None
     proc: subprocess.Popen | None = None
     started: float = 0.0
+    where: str = ""  # the slot it ran on, kept once it finished (or as recorded by the sweep that ran it)
+    took: float | None = None  # wall seconds of its last attempt, once finished
     seen: tuple[int, float] | None = None
     shown: runs.Outcome = field(default_factory=lambda: runs.Outcome("pending"))
 
@@ -179,6 +186,9 @@ class Launcher:
         for job in self.jobs:
             if job.plan.action == "skip":
                 job.state = job.refresh().state
+                status = runs.read_status(job.plan.path)
+                job.where = str(status.get("where") or "earlier sweep")
+                job.took = status.get("seconds") if isinstance(status.get("seconds"), (int, float)) else None
 
     # ------------------------------------------------------------------ process handling
 
@@ -202,12 +212,14 @@ class Launcher:
             log.flush()
             job.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                         start_new_session=True, preexec_fn=stop_with_parent(os.getpid()))
-        job.state, job.slot, job.started = "running", slot, time.monotonic()
+        job.state, job.slot, job.started, job.where, job.took = "running", slot, time.monotonic(), slot.name, None
         self.console.print(f"[cyan]started[/] {job.name} on {slot.name} ({note})")
 
     def _finished(self, job: Job, returncode: int) -> None:
         job.proc, job.slot = None, None
         job.seen = None
+        job.took = round(time.monotonic() - job.started, 1)
+        runs.write_status(job.plan.path, where=job.where, seconds=job.took)
         if returncode == 0:  # the metrics decide: rows that stop short or repeat make the run damaged
             runs.write_status(job.plan.path, returncode=0, error="")
             found = job.refresh()
@@ -248,6 +260,7 @@ class Launcher:
                 _signal(job.proc, signal.SIGKILL)
             rc = job.proc.wait()
             job.proc, job.slot, job.state = None, None, "interrupted"
+            job.took = round(time.monotonic() - job.started, 1)
             runs.write_status(job.plan.path, state="interrupted", returncode=rc, error="interrupted by the sweep")
 
     # ------------------------------------------------------------------ scheduling
@@ -303,9 +316,10 @@ class Launcher:
             seen = job.refresh() if job.state == "running" else job.shown
             state = job.state
             step = "" if seen.step is None else f"{seen.step}/{seen.steps}"
-            elapsed = f"{time.monotonic() - job.started:.0f}s" if job.state == "running" else ""
+            took = time.monotonic() - job.started if job.state == "running" else job.took
             table.add_row(job.plan.point.label, str(job.plan.seed), f"[{STATE_STYLE.get(state, '')}]{state}",
-                          step, _pct(seen.val_success), seen.detail[:60], job.slot.name if job.slot else "", elapsed)
+                          step, _pct(seen.val_success), seen.detail[:60], job.where, "" if took is None else
+                          f"{took:.0f}s")
         return table
 
 

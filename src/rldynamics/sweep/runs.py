@@ -7,13 +7,14 @@ A sweep directory holds one run directory per (point, seed), written by the norm
     OUT/<label>/seed<s>/             config.yaml, metrics.jsonl, checkpoints/, report.html (the trainer's)
     OUT/<label>/seed<s>/train.log    stdout and stderr of every attempt (`rldyn train ...`)
     OUT/<label>/seed<s>/sweep.json   the point (label, value, overrides, order) and the launcher's record
-                                     of the last attempt (state, exit code, error line); no timestamps
+                                     of the last attempt (state, exit code, error line, slot, wall seconds); no timestamps
     OUT/<label>/seed<s>.restarted-<k>/  an attempt stopped before its first checkpoint (or damaged), kept aside
 
 Outcomes are decided from these files alone, metrics first: a run is `damaged` when its directory cannot be
 trusted (metrics.jsonl not a file, rows without config.yaml, a step logged twice or out of order or skipped, or
 an exit code 0 with metrics that stop short), `early_stopped` when a row carries `early_stopped/<reason>`,
-`completed` when its last metrics row reached `train.steps`; otherwise the launcher's record says `failed`
+`completed` when its last metrics row reached `train.steps` (with the detail `never updated: <why>` when no step
+updated the actor, e.g. the filter kept no group at any step); otherwise the launcher's record says `failed`
 (non-zero exit), `interrupted` (stopped by the sweep) or the run is `unfinished`. A run in plan.json without a
 run directory is `missing`. This module imports no torch.
 """
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 STATUS_FILE = "sweep.json"
 PLAN_FILE = "plan.json"
 LOG_FILE = "train.log"
+UPDATED = names.actor("pg_loss")  # logged by every actor update
+EMPTY_AFTER_FILTER = names.filter_metric(names.ROLLOUT, "empty_after_filter")
 FINISHED = ("completed", "early_stopped")
 _SEED_DIR = re.compile(r"seed(\d+)")
 
@@ -195,7 +198,7 @@ def outcome(path: Path, run: RunData | None = None) -> Outcome:
         found.state, found.detail = "early_stopped", stops[0][1]
     elif (last is not None and steps is not None and last >= steps) or (
             run.rows and run.rows[-1].get(names.EXITED_AFTER_ANALYSIS)):
-        found.state = "completed"
+        found.state, found.detail = "completed", never_updated(run.rows)
     elif status.get("returncode") == 0:
         found.state = "damaged"
         found.detail = (f"metrics.jsonl ends at step {last} of {steps}" if run.rows else "no metrics were logged"
@@ -205,3 +208,16 @@ def outcome(path: Path, run: RunData | None = None) -> Outcome:
     elif not run.rows and not status:
         found.state = "pending"
     return found
+
+
+def never_updated(rows: list[dict[str, Any]]) -> str:
+    """Why a run's actor was never updated, in words ("" when some step updated it): the filter kept no group at any
+    step, the critic's warm-up covered every step, or no step reached the actor update."""
+    steps = [r for r in rows if r.get("step", 0) >= 1]
+    if not steps or any(UPDATED in r for r in steps):
+        return ""
+    if all(as_float(r.get(EMPTY_AFTER_FILTER, 0)) == 1 for r in steps):
+        return "never updated: the filter kept no group at any step"
+    if all(as_float(r.get("critic/warmup", 0)) == 1 for r in steps):
+        return "never updated: the critic warm-up (critic.warmup_steps) covered every step"
+    return "never updated: no step reached the actor update"

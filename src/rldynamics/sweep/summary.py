@@ -61,8 +61,8 @@ class RunResult:
 
     @property
     def outcome(self) -> str:
-        """`completed`, `early_stopped: <reason>`, `failed`, ..."""
-        return f"early_stopped: {self.detail}" if self.state == "early_stopped" else self.state
+        """`completed`, `completed: never updated: <why>`, `early_stopped: <reason>`, `failed`, ..."""
+        return f"{self.state}: {self.detail}" if self.state in runs.FINISHED and self.detail else self.state
 
     @property
     def rel(self) -> str:
@@ -91,7 +91,7 @@ class PointResult:
     def outcome(self) -> str:
         """`completed` when every seed completed, else each other outcome with its count, e.g.
         `early_stopped: reward_variance_collapse (1/3)`."""
-        others = [r.outcome for r in self.runs if r.state != "completed"]
+        others = [r.outcome for r in self.runs if r.outcome != "completed"]
         if not others:
             return "completed"
         n = len(self.runs)

@@ -232,6 +232,12 @@ def read_rewards(run_dir: str | Path) -> list[dict[str, Any]]:
     return _read_jsonl(file)
 
 
+def read_samples(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The decoded trajectories of `samples.jsonl` (`step`, `seed`, `reward`, `success`, `text`); none when absent."""
+    file = Path(run_dir) / "samples.jsonl"
+    return _read_jsonl(file) if file.is_file() else []
+
+
 def read_config(run_dir: str | Path) -> dict[str, Any]:
     """The resolved config of a run as a plain dict."""
     import yaml

@@ -33,11 +33,13 @@ class Prepared:
     metrics: dict[str, float] = field(default_factory=dict)  # timings, `actor/entropy`, `rollout/ref_log_prob`
 
 
-def prepare_update(s: Session, batch: RolloutBatch, kept_ratio: float, *, old_pass: bool = True) -> Prepared:
+def prepare_update(s: Session, batch: RolloutBatch, kept_ratio: float, *, old_pass: bool = True,
+                   ref_pass: bool = True) -> Prepared:
     """Old / reference log-probs, critic values, advantages (scaled by the filter's `kept_ratio`) and returns.
 
     `old_pass=False` skips the old-log-prob forward for an on-policy update (`actor.single_pass`): the update
     then uses its own detached log-probs (`ActorInputs.old_logprobs` None) and `actor/entropy` comes from it.
+    `ref_pass=False` skips the reference forward where nothing reads it (KL off and no analysis this step).
     """
     cfg, m = s.cfg, {}
     micro = cfg.train.micro_batch_size
@@ -48,7 +50,7 @@ def prepare_update(s: Session, batch: RolloutBatch, kept_ratio: float, *, old_pa
             inputs.old_logprobs, token_entropy = _logprob_pass(cfg, s.model, batch, with_entropy=True)  # [N, L] each
         entropy = aggregate(token_entropy, batch.response_mask, cfg.algo.loss_agg_mode).item()
         m[names.ENTROPY] = entropy
-    if s.ref_model is not None:
+    if s.ref_model is not None and ref_pass:
         with timed(m, "ref"):
             inputs.ref_logprobs, = _logprob_pass(cfg, s.ref_model, batch, with_entropy=False)  # [N, L]
         m["rollout/ref_log_prob"] = masked_mean(inputs.ref_logprobs, batch.response_mask).item()

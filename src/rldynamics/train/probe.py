@@ -69,18 +69,20 @@ def probe_steps(s: Session, step: int, stopper: EarlyStopper) -> None:
     """Validation (with `val.before_train`, what `--validate` sets), then the analysis of the checkpoint, both
     logged at the checkpoint's `step`."""
     cfg = s.cfg
-    if cfg.val.before_train:
-        s.log(step, trainer.validate(s).metrics)
-    with StepConsole(cfg.train.steps, cfg.env.name, enabled=cfg.log.progress and s.main) as console:
+    before = trainer.validate(s).metrics if cfg.val.before_train else {}
+    if before:
+        s.log(step, before)
+    with StepConsole(cfg.train.steps, cfg.env.name, enabled=cfg.log.progress and s.main, probe=True,
+                     first=step) as console:
         s.console = console
-        console.advance(step - 1, {})
+        console.advance(step - 1, before)  # with --validate: `probe of step N | val ...`
         try:
             metrics = analyse_checkpoint(s, step, stopper)
         except NonFiniteLogits:
             metrics = {**trainer.non_finite_logits(), names.early_stopped(trainer.NON_FINITE_LOGITS): 1.0}
             console.print(f"[yellow]early stop at step {step}: {trainer.NON_FINITE_LOGITS}")
         else:
-            console.print(f"[yellow]exited after the gradient analysis of step {step}")
+            console.analysis_done(step)
         s.log(step, metrics)
 
 

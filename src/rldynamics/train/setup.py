@@ -49,7 +49,9 @@ from rldynamics.models.loading import load_model_and_tokenizer, load_value_model
 from rldynamics.models.precision import compute_dtype_name, compute_in, enable_checkpointing
 from rldynamics.models.sharding import wrap
 from rldynamics.models.tiny import ensure_tiny_model
+from rldynamics.threads import choose_threads
 from rldynamics.tracking.console import StepConsole
+from rldynamics.tracking.environment import describe, record_start
 from rldynamics.tracking.grad_dump import GradientDumper
 from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
 from rldynamics.tracking.sinks import TensorBoardSink, WandbSink, check_installed
@@ -80,6 +82,7 @@ class Session:
     console: StepConsole | None = None
     dumper: GradientDumper | None = None  # analysis.dump_gradients: started by the first dump
     main: bool = True  # rank 0 (or one process): the one that writes the run directory
+    environment: dict | None = None  # what computes this start (`tracking.environment`), recorded by open_run
     collapse_ema: dict = field(default_factory=dict)  # collapse diagnostics: EMA of the marginal std per mode
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -260,6 +263,7 @@ def check_resume_settings(cfg: Config, run_dir: Path) -> None:
 def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
     """Build the training session for `cfg`, resuming `start`; writes nothing (`open_run` does, under the lock)."""
     device = resolve_device(cfg.model.device)
+    threads, threads_from = set_threads(cfg, device)
     torch.manual_seed(cfg.seed)
     base = dist.on_main(run_base_path, cfg, start)  # the tiny model is built (and warm-started) once, by rank 0
     ckpt = start.checkpoint
@@ -281,9 +285,28 @@ def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic.lr, weight_decay=0.0)
     if ckpt is not None:
         load_trainer_state(ckpt, model=model, optimizer=optimizer, critic=critic, critic_optimizer=critic_optimizer)
+    environment = describe(start.step, threads, threads_from, _device_name(device),
+                           base if cfg.model.path == "tiny" and dist.is_main() else None)
     return Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=optimizer,
                    ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer, main=dist.is_main(),
-                   collapse_ema=copy.deepcopy((start.state or {}).get("collapse_ema", {})))  # a resumed run goes on
+                   collapse_ema=copy.deepcopy((start.state or {}).get("collapse_ema", {})),  # a resumed run goes on
+                   environment=environment)
+
+
+def set_threads(cfg: Config, device: torch.device) -> tuple[int, str]:
+    """Set torch's CPU thread count (`threads.choose_threads`) and say it, with the device, in the run's first console
+    line; returns (threads, where the number comes from)."""
+    threads, threads_from = choose_threads(cfg.model.threads)
+    torch.set_num_threads(threads)
+    if dist.is_main():
+        print(f"device {_device_name(device)}, {threads} torch thread{'s' if threads > 1 else ''} ({threads_from})",
+              flush=True)
+    return threads, threads_from
+
+
+def _device_name(device: torch.device) -> str:
+    """`cpu`, or `cuda:0 (NVIDIA H100 80GB HBM3)`."""
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
 
 
 def prepare(model: torch.nn.Module, cfg: Config, base: str) -> torch.nn.Module:
@@ -312,6 +335,8 @@ def open_run(s: Session, start: Start) -> None:
     remove_stale(s.run_dir / "checkpoints")
     s.writer.sinks = _sinks(s.cfg, s.run_dir)
     save_config(s.cfg, s.run_dir / "config.yaml")
+    if s.environment is not None:
+        record_start(s.run_dir, s.environment)
 
 
 def load_early_stop(stopper, start: Start) -> None:

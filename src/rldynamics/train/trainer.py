@@ -111,11 +111,12 @@ def _open(s: Session, start: setup.Start, held: ExitStack) -> None:
 def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
     """Validation before training, then the steps after `start`, each logged before its checkpoint is saved."""
     cfg, env = s.cfg, s.cfg.env.name
-    if cfg.val.before_train and start == 0:
-        s.log(start, validate(s).metrics)
+    before = validate(s).metrics if cfg.val.before_train and start == 0 else {}
+    if before:
+        s.log(start, before)
     with StepConsole(cfg.train.steps, env, enabled=cfg.log.progress and s.main) as console:
         s.console = console
-        console.advance(start, {})
+        console.advance(start, before)  # the `step 0` line: the validation before training
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
             try:
@@ -124,7 +125,7 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
                 metrics, stop = non_finite_logits(), NON_FINITE_LOGITS
             if stop == EXITED:  # analysis.exit_after: the row of the analysis, nothing else
                 s.log(step, metrics)
-                console.print(f"[yellow]exited after the gradient analysis of step {step}")
+                console.analysis_done(step)
                 break
             if stop is None and cfg.val.every > 0 and (step % cfg.val.every == 0 or step == cfg.train.steps):
                 val = validate(s)
@@ -186,7 +187,8 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
         return m, stop
 
     own_old = single_pass(cfg.train, len(batch)) and not analysis_due(cfg, step)
-    prepared = prepare(s, filtered, m, old_pass=not own_old)
+    # the reference model is loaded for the analysis too; with KL off only an analysis step reads its log-probs
+    prepared = prepare(s, filtered, m, old_pass=not own_old, ref_pass=cfg.algo.kl_coef > 0 or analysis_due(cfg, step))
     if s.critic is not None:
         s.console.phase("critic")
         with timed(m, "update_critic"):
@@ -244,10 +246,11 @@ def record_filter(m: dict[str, float], stopper: EarlyStopper, filtered: Filtered
     return stop
 
 
-def prepare(s: Session, filtered: Filtered, m: dict[str, float], *, old_pass: bool = True) -> Prepared:
+def prepare(s: Session, filtered: Filtered, m: dict[str, float], *, old_pass: bool = True,
+            ref_pass: bool = True) -> Prepared:
     """The update's inputs of the filtered batch (`prepare_update`) and the batch summaries; metrics into `m`."""
     s.console.phase("log-probs")
-    prepared = prepare_update(s, filtered.batch, filtered.kept_ratio, old_pass=old_pass)
+    prepared = prepare_update(s, filtered.batch, filtered.kept_ratio, old_pass=old_pass, ref_pass=ref_pass)
     m.update(prepared.metrics)
     m.update(data_metrics(filtered.batch, prepared.inputs.advantages, prepared.returns, prepared.values))
     return prepared

@@ -30,7 +30,7 @@ from rldynamics.models.forward import token_logprobs
 from rldynamics.models.tiny import save_tokenizer
 from rldynamics.rollout.agent import rollout, state_message, system_message
 from rldynamics.rollout.chat import ChatPrompts
-from rldynamics.tracking.console import progress_bar
+from rldynamics.tracking.console import Lines, progress_bar
 
 DEMO_SEED_BASE = 5_000_000  # disjoint from RAGEN's train (10000+) and validation (123+) seeds
 
@@ -133,10 +133,13 @@ def supervised_warm_start(model, tokenizer, cfg: Config, batch_size: int = 32) -
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.model.warm_start_lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(cfg.seed)
     losses = []
+    epochs = Lines("warm start epoch", cfg.model.warm_start_epochs, enabled=cfg.log.progress)  # no terminal: a line each
     with progress_bar(cfg.log.progress) as bar:
         task = bar.add_task("warm start", total=cfg.model.warm_start_epochs * math.ceil(len(demos) / batch_size),
                             info="")
-        for _ in range(cfg.model.warm_start_epochs):
+        for epoch in range(cfg.model.warm_start_epochs):
+            if epoch:
+                epochs.line(epoch, f"NLL {losses[-1]:.3f} nats/token")
             for rows in torch.split(torch.randperm(len(demos), generator=generator), batch_size):
                 logprobs, _ = token_logprobs(model, demos.input_ids[rows], demos.attention_mask[rows])  # [b, L]
                 mask = demos.response_mask[rows]  # [b, L]
@@ -147,5 +150,6 @@ def supervised_warm_start(model, tokenizer, cfg: Config, batch_size: int = 32) -
                 optimizer.step()
                 losses.append(loss.item())
                 bar.update(task, advance=1, info=f"NLL {losses[-1]:.3f} nats/token")
+        epochs.line(cfg.model.warm_start_epochs, f"NLL {losses[-1]:.3f} nats/token")
     model.eval()
     return losses

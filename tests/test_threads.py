@@ -1,0 +1,64 @@
+"""The CPU thread count of a run (`rldynamics.threads`) and the record of what computed it (`environment.jsonl`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from rldynamics.config import make_config
+from rldynamics.sweep.launch import make_slots
+from rldynamics.threads import choose_threads
+from rldynamics.tracking.environment import read_environment, weights_sha256
+from rldynamics.train.trainer import train
+
+
+@pytest.mark.parametrize("setting, environ, cores, expected", [
+    (0, {}, 2, 1), (0, {}, 1, 1), (0, {}, 6, 3), (0, {}, 64, 4),  # half of the cores, at most 4
+    (0, {"OMP_NUM_THREADS": "3"}, 2, 3),  # an exported OMP_NUM_THREADS is honoured
+    (2, {"OMP_NUM_THREADS": "3"}, 16, 2),  # model.threads wins over both
+    (0, {"OMP_NUM_THREADS": "x"}, 8, 4),  # a value that is no thread count is ignored
+])
+def test_thread_count_precedence(setting, environ, cores, expected):
+    assert choose_threads(setting, environ, cores)[0] == expected
+
+
+def test_sweep_slots_honour_an_exported_thread_count(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert [s.env["OMP_NUM_THREADS"] for s in make_slots(parallel=1, cores=8)] == ["1"]
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert [s.env["OMP_NUM_THREADS"] for s in make_slots(parallel=1, cores=2)] == ["1"]  # the run's default
+    assert [s.env["OMP_NUM_THREADS"] for s in make_slots(parallel=2, cores=16)] == ["4", "4"]
+
+
+def test_run_sets_and_records_its_threads_versions_and_model(fast_overrides, capsys):
+    torch.set_num_threads(2)
+    run = train(make_config(overrides=[*fast_overrides, "train.steps=1", "model.threads=1"]))
+    assert torch.get_num_threads() == 1
+    assert capsys.readouterr().out.splitlines()[0] == "device cpu, 1 torch thread (model.threads=1)"
+    (record,) = read_environment(run)
+    assert (record["threads"], record["threads_from"], record["device"], record["start_step"]) == (
+        1, "model.threads=1", "cpu", 0)
+    assert record["torch"] == torch.__version__ and all(record[p] for p in ("transformers", "tokenizers", "numpy"))
+    assert len(record["base_model_sha256"]) == 64
+    again = train(make_config(overrides=[*fast_overrides, "train.steps=1", "log.name=again"]))
+    assert read_environment(again)[0]["base_model_sha256"] == record["base_model_sha256"]  # same warm start
+
+
+def test_a_resume_appends_its_own_record(fast_overrides, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    run = train(make_config(overrides=[*fast_overrides, "train.steps=1", "log.name=r", "checkpoint.every=1"]))
+    train(make_config(overrides=[*fast_overrides, "train.steps=2", "log.name=r", "checkpoint.resume=latest",
+                                 "model.threads=1"]))
+    assert [(r["start_step"], r["threads_from"]) for r in read_environment(run)] == [
+        (0, "OMP_NUM_THREADS=1"), (1, "model.threads=1")]
+    assert json.loads((run / "environment.jsonl").read_text().splitlines()[1])["threads"] == 1
+
+
+def test_weights_hash_is_the_files_sha256(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    assert weights_sha256(tmp_path) == hashlib.sha256(b"x").hexdigest()  # what sha256sum prints
+    (tmp_path / "model.safetensors").write_bytes(b"y")
+    assert weights_sha256(tmp_path) == hashlib.sha256(b"y").hexdigest()
