@@ -114,7 +114,8 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.parametrize("argv", [["train", "train.lrr=1"], ["train", "train.lr=abc"], ["train", "--help-config"],
-                                  ["--help"], ["train", "--help"], ["train", "env.name=sokobann"]])
+                                  ["--help"], ["train", "--help"], ["train", "env.name=sokobann"],
+                                  ["eval", "tiny", "val.env_groupz=3"], ["eval", "--help"]])
 def test_cli_answers_config_and_help_without_importing_torch(tmp_path, argv):
     out = subprocess.run([sys.executable, "-c", TORCH_FREE, *argv, f"log.run_dir={tmp_path}"],
                          capture_output=True, text=True)

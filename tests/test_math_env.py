@@ -229,8 +229,8 @@ def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("rows, message", [
-    ([], r"holds no problems"),
-    (["", "  "], r"holds no problems"),
+    ([], r"holds no rows"),
+    (["", "  "], r"holds no rows"),
     ([{"question": "q"}], r"line 1 has no column 'answer' \(columns: question\)"),
     ([{"question": "q", "answer": "1"}, '{"question": "q2", "answer": '], r"line 2 is not valid JSON"),
     (["[1, 2]"], r"line 1 is a JSON list, not an object"),
@@ -302,8 +302,8 @@ def test_bad_files_fail_at_config_time(tmp_path):
         make_config("math-tiny", overrides=[f"env.math.source={bad}"])
     with pytest.raises(ConfigError, match=r"env.math.*does not exist"):
         make_config("math-tiny", overrides=[f"env.math.source={tmp_path / 'missing.jsonl'}"])
-    with pytest.raises(ConfigError, match=r"unsupported type '.csv'"):
-        make_config("math-tiny", overrides=[f"env.math.source={_jsonl(tmp_path / 'x.csv', ['a,b'])}"])
+    with pytest.raises(ConfigError, match=r"unsupported type '.txt'"):
+        make_config("math-tiny", overrides=[f"env.math.source={_jsonl(tmp_path / 'x.txt', ['a,b'])}"])
     one = _jsonl(tmp_path / "one.jsonl", [{"question": "q", "answer": "1"}])
     with pytest.raises(ConfigError, match=r"holdout=1 leaves no training rows"):
         make_config("math-tiny", overrides=[f"env.math.source={one}", "env.math.holdout=1"])

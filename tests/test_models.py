@@ -271,6 +271,38 @@ def test_missing_hub_name_offline_is_a_clear_error(monkeypatch):
         load_model_and_tokenizer("no-such-org/no-such-model")
 
 
+def test_uncached_hub_id_offline_fails_before_any_network_call(monkeypatch):
+    import socket
+
+    import huggingface_hub.constants
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"a network call was attempted: {args}")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    with pytest.raises(OSError) as info:
+        load_model_and_tokenizer("no-such-org/no-such-model")
+    message = str(info.value)
+    assert "no-such-org/no-such-model" in message and "HF_HUB_OFFLINE=1" in message and "local cache" in message
+    assert "\n" not in message and "Underlying error" not in message  # raised by the cache check, not by the hub client
+
+
+def test_uncached_hub_id_with_unreachable_hub_names_it(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for key in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    with pytest.raises(OSError, match=r"127\.0\.0\.1:9\) cannot be reached.*HF_HUB_OFFLINE=1") as info:
+        load_model_and_tokenizer("no-such-org/no-such-model")
+    assert "Underlying error" not in str(info.value)
+
+
 # ---- value model ----------------------------------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ from rldynamics.train.trainer import train
 
 
 def test_math_tiny_end_to_end(fast_overrides):
-    run = train(make_config("math-tiny", overrides=[*fast_overrides, "log.name=m"]))
+    run = train(make_config("math-tiny", overrides=[*fast_overrides, "log.name=m", "analysis.enabled=true"]))
     metrics = read_metrics(run)
     assert [r["step"] for r in metrics] == [0, 1, 2]
     assert "val-env/math/success" in metrics[0] and "grad_norm/all/task" in metrics[1]  # analysis on at step 1

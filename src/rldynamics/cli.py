@@ -34,6 +34,8 @@ examples:
   rldyn train --preset math-smollm2                 # a real pretrained model (SmolLM2-135M-Instruct) on this CPU
   rldyn train model.path=/models/my.gguf model.dtype=bfloat16 model.gradient_checkpointing=true  # GGUF, mixed precision
   rldyn train --preset gsm8k-grpo model.path=/models/Qwen2.5-3B-Instruct env.math.source=/data/gsm8k/train.jsonl
+  rldyn train --preset math-tiny env.reward_funcs=[my_rewards:concise] env.reward_weights.concise=0.5  # TRL-style
+  rldyn train env.name=prompts env.max_turns=1 env.prompts.source=/data/my_set env.reward_funcs=[my_rewards:concise]
   rldyn train --nproc 8 --preset sokoban-ppo model.path=/models/Qwen2.5-3B   # 8 GPUs, FSDP2 (docs/multi-device.md)
   torchrun --nproc-per-node 8 -m rldynamics.cli train --preset sokoban-ppo   # the same, launched by hand
 """
@@ -109,6 +111,23 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. analysis.env_groups=32 analysis.prefilter=true")
     probe.add_argument("--validate", action="store_true", help="run a validation before the analysis")
+
+    evaluate = sub.add_parser(
+        "eval", help="validate a checkpoint or a model (success, pass@k, reward components, response length)",
+        description="One validation (the trainer's: the fixed validation seeds, val.group_size samples each at "
+                    "val.temperature) of a checkpoint, under its run's config.yaml and logged at its step, or of a "
+                    "model (directory, cached hub id, .gguf, tiny) under a preset; printed as a table and written to "
+                    "a run directory of its own (config.yaml, metrics.jsonl). Nothing is trained.",
+        epilog="examples:\n  rldyn eval runs/my_run/checkpoints/step_100\n"
+               "  rldyn eval runs/my_run/checkpoints/step_100 val.env_groups=1024 val.group_size=4   # pass@4\n"
+               "  rldyn eval /models/Qwen2.5-0.5B-Instruct --preset gsm8k-grpo env.math.source=/data/gsm8k_test.jsonl",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    evaluate.add_argument("target", metavar="CHECKPOINT_OR_MODEL",
+                          help="runs/<run>/checkpoints/step_<N>, a model directory, a cached hub id, a .gguf or tiny")
+    evaluate.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. val.env_groups=64")
+    evaluate.add_argument("--preset", default=None,
+                          help=f"preset (default: the checkpoint's run config, or {DEFAULT_PRESET} for a model)")
 
     plot = sub.add_parser(
         "plot", help="figures of a run directory (gradient analysis per step, training curves)",
@@ -280,6 +299,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             from rldynamics.train.setup import resume_base
 
             cfg = make_config(args.preset, args.config, args.overrides, base=resume_base(cfg))
+        if not launcher:
+            _print_start_warnings(cfg, args.preset or DEFAULT_PRESET, args.config, args.overrides)
         return cfg
 
     if args.nproc != 1:  # the launcher checks what it can, once, then starts the ranks
@@ -305,6 +326,16 @@ def _print_ragen_translation(overrides: list[str]) -> None:
         print("RAGEN / verl keys translated:\n" + "\n".join(f"  {line}" for line in lines))
 
 
+def _print_start_warnings(cfg, preset: str | None, file: str | None, overrides: list[str]) -> None:
+    """One line per setting that will not do what it seems to (`rldynamics.start_notes`), before any work."""
+    from rldynamics import dist
+    from rldynamics.start_notes import start_warnings
+
+    if dist.is_main():
+        for line in start_warnings(cfg, preset, file, overrides):
+            print(line, file=sys.stderr)
+
+
 def cmd_probe(args: argparse.Namespace) -> int:
     def job(_):
         from rldynamics.train.probe import probe_checkpoint
@@ -313,6 +344,26 @@ def cmd_probe(args: argparse.Namespace) -> int:
         return probe_checkpoint(args.checkpoint, args.overrides, validate=args.validate)
 
     return _run_job("probe", job)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    def check():
+        from rldynamics.train.evaluate import eval_config
+
+        _print_ragen_translation(args.overrides)
+        return eval_config(args.target, args.preset, args.overrides, DEFAULT_PRESET)
+
+    def job(checked):
+        from rldynamics.train.evaluate import eval_run_dir, evaluate, metrics_table
+
+        cfg, step = checked
+        run_dir = eval_run_dir(cfg, args.target, step)
+        metrics = evaluate(cfg, run_dir, step)
+        print(f"eval of {args.target} (step {step}, {cfg.val.env_groups} x {cfg.val.group_size} {cfg.env.name} "
+              f"validation rollouts at temperature {cfg.val.temperature:g}):\n{metrics_table(metrics, cfg.env.name)}")
+        return run_dir
+
+    return _run_job("eval", job, check=check)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -386,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         build_parser().print_help()
         return 0
-    commands = {"train": cmd_train, "probe": cmd_probe, "sweep": cmd_sweep, "plot": cmd_plot, "report": cmd_report,
-                "envs": cmd_envs}
+    commands = {"train": cmd_train, "probe": cmd_probe, "eval": cmd_eval, "sweep": cmd_sweep, "plot": cmd_plot,
+                "report": cmd_report, "envs": cmd_envs}
     return commands[args.command](args)
 
 

@@ -35,6 +35,7 @@ import yaml
 
 from rldynamics import ragen_keys
 from rldynamics.envs import ENVS
+from rldynamics.envs.reward_funcs import load_reward_funcs
 from rldynamics.tracking.files import write_file
 
 
@@ -121,6 +122,9 @@ class EnvConfig:
     """Reward component `format_penalty`, added once per malformed turn (0 = no such component)."""
     reward_weights: dict[str, float] = field(default_factory=dict)
     """Weight of a reward component in the trained score, e.g. env.reward_weights.box=2 (unset: the env's default)."""
+    reward_funcs: list[str] = field(default_factory=list)
+    """Your reward functions (TRL's reward_funcs signature), each a reward component named after the function, weight
+    env.reward_weights.<name> (default 1): [module:function, path/file.py:function]; single-turn envs (math, prompts)."""
 
     def options(self) -> dict[str, Any]:
         """The selected env's own keys as constructor keyword arguments."""
@@ -434,7 +438,8 @@ def preset_names() -> list[str]:
     return sorted(p.name[: -len(".yaml")] for p in files.iterdir() if p.name.endswith(".yaml"))
 
 
-def _preset_dict(name: str) -> dict[str, Any]:
+def preset_dict(name: str) -> dict[str, Any]:
+    """The raw contents of a shipped preset (ConfigError naming the presets when there is none of that name)."""
     names = preset_names()
     if name not in names:
         raise ConfigError(f"unknown preset {name!r}; available presets: {', '.join(names)}{_suggest(name, names)}")
@@ -731,18 +736,39 @@ def _validate_env(env: EnvConfig) -> None:
         instance = ENVS[env.name](**env.options())
     except (ValueError, TypeError) as e:
         raise ConfigError(f"bad value in env.{env.name}: {e}") from e
-    names = reward_names(instance, env)
+    names = _check_reward_funcs(instance, env)
     unknown = sorted(set(env.reward_weights) - set(names))
     if unknown:
         raise ConfigError(f"env.reward_weights names unknown reward components {unknown}; env {env.name!r} has "
                           f"{', '.join(names)}")
 
 
-def reward_names(env, cfg: EnvConfig) -> tuple[str, ...]:
+def _check_reward_funcs(instance, env: EnvConfig) -> tuple[str, ...]:
+    """The rollout's reward component names, once `env.reward_funcs` are imported and fit the env (ConfigError)."""
+    try:
+        funcs = load_reward_funcs(env.reward_funcs)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if funcs and env.max_turns != 1 and not getattr(instance, "full_reply", False):
+        raise ConfigError(f"env.reward_funcs grade one reply, but env {env.name!r} has env.max_turns={env.max_turns}; "
+                          "use a single-turn env (math, prompts) or set env.max_turns=1")
+    own = reward_names(instance, env, with_funcs=False)
+    clash = [f.name for f in funcs if f.name in own]
+    if clash:
+        raise ConfigError(f"env.reward_funcs: {clash[0]!r} is already a reward component of env {env.name!r} "
+                          f"({', '.join(own)}); rename the function")
+    if not own and not funcs:
+        raise ConfigError(f"env {env.name!r} has no reward of its own: name your reward functions in "
+                          "env.reward_funcs=[module:function] (`rldyn envs`)")
+    return own + tuple(f.name for f in funcs)
+
+
+def reward_names(env, cfg: EnvConfig, with_funcs: bool = True) -> tuple[str, ...]:
     """The reward components of a rollout: the env's own, then `format_penalty` when it is non-zero (never for
-    envs that grade the whole reply, `full_reply`: they judge format themselves)."""
+    envs that grade the whole reply, `full_reply`: they judge format themselves), then one per `env.reward_funcs`."""
     penalty = cfg.format_penalty != 0 and not getattr(env, "full_reply", False)
-    return tuple(env.reward_names) + (("format_penalty",) if penalty else ())
+    funcs = tuple(f.name for f in load_reward_funcs(cfg.reward_funcs)) if with_funcs else ()
+    return tuple(env.reward_names) + (("format_penalty",) if penalty else ()) + funcs
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -757,7 +783,7 @@ def make_config(preset: str | None = "sokoban-tiny", file: str | Path | None = N
     """Build a validated Config: `base` (default: the defaults), a preset, a YAML file, `key=value` overrides."""
     cfg = base or Config()
     if preset:
-        cfg = _merge(cfg, _preset_dict(preset), f"preset {preset!r}")
+        cfg = _merge(cfg, preset_dict(preset), f"preset {preset!r}")
     user: list[tuple[dict[str, Any], str]] = []
     if file:
         user.append((read_config_file(file), str(file)))
@@ -846,8 +872,12 @@ def envs_help() -> str:
     blocks = []
     shared = EnvConfig()
     for name, cls in ENVS.items():
-        env = cls(**dataclasses.asdict(cls.Config()))
-        weights = ", ".join(f"{r} (weight {env.reward_weights.get(r, 1.0):g})" for r in env.reward_names)
+        try:
+            env = cls(**dataclasses.asdict(cls.Config()))
+        except ValueError:  # an env that needs a setting to be built (prompts: its data set): its class says enough
+            env = cls
+        weights = ", ".join(f"{r} (weight {env.reward_weights.get(r, 1.0):g})" for r in env.reward_names) or (
+            "none of its own: env.reward_funcs")
         actions = ", ".join(env.actions) if env.actions else "free-form answer text"
         actions = "the whole reply" if getattr(env, "full_reply", False) else actions
         penalty = ("; graded on the whole reply (no format_penalty)" if getattr(env, "full_reply", False) else
@@ -860,7 +890,7 @@ def envs_help() -> str:
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks) + "\n\nshared keys: env.name, env.max_turns, env.max_actions_per_turn, " \
         "env.max_actions_per_traj, env.max_new_tokens, env.enable_think, env.open_answer, env.format_penalty, " \
-        "env.reward_weights (`rldyn train --help-config`)."
+        "env.reward_weights, env.reward_funcs (`rldyn train --help-config`)."
 
 
 def documented_keys(obj: Any, prefix: str = "") -> list[tuple[str, Any, str]]:

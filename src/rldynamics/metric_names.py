@@ -5,7 +5,8 @@ builders below spell them and the parsers read them back, so a rename here reach
 Decisions of the trainer never read a metric: the stages return typed values (`train/stages.py`).
 
 - Namespaces of a training row: `rollout/` (the filter's RAGEN names), `actor/`, `critic/`, `response_length/`,
-  `train/<env>/` and `val-env/<env>/` (env metrics), `reward/<component>/` (reward components), `timing_s/` (wall
+  `train/<env>/` and `val-env/<env>/` (env metrics), `reward/<component>/` and `val-reward/<component>/` (reward
+  components of the training batch and of a validation), `timing_s/` (wall
   time of a phase), `early_stopped/<reason>`, `trainer/`, and of an analysis step `grad_norm/<bucket>/...`
   (`grad_norm_prefilter/` for the unfiltered separate batch), `reward_grad/<bucket>/...` and `grad_analysis/`, and
   of a collapse-diagnosed step `collapse_first_turn_sample/`, `collapse_trajectory_sample/` (RAGEN's names) and
@@ -30,6 +31,7 @@ GRAD_NORM = "grad_norm"  # per-bucket gradient metrics of the analysed batch
 GRAD_NORM_PREFILTER = "grad_norm_prefilter"  # the same of a separate analysis batch before filtering
 ALL = "all"  # the whole analysed batch, beside its buckets
 REWARD = "reward"  # per-component reward statistics of a rollout
+VAL_REWARD = "val-reward"  # the same of a validation's rollouts: `val-reward/<component>/mean|std|zero_std_group_frac`
 COLLAPSE = "collapse"  # the collapse diagnostics' coverage counts (collapse/first_turn_num_total, ...)
 COLLAPSE_FIRST_TURN = "collapse_first_turn_sample"  # their metrics on (first prompt, first reply) pairs
 COLLAPSE_TRAJECTORY = "collapse_trajectory_sample"  # ... on trajectory-uniform (prompt, reply) pairs

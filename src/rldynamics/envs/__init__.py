@@ -22,10 +22,11 @@ from rldynamics.envs.base import Env, StepResult
 from rldynamics.envs.countdown import CountdownEnv
 from rldynamics.envs.frozenlake import FrozenLakeEnv
 from rldynamics.envs.math import MathEnv
+from rldynamics.envs.prompts import PromptsEnv
 from rldynamics.envs.sokoban import SokobanEnv
 
 ENVS: dict[str, type] = {"sokoban": SokobanEnv, "frozenlake": FrozenLakeEnv, "countdown": CountdownEnv,
-                         "bandit": BanditEnv, "math": MathEnv}
+                         "bandit": BanditEnv, "math": MathEnv, "prompts": PromptsEnv}
 
 
 def make_env(name: str, **kwargs: object) -> Env:
@@ -37,5 +38,5 @@ def make_env(name: str, **kwargs: object) -> Env:
     return ENVS[name](**kwargs)
 
 
-__all__ = ["ENVS", "BanditEnv", "CountdownEnv", "Env", "FrozenLakeEnv", "MathEnv", "SokobanEnv", "StepResult",
-           "make_env"]
+__all__ = ["ENVS", "BanditEnv", "CountdownEnv", "Env", "FrozenLakeEnv", "MathEnv", "PromptsEnv", "SokobanEnv",
+           "StepResult", "make_env"]

@@ -22,6 +22,10 @@ Design choices:
   one rollout (math: the time budget its answer checks share), and `metrics()` returns extra per-episode
   diagnostics (floats, the same names in every episode) that the rollout logs as their means,
   `<stage>/<env>/<name>`, next to `success` and the others.
+- Three optional hooks serve the user's reward functions (`env.reward_funcs`, `envs.reward_funcs`) on single-turn
+  envs: `columns()` returns the current row's data set columns (the functions' keyword arguments), `location()`
+  its place in the data set ("line 7", named when a function fails on it), and `graded(reward)` receives the
+  trajectory's trained reward once the functions have run (the prompts env defines success by it).
 - `solve`, `random_action` and `corpus_extras` serve the embedded tiny model only (its tokenizer corpus
   and supervised warm start); an env used with a real model may leave them out.
 - Helpers for env authors below the protocol: `randbelow` (version-stable seeded draws), `int_at_least`

@@ -6,7 +6,8 @@ Design choices:
   `\\boxed{}` live outside `<answer>`) and its length in tokens, and applies no `format_penalty`.
 - Problems come from the seeded synthetic generator (`env.math.source=synthetic`, offline), the shipped
   sample (`sample`), reasoning-gym's offline generators (`reasoning_gym:<dataset>`, optional package) or a
-  GSM8K- / MATH-500-style JSONL or Parquet file (`math_data`). A file's rows are
+  GSM8K- / MATH-500-style data set: a JSONL / Parquet / CSV file, a `save_to_disk` directory or a cached hub id
+  (`math_data`, `data_source`). A data set's rows are
   reached by seed: seeds below `holdout` pick rows 0..holdout-1 (validation with `val.seed_base=0`),
   larger seeds cycle through the other rows, so training never sees the held-out rows.
 - The answer is the content of the last box, or, when the reply has none, the text of its last
@@ -61,11 +62,15 @@ ANSWER_FALLBACKS = ("none", "last_number")
 @dataclass
 class MathConfig:
     source: str = SYNTHETIC
-    """Problems: synthetic (our generator) | sample (shipped JSONL) | reasoning_gym:<dataset> | .jsonl/.parquet path."""
+    """Problems: synthetic (our generator) | sample (shipped JSONL) | reasoning_gym:<dataset> | a .jsonl / .json /
+    .parquet / .csv file | a datasets save_to_disk directory | a hub data set id already in the local cache."""
+    split: str = "train"
+    """Data set sources: the split of a DatasetDict directory or a hub data set (single files: train)."""
     question_key: str = "question"
     """File sources: the question column (MATH-500: problem)."""
     answer_key: str = "answer"
-    """File sources: the answer column; a GSM8K answer's gold is the text after its last '####'."""
+    """File sources: the answer column; a GSM8K answer's gold is the text after its last '####' (answers without one
+    that read as worked solutions are refused)."""
     holdout: int = 0
     """File sources: rows 0..holdout-1 go to seeds below holdout only (set val.seed_base=0, val.env_groups<=holdout)."""
     num_ops: int = 2
@@ -161,7 +166,8 @@ class MathEnv:
     reward_names = ("correctness", "format", "length")
     reward_weights = {"correctness": 0.34, "format": 0.33, "length": 0.33}
 
-    def __init__(self, source: str = SYNTHETIC, question_key: str = "question", answer_key: str = "answer",
+    def __init__(self, source: str = SYNTHETIC, split: str = "train", question_key: str = "question",
+                 answer_key: str = "answer",
                  holdout: int = 0, num_ops: int = 2, max_number: int = 20, operators: str = "+-*",
                  word_problems: bool = True, length_unit: str = "chars", length_target: int = 800,
                  verify_timeout: float = 5.0, answer_fallback: str = "none", verify_budget: float = 60.0) -> None:
@@ -174,7 +180,7 @@ class MathEnv:
         if self.gym is not None:
             reasoning_gym_problem(self.gym, 0)  # fails here on a missing package or an unknown dataset
         files = source != SYNTHETIC and self.gym is None
-        self.problems = load_problems(source, question_key, answer_key) if files else None
+        self.problems = load_problems(source, question_key, answer_key, split) if files else None
         if self.problems is not None and holdout >= len(self.problems):
             raise ValueError(f"holdout={holdout} leaves no training rows in {source!r} ({len(self.problems)} rows)")
         self.holdout, self.num_ops, self.max_number = holdout, num_ops, max_number
@@ -218,6 +224,15 @@ class MathEnv:
 
     def success(self) -> bool:
         return self.correct
+
+    def columns(self) -> dict:
+        """The current problem's data set columns for `env.reward_funcs` (generated problems: question and answer)."""
+        return dict(self.problem.row) if self.problem.row else {"question": self.problem.question,
+                                                                "answer": self.problem.answer}
+
+    def location(self) -> str:
+        """The current problem's place in its data set ("line 7"), or "" for generated problems."""
+        return self.problem.where
 
     def metrics(self) -> dict[str, float]:
         """`verify_timeout`: 1 when the answer's check gave no verdict (past `verify_timeout`, past the rollout's

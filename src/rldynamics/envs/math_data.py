@@ -28,10 +28,12 @@ import json
 import math
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
+
+from rldynamics.envs.data_source import read_rows, source_key
 
 OPERATORS = "+-*/"
 NAMES = ("Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jin", "Kai", "Lea")
@@ -40,6 +42,7 @@ ORDINALS = ("First", "Second", "Third", "Fourth", "Fifth", "Sixth", "Seventh", "
 SAMPLE_NAME = "sample"
 REASONING_GYM = "reasoning_gym:"
 _CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations inside its reasoning
+SOLUTION_WORDS = 30  # an answer without '####' longer than this (or with a line break) is a worked solution
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ class Problem:
     steps: tuple[str, ...] = ()
     start: int = 0
     ops: tuple[tuple[str, int], ...] = ()  # synthetic problems: the operations applied to `start`, in order
+    where: str = ""  # file sources: the row's location in its source ("line 7", "row 3")
+    row: dict = field(default_factory=dict, compare=False, hash=False)  # file sources: the row's columns
 
 
 def _below(rng: random.Random, n: int) -> int:
@@ -121,37 +126,56 @@ def sample_path() -> Path:
     return Path(str(resources.files("rldynamics") / "envs" / "data" / "math_sample.jsonl"))
 
 
-def load_problems(source: str, question_key: str = "question", answer_key: str = "answer") -> tuple[Problem, ...]:
-    """All problems of a JSONL or Parquet file (`sample` = the shipped sample); ValueError on any bad row."""
-    path = sample_path() if source == SAMPLE_NAME else Path(source).expanduser()
-    if not path.is_file():
-        raise ValueError(f"math problem file {str(path)!r} does not exist (env.math.source takes synthetic, "
-                         f"{SAMPLE_NAME} or a .jsonl / .parquet file)")
-    stat = path.stat()
-    return _load_cached(str(path.resolve()), stat.st_size, stat.st_mtime_ns, question_key, answer_key)
+def load_problems(source: str, question_key: str = "question", answer_key: str = "answer",
+                  split: str = "train") -> tuple[Problem, ...]:
+    """All problems of a data source (`envs.data_source`: a JSONL / Parquet / CSV file, a `save_to_disk` directory,
+    a cached hub id; `sample` = the shipped sample); ValueError on any bad row."""
+    source = str(sample_path()) if source == SAMPLE_NAME else source
+    return _problems(*source_key(source), split, question_key, answer_key)
 
 
 @lru_cache(maxsize=8)
-def _load_cached(path: str, size: int, mtime_ns: int, question_key: str, answer_key: str) -> tuple[Problem, ...]:
-    rows = _read_rows(Path(path))
-    if not rows:
-        raise ValueError(f"math problem file {path!r} holds no problems")
-    problems = []
-    for where, row in rows:
-        values = []
-        for key in (question_key, answer_key):
-            if key not in row:
-                raise ValueError(f"{path}: {where} has no column {key!r} (columns: {', '.join(map(str, row))}); "
-                                 f"set env.math.question_key / env.math.answer_key to the file's column names")
-            value = None if row[key] is None else _text(row[key], f"{path}: {where}: {key!r}")
-            if value is None or not value.strip():
-                raise ValueError(f"{path}: {where} has an empty {key!r}")
-            values.append(value)
-        gold, steps = gold_answer(values[1])
-        if not gold:
-            raise ValueError(f"{path}: {where} has an empty gold answer after '####' in {answer_key!r}")
-        problems.append(Problem(question=values[0].strip(), answer=gold, steps=steps))
+def _problems(source: str, size: int, mtime_ns: int, split: str, question_key: str,
+              answer_key: str) -> tuple[Problem, ...]:
+    rows = read_rows(source, split)
+    problems = [_problem(source, where, row, question_key, answer_key) for where, row in rows]
+    _check_gold(source, rows, problems, answer_key)
     return tuple(problems)
+
+
+def _problem(source: str, where: str, row: dict, question_key: str, answer_key: str) -> Problem:
+    values = []
+    for key in (question_key, answer_key):
+        if key not in row:
+            raise ValueError(f"{source}: {where} has no column {key!r} (columns: {', '.join(map(str, row))}); "
+                             f"set env.math.question_key / env.math.answer_key to the file's column names")
+        value = None if row[key] is None else _text(row[key], f"{source}: {where}: {key!r}")
+        if value is None or not value.strip():
+            raise ValueError(f"{source}: {where} has an empty {key!r}")
+        values.append(value)
+    gold, steps = gold_answer(values[1])
+    if not gold:
+        raise ValueError(f"{source}: {where} has an empty gold answer after '####' in {answer_key!r}")
+    return Problem(question=values[0].strip(), answer=gold, steps=steps, where=where, row=row)
+
+
+def _check_gold(source: str, rows, problems: list[Problem], answer_key: str) -> None:
+    """Refuse answers that would make a whole worked solution the gold answer: rows without GSM8K's `#### x` marker
+    in a file whose other rows have it, or (no row has it) an answer that reads as a solution (a line break, or more
+    than `SOLUTION_WORDS` words)."""
+    marked = [str(row[answer_key]).count("####") > 0 for _, row in rows]
+    fix = (f"point env.math.answer_key at the column that holds only the final answer, or end every {answer_key!r} "
+           "with '#### <final answer>' (GSM8K style)")
+    if any(marked) and not all(marked):
+        where = rows[marked.index(False)][0]
+        raise ValueError(f"{source}: {where}'s {answer_key!r} has no '#### <answer>' marker, unlike {sum(marked)} "
+                         f"other rows, so its whole text would be the gold answer; {fix}")
+    if not any(marked):
+        for p in problems:
+            if "\n" in p.answer or len(p.answer.split()) > SOLUTION_WORDS:
+                raise ValueError(f"{source}: {p.where}'s {answer_key!r} reads as a worked solution "
+                                 f"({len(p.answer.split())} words, {p.answer.count(chr(10)) + 1} lines) with no "
+                                 f"'#### <answer>' marker, so the whole text would be the gold answer; {fix}")
 
 
 def _text(value: object, where: str) -> str:
@@ -164,51 +188,6 @@ def _text(value: object, where: str) -> str:
         return repr(value)
     kind = type(value).__name__ + (f" {value!r}" if isinstance(value, float) else "")
     raise ValueError(f"{where} is a {kind}, not text or a finite number; store it as a string")
-
-
-def _read_rows(path: Path) -> list[tuple[str, dict]]:
-    """(location, row dict) of every row of a JSONL or Parquet file."""
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        return _read_parquet(path)
-    if suffix not in (".jsonl", ".json"):
-        raise ValueError(f"math problem file {str(path)!r}: unsupported type {suffix!r}; use .jsonl or .parquet")
-    rows = []
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}: line {number} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
-                                 f"{e.start + 1}); save the file as UTF-8") from None
-            if line.strip():
-                rows.append((f"line {number}", _json_object(line, f"{path}: line {number}")))
-    return rows
-
-
-def _json_object(line: str, where: str) -> dict:
-    """The JSON object on one line; integers keep their digits as text."""
-    try:
-        row = json.loads(line, parse_int=str)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where} is not valid JSON ({e.msg}); expected one object per line (JSONL)") from None
-    except RecursionError:
-        raise ValueError(f"{where} nests arrays or objects too deeply to parse; store the value as a string") from None
-    if not isinstance(row, dict):
-        raise ValueError(f"{where} is a JSON {type(row).__name__}, not an object")
-    return row
-
-
-def _read_parquet(path: Path) -> list[tuple[str, dict]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise ValueError(f"reading {str(path)!r} needs pyarrow: pip install 'rldynamics[parquet]'") from e
-    try:
-        rows = pq.read_table(path).to_pylist()
-    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
-        raise ValueError(f"{path}: not a readable Parquet file ({e})") from e
-    return [(f"row {i}", row) for i, row in enumerate(rows)]
 
 
 @lru_cache(maxsize=4096)

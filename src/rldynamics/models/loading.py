@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -189,11 +190,61 @@ def _looks_local(path: str) -> bool:
 
 
 def _check_source(path: str) -> None:
-    """Fail early and clearly when ``path`` is meant as a local directory and does not exist."""
+    """Fail early and clearly when ``path`` is meant as a local directory and does not exist, or is a hub id that is
+    not in the local cache while the hub cannot be reached (``_hub_unreachable``): ``from_pretrained`` would retry the
+    network for about 45 s before failing."""
     if path == "tiny":
         raise ValueError("model path 'tiny' must be resolved to a directory first: use resolve_model_path()")
-    if _looks_local(path) and not Path(path).expanduser().exists():
+    if Path(path).expanduser().exists():
+        return
+    if _looks_local(path):
         raise FileNotFoundError(_not_found_message(path))
+    if not _in_hub_cache(path):
+        why = _hub_unreachable()
+        if why:
+            looked = Path(path).expanduser().resolve()
+            raise OSError(f"cannot load model {path!r}: no local directory {str(looked)!r}, and the hub id is not in "
+                          f"the local cache ({_hub_cache()}) while {why}; download it where there is network access "
+                          f"(huggingface-cli download {path}) and copy the cache here, or use model.path=tiny for the "
+                          "embedded model, or a directory saved with save_pretrained.")
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """True when the local Hugging Face cache holds ``repo_id``'s config.json (no network call)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except ValueError:  # not a valid repo id (huggingface_hub's HFValidationError)
+        return False
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def _hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the hub cannot be reached, or None when it may be: offline mode (``HF_HUB_OFFLINE=1``, checked without any
+    network call), else one TCP connection to the hub's endpoint within ``timeout`` seconds. Behind an HTTP(S) proxy
+    the direct connection says nothing, so the hub is then assumed reachable."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return "offline mode is on (HF_HUB_OFFLINE=1), so the hub is not asked"
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
+        return None
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+    except OSError as e:
+        return (f"the hub ({url.hostname}:{port}) cannot be reached from here ({e.__class__.__name__}: {e}); "
+                "offline? then set HF_HUB_OFFLINE=1")
+    return None
 
 
 def _not_found_message(path: str) -> str:

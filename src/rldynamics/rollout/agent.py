@@ -6,8 +6,9 @@ Design choices:
   re-tokenisation of reformatted text).
 - A group's envs share one seed (same initial state). Rewards stay named components until the end: each
   env step reports its components, a malformed turn adds `format_penalty` (when non-zero); the trajectory's
-  components are summed over turns, and the trained score is their weighted sum
-  (`rollout.rewards.weighted_sum`), placed on the last sampled token (`RolloutBatch.token_rewards`).
+  components are summed over turns, the user's reward functions (`env.reward_funcs`, `envs.reward_funcs`) add theirs
+  once the episodes are over, and the trained score is their weighted sum (`rollout.rewards.weighted_sum`), placed
+  on the last sampled token (`RolloutBatch.token_rewards`).
 - Generation uses the HF `generate` API (any causal LM); sampling is seeded by the caller through
   `torch.manual_seed`, so a rollout is a pure function of (model, seeds, sampling seed). With `row_seed` each
   trajectory samples from its own keyed stream instead (`rollout.sampling.RowSeededNoise`, keyed on
@@ -17,6 +18,7 @@ Design choices:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from transformers import DynamicCache
 
 from rldynamics.config import EnvConfig, reward_names
 from rldynamics.envs import make_env
+from rldynamics.envs.reward_funcs import ERRORS, load_reward_funcs, score
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.rollout.chat import ChatPrompts, Conversation
 from rldynamics.rollout.parse import ParsedTurn, parse_answer, parse_response
@@ -76,6 +79,9 @@ class Trajectory:
     effective_actions: int = 0
     response_tokens: int = 0
     observation: str = ""
+    prompt: str = ""  # the first observation (a data set's prompt)
+    replies: list[str] = field(default_factory=list)  # each turn's decoded reply
+    func_errors: int | None = None  # reward functions that failed on this trajectory (None: no reward functions)
 
     def add(self, ids: list[int], sampled: bool) -> None:
         self.ids += ids
@@ -134,7 +140,30 @@ def rollout(model, tokenizer, seeds: list[int], group_size: int, cfg: EnvConfig,
                 _play_turn(ctx, trajs[i], response, turn)
                 if trajs[i].done and caches is not None:
                     caches.drop(i)
+    _apply_reward_funcs(load_reward_funcs(cfg.reward_funcs), trajs, ctx.weights)
     return _to_batch(trajs, tokenizer, names, ctx.weights)
+
+
+def _apply_reward_funcs(funcs: list, trajs: list[Trajectory], weights: dict[str, float]) -> None:
+    """Add the user's reward functions' components (`env.reward_funcs`, called on the whole rollout, TRL's way) to
+    every trajectory, count the functions that failed on it, and tell envs with the `graded` hook their reward."""
+    if not funcs:
+        return
+    graded = score(funcs, [t.prompt for t in trajs], [t.replies[-1] if t.replies else "" for t in trajs],
+                   [t.env.columns() if hasattr(t.env, "columns") else {} for t in trajs],
+                   [_location(t) for t in trajs], lambda line: print(line, file=sys.stderr))
+    for i, t in enumerate(trajs):
+        for name, values in graded.values.items():
+            t.rewards[name] += values[i]
+        t.func_errors = graded.errors[i]
+        hook = getattr(t.env, "graded", None)  # optional Env hook (envs/base.py)
+        if hook is not None:
+            hook(weighted_sum(t.rewards, weights))
+
+
+def _location(t: Trajectory) -> str:
+    where = t.env.location() if hasattr(t.env, "location") else ""
+    return f"{where} (env seed {t.seed})" if where else f"env seed {t.seed}"
 
 
 def _start(ctx: RolloutContext, seed: int, group_id: int, row: int, names: tuple[str, ...]) -> Trajectory:
@@ -144,7 +173,7 @@ def _start(ctx: RolloutContext, seed: int, group_id: int, row: int, names: tuple
     conversation, prompt = ctx.chat.start(system_message(env, ctx.cfg),
                                           state_message(env, 1, observation, ctx.cfg.max_actions_per_traj))
     traj = Trajectory(env=env, seed=seed, group_id=group_id, row=row, conversation=conversation,
-                      rewards=dict.fromkeys(names, 0.0), observation=observation)
+                      rewards=dict.fromkeys(names, 0.0), observation=observation, prompt=observation)
     traj.add(ctx.encode(prompt), sampled=False)
     return traj
 
@@ -156,6 +185,7 @@ def _play_turn(ctx: RolloutContext, traj: Trajectory, response: list[int], turn:
     traj.response_tokens += len(response)
     stopped = bool(response) and response[-1] in chat.stop_ids
     text = chat.reply_prefix + ctx.tokenizer.decode(response, skip_special_tokens=True)
+    traj.replies.append(text)
     env = traj.env
     full_reply = getattr(env, "full_reply", False)
     if full_reply:  # the env grades the whole reply itself (Env protocol, envs/base.py)
@@ -275,6 +305,7 @@ def _metrics(t: Trajectory, weights: dict[str, float]) -> dict[str, float]:
         "response_length": t.response_tokens / max(t.turns, 1),
         "num_turns": float(t.turns),
         "reward": weighted_sum(t.rewards, weights),
+        **({ERRORS: float(t.func_errors)} if t.func_errors is not None else {}),
         **(extra() if extra is not None else {}),
     }
 

@@ -311,6 +311,8 @@ def validate(s: Session) -> Validation:
         except NonFiniteLogits:
             return Validation(None, {f"{names.env_prefix(cfg.env.name, validation=True)}/{NON_FINITE_LOGITS}": 1.0})
     metrics = env_metric_summary(batch, names.env_prefix(cfg.env.name, validation=True), cfg.val.group_size)
+    metrics.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids,
+                                            names.VAL_REWARD))
     metrics[names.VAL_TIME] = time.perf_counter() - start
     success = sum(m["success"] for m in batch.env_metrics) / len(batch) if batch.env_metrics else None
     return Validation(success, metrics)

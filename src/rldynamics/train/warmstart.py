@@ -96,9 +96,20 @@ def warm_start_key(base_path: str, cfg: Config) -> str:
     """
     m = cfg.model
     inputs = [Path(base_path).name, m.warm_start_episodes, m.warm_start_turns, m.warm_start_noise,
-              m.warm_start_epochs, m.warm_start_lr, cfg.seed, to_dict(cfg)["env"]]
+              m.warm_start_epochs, m.warm_start_lr, cfg.seed, _env_key(cfg)]
     blob = json.dumps(inputs, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _env_key(cfg: Config) -> dict:
+    """The env settings in the warm-start key. Reward functions never change the imitated demonstrations, and a data
+    set split at its default (`train`) is left out, so the keys of warm starts cached before these settings existed
+    stay valid."""
+    env = to_dict(cfg)["env"]
+    env.pop("reward_funcs", None)
+    if env.get("math", {}).get("split") == "train":
+        env["math"].pop("split")
+    return env
 
 
 def ensure_warm_start(base_path: str, cfg: Config, log=print) -> str:

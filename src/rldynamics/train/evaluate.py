@@ -1,0 +1,131 @@
+"""`rldyn eval`: one validation of a checkpoint or a model, written to a small run directory of its own.
+
+What is measured is the trainer's validation stage itself (`trainer.validate`: the fixed validation seeds
+`val.seed_base ..`, `val.group_size` samples each at `val.temperature`), so an eval of a run's checkpoint gives the
+number that run logged at that step: success, pass@`val.group_size`, the weighted reward and each raw reward
+component (`val-reward/<name>/*`), response length and the env's own metrics.
+
+The settings: a checkpoint (`runs/<run>/checkpoints/step_N`) is evaluated under its run's config.yaml (same env,
+same validation), its actor as `model.path`, and its metrics are logged at step N; anything else (a model directory,
+a hub id in the local cache, a `.gguf` file, `tiny`) under a preset (default: the training default), at step 0.
+`--preset P` replaces the run's config by the preset; `key=value` overrides apply last. Nothing is trained: only the
+policy is loaded (no critic, no reference model, no optimizer).
+
+The run directory (`<log.run_dir>/eval_<run or model>_<step>` unless `log.name` is set) holds config.yaml and
+metrics.jsonl (one row); an existing run is never written into.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rldynamics import metric_names as names
+from rldynamics.config import Config, ConfigError, apply_overrides, load_config, make_config, save_config
+
+
+def is_checkpoint(target: str | Path) -> bool:
+    """True for a trainer checkpoint directory (`step_N` with `trainer_state.json` and `actor/`)."""
+    path = Path(target)
+    return (path / "trainer_state.json").is_file() and (path / "actor").is_dir()
+
+
+def eval_config(target: str, preset: str | None, overrides: list[str], default_preset: str) -> tuple[Config, int]:
+    """The evaluation's config and the step its metrics are logged at (the checkpoint's, else 0)."""
+    step = 0
+    if is_checkpoint(target):
+        checkpoint = Path(target).resolve()
+        step = _checkpoint_step(checkpoint)
+        run_config = checkpoint.parent.parent / "config.yaml"
+        if preset is None and not run_config.is_file():
+            raise ConfigError(f"{target}: its run's config.yaml ({run_config}) is missing, so the env and validation "
+                              "it was trained with are unknown; pass --preset P (and the env keys it was trained with)")
+        base = make_config(preset) if preset else load_config(run_config)
+        model = str(checkpoint / "actor")
+    else:
+        base, model = make_config(preset or default_preset), target
+    cfg = apply_overrides(base, [f"model.path={model}", "log.name=null", *overrides])
+    if cfg.checkpoint.resume and cfg.checkpoint.resume != base.checkpoint.resume:
+        raise ConfigError("checkpoint.resume has no meaning for an evaluation; give the checkpoint as the argument "
+                          "(rldyn eval runs/<run>/checkpoints/step_<N>)")
+    return apply_overrides(cfg, ["checkpoint.resume=null"]), step
+
+
+def eval_run_dir(cfg: Config, target: str, step: int) -> Path:
+    """`<log.run_dir>/<log.name>`, else `eval_<run>_step<N>` for a checkpoint, `eval_<model>_<time>` for a model."""
+    if cfg.log.name:
+        return Path(cfg.log.run_dir) / cfg.log.name
+    path = Path(target)
+    name = (f"eval_{path.resolve().parent.parent.name}_{path.name}" if is_checkpoint(target)
+            else f"eval_{path.name or 'model'}_{time.strftime('%Y%m%d-%H%M%S')}")
+    return Path(cfg.log.run_dir) / name
+
+
+def evaluate(cfg: Config, run_dir: Path, step: int = 0) -> dict[str, float]:
+    """Validate `cfg.model.path` with the trainer's validation stage; write config.yaml and the metrics row (at `step`)
+    to `run_dir`; return the metrics. Checks the run directory before loading anything and writes it only at the end."""
+    import torch
+
+    from rldynamics import dist
+    from rldynamics.models.loading import load_model_and_tokenizer
+    from rldynamics.models.sharding import wrap
+    from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
+    from rldynamics.train.setup import Session, base_model_path, prepare, resolve_device
+    from rldynamics.train.trainer import validate
+
+    check_no_links(run_dir)
+    _check_new(run_dir)
+    RunLock(run_dir).check()
+    device = resolve_device(cfg.model.device)
+    torch.manual_seed(cfg.seed)
+    path = base_model_path(cfg)
+    model, tokenizer = load_model_and_tokenizer(path, device=str(device), chat_template=cfg.model.chat_template)
+    model = wrap(prepare(model, cfg, path), cfg.model.shard)
+    session = Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=None,
+                      main=dist.is_main())
+    start = time.perf_counter()
+    metrics = validate(session).metrics
+    metrics["timing_s/eval"] = time.perf_counter() - start
+    if dist.is_main():
+        with RunLock(run_dir):
+            _check_new(run_dir)
+            writer = RunWriter(run_dir)
+            save_config(cfg, run_dir / "config.yaml")
+            writer.log(step, metrics)
+            writer.close()
+    return metrics
+
+
+def _checkpoint_step(checkpoint: Path) -> int:
+    """The step a checkpoint was saved at, read from its trainer_state.json without torch (its files are verified
+    as the actor loads)."""
+    file = checkpoint / "trainer_state.json"
+    try:
+        step = json.loads(file.read_text(encoding="utf-8")).get("step")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise ConfigError(f"{file} is not a readable trainer state ({e.__class__.__name__}); is {checkpoint} a "
+                          "checkpoint written by rldyn train?") from None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"{file} has no step number; is {checkpoint} a checkpoint written by rldyn train?")
+    return step
+
+
+def _check_new(run_dir: Path) -> None:
+    if (run_dir / "metrics.jsonl").exists():
+        raise FileExistsError(f"run directory {run_dir} already holds a run; choose another log.name")
+
+
+def metrics_table(metrics: dict[str, float], env: str) -> str:
+    """The evaluation as an aligned two-column table: the env's validation metrics first (success, pass@k, reward,
+    response length, ...), then each reward component's mean and std."""
+    head = f"val-env/{env}/"
+    first = ("success", *sorted(k[len(head):] for k in metrics if k.startswith(head + "pass@")), "reward",
+             "response_length")
+    rows = [(name + (" (tokens per turn)" if name == "response_length" else ""), metrics[head + name])
+            for name in first if head + name in metrics]
+    rows += [(k[len(head):], v) for k, v in metrics.items() if k.startswith(head) and k[len(head):] not in first]
+    rows += [(f"reward component {k.split('/')[1]} ({k.split('/')[2]})", v) for k, v in metrics.items()
+             if k.startswith(f"{names.VAL_REWARD}/") and k.split("/")[2] in ("mean", "std")]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"  {name:<{width}}  {value:.4g}" for name, value in rows)
