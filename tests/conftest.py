@@ -93,7 +93,7 @@ def require_package(module: str, install: str) -> None:
         return
     if os.environ.get("CI"):
         pytest.fail(f"{module} is not installed, and CI runs every test: {install}")
-    pytest.skip(f"needs {module}: {install}")
+    pytest.skip(f"needs {module}: {install}", allow_module_level=True)
 
 
 @pytest.fixture(scope="session")

@@ -6,13 +6,15 @@ import json
 import socket
 
 import pytest
+from conftest import require_package
 
 from rldynamics.config import ConfigError, make_config
 from rldynamics.envs import make_env
 from rldynamics.envs.data_source import read_rows
 from rldynamics.envs.math_data import load_problems
 
-datasets = pytest.importorskip("datasets")
+require_package("datasets", 'pip install -e ".[datasets]"')
+import datasets  # noqa: E402
 
 
 def saved_dict(path, **splits):

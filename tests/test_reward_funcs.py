@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+from conftest import require_package
 
 from rldynamics.cli import main
 from rldynamics.config import ConfigError, make_config
@@ -100,7 +101,8 @@ def test_training_on_math_data_with_a_user_reward_from_a_file(fast_overrides, us
 
 
 def test_any_prompt_data_set_without_an_env_class(fast_overrides, user_module, tmp_path):
-    datasets = pytest.importorskip("datasets")
+    require_package("datasets", 'pip install -e ".[datasets]"')
+    import datasets
     rows = [{"prompt": f"Say the number {i}.", "answer": str(i), "topic": "numbers"} for i in range(6)]
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(tmp_path / "ds")
     (tmp_path / "topical.py").write_text("def on_topic(completions, topic, **kw):\n"
