@@ -3,7 +3,8 @@ checkpoints that resume exactly on the same number of ranks and work on another;
 
 The runs are small (tiny 1-layer model, 2 groups x 3 one-turn math replies, 3 steps) but exercise every part:
 sharded rollouts and validation, the critic (GAE whitening over the global batch), the KL reference, the gradient
-analysis with reward components, per-step checkpoints. `train.row_seeded_sampling=true` makes the batches
+analysis with reward components, the collapse diagnostics (their cross-scoring rows split over the ranks), per-step
+checkpoints. `train.row_seeded_sampling=true` makes the batches
 independent of how rows are split over ranks. `train.shared_prefix=false`: an FSDP2-sharded update forwards whole
 rows (`analysis.objective.actor_terms`), so the one-process run does too, and both compute the same sums.
 
@@ -42,7 +43,8 @@ RUN = [*FAST, "train.steps=3", "train.group_size=3", "train.mini_batch_size=64",
        "tiny.hidden_size=32", "env.max_turns=1", "env.max_new_tokens=10", "env.math.length_target=20",
        "val.env_groups=2", "val.every=3", "val.before_train=false", "algo.adv_estimator=gae", "algo.kl_coef=0.01",
        "algo.entropy_coef=0.001", "analysis.enabled=true", "analysis.every=1", "analysis.reward_grad=true",
-       "analysis.num_buckets=2", "checkpoint.every=1", "log.samples_per_step=100"]
+       "analysis.num_buckets=2", "checkpoint.every=1", "log.samples_per_step=100", "collapse.enabled=true",
+       "collapse.compute_freq=1", "collapse.bootstrap_resamples=20"]
 
 
 def _weights(run, step: int) -> dict[str, torch.Tensor]:
@@ -81,6 +83,7 @@ def test_two_ranks_give_the_one_process_run(runs):
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
     assert a[0].keys() == b[0].keys() and "grad_norm/all/task" in a[0] and "critic/vf_loss" in a[0]
     assert "reward_grad/all/cos_total/length" in a[0] and "val-env/math/success" in a[2]
+    assert "collapse_first_turn_sample/mi_estimate" in a[0] and "collapse_trajectory_sample/mi_estimate" in a[0]
     assert a[0]["critic/score/max"] > a[0]["critic/score/min"]  # rewards that vary: a fair test (module docstring)
     for x, y in zip(a, b, strict=True):
         for key, value in x.items():

@@ -152,7 +152,7 @@ def test_env_tag_keys_map_to_the_env_section():
 
 
 @pytest.mark.parametrize(("override", "match"), [
-    ("collapse_detection.compute_freq=5", "collapse_detection.compute_freq' is not supported: the mutual-info"),
+    ("collapse_detection.unknown_knob=5", r"no rldynamics equivalent"),
     ("reward_model.enable=True", "rewards come from the env"),
     ("actor_rollout_ref.rollout.rollout_filter_metric=entropy_variance", "entropy and length filters"),
     ("algorithm.adv_estimator=remax", "available estimators"),
@@ -166,6 +166,18 @@ def test_env_tag_keys_map_to_the_env_section():
 def test_unsupported_ragen_keys_and_values_are_refused_by_name(override, match):
     with pytest.raises(ConfigError, match=match):
         parse_overrides([override])
+
+
+def test_collapse_detection_keys_turn_the_diagnostics_on():
+    cfg = make_config(overrides=["collapse_detection.compute_freq=5", "collapse_detection.num_samples=all",
+                                 "collapse_detection.first_turn_enabled=False", "collapse_detection.ema_decay=0.8",
+                                 "collapse_detection.std_eps=0.01", "collapse_detection.micro_batch_size=32"])
+    c = cfg.collapse
+    assert (c.enabled, c.compute_freq, c.num_samples, c.first_turn_enabled, c.ema_decay, c.std_eps,
+            c.micro_batch_size) == (True, 5, 0, False, 0.8, 0.01, 32)
+    assert make_config(overrides=["collapse_detection.num_samples=16"]).collapse.num_samples == 16
+    assert not make_config(overrides=["collapse_detection.compute_freq=0"]).collapse.enabled
+    assert not make_config().collapse.enabled
 
 
 def test_conflicting_ragen_keys_and_hydra_prefixes():

@@ -323,6 +323,31 @@ class AnalysisConfig:
 
 
 @dataclass
+class CollapseConfig:
+    """RAGEN-2's template-collapse diagnostics (RAGEN's `collapse_detection.*`; docs/collapse.md)."""
+
+    enabled: bool = False
+    """Cross-score the training batch's replies under its prompts on schedule: mutual-information proxies
+    (collapse_first_turn_sample/*, collapse_trajectory_sample/*). Read-only: training is unchanged."""
+    compute_freq: int = _within(5, 1)
+    """Diagnose at step 1, then at every step divisible by this (RAGEN's schedule)."""
+    micro_batch_size: int = _within(128, 1)
+    """Rows [prompt | reply] per forward of the cross-scoring."""
+    first_turn_enabled: bool = True
+    """Pairs of (first prompt, first reply), one column per group."""
+    multi_turn_enabled: bool = True
+    """Trajectory-uniform pairs (a trajectory, then one of its turns; each pair its own column)."""
+    num_samples: int = _within(64, 0)
+    """Pairs per mode (first turn: drawn without replacement; trajectory: with); 0 = all (RAGEN's `all`)."""
+    std_eps: float = _within(1e-3, 0)
+    """Added to the marginal std in the z-scores."""
+    ema_decay: float = _within(0.9, 0, high=1)
+    """EMA decay of the marginal std (`*_ema`)."""
+    bootstrap_resamples: int = _within(200, 0)
+    """Prompt-cluster bootstrap resamples of the MI and retrieval intervals (.../ci_low|ci_high); 0 = none."""
+
+
+@dataclass
 class CheckpointConfig:
     every: int = _within(0, 0)
     """Save every N steps (and at the end when > 0); 0 = only at the end if save_last."""
@@ -384,6 +409,7 @@ class Config:
     critic: CriticConfig = field(default_factory=CriticConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)
     analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     log: LogConfig = field(default_factory=LogConfig)

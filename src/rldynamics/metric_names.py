@@ -8,7 +8,9 @@ Decisions of the trainer never read a metric: the stages return typed values (`t
   `train/<env>/` and `val-env/<env>/` (env metrics), `reward/<component>/` and `val-reward/<component>/` (reward
   components of the training batch and of a validation), `timing_s/` (wall
   time of a phase), `early_stopped/<reason>`, `trainer/`, and of an analysis step `grad_norm/<bucket>/...`
-  (`grad_norm_prefilter/` for the unfiltered separate batch), `reward_grad/<bucket>/...` and `grad_analysis/`.
+  (`grad_norm_prefilter/` for the unfiltered separate batch), `reward_grad/<bucket>/...` and `grad_analysis/`, and
+  of a collapse-diagnosed step `collapse_first_turn_sample/`, `collapse_trajectory_sample/` (RAGEN's names) and
+  `collapse/` (their coverage counts).
 - Bucket names are RAGEN's: ``bucket_<k>``, k = 1, 2, ... (``reference/ragen_behaviour.md`` §3.4).
   quantile: ``bucket_k`` is the k-th quantile bucket, lowest reward std first; labelled ``Q<k>``.
   fixed_rv: ``bucket_k`` is always the interval [k-1, k) of group reward std (the last one [5, ∞)), also
@@ -30,6 +32,9 @@ GRAD_NORM_PREFILTER = "grad_norm_prefilter"  # the same of a separate analysis b
 ALL = "all"  # the whole analysed batch, beside its buckets
 REWARD = "reward"  # per-component reward statistics of a rollout
 VAL_REWARD = "val-reward"  # the same of a validation's rollouts: `val-reward/<component>/mean|std|zero_std_group_frac`
+COLLAPSE = "collapse"  # the collapse diagnostics' coverage counts (collapse/first_turn_num_total, ...)
+COLLAPSE_FIRST_TURN = "collapse_first_turn_sample"  # their metrics on (first prompt, first reply) pairs
+COLLAPSE_TRAJECTORY = "collapse_trajectory_sample"  # ... on trajectory-uniform (prompt, reply) pairs
 
 TERM_COMPONENT = {"pg": "task", "entropy": "entropy", "kl": "kl"}  # a loss term of the code -> RAGEN's name in keys
 TERM_LOSS = {"pg": "policy", "entropy": "entropy", "kl": "kl"}  # the same in `loss/<name>` keys

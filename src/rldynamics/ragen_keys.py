@@ -27,7 +27,8 @@ SOKOBAN_TAG = "<Sokoban tag>"  # CoordSokoban, SimpleSokoban, LargerSokoban, ...
 USE_KL_LOSS = "actor_rollout_ref.actor.use_kl_loss"
 KL_LOSS_COEF = "actor_rollout_ref.actor.kl_loss_coef"
 RAGEN_SECTIONS = ("actor_rollout_ref", "es_manager", "trainer", "algorithm", "agent_proxy", "custom_envs",
-                  "ray_kwargs", "system", "data", "model_path")  # key prefixes that are never ours
+                  "ray_kwargs", "system", "data", "model_path",
+                  "collapse_detection")  # key prefixes that are never ours
 
 
 class UnsupportedKey(ValueError):
@@ -166,6 +167,23 @@ def _only(allowed: Any, reason: str) -> Callable[[Any], dict[str, Any]]:
     return convert
 
 
+def _collapse(key: str) -> Callable[[Any], dict[str, Any]]:
+    """A `collapse_detection.<key>` value carried over to `collapse.<key>`, turning the diagnostics on."""
+    def convert(value: Any) -> dict[str, Any]:
+        return {f"collapse.{key}": value, "collapse.enabled": True}
+    return convert
+
+
+def _compute_freq(value: Any) -> dict[str, Any]:
+    n = int(value)
+    return {"collapse.compute_freq": n, "collapse.enabled": True} if n > 0 else {"collapse.enabled": False}
+
+
+def _num_samples(value: Any) -> dict[str, Any]:
+    text = str(value).strip().lower()
+    return {"collapse.num_samples": 0 if text == "all" else value, "collapse.enabled": True}
+
+
 # ------------------------------------------------------------------------------------------------------ table
 
 _SAME_RESULTS = "results do not depend on micro-batch sizes here (exact aggregation); train.micro_batch_size is used"
@@ -299,7 +317,18 @@ RAGEN_KEYS: dict[str, Rule] = {
                                            "device"),
     "ray_kwargs.ray_init.num_cpus": ignored("no Ray here"),
     # whole sections (`<section>.*` matches every key under it)
-    "collapse_detection.*": rejected("the mutual-information collapse metrics are not implemented"),
+    # collapse diagnostics (any of these turns them on: RAGEN computes them whenever think mode is on)
+    "collapse_detection.compute_freq": Rule("collapse.compute_freq, collapse.enabled", _compute_freq,
+                                              "sets collapse.enabled=true; <= 0 -> collapse.enabled=false"),
+    "collapse_detection.micro_batch_size": Rule("collapse.micro_batch_size, collapse.enabled",
+                                                _collapse("micro_batch_size")),
+    "collapse_detection.first_turn_enabled": Rule("collapse.first_turn_enabled, collapse.enabled",
+                                                  _collapse("first_turn_enabled")),
+    "collapse_detection.multi_turn_enabled": Rule("collapse.multi_turn_enabled, collapse.enabled",
+                                                  _collapse("multi_turn_enabled")),
+    "collapse_detection.num_samples": Rule("collapse.num_samples, collapse.enabled", _num_samples, "all -> 0"),
+    "collapse_detection.std_eps": Rule("collapse.std_eps, collapse.enabled", _collapse("std_eps")),
+    "collapse_detection.ema_decay": Rule("collapse.ema_decay, collapse.enabled", _collapse("ema_decay")),
     "reward_model.*": rejected("rewards come from the env (env.reward_weights weighs its components)"),
     "actor_rollout_ref.actor.fsdp_config.*": ignored("sharding and offload; no effect on results (FSDP2 via "
                                                      "torchrun)"),

@@ -10,7 +10,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from rldynamics import metric_names as names
 from rldynamics.plots.analysis import save_png, write_paper_grid, write_step
+from rldynamics.plots.collapse import fig_runs_mi_success, mode_of, write_collapse_figures
 from rldynamics.plots.curves import write_curves
 from rldynamics.plots.data import RunData, analysis_steps, load_run
 from rldynamics.plots.report import write_report
@@ -79,6 +81,7 @@ def _per_step(run: RunData, steps: list[int] | None, out_dir: Path) -> int:
         for s in chosen:
             written += write_step(run, s, out_dir)
         written += write_reward_component_figures(run, out_dir, save_png, chosen if steps is not None else None)
+        written += write_collapse_figures(run, out_dir)
     except OSError as e:
         return _err("plot", f"could not write to {out_dir}: {e}")
     if not available:
@@ -91,17 +94,28 @@ def _per_step(run: RunData, steps: list[int] | None, out_dir: Path) -> int:
 
 
 def _paper(runs: list[RunData], steps: list[int], out_dir: Path) -> int:
+    """`paper_grid.png` of the analysis steps and, when the runs have collapse metrics, `paper_mi_success.png`
+    (validation success beside MI over steps, one colour per run)."""
     if not steps:
         steps = sorted({s for run in runs for s in analysis_steps(run)})
-    if not steps:
-        return _err("plot", f"--paper: no gradient-analysis steps found in {', '.join(str(r.path) for r in runs)}")
+    collapse = any(mode_of(r) for r in runs)
+    if not steps and not collapse:
+        return _err("plot", f"--paper: no gradient-analysis steps or collapse metrics found in "
+                            f"{', '.join(str(r.path) for r in runs)}")
     try:
-        path = write_paper_grid(runs, steps, out_dir)
+        if steps:
+            path = write_paper_grid(runs, steps, out_dir)
+            print(f"wrote {path} (steps {', '.join(map(str, steps))})")
+        if collapse:
+            env = runs[0].config.get("env", {}).get("name", "sokoban") if isinstance(runs[0].config.get("env"),
+                                                                                      dict) else "sokoban"
+            out_dir.mkdir(parents=True, exist_ok=True)
+            path = save_png(fig_runs_mi_success(runs, names.val_success(env)), out_dir / "paper_mi_success.png")
+            print(f"wrote {path}")
     except ValueError as e:
         return _err("plot", f"--paper: {e}")
     except OSError as e:
         return _err("plot", f"could not write to {out_dir}: {e}")
-    print(f"wrote {path} (steps {', '.join(map(str, steps))})")
     return 0
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from rldynamics.plots.analysis import STEP_FIGURES, fmt, png_bytes, step_data
+from rldynamics.plots.collapse import check_template_collapse, fig_mi_entropy, fig_regimes, mode_of
 from rldynamics.plots.curves import fig_cosines, fig_reg_share, fig_sketch_cosines, fig_training_curves
 from rldynamics.plots.data import (
     PREFIX,
@@ -182,6 +183,24 @@ def reward_components_section(run: RunData) -> str:
     return "".join(out)
 
 
+def collapse_section(run: RunData) -> str:
+    """Template-collapse diagnostics: the health rule, MI and entropy over steps, the entropy-vs-MI plane."""
+    mode = mode_of(run)
+    if mode is None:
+        return ""
+    out = ['<h2 id="collapse">Template collapse (mutual information)</h2>',
+           f'<p class="meta">Cross-scoring of the <code>{html.escape(mode)}</code> pairs (docs/collapse.md): MI '
+           "estimate I(X;Z), conditional entropy H(Z|X) and marginal entropy H(Z) per token, retrieval accuracy "
+           "of the prompt from the reply above chance. Rule: entropy steady while MI or retrieval above chance "
+           "falls to half its peak = template collapse.</p>"]
+    flags = check_template_collapse(run.rows)
+    out += [_flag_html(f) for f in flags] or ['<p class="ok">No template collapse: MI and retrieval did not fall '
+                                              "while the entropy held or rose.</p>"]
+    out.append(figure_html(fig_mi_entropy(run), "MI and entropy over the diagnosed steps; retrieval above chance"))
+    out.append(figure_html(fig_regimes(run), "Entropy vs MI: the four regimes and the run's path"))
+    return "".join(out)
+
+
 def headline_section(run: RunData) -> str:
     """The numbers a reader wants first: validation success at the start, the end and its best, steps, wall time."""
     h = headline(run)
@@ -267,7 +286,8 @@ def build_report(run_dir: str | Path | RunData) -> str:
         f"report generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} by rldynamics</p>",
         '<nav><a href="#health">Health</a><a href="#curves">Training curves</a>'
         '<a href="#analysis">Gradient analysis</a><a href="#samples">Samples</a>'
-        '<a href="#reward-components">Reward components</a><a href="#config">Config</a></nav>',
+        '<a href="#reward-components">Reward components</a><a href="#collapse">Template collapse</a>'
+        '<a href="#config">Config</a></nav>',
         headline_section(run),
         health_section(run),
         '<h2 id="curves">Training curves</h2>',
@@ -276,6 +296,7 @@ def build_report(run_dir: str | Path | RunData) -> str:
         analysis_section(run),
         samples_section(run),
         reward_components_section(run),
+        collapse_section(run),
         _config_section(run),
     ]
     title = html.escape(f"rldynamics report — {run.name}")

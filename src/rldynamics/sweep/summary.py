@@ -7,7 +7,10 @@ Per run: final and best validation success (`val-env/<env.name>/success`, last a
 steps run, outcome (completed, early_stopped: <reason>, failed, damaged, missing, interrupted, unfinished: see
 `sweep/runs.py`; every run of `OUT/plan.json` is listed, a missing one too), mean pre-filter
 reward std (`rollout/in_group_reward_std`) and kept ratio (`rollout/filter_kept_ratio`) over the training
-steps, and wall time (sum of `timing_s/step` plus the step-0 validation). Per point: mean and sample std
+steps, wall time (sum of `timing_s/step` plus the step-0 validation) and, when the runs logged the collapse
+diagnostics (`collapse.enabled`), the final MI estimate, conditional entropy and retrieval above chance
+(`plots/collapse.py`), with the rank correlation over runs of final success with final MI and with final entropy
+and their bootstrap intervals (RAGEN-2's finding: MI tracks success, entropy does not). Per point: mean and sample std
 (n - 1) over the seeds that validated. An early-stopped run is a failed regime, as in RAGEN's protocol:
 its numbers are those at the stop, and the point's outcome names it. This module imports no torch.
 """
@@ -23,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from rldynamics import metric_names as names
+from rldynamics.plots.collapse import ENTROPY, MI, RETRIEVAL, final_value, spearman, spearman_interval
 from rldynamics.plots.data import RunData, as_float, series
 from rldynamics.sweep import runs
 
@@ -50,6 +54,10 @@ class RunResult:
     log: str | None
     metric: str
     tail: list[str] = field(default_factory=list)
+    mi: float = math.nan  # final collapse MI estimate (nats per token), nan without the diagnostics
+    entropy: float = math.nan  # final conditional entropy estimate H(Z|X)
+    retrieval: float = math.nan  # final retrieval accuracy above chance
+    policy_entropy: float = math.nan  # final `actor/entropy` (token entropy of the update's batch)
 
     @property
     def outcome(self) -> str:
@@ -113,7 +121,15 @@ def run_result(path: Path) -> RunResult:
                      reward_std=_mean(run, names.IN_GROUP_REWARD_STD),
                      kept_ratio=_mean(run, names.FILTER_KEPT_RATIO),
                      wall_s=wall, step_s=step_s, report=report, log=log, metric=runs.val_key(run),
-                     tail=runs.log_tail(path, 12) if found.state in NEEDS_LOOK else [])
+                     tail=runs.log_tail(path, 12) if found.state in NEEDS_LOOK else [],
+                     mi=final_value(run, MI), entropy=final_value(run, ENTROPY), retrieval=final_value(run, RETRIEVAL),
+                     policy_entropy=_last(run, names.ENTROPY))
+
+
+def _last(run: RunData, key: str) -> float:
+    _, y = series(run, key)
+    y = y[np.isfinite(y)]
+    return float(y[-1]) if len(y) else math.nan
 
 
 def _mean(run: RunData, key: str) -> float:
@@ -204,7 +220,8 @@ def duration(seconds: float) -> str:
 CSV_COLUMNS = ("point", "value", "seeds", "outcome", "final_success_mean", "final_success_std", "best_success_mean",
                "best_success_std", "final_success_per_seed", "best_success_per_seed", "steps_per_seed",
                "outcome_per_seed", "in_group_reward_std_mean", "filter_kept_ratio_mean", "wall_time_s_mean",
-               "step_time_s_mean")
+               "step_time_s_mean", "final_mi_mean", "final_entropy_mean", "final_mi_per_seed",
+               "final_entropy_per_seed")
 
 
 def csv_text(summary: SweepSummary) -> str:
@@ -221,7 +238,8 @@ def csv_text(summary: SweepSummary) -> str:
                          *(num(v) for v in p.stat("final")), *(num(v) for v in p.stat("best")),
                          per_seed("final"), per_seed("best"), per_seed("steps_run"),
                          ";".join(r.outcome for r in p.runs), num(p.stat("reward_std")[0]),
-                         num(p.stat("kept_ratio")[0]), num(p.stat("wall_s")[0]), num(p.stat("step_s")[0])])
+                         num(p.stat("kept_ratio")[0]), num(p.stat("wall_s")[0]), num(p.stat("step_s")[0]),
+                         num(p.stat("mi")[0]), num(p.stat("entropy")[0]), per_seed("mi"), per_seed("entropy")])
     return buf.getvalue()
 
 
@@ -234,7 +252,45 @@ def point_rows(summary: SweepSummary) -> list[list[str]]:
                      ", ".join(str(r.steps_run if r.steps_run is not None else "–") for r in p.runs), p.outcome,
                      num(p.stat("reward_std")[0], 3) or "–", num(p.stat("kept_ratio")[0], 3) or "–",
                      duration(p.stat("wall_s")[0]), num(p.stat("step_s")[0], 3) or "–"])
+    if has_collapse(summary):
+        rows[0] += ["final MI", "final H(Z|X)"]
+        for row, p in zip(rows[1:], summary.points, strict=True):
+            row += [num(p.stat("mi")[0], 3) or "–", num(p.stat("entropy")[0], 3) or "–"]
     return rows
+
+
+def has_collapse(summary: SweepSummary) -> bool:
+    """Whether any run logged the collapse diagnostics."""
+    return any(math.isfinite(r.mi) for p in summary.points for r in p.runs)
+
+
+def collapse_finding(summary: SweepSummary, resamples: int = 2000) -> dict[str, tuple[float, float, float, int]]:
+    """Spearman correlation over runs of final success with final MI, retrieval above chance, conditional entropy
+    and policy entropy (`actor/entropy`): name -> (rho, ci_low, ci_high, runs), over the runs with the success, MI,
+    retrieval and conditional entropy finite (and, for the policy entropy, logged) (`plots.collapse.spearman`)."""
+    done = [r for p in summary.points for r in p.runs
+            if all(math.isfinite(v) for v in (r.final, r.mi, r.entropy, r.retrieval))]
+    out = {}
+    for name in ("mi", "retrieval", "entropy", "policy_entropy"):
+        pairs = np.array([(r.final, getattr(r, name)) for r in done if math.isfinite(getattr(r, name))]).reshape(-1, 2)
+        out[name] = (spearman(*pairs.T), *spearman_interval(*pairs.T, resamples), len(pairs))
+    return out
+
+
+def collapse_markdown(summary: SweepSummary) -> str:
+    """The `summary.md` section of the collapse diagnostics: the finding, then every run's final values."""
+    finding = collapse_finding(summary)
+    what = {"mi": "final MI estimate", "retrieval": "final retrieval above chance",
+            "entropy": "final conditional entropy H(Z|X)", "policy_entropy": "final policy entropy actor/entropy"}
+    lines = ["\n## Template collapse: success vs MI and entropy\n\n",
+             "Spearman rank correlation over runs of the final success with (95 % bootstrap interval over runs):\n\n"]
+    lines += [f"- {what[k]}: {num(rho, 3) or 'undefined'} [{num(lo, 3) or '–'}, {num(hi, 3) or '–'}] ({n} runs)\n"
+              for k, (rho, lo, hi, n) in finding.items()]
+    table = [["point", "seed", "outcome", "final %", "final MI", "final H(Z|X)", "retrieval above chance",
+              "actor/entropy"]]
+    table += [[p.label, str(r.seed), r.outcome, pct(r.final), num(r.mi, 3) or "–", num(r.entropy, 3) or "–",
+               num(r.retrieval, 3) or "–", num(r.policy_entropy, 3) or "–"] for p in summary.points for r in p.runs]
+    return "".join(lines) + "\n" + _md_table(table)
 
 
 def run_rows(summary: SweepSummary) -> list[list[str]]:
@@ -288,6 +344,8 @@ def markdown(summary: SweepSummary) -> str:
     parts = [f"# Sweep `{summary.name}`\n\n{intro(summary)}\n\n", _md_table(point_rows(summary)),
              "\n![validation success vs step](summary_curves.png)\n\n![final success per point](summary_value.png)\n",
              "\n## Runs\n\n", _md_table(runs_table)]
+    if has_collapse(summary):
+        parts.append(collapse_markdown(summary))
     failed = failed_runs(summary)
     if failed:
         parts.append("\n## Failed runs\n\n")

@@ -5,7 +5,7 @@ Layout of `checkpoints/step_<N>/`:
     critic/            value model (GAE only)
     optimizer.pt       actor (and critic) optimizer state dicts: tensors and plain containers only
     rng.pt             torch RNG state (`torch`; written by several ranks also `ranks`: every rank's, in order)
-    trainer_state.json step, early-stop state
+    trainer_state.json step, early-stop state, the collapse diagnostics' EMA
     manifest.json      size and SHA-256 of every other file; written last
 
 Writes go to a temporary sibling directory (`.tmp_step_<N>_<pid>`) that is renamed into place once the

@@ -27,8 +27,9 @@ written. A run killed before its first checkpoint is restarted from step 0 by `c
 
 from __future__ import annotations
 
+import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -85,6 +86,7 @@ class Session:
     engine: object | None = None  # the rollout engine of rollout.engine=vllm (None: HF generate per rollout)
     main: bool = True  # rank 0 (or one process): the one that writes the run directory
     environment: dict | None = None  # what computes this start (`tracking.environment`), recorded by open_run
+    collapse_ema: dict = field(default_factory=dict)  # collapse diagnostics: EMA of the marginal std per mode
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append the metrics row of `step` (rank 0 only)."""
@@ -295,6 +297,7 @@ def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
                            base if cfg.model.path == "tiny" and dist.is_main() else None)
     return Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=optimizer,
                    ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer, main=dist.is_main(),
+                   collapse_ema=copy.deepcopy((start.state or {}).get("collapse_ema", {})),  # a resumed run goes on
                    environment=environment, engine=rollout_engine(cfg, base, model))
 
 

@@ -3,6 +3,8 @@
     rollout -> filter (whole groups) -> old / ref log-probs, values -> advantages (+ filter loss scaling)
     -> critic update -> [gradient analysis, on schedule, read-only] -> actor update
 
+(the collapse diagnostics, on their own schedule and read-only, score the unfiltered rollout: `train/collapse_stage.py`)
+
 then, in `train`, validation, the step's metrics row and the checkpoint. Every sampling call is seeded from
 (seed, step), so a resumed run replays exactly the steps an uninterrupted run would have taken. The gradient
 analysis (`train/analysis_pass.py`) is read-only: a run with it on ends with the parameters of the run with it off.
@@ -50,6 +52,7 @@ from rldynamics.train import setup
 from rldynamics.train.actor import single_pass, update_actor
 from rldynamics.train.analysis_pass import analysis_due, run_analysis
 from rldynamics.train.checkpoint import crash_point, save_checkpoint
+from rldynamics.train.collapse_stage import collapse_due, run_collapse
 from rldynamics.train.critic import update_critic
 from rldynamics.train.early_stop import EarlyStopper
 from rldynamics.train.prepare import Prepared, prepare_update
@@ -139,7 +142,7 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
                 console.phase("checkpoint")
                 save_checkpoint(s.run_dir / "checkpoints", step, model=s.model, tokenizer=s.tokenizer,
                                 optimizer=s.optimizer, critic=s.critic, critic_optimizer=s.critic_optimizer,
-                                trainer_state={"early_stop": stopper.state_dict()},
+                                trainer_state={"early_stop": stopper.state_dict(), "collapse_ema": s.collapse_ema},
                                 keep_last=cfg.checkpoint.keep_last)
             console.advance(step, metrics)
             if stop is not None:
@@ -231,6 +234,9 @@ def roll_out(s: Session, step: int, seed_step: int, m: dict[str, float]) -> Filt
     m.update(reward_stats(rows, batch.reward_names))
     _log_samples(s, step, batch)
     crash_point("samples", step)
+    if collapse_due(cfg, step):  # read-only, on the unfiltered batch
+        s.console.phase("collapse")
+        m.update(run_collapse(s, step, batch))
     filtered = filter_batch(batch, cfg.filter)
     m.update(filtered.metrics)
     return filtered
