@@ -74,7 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"rldynamics {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_train(sub)
+    _add_probe(sub)
+    _add_eval(sub)
+    _add_plot(sub)
+    _add_report(sub)
+    _add_sweep(sub)
+    _add_envs(sub)
+    return parser
 
+
+def _add_train(sub) -> None:
     train = sub.add_parser(
         "train", help="train an agent (default: tiny model on Sokoban, CPU)",
         description="Train an LLM agent with PPO/GRPO. Settings are `key=value` overrides on a preset; "
@@ -95,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--ragen", action="store_true",
                        help="with --help-config: list the RAGEN / verl override names accepted and what they become")
 
+
+def _add_probe(sub) -> None:
     probe = sub.add_parser(
         "probe", help="gradient analysis of a saved checkpoint (no training)",
         description="Load a checkpoint, roll out a batch from a fixed seed stream (the env and sampling seeds of "
@@ -112,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="config overrides, e.g. analysis.env_groups=32 analysis.prefilter=true")
     probe.add_argument("--validate", action="store_true", help="run a validation before the analysis")
 
+
+def _add_eval(sub) -> None:
     evaluate = sub.add_parser(
         "eval", help="validate a checkpoint or a model (success, pass@k, reward components, response length)",
         description="One validation (the trainer's: the fixed validation seeds, val.group_size samples each at "
@@ -129,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--preset", default=None,
                           help=f"preset (default: the checkpoint's run config, or {DEFAULT_PRESET} for a model)")
 
+
+def _add_plot(sub) -> None:
     plot = sub.add_parser(
         "plot", help="figures of a run directory (gradient analysis per step, training curves)",
         description="Write RAGEN's gradient-analysis figures for every analysis step, the training curves and "
@@ -144,11 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="multi-step grid (one row per step) overlaying 1+ runs (one colour per run)")
     plot.add_argument("--steps", type=int, nargs="+", dest="paper_steps", help="steps of the --paper grid")
 
+
+def _add_report(sub) -> None:
     report = sub.add_parser("report", help="one self-contained HTML page: config, curves, analysis, health",
                             description="Write RUN_DIR/report.html with figures embedded and health checks.")
     report.add_argument("run_dir", metavar="RUN_DIR")
     report.add_argument("--out", default=None, help="output file (default: RUN_DIR/report.html)")
 
+
+def _add_sweep(sub) -> None:
     sweep = sub.add_parser(
         "sweep", help="intervention sweep (top_p / kl / entropy / custom) over points x seeds, in parallel",
         description="Run every point x seed of a sweep as separate `rldyn train` processes (CPU thread shares or "
@@ -176,10 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--summarize", metavar="OUT", default=None,
                        help="only rebuild OUT's summary files from its run directories")
 
+
+def _add_envs(sub) -> None:
     sub.add_parser("envs", help="list the environments with their keys, defaults and reward components",
                    description="Every registered env: its keys (env.<name>.<key>=default  meaning), its reward "
                                "components with their default weights, and its action words.")
-    return parser
 
 
 def _run_job(command: str, job, check=None) -> int:
