@@ -221,3 +221,13 @@ def test_unsupported_model_is_one_line(tiny128, tmp_path):
     with pytest.raises(ConfigError, match=r"rollout.engine=vllm: vLLM cannot run the model .*NoSuchModel") as e:
         VllmEngine(str(other), dtype="float32", kv_cache_gib=0.25)
     assert "\n" not in str(e.value)
+
+
+def test_a_batch_larger_than_one_scheduler_step_with_row_seeds(engine32):
+    """More prompt tokens than vLLM schedules in one step: with chunked prefill, the CPU build's seeded generators
+    crash ("CPU Generator does not use offset") when a partly prefilled request is rewound; whole prefills only."""
+    budget = engine32.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    rows = budget // 100 + 8  # prompts of 100 tokens: more than one step's budget in all
+    prompts = [[(7 * r + t) % 200 + 3 for t in range(100)] for r in range(rows)]
+    ids, logprobs = engine32.generate(prompts, 4, 1.0, [], row_keys=list(range(rows)))
+    assert len(ids) == rows and all(len(x) == 4 and len(lp) == 4 for x, lp in zip(ids, logprobs, strict=True))

@@ -59,6 +59,9 @@ class VllmEngine:
 
         try:
             self.llm = LLM(model=path, dtype=dtype, seed=seed, enforce_eager=True, enable_prefix_caching=True,
+                           # whole prefills: the CPU build rewinds a partly prefilled request's seeded generator,
+                           # which its CPU generators refuse ("CPU Generator does not use offset")
+                           enable_chunked_prefill=False,
                            kv_cache_memory_bytes=int(kv_cache_gib * 2**30), logprobs_mode="processed_logprobs",
                            max_model_len=max_model_len)
             atexit.register(self.close)  # before vLLM's own finalizer, which fails on a process group gone by then
