@@ -87,7 +87,10 @@ def test_two_ranks_give_the_one_process_run(runs):
     assert a[0]["critic/score/max"] > a[0]["critic/score/min"]  # rewards that vary: a fair test (module docstring)
     for x, y in zip(a, b, strict=True):
         for key, value in x.items():
-            assert y[key] == pytest.approx(value, rel=1e-3, abs=1e-6, nan_ok=True), (x["step"], key)
+            # a collapse z-score divides an MI near 0 (equal to 1e-6 here) by a marginal std of a few hundredths, so
+            # its rounding difference is that much larger
+            tol = 1e-4 if "zscore" in key else 1e-6
+            assert y[key] == pytest.approx(value, rel=1e-3, abs=tol, nan_ok=True), (x["step"], key)
     wa, wb = _weights(one, 3), _weights(two, 3)
     assert wa.keys() == wb.keys()
     diff = math.sqrt(sum(float((wa[k] - wb[k]).double().square().sum()) for k in wa))
