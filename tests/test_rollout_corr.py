@@ -93,8 +93,31 @@ def test_training_logs_the_mismatch_and_runs_the_corrections(fast_overrides):
     from rldynamics.train.trainer import train
 
     run = train(make_config(overrides=[*fast_overrides, "train.steps=1", "algo.tis_cap=2", "algo.mis=true",
-                                       "log.name=corr"]))
+                                       "analysis.enabled=true", "log.name=corr"]))
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     step = next(r for r in rows if r.get("step") == 1)
+    per_bucket = [k for k in step if k.startswith("grad_norm/bucket_") and k.endswith("/rollout/corr/k3_kl")]
+    assert per_bucket and all(abs(step[k]) < 1e-6 for k in per_bucket)  # the analysis sees it per bucket too
     assert abs(step["rollout/corr/kl"]) < 1e-4 and step["rollout/corr/rollout_rs_masked_fraction"] == 0.0
     assert step["rollout/corr/rollout_is_truncated_fraction"] == 0.0
+
+
+def test_mismatch_per_bucket_is_that_of_the_buckets_rows():
+    from types import SimpleNamespace
+
+    from rldynamics.analysis.objective import ActorInputs
+    from rldynamics.train.analysis_pass import bucket_mismatch
+
+    cfg = make_config(overrides=["algo.mismatch_band=1.5"])
+    batch = SimpleNamespace(group_ids=torch.tensor([7, 3]), rollout_logprobs=ROLLOUT, response_mask=MASK)
+    inputs = ActorInputs(old_logprobs=OLD, advantages=torch.zeros(2, 3))
+    out = bucket_mismatch(cfg, batch, inputs, [("bucket_1", 3, 0.1), ("bucket_2", 7, 0.5)], "grad_norm")
+    assert out["grad_norm/bucket_1/rollout/corr/rollout_is_mean"] == pytest.approx((1 + 0.125) / 2)  # row 1
+    assert out["grad_norm/bucket_2/rollout/corr/rollout_is_mean"] == pytest.approx((2 + 1) / 2)  # row 0
+    assert out["grad_norm/bucket_2/rollout/corr/rollout_is_max"] == pytest.approx(2.0)
+    assert out["grad_norm/bucket_1/rollout/corr/token_fraction_outside"] == 0.5
+    both = bucket_mismatch(cfg, batch, inputs, [("bucket_1", 3, 0.1), ("bucket_1", 7, 0.1)], "grad_norm")
+    whole = mismatch_metrics(OLD, ROLLOUT, MASK, band=1.5)
+    assert both == {f"grad_norm/bucket_1/{k}": pytest.approx(v) for k, v in whole.items()}
+    assert bucket_mismatch(cfg, batch, ActorInputs(old_logprobs=None, advantages=torch.zeros(2, 3)),
+                           [("bucket_1", 3, 0.1)], "grad_norm") == {}

@@ -29,6 +29,7 @@ from safetensors.torch import save
 
 from rldynamics import metric_names as names
 from rldynamics.algo.filter import loss_scale
+from rldynamics.algo.rollout_corr import mismatch_metrics
 from rldynamics.analysis.objective import ActorInputs
 from rldynamics.analysis.probe import ProbeResult, ProbeSettings, gradient_probe
 from rldynamics.config import Config
@@ -76,6 +77,7 @@ def run_analysis(s, step: int, filtered: Filtered | None, prepared: Prepared | N
     for prefix, b, inp, stds, kept in passes:
         result = probe(s, b, inp, stds, prefix, kept)
         metrics.update(result.metrics)
+        metrics.update(bucket_mismatch(cfg, b, inp, result.groups, prefix))
         dump.update(per_parameter(s.model, result.gradients, prefix))
         seeds = dict(zip(b.group_ids.tolist(), b.seeds, strict=False))  # group id -> env seed
         rows += [(prefix, bucket, gid, std, seeds.get(gid, ""), *_norm_columns(result.group_norms.get(gid)))
@@ -92,6 +94,23 @@ def run_analysis(s, step: int, filtered: Filtered | None, prepared: Prepared | N
             s.dumper = GradientDumper(cfg.analysis.dump_max_pending)
         s.dumper.submit(out_dir / "gradients.npz", dump)
     return metrics
+
+
+def bucket_mismatch(cfg: Config, batch: RolloutBatch, inputs: ActorInputs, groups: list[tuple[str, int, float]],
+                    prefix: str) -> dict[str, float]:
+    """The sampler/trainer mismatch (`rollout/corr/*`) of each bucket's trajectories, keyed
+    `<prefix>/<bucket>/rollout/corr/<name>`: whether the buckets the analysis compares were sampled equally far
+    off-policy. {} without the trainer's old log-probs or the sampler's."""
+    if inputs.old_logprobs is None or batch.rollout_logprobs is None:
+        return {}
+    out = {}
+    for bucket in dict.fromkeys(name for name, _, _ in groups):  # in the probe's order
+        ids = torch.tensor([gid for name, gid, _ in groups if name == bucket])  # [G_b]
+        rows = torch.isin(batch.group_ids, ids)  # [N]
+        found = mismatch_metrics(inputs.old_logprobs[rows], batch.rollout_logprobs[rows], batch.response_mask[rows],
+                                 band=cfg.algo.mismatch_band, tis_cap=cfg.algo.tis_cap, mis=cfg.algo.mis)
+        out.update({names.bucket_metric(prefix, bucket, key): value for key, value in found.items()})
+    return out
 
 
 def per_parameter(model, gradients: dict[str, torch.Tensor], prefix: str) -> dict[str, np.ndarray]:
