@@ -8,7 +8,7 @@ interleaved in every repeat:
 
   (a) one actor update epoch (`update_actor`, mini-batch 32, micro-batch 16);
   (b) `gradient_probe`: 6 buckets + derived `all`, 3 components (entropy and KL coefficients non-zero);
-  (c) a naive reference following RAGEN's protocol (reference/ragen_behaviour.md §3.5–3.6): `all`
+  (c) a naive reference following RAGEN's protocol (docs/reference/ragen_behaviour.md §3.5–3.6): `all`
       recomputed as its own bucket, and for each bucket and each component a fresh forward + backward
       per micro-batch into `.grad`, then the global norm;
   (d) the three-reward-component analysis (`analysis.terms=[] analysis.reward_grad=true`): per-component

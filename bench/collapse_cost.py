@@ -12,8 +12,9 @@ per group; trajectory-uniform: `--samples` pairs, each its own column), then tim
       (GRPO advantages, mini-batch 32, micro-batch 16);
   (b) ours: `cross_loglik` with each distinct prompt encoded once per micro-batch (shared prefix) and the scores of
       identical prompts copied, plus the metrics and 200 bootstrap resamples (`train/collapse_stage.py`'s work);
-  (c) naive (RAGEN's protocol, reference/ragen_behaviour.md §5): every column's prompt with every reply forwarded as
-      an independent full sequence [x_j | z_i] (N x C rows, no prefix reuse, no de-duplication of columns).
+  (c) naive (RAGEN's protocol, docs/reference/ragen_behaviour.md §5): every column's prompt with every reply
+      forwarded as an independent full sequence [x_j | z_i] (N x C rows, no prefix reuse, no de-duplication of
+      columns).
 
 Prints the medians, the largest |L_ours - L_naive| (the two must agree), the ratios c/b per mode and overall
 (goal ≥ 3) and b/a (the diagnostics' cost relative to a step when they run; divide by `collapse.compute_freq`

@@ -1,4 +1,4 @@
-"""Reward-variance bucketing (ragen_behaviour.md §3.4)."""
+"""Reward-variance bucketing (docs/reference/ragen_behaviour.md §3.4)."""
 
 import math
 

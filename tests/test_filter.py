@@ -1,4 +1,4 @@
-"""Rollout filter: group statistics, RAGEN selection semantics (ragen_behaviour.md §2.4) and metrics."""
+"""Rollout filter: group statistics, RAGEN selection semantics (docs/reference/ragen_behaviour.md §2.4) and metrics."""
 
 import math
 

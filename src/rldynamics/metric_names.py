@@ -11,7 +11,7 @@ Decisions of the trainer never read a metric: the stages return typed values (`t
   (`grad_norm_prefilter/` for the unfiltered separate batch), `reward_grad/<bucket>/...` and `grad_analysis/`, and
   of a collapse-diagnosed step `collapse_first_turn_sample/`, `collapse_trajectory_sample/` (RAGEN's names) and
   `collapse/` (their coverage counts).
-- Bucket names are RAGEN's: ``bucket_<k>``, k = 1, 2, ... (``reference/ragen_behaviour.md`` §3.4).
+- Bucket names are RAGEN's: ``bucket_<k>``, k = 1, 2, ... (``docs/reference/ragen_behaviour.md`` §3.4).
   quantile: ``bucket_k`` is the k-th quantile bucket, lowest reward std first; labelled ``Q<k>``.
   fixed_rv: ``bucket_k`` is always the interval [k-1, k) of group reward std (the last one [5, ∞)), also
   when lower intervals are empty, so a name means the same interval at every step and in every run;

@@ -3,7 +3,7 @@
 Design choices:
 - Works on a ``[G, n]`` matrix of one per-trajectory metric (G groups of n trajectories each), so
   the caller decides what a row is (trajectory or episode) before calling in here.
-- ``select_groups`` reproduces RAGEN's ``_select_top_groups`` (see ``reference/ragen_behaviour.md``
+- ``select_groups`` reproduces RAGEN's ``_select_top_groups`` (see ``docs/reference/ragen_behaviour.md``
   §2.4), including its quirks (linear top-p never keeps non-positive scores and returns nothing for an
   all-zero score vector). Unlike RAGEN, every sort is stable, so ties go to the lower group index and
   the selection is deterministic.
@@ -146,7 +146,7 @@ def select_groups(
     include_zero: bool = True,
     eps: float = 0.01,
 ) -> torch.Tensor:
-    """Choose which groups to keep, following RAGEN's rollout filter (``ragen_behaviour.md`` §2.4).
+    """Choose which groups to keep, following RAGEN's rollout filter (``docs/reference/ragen_behaviour.md`` §2.4).
 
     Args:
         scores: ``[G]`` group scores (e.g. within-group reward std); taken in float32, as RAGEN's are.
@@ -197,7 +197,8 @@ def kept_ratio(kept: torch.Tensor, num_groups: int) -> float:
 
 def filter_metrics(group_values: torch.Tensor, kept: torch.Tensor, scores: torch.Tensor,
                    prefix: str = ROLLOUT) -> dict[str, float]:
-    """Metrics describing one filtering decision (RAGEN ``rollout/*`` names, ``ragen_behaviour.md`` §2.7).
+    """Metrics describing one filtering decision (RAGEN ``rollout/*`` names,
+    ``docs/reference/ragen_behaviour.md`` §2.7).
 
     Args:
         group_values: ``[G, n]`` per-trajectory rewards.

@@ -10,8 +10,8 @@ Design choices:
 - Losses return ``(loss, metrics)`` where metrics are python floats computed without gradient.
 - Pure functions of tensors and scalars: no config objects, no models, no loggers.
 
-Formulas follow the PPO/verl conventions summarised in ``reference/ragen_behaviour.md`` §4 and
-``reference/peer_systems.md`` D.2-D.5.
+Formulas follow the PPO/verl conventions summarised in ``docs/reference/ragen_behaviour.md`` §4 and
+``docs/reference/peer_systems.md`` D.2-D.5.
 """
 
 from __future__ import annotations

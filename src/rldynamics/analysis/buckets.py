@@ -3,7 +3,7 @@
 Design choices:
 - Input is one score per group (normally the within-group reward std, "RV"); output is group indices, so
   the caller maps groups to rows and this module never sees a batch.
-- ``quantile`` follows RAGEN's ``split_into_buckets`` (``reference/ragen_behaviour.md`` §3.4): equal
+- ``quantile`` follows RAGEN's ``split_into_buckets`` (``docs/reference/ragen_behaviour.md`` §3.4): equal
   bucket sizes with the remainder going to the highest bucket. RAGEN leaves the order of tied scores
   unspecified; here the sort is stable, so ties go to the lower group index first.
 - ``fixed_rv`` uses RAGEN's fixed edges 0..5 (tuned to Sokoban's reward scale) and ignores

@@ -3,7 +3,7 @@
 This module assembles the probe: buckets, passes over them, sums, results. The gradients come from the engines of
 ``analysis/engines.py``, the metrics from ``analysis/probe_metrics.py``.
 
-Semantics (``docs/design.md`` §4.2–4.4, metric names from ``reference/ragen_behaviour.md`` §3.7):
+Semantics (``docs/design.md`` §4.2–4.4, metric names from ``docs/reference/ragen_behaviour.md`` §3.7):
 - Groups are split into reward-variance buckets with ``assign_buckets`` (whole groups, lowest variance
   first: ``bucket_1..bucket_B``; fixed_rv buckets keep their interval's name, empty intervals are left
   out); with ``zero_bucket`` the zero-variance groups come first as ``bucket_0``; ``all`` is the whole batch.

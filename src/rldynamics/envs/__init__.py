@@ -10,7 +10,7 @@ Adding an environment takes two steps and no framework:
        from rldynamics.envs import ENVS
        ENVS["my_env"] = MyEnv
 
-The registry is a plain dict on purpose (style_anchors.md §7.9): no decorators, no plugin discovery.
+The registry is a plain dict on purpose (docs/reference/style_anchors.md §7.9): no decorators, no plugin discovery.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Design choices:
 - Each answer check has a deadline (`verify_timeout`) and the checks of one rollout share `verify_budget`
   seconds (`rollout_scope`, held by the rollout; `answer_check` says how). A check with no verdict counts as
   wrong and shows in `metrics()` as `verify_timeout`, which the rollout logs per step.
-- Components, as the rldynamic study defines them (reference/peer_systems.md §A.1):
+- Components, as the rldynamic study defines them (docs/reference/peer_systems.md §A.1):
   `correctness` 1 if math-verify finds the answer equal to the gold answer (rldynamic compared strings),
   else 0; `format` = 0.25 per whole word "first" / "second" / "third" in the lower-cased reply, + 0.25
   for each of "step1" / "step2" in it with spaces removed, + 0.4 if `\\boxed` appears, capped at 1;

@@ -1,7 +1,7 @@
 """Sokoban as a text environment, with our own seeded puzzle generator and an optimal solver.
 
 Design choices:
-- Behaviour follows RAGEN's Sokoban (reference/ragen_behaviour.md §7): push dynamics; −0.1 per step,
+- Behaviour follows RAGEN's Sokoban (docs/reference/ragen_behaviour.md §7): push dynamics; −0.1 per step,
   +1 / −1 when the number of boxes on targets goes up / down, +10 when every box is on a target, reported
   as the named reward components `step`, `box` and `solved` (their sum is RAGEN's reward); `done`
   when solved or after `max_steps` env steps; the grid / coord / grid_coord renderings. Defaults mirror

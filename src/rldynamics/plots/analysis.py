@@ -1,6 +1,6 @@
 """Per-step gradient-analysis figures (RAGEN's `plot_gradient_analysis.py` panels) and the multi-step paper grid.
 
-Differences from RAGEN (``reference/ragen_behaviour.md`` §9, §11.18), on purpose:
+Differences from RAGEN (``docs/reference/ragen_behaviour.md`` §9, §11.18), on purpose:
 - Axes never clip data: no fixed y-limits; a value axis switches to log (all positive) or symlog (zeros or
   negatives present) only when the values span more than ~1.5 decades, so zero-RV buckets stay visible.
 - A metric that was not logged is drawn as "missing", never as a zero bar.

@@ -1,6 +1,6 @@
 """Turn a model response into action words, the way RAGEN's context manager does.
 
-Design choices (reference/ragen_behaviour.md §7, "Action parsing"):
+Design choices (docs/reference/ragen_behaviour.md §7, "Action parsing"):
 - Special tokens (`<|...|>` forms such as `<|im_end|>`, `<|endoftext|>`, plus `<s>` / `</s>`) are
   stripped *before* matching, so a trailing end-of-turn token never hides an answer.
 - With `enable_think` the response must contain `<think>...</think>` followed (whitespace allowed) by
