@@ -218,10 +218,11 @@ def _run_job(command: str, job, check=None) -> int:
 
     hf_logging.disable_progress_bar()  # per-file load/save bars would drown the training progress bar
     dist.init_from_env()
+    code, run_dir = 1, None
     try:
         code, run_dir = _one_line_errors(command, say, lambda: job(checked))
     finally:
-        dist.close()
+        dist.close(finished=code == 0)
     if run_dir is not None:
         say(f"run directory: {run_dir}")
     return code

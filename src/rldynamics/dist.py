@@ -36,9 +36,13 @@ def init_from_env() -> None:
         dist.init_process_group("gloo", timeout=TIMEOUT)
 
 
-def close() -> None:
-    """Leave the process group (if joined)."""
+def close(finished: bool = False) -> None:
+    """Leave the process group (if joined). After a job every rank finished, the ranks first wait for each other, so
+    that no rank tears its group down while a peer's communication threads still serve it (gloo then aborts the peer
+    at exit: "terminate called without an active exception"); after an error the rank leaves at once."""
     if distributed():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 
