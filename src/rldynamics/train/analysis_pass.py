@@ -155,7 +155,7 @@ def _separate_batch_passes(s, k: int, metrics: dict[str, float]) -> list:
     with torch.random.fork_rng(devices=[]):
         raw = rollout_groups(cfg, s.model, s.tokenizer,
                              train_seeds(cfg.train.seed_base + ANALYSIS_SEED_OFFSET, groups, k), size,
-                             cfg.train.temperature, step_seed(cfg.seed, k, stream=3))
+                             cfg.train.temperature, step_seed(cfg.seed, k, stream=3), engine=s.engine)
     metrics.update({_own("source_env_groups"): float(groups), _own("source_group_size"): float(size),
                     _own("source_batch_size"): float(len(raw))})
     filtered = filter_batch(raw, cfg.filter, prefix=names.GRAD_ANALYSIS)

@@ -70,6 +70,7 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0) -> dict[str, float]:
     from rldynamics import dist
     from rldynamics.models.loading import load_model_and_tokenizer
     from rldynamics.models.sharding import wrap
+    from rldynamics.rollout.vllm_engine import rollout_engine
     from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
     from rldynamics.train.setup import Session, base_model_path, prepare, resolve_device
     from rldynamics.train.trainer import validate
@@ -83,7 +84,7 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0) -> dict[str, float]:
     model, tokenizer = load_model_and_tokenizer(path, device=str(device), chat_template=cfg.model.chat_template)
     model = wrap(prepare(model, cfg, path), cfg.model.shard)
     session = Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=None,
-                      main=dist.is_main())
+                      main=dist.is_main(), engine=rollout_engine(cfg, path, model))
     start = time.perf_counter()
     metrics = validate(session).metrics
     metrics["timing_s/eval"] = time.perf_counter() - start

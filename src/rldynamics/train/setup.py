@@ -182,9 +182,6 @@ def check_world(cfg: Config, ranks: int | None = None) -> None:
     ranks = dist.world() if ranks is None else ranks
     if ranks == 1:
         return
-    if cfg.rollout.engine == "vllm":
-        raise ConfigError(f"rollout.engine=vllm runs one engine in one process; {ranks} ranks are not supported yet: "
-                          "set rollout.engine=hf or run without torchrun")
     if cfg.analysis.dump_gradients:
         raise ConfigError(f"analysis.dump_gradients=true writes whole gradients, which {ranks} ranks never gather; "
                           "set analysis.dump_gradients=false or run without torchrun")

@@ -29,7 +29,8 @@ from rldynamics.rollout.sampling import NonFiniteLogits
 def rollout_groups(cfg: Config, model, tokenizer, seeds: list[int], group_size: int, temperature: float,
                    seed: int, engine=None) -> RolloutBatch:
     """The rollout of one env group per seed, sampled from the stream `seed`, split over the ranks by whole groups.
-    `engine`: the run's rollout engine (None: HF generate on `model`).
+    `engine`: the run's rollout engine (None: HF generate on `model`, whose weights are gathered for it), released
+    after the rollout (`VllmEngine.release`: its GPU memory is the trainer's until it samples again).
 
     Raises NonFiniteLogits on every rank when any rank's policy scores were not finite.
     """
@@ -38,7 +39,7 @@ def rollout_groups(cfg: Config, model, tokenizer, seeds: list[int], group_size: 
     if row_seed is None:
         torch.manual_seed(dist.rank_seed(seed))
     try:
-        with gathered(model):
+        with gathered(model if engine is None else None):
             part: RolloutBatch | NonFiniteLogits = rollout(
                 model, tokenizer, seeds[groups.start:groups.stop], group_size, cfg.env, temperature=temperature,
                 row_seed=row_seed, first_group=groups.start, engine=engine)
@@ -46,6 +47,9 @@ def rollout_groups(cfg: Config, model, tokenizer, seeds: list[int], group_size: 
         if not dist.distributed():
             raise
         part = e
+    finally:
+        if engine is not None:
+            engine.release()
     parts = dist.gather(part)
     failed = [p for p in parts if isinstance(p, NonFiniteLogits)]
     if failed:
