@@ -74,7 +74,8 @@ def our_overrides(model_path: str, groups: int, steps: int, run_dir: str, dtype:
                   engine: str = "hf") -> list[str]:
     """Our config for the matched setting."""
     vllm = [f"rollout.engine={engine}", f"rollout.vllm_dtype={dtype}", "rollout.vllm_kv_cache_gib=0.5"]
-    return [*(vllm if engine == "vllm" else []), f"model.path={model_path}", "env.max_turns=1", f"env.max_new_tokens={NEW_TOKENS}",
+    return [*(vllm if engine == "vllm" else []), f"model.path={model_path}", "env.max_turns=1",
+            f"env.max_new_tokens={NEW_TOKENS}",
             f"train.env_groups={groups}", f"train.group_size={GROUP_SIZE}", f"train.steps={steps}",
             f"train.lr={LR}", "train.weight_decay=0.0", "train.ppo_epochs=1",
             f"train.mini_batch_size={groups * GROUP_SIZE}", f"train.micro_batch_size={MICRO}",
@@ -95,7 +96,8 @@ def run_ours(model_path: str, groups: int, steps: int, dtype: str, engine: str =
     counter = UpdateFlops()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            rows = read_metrics(train(make_config(overrides=our_overrides(model_path, groups, steps, tmp, dtype, engine))))
+            cfg = make_config(overrides=our_overrides(model_path, groups, steps, tmp, dtype, engine))
+            rows = read_metrics(train(cfg))
     finally:
         counter.close()
     if len(counter.flops) != len(rows):
@@ -346,7 +348,8 @@ def report(size: str, batch: str, dtype: str, width: int, got: dict, engine: str
 def print_table(rows: list[dict]) -> None:
     """The figures of every size as one Markdown table (s/step medians, GFLOP/s)."""
     print("\n| " + " | ".join(rows[0]) + " |")
-    print("|" + "|".join("---" if k in ("model", "batch", "dtype", "our engine", "our phases") else "---:" for k in rows[0]) + "|")
+    text = ("model", "batch", "dtype", "our engine", "our phases")
+    print("|" + "|".join("---" if k in text else "---:" for k in rows[0]) + "|")
     for row in rows:
         print("| " + " | ".join(row.values()) + " |", flush=True)
 

@@ -170,8 +170,9 @@ def test_vs_trl_report_takes_medians_the_best_matmul_and_their_ratio(vs_trl, cap
            "matmul": [5e9, 8e9], "params": 134_515_008,
            "phases": {"gen": [0.5, 0.5, 0.6], "old_log_prob": [], "adv": [0.0, 0.0, 0.0], "update_actor": [1.5, 1, 2]}}
     row = vs_trl.report("smollm2", "2 x 8", "float32", 1536, got)
-    assert row == {"model": "smollm2 (134.52M)", "batch": "2 x 8", "dtype": "float32", "ours s/step": "2.000",
-                   "TRL s/step": "5.000", "TRL/ours": "2.50", "our phases": "gen 25%, update_actor 75%",
+    assert row == {"model": "smollm2 (134.52M)", "batch": "2 x 8", "dtype": "float32", "our engine": "hf",
+                   "ours s/step": "2.000", "TRL s/step": "5.000", "TRL/ours": "2.50",
+                   "our phases": "gen 25%, update_actor 75%",
                    "update GFLOP/s": "2.00", "matmul GFLOP/s": "8.00", "update/matmul": "0.25"}
     assert "update 2.00 GFLOP/s (740 token positions per step)  matmul 8.00 GFLOP/s (1536x1536 float32" in \
         capsys.readouterr().out

@@ -253,7 +253,8 @@ def test_two_ranks_each_with_an_engine_give_the_one_process_run(tiny_cache, tmp_
            "rollout.vllm_kv_cache_gib=0.25", "val.every=2", "val.env_groups=2", "model.shard=true",
            "log.samples_per_step=100", f"log.run_dir={tmp_path}"]
     one = train(make_config("math-tiny", overrides=[*run, "log.name=one"]))
-    run_ranks(["-m", "rldynamics.cli", "train", "--preset", "math-tiny", *run, "log.name=two"], timeout=300, env={"RLDYN_CACHE": tiny_cache})
+    run_ranks(["-m", "rldynamics.cli", "train", "--preset", "math-tiny", *run, "log.name=two"], timeout=300,
+              env={"RLDYN_CACHE": tiny_cache})
     texts = [(tmp_path / name / "samples.jsonl").read_text() for name in ("one", "two")]
     assert texts[0] == texts[1] and texts[0].count("\n") == 2 * 2 * 3
     a, b = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
@@ -269,3 +270,30 @@ def test_two_ranks_each_with_an_engine_give_the_one_process_run(tiny_cache, tmp_
             if key in x:
                 assert y[key] == pytest.approx(x[key], rel=1e-3, abs=1e-6), (x["step"], key)
     assert one == tmp_path / "one"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_engine_sleeps_between_rollouts(tiny128):
+    """On a GPU the engine frees its memory after a rollout (`release`) and comes back for the sync and the next
+    rollout: the KV cache (1 GiB here) is freed while it sleeps, and after a sync it samples from the trainer's
+    weights (its log-probs of its own tokens equal the trainer's)."""
+    require_package("vllm", vllm_engine.INSTALL_GPU)
+    model, _ = load_model_and_tokenizer(tiny128, device="cuda")
+    engine = VllmEngine(tiny128, dtype="float32", kv_cache_gib=1.0, sleep=True)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    engine.generate(prompts, 6, 1.0, [], row_keys=[0, 1])
+    awake = torch.cuda.mem_get_info()[0]
+    engine.release()
+    assert engine.sleeping == {"weights", "kv_cache"}
+    assert torch.cuda.mem_get_info()[0] - awake > 0.9 * 2**30
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    engine.sync(model)
+    assert not engine.sleeping
+    responses, logprobs = engine.generate(prompts, 6, 1.0, [], row_keys=[0, 1])
+    model.cpu()
+    for prompt, ids, lp in zip(prompts, responses, logprobs, strict=True):
+        trainer = _trainer_logprobs(model, prompt + ids, len(prompt)).detach()
+        assert torch.allclose(torch.tensor(lp), trainer, atol=1e-3)
