@@ -182,7 +182,8 @@ class TrainConfig:
 class RolloutConfig:
     engine: str = _one_of("hf", "hf", "vllm")
     """Generation engine of training and validation rollouts: hf (HF generate) | vllm (vLLM colocated in the
-    trainer's process, weights synced after every optimizer step; needs the vllm extra, docs/vllm.md)."""
+    trainer's process, one per rank under torchrun, weights synced after every optimizer step; needs the vllm extra,
+    docs/vllm.md)."""
     vllm_dtype: str = _one_of("bfloat16", "float32", "bfloat16")
     """vllm: the engine's weights and compute dtype, float32 | bfloat16 (the trainer keeps model.dtype)."""
     vllm_kv_cache_gib: float = _within(1.0, 0, inclusive=False)
