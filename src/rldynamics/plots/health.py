@@ -1,4 +1,6 @@
-"""Health checks over a run's metrics rows: what a researcher should watch (seeds/004), as flags with numbers.
+"""Health checks over a run's metrics rows: what a researcher should watch, as flags with numbers.
+
+docs/plots-and-report.md describes the report's health section these flags fill.
 
 Each check is a pure function `rows -> list[Flag]`; `health_checks` runs them all. Thresholds are rules of
 thumb, stated in the flag text, not hard truths:
@@ -85,7 +87,7 @@ def check_grad_norm(rows: list[dict[str, Any]], key: str = "actor/grad_norm", fa
         flags.append(Flag("grad_norm_spike", "warning", f"{key} spikes above {factor:g}× the running median "
                           f"at {len(spikes)} step(s)",
                           "Isolated spikes are usually harmless with clipping; repeated or growing spikes precede "
-                          "divergence. Absolute grad-norm values are not comparable across setups (seeds/004).",
+                          "divergence. Absolute grad-norm values are not comparable across setups.",
                           {"steps": _steps_text(s[0] for s in spikes),
                            "worst": f"step {worst[0]}: {_g(worst[1])} vs running median {_g(worst[2])} "
                                     f"({_g(worst[1] / worst[2])}×)"}))
