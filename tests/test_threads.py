@@ -37,8 +37,13 @@ def test_run_sets_and_records_its_threads_versions_and_model(fast_overrides, cap
     torch.set_num_threads(2)
     run = train(make_config(overrides=[*fast_overrides, "train.steps=1", "model.threads=1"]))
     assert torch.get_num_threads() == 1
-    assert capsys.readouterr().out.splitlines()[0] == "device cpu, 1 torch thread (model.threads=1)"
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "device cpu, 1 torch thread (model.threads=1), compute float32 (model.dtype=auto: the embedded tiny model "
+        "computes in float32)")
     (record,) = read_environment(run)
+    assert (record["compute_dtype"], record["compute_dtype_reason"]) == (
+        "float32", "model.dtype=auto: the embedded tiny model computes in float32")
+    assert record["bf16_capability"] and record["cpu_model"]
     assert (record["threads"], record["threads_from"], record["device"], record["start_step"]) == (
         1, "model.threads=1", "cpu", 0)
     assert record["torch"] == torch.__version__ and all(record[p] for p in ("transformers", "tokenizers", "numpy"))

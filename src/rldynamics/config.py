@@ -61,9 +61,10 @@ KL_TYPES = tuple(k + s for k in ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "a
 class ModelConfig:
     path: str = "tiny"
     """HF model id or local directory; `tiny` = the embedded default model built locally."""
-    dtype: str = _one_of("float32", "float32", "bfloat16", "auto")
-    """Compute dtype: float32 | bfloat16 (mixed precision: weights, gradients and AdamW state stay float32, forward
-    and backward run in bfloat16, as verl does) | auto (bfloat16 for a bfloat16 or float16 checkpoint)."""
+    dtype: str = _one_of("auto", "auto", "float32", "bfloat16")
+    """Compute dtype: auto | float32 | bfloat16 (mixed precision: weights, gradients and AdamW state stay float32,
+    forward and backward run in bfloat16, as verl does). auto = bfloat16 where the device computes it fast (a CUDA GPU
+    with bfloat16, a CPU with AMX or AVX512-BF16, measured once), else float32; float32 for the tiny model."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in backward instead of keeping them (less memory, one more
     forward; verl's enable_gradient_checkpointing). Gradients are the same."""
@@ -184,8 +185,9 @@ class RolloutConfig:
     """Generation engine of training and validation rollouts: hf (HF generate) | vllm (vLLM colocated in the
     trainer's process, one per rank under torchrun, weights synced after every optimizer step; needs the vllm extra,
     docs/vllm.md)."""
-    vllm_dtype: str = _one_of("bfloat16", "float32", "bfloat16")
-    """vllm: the engine's weights and compute dtype, float32 | bfloat16 (the trainer keeps model.dtype)."""
+    vllm_dtype: str = _one_of("auto", "auto", "float32", "bfloat16")
+    """vllm: the engine's weights and compute dtype, auto | float32 | bfloat16 (auto: model.dtype's rule; the trainer
+    keeps model.dtype)."""
     vllm_kv_cache_gib: float = _within(1.0, 0, inclusive=False)
     """vllm: memory reserved for the engine's KV cache (GiB, CPU or GPU); bounds the tokens held at once."""
     vllm_sleep: bool = True

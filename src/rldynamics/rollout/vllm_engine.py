@@ -148,12 +148,13 @@ class VllmEngine:
         self.llm.reset_prefix_cache()
 
 
-def rollout_engine(cfg: Config, path: str, model: torch.nn.Module) -> VllmEngine | None:
+def rollout_engine(cfg: Config, path: str, model: torch.nn.Module, dtype: str) -> VllmEngine | None:
     """The run's rollout engine as `rollout.engine` says: None for hf (each rollout makes its own `HFEngine`), or a
-    `VllmEngine` on the base model directory `path` holding `model`'s weights (a resumed checkpoint's too)."""
+    `VllmEngine` in `dtype` (`rollout.vllm_dtype` resolved: `train.setup.choose_precision`) on the base model
+    directory `path` holding `model`'s weights (a resumed checkpoint's too)."""
     if cfg.rollout.engine != "vllm":
         return None
-    engine = VllmEngine(path, dtype=cfg.rollout.vllm_dtype, kv_cache_gib=cfg.rollout.vllm_kv_cache_gib, seed=cfg.seed,
+    engine = VllmEngine(path, dtype=dtype, kv_cache_gib=cfg.rollout.vllm_kv_cache_gib, seed=cfg.seed,
                         sleep=cfg.rollout.vllm_sleep)
     engine.sync(model)
     return engine

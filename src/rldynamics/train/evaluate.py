@@ -72,19 +72,23 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0) -> dict[str, float]:
     from rldynamics.models.sharding import wrap
     from rldynamics.rollout.vllm_engine import rollout_engine
     from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
-    from rldynamics.train.setup import Session, base_model_path, prepare, resolve_device
+    from rldynamics.train.setup import Session, announce, base_model_path, choose_precision, prepare, resolve_device, \
+        set_threads
     from rldynamics.train.trainer import validate
 
     check_no_links(run_dir)
     _check_new(run_dir)
     RunLock(run_dir).check()
     device = resolve_device(cfg.model.device)
+    threads, threads_from = set_threads(cfg)
+    precision = choose_precision(cfg, device)
+    announce(device, threads, threads_from, precision)
     torch.manual_seed(cfg.seed)
     path = base_model_path(cfg)
     model, tokenizer = load_model_and_tokenizer(path, device=str(device), chat_template=cfg.model.chat_template)
-    model = wrap(prepare(model, cfg, path), cfg.model.shard)
+    model = wrap(prepare(model, cfg, precision), cfg.model.shard)
     session = Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=None,
-                      main=dist.is_main(), engine=rollout_engine(cfg, path, model))
+                      main=dist.is_main(), engine=rollout_engine(cfg, path, model, precision.engine_dtype))
     start = time.perf_counter()
     metrics = validate(session).metrics
     metrics["timing_s/eval"] = time.perf_counter() - start

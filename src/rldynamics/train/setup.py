@@ -46,7 +46,8 @@ from rldynamics.config import (
     to_dict,
 )
 from rldynamics.models.loading import load_model_and_tokenizer, load_value_model, resolve_model_path
-from rldynamics.models.precision import compute_dtype_name, compute_in, enable_checkpointing
+from rldynamics.models.hardware import Bf16Speed, DtypeChoice, bf16_speed, choose_dtype, cpu_model
+from rldynamics.models.precision import compute_in, enable_checkpointing
 from rldynamics.models.sharding import wrap
 from rldynamics.models.tiny import ensure_tiny_model
 from rldynamics.rollout import vllm_engine
@@ -268,45 +269,92 @@ def check_resume_settings(cfg: Config, run_dir: Path) -> None:
 def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
     """Build the training session for `cfg`, resuming `start`; writes nothing (`open_run` does, under the lock)."""
     device = resolve_device(cfg.model.device)
-    threads, threads_from = set_threads(cfg, device)
+    threads, threads_from = set_threads(cfg)
+    precision = choose_precision(cfg, device)
+    announce(device, threads, threads_from, precision)
     torch.manual_seed(cfg.seed)
     base = dist.on_main(run_base_path, cfg, start)  # the tiny model is built (and warm-started) once, by rank 0
     ckpt = start.checkpoint
     model, tokenizer = load_model_and_tokenizer(str(ckpt / "actor") if ckpt else base, device=str(device),
                                                 chat_template=cfg.model.chat_template)
     actor_shapes = _shapes(model)
-    model = wrap(prepare(model, cfg, base), cfg.model.shard)
+    model = wrap(prepare(model, cfg, precision), cfg.model.shard)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     ref_model = None
     if cfg.algo.kl_coef > 0 or cfg.analysis.enabled:  # the probe measures the KL gradient even at coef 0
         ref_model, _ = load_model_and_tokenizer(base, device=str(device))
         if ckpt is not None:
             check_reference(actor_shapes, ref_model, base, ckpt)
-        ref_model = wrap(prepare(ref_model.requires_grad_(False), cfg, base), cfg.model.shard)
+        ref_model = wrap(prepare(ref_model.requires_grad_(False), cfg, precision), cfg.model.shard)
     critic = critic_optimizer = None
     if cfg.algo.has_critic:
         critic = load_value_model(str(ckpt / "critic") if ckpt else base, device=str(device))
-        critic = wrap(prepare(critic, cfg, base), cfg.model.shard)
+        critic = wrap(prepare(critic, cfg, precision), cfg.model.shard)
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic.lr, weight_decay=0.0)
     if ckpt is not None:
         load_trainer_state(ckpt, model=model, optimizer=optimizer, critic=critic, critic_optimizer=critic_optimizer)
     environment = describe(start.step, threads, threads_from, _device_name(device),
                            base if cfg.model.path == "tiny" and dist.is_main() else None)
+    environment.update(precision.record())
     return Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=optimizer,
                    ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer, main=dist.is_main(),
                    collapse_ema=copy.deepcopy((start.state or {}).get("collapse_ema", {})),  # a resumed run goes on
-                   environment=environment, engine=rollout_engine(cfg, base, model))
+                   environment=environment, engine=rollout_engine(cfg, base, model, precision.engine_dtype))
 
 
-def set_threads(cfg: Config, device: torch.device) -> tuple[int, str]:
-    """Set torch's CPU thread count (`threads.choose_threads`) and say it, with the device, in the run's first console
-    line; returns (threads, where the number comes from)."""
+def set_threads(cfg: Config) -> tuple[int, str]:
+    """Set torch's CPU thread count (`threads.choose_threads`); returns (threads, where the number comes from)."""
     threads, threads_from = choose_threads(cfg.model.threads)
     torch.set_num_threads(threads)
-    if dist.is_main():
-        print(f"device {_device_name(device)}, {threads} torch thread{'s' if threads > 1 else ''} ({threads_from})",
-              flush=True)
     return threads, threads_from
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The compute dtypes of a start (`model.dtype`, and `rollout.vllm_dtype` with the vLLM engine), resolved by the
+    hardware rule of `models.hardware`, and the device's bfloat16 speed behind them."""
+
+    model: DtypeChoice
+    engine: DtypeChoice | None  # None: no vLLM engine
+    speed: Bf16Speed
+
+    @property
+    def engine_dtype(self) -> str:
+        return self.engine.name if self.engine is not None else self.model.name
+
+    def words(self) -> str:
+        """`compute float32 (model.dtype=auto: ...)`, with the engine's dtype when it has one."""
+        out = f"compute {self.model.name} ({self.model.reason})"
+        return out + (f", vLLM {self.engine.name} ({self.engine.reason})" if self.engine is not None else "")
+
+    def record(self) -> dict:
+        """The fields of `environment.jsonl` that say which dtype computes and why."""
+        out = {"compute_dtype": self.model.name, "compute_dtype_reason": self.model.reason,
+               "bf16_capability": self.speed.capability, "bf16_factor": self.speed.factor, "cpu_model": cpu_model()}
+        if self.engine is not None:
+            out.update(vllm_dtype=self.engine.name, vllm_dtype_reason=self.engine.reason)
+        return out
+
+
+def choose_precision(cfg: Config, device: torch.device) -> Precision:
+    """Resolve `model.dtype` (and `rollout.vllm_dtype`) on `device` (`models.hardware.choose_dtype`)."""
+    engine = cfg.rollout.vllm_dtype if cfg.rollout.engine == "vllm" else None
+    speed = bf16_speed(device, measure_slow="bfloat16" in (cfg.model.dtype, engine))
+    tiny = cfg.model.path == "tiny"
+    return Precision(model=choose_dtype("model.dtype", cfg.model.dtype, speed, tiny=tiny),
+                     engine=None if engine is None else choose_dtype("rollout.vllm_dtype", engine, speed, tiny=tiny),
+                     speed=speed)
+
+
+def announce(device: torch.device, threads: int, threads_from: str, precision: Precision) -> None:
+    """The run's first console line: device, threads and compute dtype, each with why (rank 0); then any warning."""
+    if not dist.is_main():
+        return
+    print(f"device {_device_name(device)}, {threads} torch thread{'s' if threads > 1 else ''} ({threads_from}), "
+          f"{precision.words()}", flush=True)
+    for choice in (precision.model, precision.engine):
+        if choice is not None and choice.warning:
+            print(choice.warning, flush=True)
 
 
 def _device_name(device: torch.device) -> str:
@@ -314,20 +362,11 @@ def _device_name(device: torch.device) -> str:
     return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
 
 
-def prepare(model: torch.nn.Module, cfg: Config, base: str) -> torch.nn.Module:
-    """A float32 model (loaded so, whatever the checkpoint stores) set to compute in `model.dtype` (mixed precision)
-    and, with `model.gradient_checkpointing`, to recompute its blocks in backward."""
-    stored = _checkpoint_dtype(base) if cfg.model.dtype == "auto" else None
-    model = compute_in(model, compute_dtype_name(cfg.model.dtype, stored))
+def prepare(model: torch.nn.Module, cfg: Config, precision: Precision) -> torch.nn.Module:
+    """A float32 model (loaded so, whatever the checkpoint stores) set to compute in the resolved `model.dtype`
+    (mixed precision) and, with `model.gradient_checkpointing`, to recompute its blocks in backward."""
+    model = compute_in(model, precision.model.name)
     return enable_checkpointing(model) if cfg.model.gradient_checkpointing else model
-
-
-def _checkpoint_dtype(path: str) -> torch.dtype | None:
-    """The dtype a model directory or hub id says its weights are stored in (None when it does not say)."""
-    from transformers import AutoConfig
-
-    dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
 def open_run(s: Session, start: Start) -> None:
