@@ -9,6 +9,7 @@ import torch
 
 from conftest import micro_model_batch
 from rldynamics.algo.losses import term_coefs, weighted_total
+from rldynamics.algo.rollout_corr import batch_mismatch
 from rldynamics.algo.shares import sub_batch_share
 from rldynamics.analysis.objective import ActorInputs
 from rldynamics.config import make_config
@@ -152,6 +153,35 @@ def test_on_policy_update_without_old_pass_matches_the_old_pass(setup, policy_lo
     for key in ("actor/pg_loss", "actor/entropy_loss", "actor/grad_norm"):
         assert m_own[key] == pytest.approx(m_pass[key], rel=1e-5, abs=1e-7)
     assert m_own["actor/ppo_kl"] == 0.0 and m_own["actor/pg_clipfrac"] == 0.0  # ratio exactly 1
+
+
+def test_a_recording_update_gives_the_old_pass_log_probs_and_mismatch(setup):
+    """`record`: the single-pass update's own forward yields the rollout policy's log-probs, so the mismatch
+    metrics need no old-log-prob pass; recording leaves the update itself unchanged."""
+    model, batch, inputs = setup
+    cfg = make_config(overrides=[f"train.mini_batch_size={len(batch)}", "train.ppo_epochs=1", "train.micro_batch_size=4",
+                                 "algo.tis_cap=2.0"])
+    assert single_pass(cfg.train, len(batch))
+    own = ActorInputs(old_logprobs=None, advantages=inputs.advantages)
+    updates, models = [], []
+    for record in (False, True):
+        m = copy.deepcopy(model)
+        updates.append(update_actor(m, torch.optim.SGD(m.parameters(), lr=1.0), batch, own, cfg.algo, cfg.train,
+                                    record=record))
+        models.append(m)
+    assert updates[0].logprobs is None and updates[1].metrics == updates[0].metrics
+    assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True))
+    mask = batch.response_mask.bool()  # [N, L]
+    torch.testing.assert_close(updates[1].logprobs[mask], inputs.old_logprobs[mask], rtol=1e-5, atol=1e-6)
+    assert (updates[1].logprobs[~mask] == 0).all()
+    sampler = inputs.old_logprobs + 0.1 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(0))
+    batch.rollout_logprobs, saved = sampler, batch.rollout_logprobs
+    try:
+        got, want = (batch_mismatch(cfg, batch, old) for old in (updates[1].logprobs, inputs.old_logprobs))
+    finally:
+        batch.rollout_logprobs = saved
+    assert got.keys() == want.keys() and "rollout/corr/k3_kl" in got
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
 
 
 def test_single_pass_needs_one_epoch_and_one_mini_batch():

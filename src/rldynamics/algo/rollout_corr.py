@@ -76,16 +76,17 @@ def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     return {names.rollout_corr(k): v for k, v in out.items()}
 
 
-def needs_old_pass(cfg) -> bool:
-    """Whether a step must compute the trainer's old log-probs even for an on-policy single-pass update: the
-    mismatch is measured against them (a rollout engine other than the trainer's own model, or corrections on)."""
+def measures_mismatch(cfg) -> bool:
+    """Whether a step logs the mismatch metrics: a rollout engine other than the trainer's own model, or
+    corrections on. Their old log-probs come from the old-log-prob pass or, for an on-policy single-pass update in
+    one process, from the update's own forward (`train.actor.ActorUpdate.logprobs`: no extra pass)."""
     return cfg.rollout.engine != "hf" or cfg.algo.tis_cap is not None or cfg.algo.mis
 
 
-def batch_mismatch(cfg, batch, inputs) -> dict[str, float]:
-    """`mismatch_metrics` of a batch against the trainer's old log-probs (`ActorInputs`); {} without them (an
-    on-policy single-pass update on the HF engine, whose mismatch is 0 by construction)."""
-    if inputs.old_logprobs is None or batch.rollout_logprobs is None:
+def batch_mismatch(cfg, batch, old_logprobs: torch.Tensor | None) -> dict[str, float]:
+    """`mismatch_metrics` of a batch against the trainer's old log-probs [N, L] of its sampled tokens; {} when the
+    step does not measure the mismatch (`measures_mismatch`) or the batch has no sampler log-probs."""
+    if not measures_mismatch(cfg) or old_logprobs is None or batch.rollout_logprobs is None:
         return {}
-    return mismatch_metrics(inputs.old_logprobs, batch.rollout_logprobs, batch.response_mask,
+    return mismatch_metrics(old_logprobs, batch.rollout_logprobs, batch.response_mask,
                             band=cfg.algo.mismatch_band, tis_cap=cfg.algo.tis_cap, mis=cfg.algo.mis)

@@ -35,14 +35,15 @@ class ActorInputs:
 
 def actor_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, cfg: AlgoConfig, *,
                 temperature: float, component_advantages: dict[str, torch.Tensor] | None = None,
-                shared_prefix: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+                shared_prefix: bool = True, record: torch.Tensor | None = None,
+                ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Unweighted loss terms of the rows `rows` [n] of `batch`, aggregated with `cfg.loss_agg_mode`.
 
     Returns ({"pg", "entropy", "kl" (if a reference is given), "reward/<name>" per entry of
     `component_advantages` ([N, L] each)}, policy metrics), all from one forward pass (with a prompt shared by
     several rows forwarded once when `shared_prefix`, except on an FSDP2-sharded model: there every forward is a
     collective of all ranks, which must call the model equally often, and whether rows share a prompt is up to
-    each rank's rows).
+    each rank's rows). `record`: an [N, L] CPU tensor the rows' log-probs are written into (detached).
     """
     device = next(model.parameters()).device
 
@@ -53,6 +54,8 @@ def actor_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInp
     logprobs, entropy = token_logprobs(model, at(batch.input_ids), at(batch.attention_mask), temperature=temperature,
                                        with_entropy=True, positions=mask,
                                        shared_prefix=shared_prefix and not is_sharded(model))  # [n, L], [n, L]
+    if record is not None:
+        record[rows] = logprobs.detach().to(record.device, record.dtype)
     return loss_terms(logprobs, entropy, at(inputs.old_logprobs), at(inputs.advantages), mask,
                       ref_logprobs=at(inputs.ref_logprobs),
                       component_advantages={k: at(a) for k, a in (component_advantages or {}).items()},

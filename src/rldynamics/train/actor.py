@@ -36,22 +36,25 @@ class ActorUpdate:
 
     entropy: float  # mean over mini-batches of the aggregated entropy during the update (`actor/entropy_loss`)
     metrics: dict[str, float]  # `actor/*`
+    logprobs: torch.Tensor | None = None  # [N, L] the update's own log-probs of the sampled tokens (`record`), read
+    # by the mismatch metrics in place of an old-log-prob pass; in a single-pass update they are the rollout policy's
 
 
 def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, algo: AlgoConfig, train: TrainConfig,
-                 generator: torch.Generator | None = None) -> ActorUpdate:
+                 generator: torch.Generator | None = None, record: bool = False) -> ActorUpdate:
     """PPO epochs over mini-batches with gradient accumulation over micro-batches; returns the update's entropy
-    and its metrics.
+    and its metrics (and with `record`, the log-probs its forwards computed: one process, one pass).
 
     verl's names: `actor/entropy_loss` is the mean over mini-batches of the aggregated entropy during the update
     (`actor/entropy`, the rollout policy's entropy, is logged by the old-log-prob pass), `actor/kl_coef` the
     KL coefficient in use.
     """
     weights = coefs(algo)
+    own = torch.zeros(batch.response_mask.shape) if record else None  # [N, L]
 
     def loss_of(rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         terms, metrics = actor_terms(model, batch, rows, inputs, algo, temperature=train.temperature,
-                                     shared_prefix=train.shared_prefix)
+                                     shared_prefix=train.shared_prefix, record=own)
         values = {"pg_loss": terms["pg"].item(), "entropy_loss": terms["entropy"].item(),
                   **({"kl_loss": terms["kl"].item()} if "kl" in terms else {}),
                   **{k: metrics[k] for k in TOKEN_STATS}}
@@ -68,4 +71,4 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
     out = {f"actor/{k}": v for k, v in stats.items()}
     out["actor/lr"] = optimizer.param_groups[0]["lr"]
     out["actor/kl_coef"] = algo.kl_coef
-    return ActorUpdate(entropy=stats["entropy_loss"], metrics=out)
+    return ActorUpdate(entropy=stats["entropy_loss"], metrics=out, logprobs=own)

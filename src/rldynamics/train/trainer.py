@@ -39,7 +39,7 @@ import torch
 
 from rldynamics import dist
 from rldynamics import metric_names as names
-from rldynamics.algo.rollout_corr import batch_mismatch, needs_old_pass
+from rldynamics.algo.rollout_corr import batch_mismatch, measures_mismatch
 from rldynamics.config import Config
 from rldynamics.models.sharding import all_finite
 from rldynamics.rollout.agent import env_metric_summary
@@ -187,7 +187,10 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     if stop is not None:
         return m, stop
 
-    own_old = single_pass(cfg.train, len(batch)) and not analysis_due(cfg, step) and not needs_old_pass(cfg)
+    # an on-policy single-pass update needs no old-log-prob pass: its own forward gives them (the mismatch metrics
+    # read them after the update; under torchrun each rank holds only its rows, so the pass stays there)
+    own_old = single_pass(cfg.train, len(batch)) and not analysis_due(cfg, step) and not (
+        measures_mismatch(cfg) and dist.distributed())
     # the reference model is loaded for the analysis too; with KL off only an analysis step reads its log-probs
     prepared = prepare(s, filtered, m, old_pass=not own_old, ref_pass=cfg.algo.kl_coef > 0 or analysis_due(cfg, step))
     if s.critic is not None:
@@ -203,8 +206,11 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> tuple[dict[str, 
     s.console.phase("actor")
     with timed(m, "update_actor"):
         update = update_actor(s.model, s.optimizer, batch, prepared.inputs, cfg.algo, cfg.train,
-                              torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1)))
+                              torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1)),
+                              record=own_old and measures_mismatch(cfg))
     m.update(update.metrics)
+    if own_old:
+        m.update(batch_mismatch(cfg, batch, update.logprobs))
     if prepared.entropy is None:  # one step on the rollout policy: its entropy is the update's
         m[names.ENTROPY] = update.entropy
     if not all_finite(s.model, s.critic):  # an optimizer step overflowed: nothing left to train or save
@@ -257,7 +263,7 @@ def prepare(s: Session, filtered: Filtered, m: dict[str, float], *, old_pass: bo
     s.console.phase("log-probs")
     prepared = prepare_update(s, filtered.batch, filtered.kept_ratio, old_pass=old_pass, ref_pass=ref_pass)
     m.update(prepared.metrics)
-    m.update(batch_mismatch(s.cfg, filtered.batch, prepared.inputs))
+    m.update(batch_mismatch(s.cfg, filtered.batch, prepared.inputs.old_logprobs))
     m.update(data_metrics(filtered.batch, prepared.inputs.advantages, prepared.returns, prepared.values))
     return prepared
 
