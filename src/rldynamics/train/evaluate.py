@@ -68,12 +68,20 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0) -> dict[str, float]:
     import torch
 
     from rldynamics import dist
+    from rldynamics.memory import keep_freed_memory
     from rldynamics.models.loading import load_model_and_tokenizer
     from rldynamics.models.sharding import wrap
     from rldynamics.rollout.vllm_engine import rollout_engine
     from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
-    from rldynamics.train.setup import Session, announce, base_model_path, choose_precision, prepare, resolve_device, \
-        set_threads
+    from rldynamics.train.setup import (
+        Session,
+        announce,
+        base_model_path,
+        choose_precision,
+        prepare,
+        resolve_device,
+        set_threads,
+    )
     from rldynamics.train.trainer import validate
 
     check_no_links(run_dir)
@@ -81,6 +89,7 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0) -> dict[str, float]:
     RunLock(run_dir).check()
     device = resolve_device(cfg.model.device)
     threads, threads_from = set_threads(cfg)
+    keep_freed_memory()
     precision = choose_precision(cfg, device)
     announce(device, threads, threads_from, precision)
     torch.manual_seed(cfg.seed)

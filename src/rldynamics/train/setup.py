@@ -45,8 +45,9 @@ from rldynamics.config import (
     save_config,
     to_dict,
 )
-from rldynamics.models.loading import load_model_and_tokenizer, load_value_model, resolve_model_path
+from rldynamics.memory import keep_freed_memory
 from rldynamics.models.hardware import Bf16Speed, DtypeChoice, bf16_speed, choose_dtype, cpu_model
+from rldynamics.models.loading import load_model_and_tokenizer, load_value_model, resolve_model_path
 from rldynamics.models.precision import compute_in, enable_checkpointing
 from rldynamics.models.sharding import wrap
 from rldynamics.models.tiny import ensure_tiny_model
@@ -270,6 +271,7 @@ def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
     """Build the training session for `cfg`, resuming `start`; writes nothing (`open_run` does, under the lock)."""
     device = resolve_device(cfg.model.device)
     threads, threads_from = set_threads(cfg)
+    malloc = keep_freed_memory()
     precision = choose_precision(cfg, device)
     announce(device, threads, threads_from, precision)
     torch.manual_seed(cfg.seed)
@@ -295,7 +297,7 @@ def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
         load_trainer_state(ckpt, model=model, optimizer=optimizer, critic=critic, critic_optimizer=critic_optimizer)
     environment = describe(start.step, threads, threads_from, _device_name(device),
                            base if cfg.model.path == "tiny" and dist.is_main() else None)
-    environment.update(precision.record())
+    environment.update(precision.record(), malloc=malloc)
     return Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=optimizer,
                    ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer, main=dist.is_main(),
                    collapse_ema=copy.deepcopy((start.state or {}).get("collapse_ema", {})),  # a resumed run goes on
