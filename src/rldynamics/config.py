@@ -87,6 +87,9 @@ class ModelConfig:
     """Tiny model only: passes over the demonstrations in the warm start."""
     warm_start_lr: float = _within(1e-3, 0, inclusive=False)
     """Tiny model only: AdamW learning rate of the warm start."""
+    warm_start_seed: int = 0
+    """Tiny model only: seed of the warm start (its demonstrations' noise and batch order). The run's `seed` leaves
+    it alone, as seeds leave a pretrained model alone: runs that differ only in `seed` start from the same weights."""
 
 
 @dataclass

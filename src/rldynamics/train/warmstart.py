@@ -8,6 +8,12 @@ single-turn episodes by default (`model.warm_start_turns=1`): a from-scratch tra
 state -> action examples before it reads the board at all, and single-state sequences give ~5x more
 examples per CPU second than full episodes. The result is saved with `save_pretrained` and cached under a
 key of every input, then loaded like any model.
+
+The default's warm start ships with the package (`PACKAGED`: the weights `scripts/package_warm_start.py` computed,
+about 0.6 MB), so a first `rldyn train` does not spend minutes on it, and every machine starts the default from the
+same weights (a warm start computed here differs in its last bits with the CPU and the transformers version). Any
+other setting of the env or of `model.warm_start_*` computes its own, once. The run's `seed` is not an input: runs
+that differ only in it start from the same weights (`model.warm_start_seed` varies the warm start itself).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import math
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +40,7 @@ from rldynamics.rollout.chat import ChatPrompts
 from rldynamics.tracking.console import Lines, progress_bar
 
 DEMO_SEED_BASE = 5_000_000  # disjoint from RAGEN's train (10000+) and validation (123+) seeds
+PACKAGED = Path(__file__).resolve().parent.parent / "models" / "warm"  # <base>-warm-<key>.safetensors
 
 
 def tiny_corpus(env_cfg: EnvConfig, num_seeds: int = 200) -> list[str]:
@@ -96,7 +104,7 @@ def warm_start_key(base_path: str, cfg: Config) -> str:
     """
     m = cfg.model
     inputs = [Path(base_path).name, m.warm_start_episodes, m.warm_start_turns, m.warm_start_noise,
-              m.warm_start_epochs, m.warm_start_lr, cfg.seed, _env_key(cfg)]
+              m.warm_start_epochs, m.warm_start_lr, m.warm_start_seed, _env_key(cfg)]
     blob = json.dumps(inputs, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -113,19 +121,26 @@ def _env_key(cfg: Config) -> dict:
 
 
 def ensure_warm_start(base_path: str, cfg: Config, log=print) -> str:
-    """Return the directory of the warm-started tiny model, training and caching it on first use."""
+    """Return the directory of the warm-started tiny model: cached, else the packaged weights of the same key
+    (`PACKAGED`), else trained now and cached."""
     final = Path(f"{base_path}-warm-{warm_start_key(base_path, cfg)}")
     if (final / "config.json").is_file():
         return str(final)
     from rldynamics.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(base_path)
-    log(f"warm start (once, then cached in {final}): imitating {cfg.model.warm_start_episodes} solver episodes "
-        f"of {cfg.model.warm_start_turns} turn(s), action noise {cfg.model.warm_start_noise}")
-    supervised_warm_start(model, tokenizer, cfg)
+    packaged = packaged_weights(final.name)
+    if packaged.is_file():
+        log(f"warm start: the packaged weights of this setting ({packaged.name}), cached in {final}")
+    else:
+        log(f"warm start (once, then cached in {final}): imitating {cfg.model.warm_start_episodes} solver episodes "
+            f"of {cfg.model.warm_start_turns} turn(s), action noise {cfg.model.warm_start_noise}")
+        supervised_warm_start(model, tokenizer, cfg, log=log)
     tmp = final.with_name(final.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
+    if packaged.is_file():
+        shutil.copyfile(packaged, tmp / "model.safetensors")  # saved by save_pretrained of this very model
     save_tokenizer(tokenizer, tmp)
     try:
         os.rename(tmp, final)
@@ -134,15 +149,23 @@ def ensure_warm_start(base_path: str, cfg: Config, log=print) -> str:
     return str(final)
 
 
-def supervised_warm_start(model, tokenizer, cfg: Config, batch_size: int = 32) -> list[float]:
+def packaged_weights(name: str) -> Path:
+    """Where the package keeps the weights of the warm start cached as `name` (`<base>-warm-<key>`), if it has them."""
+    return PACKAGED / f"{name}.safetensors"
+
+
+def supervised_warm_start(model, tokenizer, cfg: Config, batch_size: int = 32, log=print) -> list[float]:
     """Fit `model` to noisy solver demonstrations (token-mean NLL of the response tokens); returns losses."""
-    rng = random.Random(cfg.seed)
+    rng = random.Random(cfg.model.warm_start_seed)
     seeds = [DEMO_SEED_BASE + i for i in range(cfg.model.warm_start_episodes)]
     env = dataclasses.replace(cfg.env, max_turns=cfg.model.warm_start_turns)
+    start = time.perf_counter()
+    log(f"warm start: playing {len(seeds)} solver episodes")
     demos = rollout(None, tokenizer, seeds, 1, env, respond=solver_policy(tokenizer, env, cfg.model.warm_start_noise,
                                                                          rng))
+    log(f"warm start: {len(demos)} demonstrations in {time.perf_counter() - start:.0f} s; fitting them")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.model.warm_start_lr, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.model.warm_start_seed)
     losses = []
     epochs = Lines("warm start epoch", cfg.model.warm_start_epochs, enabled=cfg.log.progress)  # no terminal: a line each
     with progress_bar(cfg.log.progress) as bar:
@@ -152,8 +175,9 @@ def supervised_warm_start(model, tokenizer, cfg: Config, batch_size: int = 32) -
             if epoch:
                 epochs.line(epoch, f"NLL {losses[-1]:.3f} nats/token")
             for rows in torch.split(torch.randperm(len(demos), generator=generator), batch_size):
-                logprobs, _ = token_logprobs(model, demos.input_ids[rows], demos.attention_mask[rows])  # [b, L]
                 mask = demos.response_mask[rows]  # [b, L]
+                logprobs, _ = token_logprobs(model, demos.input_ids[rows], demos.attention_mask[rows],
+                                             positions=mask, shared_prefix=False)  # [b, L] (LM head at `mask` only)
                 loss = -(logprobs * mask).sum() / mask.sum()  # []
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
