@@ -148,8 +148,9 @@ class UpdateFlops:
     summed per training step: the actor update's, in this setting (no analysis, critic or reference model).
 
     Created before the trainer loads its model: a global forward pre-hook waits for the first causal LM called
-    (generation, in the first step), then hooks that model alone and goes away. A forward without gradients
-    (the next step's generation) closes the running step. `flops` / `tokens`: one entry per step with an update.
+    (generation, in the first step), then hooks that model alone and goes away. An optimizer step or a forward
+    without gradients (the next step's generation) closes the running step. `flops` / `tokens`: one entry per step
+    with an update.
     """
 
     def __init__(self) -> None:
@@ -158,12 +159,16 @@ class UpdateFlops:
         self.flops: list[int] = []
         self.tokens: list[int] = []
         self.shape: ModelShape | None = None
-        self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(self._find)]
+        self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(self._find),
+                         torch.optim.optimizer.register_optimizer_step_post_hook(self._close)]
         self._step_open = False
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+    def _close(self, optimizer, args, kwargs) -> None:
+        self._step_open = False
 
     def _find(self, module, args) -> None:
         if self.shape is None and callable(getattr(module, "get_output_embeddings", None)) and \
