@@ -219,3 +219,25 @@ def test_a_function_calling_sys_exit_fails_its_rows_with_a_line_and_the_run_goes
     assert graded.values["quitter"] == [0.0, 0.0] and graded.errors == [1, 1]
     [line] = lines
     assert "hostile:quitter failed on row 0" in line and "SystemExit: 3" in line
+
+
+def test_ctrl_c_inside_a_reward_function_stops_training_in_one_line_leaving_a_resumable_run(
+        fast_overrides, tmp_path, capsys, monkeypatch):
+    (tmp_path / "stopper.py").write_text(
+        "import os\n"
+        "def stop_late(completions, **kwargs):\n"
+        "    if os.path.exists(os.environ['STOP_FILE']):\n"
+        "        raise KeyboardInterrupt\n"
+        "    return [0.0] * len(completions)\n")
+    monkeypatch.setenv("STOP_FILE", str(tmp_path / "runs" / "s" / "checkpoints" / "step_1"))
+    monkeypatch.setattr(reward_funcs, "_LOADED", {})
+    args = ["train", "--preset", "math-tiny", *fast_overrides, "log.name=s", "checkpoint.every=1", "train.steps=3",
+            f"env.reward_funcs=[{tmp_path / 'stopper.py'}:stop_late]"]
+    assert main(args) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stopped by Ctrl-C" in err[0] and "checkpoint.resume=latest" in err[0]
+    run = tmp_path / "runs" / "s"
+    assert [m["step"] for m in read_metrics(run) if "train/math/reward_func_errors" in m] == [1]
+    monkeypatch.setenv("STOP_FILE", str(tmp_path / "never"))
+    assert main([*args, "checkpoint.resume=latest"]) == 0  # the run directory was left consistent: it resumes
+    assert [m["step"] for m in read_metrics(run) if "train/math/reward_func_errors" in m] == [1, 2, 3]
