@@ -132,7 +132,8 @@ def _add_eval(sub) -> None:
         description="One validation (the trainer's: the fixed validation seeds, val.group_size samples each at "
                     "val.temperature) of a checkpoint, under its run's config.yaml and logged at its step, or of a "
                     "model (directory, cached hub id, .gguf, tiny) under a preset; printed as a table and written to "
-                    "a run directory of its own (config.yaml, metrics.jsonl). Nothing is trained.",
+                    "a run directory of its own (config.yaml, metrics.jsonl). Nothing is trained. A checkpoint's "
+                    "files are verified against its manifest first, as rldyn probe and a resume do.",
         epilog="examples:\n  rldyn eval runs/my_run/checkpoints/step_100\n"
                "  rldyn eval runs/my_run/checkpoints/step_100 val.env_groups=1024 val.group_size=4   # pass@4\n"
                "  rldyn eval /models/Qwen2.5-0.5B-Instruct --preset gsm8k-grpo env.math.source=/data/gsm8k_test.jsonl",
