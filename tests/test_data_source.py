@@ -95,3 +95,29 @@ def test_gsm8k_solutions_without_the_marker_are_refused_with_the_fix(tmp_path):
     final = tmp_path / "final.jsonl"  # MATH-500 style: short final answers, no marker
     final.write_text(json.dumps({"question": "b", "answer": "\\frac{3}{4}"}) + "\n")
     assert load_problems(str(final))[0].answer == "\\frac{3}{4}"
+
+
+def test_a_directory_mixing_file_types_is_refused_not_read_in_part(tmp_path):
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for i in range(2):
+        (mixed / f"a{i}.jsonl").write_text(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) + "\n")
+        (mixed / f"b{i}.csv").write_text("question,answer\n" + "".join(f"{i}+{j}?,{i + j}\n" for j in range(2)))
+    with pytest.raises(ValueError, match=r"mixes data file types \(2 \.csv, 2 \.jsonl\).*drop") as e:
+        read_rows(str(mixed))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="mixes data file types"):
+        make_config("math-tiny", overrides=[f"env.math.source={mixed}"])
+
+
+def test_a_link_loop_and_an_unclosed_csv_quote_are_named_as_what_they_are(tmp_path, monkeypatch):
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    monkeypatch.chdir(tmp_path)
+    for source in (str(tmp_path / "loop"), "loop"):  # "loop" also reads as a hub id
+        with pytest.raises(ValueError, match="is a link that leads nowhere") as e:
+            read_rows(source)
+        assert "hub" not in str(e.value)
+    unclosed = tmp_path / "q.csv"
+    unclosed.write_text('question,answer\n"What is 2+2?,4\nHalf of 8?,4\n')
+    with pytest.raises(ValueError, match=r"the row starting on line 2 is not valid CSV .*close every quoted cell"):
+        read_rows(str(unclosed))

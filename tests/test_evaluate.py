@@ -53,3 +53,55 @@ def test_eval_of_a_checkpoint_without_its_run_config_asks_for_a_preset(fast_over
     assert main(["eval", str(tmp_path / "runs" / "r" / "checkpoints" / "step_1")]) == 2
     err = capsys.readouterr().err
     assert "config.yaml" in err and "--preset" in err and len(err.strip().splitlines()) == 1
+
+
+def _trained_checkpoint(fast_overrides, tmp_path, capsys):
+    assert main(["train", *fast_overrides, "train.steps=1", "val.every=0", "log.name=r"]) == 0
+    capsys.readouterr()
+    return tmp_path / "runs" / "r" / "checkpoints" / "step_1"
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_eval_refuses_a_damaged_checkpoint_as_probe_does(fast_overrides, tmp_path, capsys):
+    checkpoint = _trained_checkpoint(fast_overrides, tmp_path, capsys)
+    weights = checkpoint / "actor" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4000:] = bytes(255 - b for b in data[-4000:])  # flipped bytes, same size, manifest unchanged
+    weights.write_bytes(bytes(data))
+    assert main(["eval", str(checkpoint)]) == 2
+    err = _one_error_line(capsys)
+    assert "checksum mismatch" in err and str(weights) in err
+    weights.write_bytes(bytes(data[:len(data) // 2]))  # truncated: one line, not a SafetensorError traceback
+    assert main(["eval", str(checkpoint)]) == 2
+    assert "truncated" in _one_error_line(capsys)
+    assert main(["probe", str(checkpoint)]) == 2 and "truncated" in capsys.readouterr().err
+    assert not list((tmp_path / "runs").glob("eval_*"))
+
+
+def test_eval_of_a_run_directory_or_a_missing_checkpoint_says_which_checkpoint_to_give(fast_overrides, tmp_path,
+                                                                                      capsys):
+    checkpoint = _trained_checkpoint(fast_overrides, tmp_path, capsys)
+    assert main(["eval", str(checkpoint.parent.parent)]) == 2  # not "Unrecognized model ... model_type"
+    err = _one_error_line(capsys)
+    assert "is a run directory" in err and str(checkpoint) in err
+    assert main(["eval", str(tmp_path / "runs" / "sokoban-tiny" / "checkpoints" / "step_100")]) == 2
+    err = _one_error_line(capsys)
+    assert "no checkpoint" in err and "ls runs/" in err and "hub" not in err
+
+
+def test_ctrl_c_during_eval_is_one_line_and_writes_nothing(fast_overrides, tmp_path, capsys, monkeypatch):
+    from rldynamics.train import trainer
+
+    def interrupted(session):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "validate", interrupted)
+    assert main(["eval", "tiny", *fast_overrides, "log.name=e"]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "stopped by Ctrl-C" in err and "nothing was written" in err
+    assert not (tmp_path / "runs" / "e" / "metrics.jsonl").exists()

@@ -59,7 +59,7 @@ def test_different_answers(gold, pred):
     ("<answer>\\boxed{12</answer>", None),  # a malformed \boxed{ is no answer, even inside <answer>
     ("\\boxed{3} and \\boxed{4", None),  # the last \boxed{ never closes
     ("the answer is 12", None),
-    ("\\fbox{146}", "146"), ("\\boxed{1} then \\fbox{\\frac{1}{2}}", "\\frac{1}{2}"),  # \fbox reads as \boxed
+    ("\\fbox{146}", "146"), ("\\boxed{1} then \\fbox{\\frac{1}{2}}", "1"),  # \boxed before \fbox, as MATH's grader
     ("so $\\boxed 146$.", "146"), ("\\boxed 146.\nDone.", "146."),  # the space form: up to `$` or the line end
     ("\\boxed {146}", "146"), ("\\fbox 7", "7"), ("\\boxed{5} and \\boxed 6", "6"),
     ("\\boxed{5} in \\boxedtext", "5"), ("\\boxed{5} then \\boxed", "5"),  # not a box: the earlier one counts

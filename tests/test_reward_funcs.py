@@ -150,3 +150,94 @@ def test_math_file_columns_reach_the_functions_and_a_failing_row_is_named_by_its
     assert val["val-env/math/reward_func_errors"] == pytest.approx(3 / 8)  # rows with difficulty 0: n = 3, 6, 9
     expected = sum(0.0 if r["difficulty"] == 0 else 1 / r["difficulty"] for r in rows) / 8  # validation: every row
     assert val["val-reward/hard/mean"] == pytest.approx(expected)
+
+
+HOSTILE = '''
+import sys
+
+
+def huge(completions, **kwargs):
+    return [1.7e308 if c == "big" else 1.0 for c in completions]
+
+
+def editor(completions, **kwargs):
+    completions[:] = ["edited"] * len(completions)
+    return [0.0] * len(completions)
+
+
+def reader(completions, **kwargs):
+    return [float(c == "edited") for c in completions]
+
+
+def appender(completions, tags, **kwargs):
+    for t in tags:
+        t.append("x")
+    return [float(len(t)) for t in tags]
+
+
+def quitter(completions, **kwargs):
+    sys.exit(3)
+'''
+
+
+@pytest.fixture
+def hostile(tmp_path, monkeypatch):
+    (tmp_path / "hostile.py").write_text(HOSTILE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "hostile", raising=False)
+    monkeypatch.setattr(reward_funcs, "_LOADED", {})
+    monkeypatch.setattr(reward_funcs, "_WARNED", set())
+    return lambda *names: load_reward_funcs([f"hostile:{n}" for n in names])
+
+
+def _grade(funcs, completions, columns=None, lines=None):
+    n = len(completions)
+    return score(funcs, ["p"] * n, completions, columns or [{}] * n, [f"row {i}" for i in range(n)],
+                 (lines if lines is not None else []).append)
+
+
+def test_a_reward_float32_cannot_hold_fails_its_row_instead_of_training_on_infinity(hostile):
+    lines = []
+    graded = _grade(hostile("huge"), ["big", "small"], lines=lines)
+    assert graded.values["huge"] == [0.0, 1.0] and graded.errors == [1, 0]
+    assert "1.7e+308" in lines[0] and "float32" in lines[0]
+
+
+def test_each_function_and_each_call_gets_its_own_copy_of_the_inputs(hostile):
+    graded = _grade(hostile("editor", "reader"), ["a", "b"])
+    assert graded.values["reader"] == [0.0, 0.0]  # the editor's in-place change reached no other function
+    cell = ["seed"]  # one list cell shared by a group's rows, as the data set cache hands it out
+    columns = [{"tags": cell} for _ in range(4)]
+    for _ in range(2):  # and no later step
+        assert _grade(hostile("appender"), ["a"] * 4, columns).values["appender"] == [2.0] * 4
+    assert cell == ["seed"]
+
+
+def test_a_function_calling_sys_exit_fails_its_rows_with_a_line_and_the_run_goes_on(hostile):
+    lines = []
+    graded = _grade(hostile("quitter"), ["a", "b"], lines=lines)
+    assert graded.values["quitter"] == [0.0, 0.0] and graded.errors == [1, 1]
+    [line] = lines
+    assert "hostile:quitter failed on row 0" in line and "SystemExit: 3" in line
+
+
+def test_ctrl_c_inside_a_reward_function_stops_training_in_one_line_leaving_a_resumable_run(
+        fast_overrides, tmp_path, capsys, monkeypatch):
+    (tmp_path / "stopper.py").write_text(
+        "import os\n"
+        "def stop_late(completions, **kwargs):\n"
+        "    if os.path.exists(os.environ['STOP_FILE']):\n"
+        "        raise KeyboardInterrupt\n"
+        "    return [0.0] * len(completions)\n")
+    monkeypatch.setenv("STOP_FILE", str(tmp_path / "runs" / "s" / "checkpoints" / "step_1"))
+    monkeypatch.setattr(reward_funcs, "_LOADED", {})
+    args = ["train", "--preset", "math-tiny", *fast_overrides, "log.name=s", "checkpoint.every=1", "train.steps=3",
+            f"env.reward_funcs=[{tmp_path / 'stopper.py'}:stop_late]"]
+    assert main(args) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stopped by Ctrl-C" in err[0] and "checkpoint.resume=latest" in err[0]
+    run = tmp_path / "runs" / "s"
+    assert [m["step"] for m in read_metrics(run) if "train/math/reward_func_errors" in m] == [1]
+    monkeypatch.setenv("STOP_FILE", str(tmp_path / "never"))
+    assert main([*args, "checkpoint.resume=latest"]) == 0  # the run directory was left consistent: it resumes
+    assert [m["step"] for m in read_metrics(run) if "train/math/reward_func_errors" in m] == [1, 2, 3]

@@ -61,11 +61,29 @@ def test_mismatch_metrics_by_hand():
     assert m["rollout/corr/rollout_is_ratio_fraction_high"] == 0.25  # the 2 above 1.5
     assert m["rollout/corr/rollout_is_ratio_fraction_low"] == 0.25  # the 0.125 below 1/1.5
     assert m["rollout/corr/token_fraction_outside"] == 0.5
-    assert m["rollout/corr/rollout_is_seq_fraction_high"] == 0.0  # row 0: 1.41 inside
-    assert m["rollout/corr/rollout_is_seq_fraction_low"] == 0.5  # row 1: 0.35
-    assert m["rollout/corr/seq_fraction_outside"] == 0.5
+    assert m["rollout/corr/rollout_is_seq_fraction_high"] == 0.0  # arithmetic means: row 0 1.5, row 1 0.5625
+    assert m["rollout/corr/rollout_is_seq_fraction_low"] == 0.5
+    assert m["rollout/corr/seq_geo_fraction_high"] == 0.0  # geometric means: row 0 1.41 inside
+    assert m["rollout/corr/seq_geo_fraction_low"] == 0.5  # row 1: 0.35
+    assert m["rollout/corr/seq_geo_fraction_outside"] == 0.5
     assert m["rollout/corr/rollout_is_truncated_fraction"] == 0.25
-    assert m["rollout/corr/rollout_rs_masked_fraction"] == 0.5
+    assert m["rollout/corr/rollout_rs_masked_fraction"] == 0.5  # row 1's 2 of 4 tokens
+    assert m["rollout/corr/rollout_rs_seq_masked_fraction"] == 0.5
+
+
+def test_metrics_under_verls_names_are_verls_quantities():
+    """Where the definitions part: a long row whose arithmetic mean leaves the band while its geometric mean stays
+    inside, a one-token row MIS masks, and a row without sampled tokens."""
+    ratios = torch.tensor([[6.0, 1.0, 1.0], [0.2, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])  # [4, 3]
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])  # [4, 3]: row 2 empty
+    rollout = torch.full((4, 3), math.log(0.1))
+    m = mismatch_metrics(rollout + ratios.log(), rollout, mask, band=2.0, mis=True)
+    assert m["rollout/corr/rollout_is_seq_fraction_high"] == 0.25  # verl: row 0's mean 8/3 > 2, over all 4 rows
+    assert m["rollout/corr/rollout_is_seq_fraction_low"] == 0.5  # row 1 (0.2) and the empty row (mean 0)
+    assert m["rollout/corr/seq_geo_fraction_high"] == 0.0  # ours: 6^(1/3) = 1.82 inside, over the 3 rows with tokens
+    assert m["rollout/corr/seq_geo_fraction_low"] == pytest.approx(1 / 3)
+    assert m["rollout/corr/rollout_rs_masked_fraction"] == pytest.approx(1 / 7)  # verl: token-weighted, 1 of 7 tokens
+    assert m["rollout/corr/rollout_rs_seq_masked_fraction"] == 0.25  # 1 masked row of 4
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -85,7 +103,7 @@ def test_hf_engine_mismatch_is_zero(tiny_cache, temperature):
     m = mismatch_metrics(old, batch.rollout_logprobs, batch.response_mask)
     assert abs(m["rollout/corr/kl"]) < 1e-5 and m["rollout/corr/k3_kl"] < 1e-8
     assert m["rollout/corr/rollout_is_min"] > 1 - 1e-4 and m["rollout/corr/rollout_is_max"] < 1 + 1e-4
-    assert m["rollout/corr/token_fraction_outside"] == 0.0 and m["rollout/corr/seq_fraction_outside"] == 0.0
+    assert m["rollout/corr/token_fraction_outside"] == 0.0 and m["rollout/corr/seq_geo_fraction_outside"] == 0.0
 
 
 def test_training_logs_the_mismatch_and_runs_the_corrections(fast_overrides):

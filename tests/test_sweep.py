@@ -506,3 +506,13 @@ def test_killed_launcher_of_a_run_on_several_ranks_stops_torchrun_and_the_ranks(
     finally:
         launcher.kill()
     assert _steps(run)[-1] < 200
+
+
+def test_dry_run_says_why_the_sweep_adds_checkpoint_settings(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert main(["sweep", "top_p", "--values", "0.9,nofilter", "--out", str(out), "--dry-run", *FAST]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "checkpoint.keep_last=1: added by the sweep so that an interrupted sweep resumes" in printed
+    assert main(["sweep", "top_p", "--values", "0.9", "--out", str(out), "--dry-run", *FAST,
+                 "checkpoint.every=1", "checkpoint.keep_last=2"]) == 0
+    assert "added by the sweep" not in capsys.readouterr().out  # the user's own choice needs no note

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rldynamics import __version__
 from rldynamics.config import resume_may_change
@@ -131,7 +132,8 @@ def _add_eval(sub) -> None:
         description="One validation (the trainer's: the fixed validation seeds, val.group_size samples each at "
                     "val.temperature) of a checkpoint, under its run's config.yaml and logged at its step, or of a "
                     "model (directory, cached hub id, .gguf, tiny) under a preset; printed as a table and written to "
-                    "a run directory of its own (config.yaml, metrics.jsonl). Nothing is trained.",
+                    "a run directory of its own (config.yaml, metrics.jsonl). Nothing is trained. A checkpoint's "
+                    "files are verified against its manifest first, as rldyn probe and a resume do.",
         epilog="examples:\n  rldyn eval runs/my_run/checkpoints/step_100\n"
                "  rldyn eval runs/my_run/checkpoints/step_100 val.env_groups=1024 val.group_size=4   # pass@4\n"
                "  rldyn eval /models/Qwen2.5-0.5B-Instruct --preset gsm8k-grpo env.math.source=/data/gsm8k_test.jsonl",
@@ -376,11 +378,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return eval_config(args.target, args.preset, args.overrides, DEFAULT_PRESET)
 
     def job(checked):
-        from rldynamics.train.evaluate import eval_run_dir, evaluate, metrics_table
+        from rldynamics.train.evaluate import eval_run_dir, evaluate, is_checkpoint, metrics_table
 
         cfg, step = checked
         run_dir = eval_run_dir(cfg, args.target, step)
-        metrics = evaluate(cfg, run_dir, step)
+        metrics = evaluate(cfg, run_dir, step, Path(args.target) if is_checkpoint(args.target) else None)
         print(f"eval of {args.target} (step {step}, {cfg.val.env_groups} x {cfg.val.group_size} {cfg.env.name} "
               f"validation rollouts at temperature {cfg.val.temperature:g}):\n{metrics_table(metrics, cfg.env.name)}")
         return run_dir
@@ -461,7 +463,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     commands = {"train": cmd_train, "probe": cmd_probe, "eval": cmd_eval, "sweep": cmd_sweep, "plot": cmd_plot,
                 "report": cmd_report, "envs": cmd_envs}
-    return commands[args.command](args)
+    try:
+        return commands[args.command](args)
+    except KeyboardInterrupt:
+        if _main_rank():
+            print(f"rldyn {args.command}: stopped by Ctrl-C; {INTERRUPTED.get(args.command, 'nothing was written')}",
+                  file=sys.stderr)
+        return 130
+
+
+INTERRUPTED = {  # what a Ctrl-C leaves, per command (any other: nothing)
+    "train": "the run directory holds every finished step and checkpoint (continue: the same command with "
+             "checkpoint.resume=latest log.name=<run>)",
+    "probe": "its run directory holds what was logged before the stop",
+    "eval": "nothing was written (the run directory is written only at the end)",
+    "plot": "figures already written are complete; run it again for the rest",
+    "report": "no report was written (the page is written at the end)",
+}
 
 
 if __name__ == "__main__":

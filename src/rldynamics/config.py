@@ -245,10 +245,12 @@ class AlgoConfig:
     """Entropy bonus coefficient."""
     tis_cap: float | None = _within(None, 0, inclusive=False)
     """Truncated importance sampling: weight each token's policy loss by min(pi_old / pi_rollout, tis_cap), the
-    sampler/trainer mismatch correction (TRL's vllm_importance_sampling_cap); null = off."""
+    sampler/trainer mismatch correction (verl's token-level rollout_is; TRL's token_truncate mode with
+    vllm_importance_sampling_clip_max); null = off."""
     mis: bool = False
     """Sequence masking: drop from the policy loss each trajectory whose geometric-mean pi_old / pi_rollout lies
-    outside [1 / mismatch_band, mismatch_band] (verl's geometric rollout_rs)."""
+    outside [1 / mismatch_band, mismatch_band] (verl's geometric rollout_rs; not TRL's sequence_mask, which tests
+    the product of the ratios)."""
     mismatch_band: float = _within(2.0, 1, inclusive=False)
     """The band of the mismatch metrics (rollout/corr/*fraction*) and of mis: ratios outside [1/band, band] (> 1)."""
 

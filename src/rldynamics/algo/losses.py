@@ -215,9 +215,10 @@ def rollout_correction_weights(
 ) -> torch.Tensor:
     """Per-token weights that correct for sampling from the rollout engine instead of the trainer's policy.
 
-    TIS (truncated importance sampling; TRL's ``vllm_importance_sampling_cap``, verl's token-level
-    ``rollout_is``): each token's loss times ``min(π_old / π_rollout, tis_cap)``. MIS (sequence masking; verl's
-    ``rollout_rs``, geometric): a sequence whose geometric-mean ratio ``exp(mean_t log(π_old / π_rollout))``
+    TIS (truncated importance sampling; verl's token-level ``rollout_is``, TRL's ``token_truncate`` mode): each
+    token's loss times ``min(π_old / π_rollout, tis_cap)``. MIS (sequence masking; verl's ``rollout_rs``,
+    geometric, not TRL's ``sequence_mask``, which tests the product of the ratios): a sequence whose geometric-mean
+    ratio ``exp(mean_t log(π_old / π_rollout))``
     lies outside ``[1 / mis_band, mis_band]`` gets weight 0 on every token (its aggregation weights stay, so a
     masked sequence lowers the loss rather than re-normalising it). Both off: all ones.
 

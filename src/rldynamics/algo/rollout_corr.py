@@ -4,17 +4,25 @@ The rollout engine samples with its own kernels and precision (vLLM in bfloat16,
 a token is not exactly the policy the trainer computes the old log-probs with, and the update is off-policy by
 that much. `mismatch_metrics` compares, token by token, the sampler's log-prob of every sampled token
 (`RolloutBatch.rollout_logprobs`, temperature applied) with the trainer's old log-prob of the same token, like with
-like, and reports (verl's `rollout_corr` names, under `rollout/corr/`):
+like, and reports, under `rollout/corr/`, with ``r = π_old / π_rollout`` per token (its log clamped to ±20, as verl
+clamps its weights) and the band B (`algo.mismatch_band`, in the role of verl's threshold, 1 / B its lower one):
 
-- `rollout_is_mean` / `_min` / `_max`: the per-token importance ratio ``r = π_old / π_rollout``;
+verl's quantities under verl's `rollout_corr` names (its token-level `rollout_is` and geometric `rollout_rs`):
+- `rollout_is_mean` / `_min` / `_max`: ``r`` over the sampled tokens;
 - `kl`: the k1 estimate ``E[log π_rollout - log π_old]`` of KL(π_rollout || π_old) over the sampled tokens, and
   `k3_kl`: the k3 estimate ``E[r - 1 - log r]`` (non-negative per token);
-- `rollout_is_ratio_fraction_high` / `_low`: the fraction of tokens with ``r`` above `band` / below 1 / `band`,
-  `token_fraction_outside` their sum;
-- `rollout_is_seq_fraction_high` / `_low` / `seq_fraction_outside`: the same for sequences, by their
-  geometric-mean ratio (the quantity sequence masking, MIS, tests);
-- with corrections on, `rollout_is_truncated_fraction` (tokens whose ratio TIS caps) and `rollout_rs_masked_fraction`
-  (sequences MIS masks).
+- `rollout_is_ratio_fraction_high` / `_low`: the fraction of tokens with ``r > B`` / ``r < 1 / B``;
+- `rollout_is_seq_fraction_high` / `_low`: the fraction of all rows whose arithmetic-mean ratio ``mean_t r`` is
+  above B / below 1 / B; a row without sampled tokens counts, with mean 0 (so as low);
+- with MIS on, `rollout_rs_masked_fraction`: the fraction of sampled tokens in masked sequences (token-weighted),
+  and `rollout_rs_seq_masked_fraction`: masked sequences over all rows (a row without tokens is never masked).
+
+Ours, under names verl does not use:
+- `token_fraction_outside`: the two token fractions' sum;
+- `seq_geo_fraction_high` / `_low` / `_outside`: the fraction of sequences with sampled tokens whose
+  geometric-mean ratio ``exp(mean_t log r)`` (the quantity MIS tests) is above B / below 1 / B / either;
+- with TIS on, `rollout_is_truncated_fraction`: tokens whose ratio TIS caps (``r > algo.tis_cap``; verl's
+  `rollout_is_ratio_fraction_high` when its threshold is the cap).
 
 With the HF engine the sampler is the trainer's own model, so every value is ~0 (ratios ~1): the metrics mean the
 same on every engine. The corrections themselves are `algo.losses.rollout_correction_weights`.
@@ -41,7 +49,7 @@ def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
         response_mask: [N, T] sampled tokens.
         band: B > 1: ratios outside [1/B, B] count as outside (and MIS masks such sequences).
         tis_cap: the TIS cap, if TIS is on (adds `rollout_is_truncated_fraction`).
-        mis: whether MIS is on (adds `rollout_rs_masked_fraction`).
+        mis: whether MIS is on (adds `rollout_rs_masked_fraction` and `rollout_rs_seq_masked_fraction`).
     """
     if band <= 1:
         raise ValueError(f"band must be > 1, got {band}")
@@ -53,9 +61,6 @@ def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     picked = ratio[mask]  # [M]
     log_band = math.log(band)
     high, low = log_ratio > log_band, log_ratio < -log_band  # [N, T] each
-    rows = mask.any(dim=-1)  # [N] sequences with a sampled token
-    seq = sequence_log_ratio(log_ratio, response_mask)[rows]  # [S]
-    seq_high, seq_low = (seq > log_band).float().mean().item(), (seq < -log_band).float().mean().item()
     out = {
         "rollout_is_mean": masked_mean(ratio, mask).item(),
         "rollout_is_min": picked.min().item(),
@@ -65,15 +70,31 @@ def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
         "rollout_is_ratio_fraction_high": masked_mean(high.float(), mask).item(),
         "rollout_is_ratio_fraction_low": masked_mean(low.float(), mask).item(),
         "token_fraction_outside": masked_mean((high | low).float(), mask).item(),
-        "rollout_is_seq_fraction_high": seq_high,
-        "rollout_is_seq_fraction_low": seq_low,
-        "seq_fraction_outside": seq_high + seq_low,
+        **_sequence_fractions(ratio, log_ratio, mask, band),
     }
     if tis_cap is not None:
         out["rollout_is_truncated_fraction"] = masked_mean((ratio > tis_cap).float(), mask).item()
     if mis:
-        out["rollout_rs_masked_fraction"] = seq_high + seq_low
+        masked = sequence_log_ratio(log_ratio, mask).abs() > log_band  # [N] what MIS masks; an empty row: kept
+        out["rollout_rs_masked_fraction"] = masked_mean(masked[:, None].expand_as(mask).float(), mask).item()
+        out["rollout_rs_seq_masked_fraction"] = masked.float().mean().item()
     return {names.rollout_corr(k): v for k, v in out.items()}
+
+
+def _sequence_fractions(ratio: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,
+                        band: float) -> dict[str, float]:
+    """verl's arithmetic-mean sequence fractions over all rows, and ours by geometric mean over rows with tokens.
+
+    Args:
+        ratio, log_ratio: [N, T] per-token ratio and its log; mask: [N, T] bool sampled tokens.
+    """
+    arith = masked_mean(ratio, mask, dim=-1)  # [N] mean_t r, 0 for a row without tokens
+    geo = sequence_log_ratio(log_ratio, mask)[mask.any(dim=-1)]  # [S] log of each geometric-mean ratio
+    geo_high, geo_low = (geo > math.log(band)).float().mean().item(), (geo < -math.log(band)).float().mean().item()
+    return {"rollout_is_seq_fraction_high": (arith > band).float().mean().item(),
+            "rollout_is_seq_fraction_low": (arith < 1 / band).float().mean().item(),
+            "seq_geo_fraction_high": geo_high, "seq_geo_fraction_low": geo_low,
+            "seq_geo_fraction_outside": geo_high + geo_low}
 
 
 def measures_mismatch(cfg) -> bool:

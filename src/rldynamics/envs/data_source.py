@@ -5,7 +5,8 @@ Design choices:
   - a `.jsonl` / `.json` (one object per line), `.parquet` or `.csv` (header line; every cell kept as the text it
     is, so `42` stays "42") file, read here with every row checked;
   - a directory written by `datasets`' `save_to_disk` (a `Dataset` or a `DatasetDict`), or a directory of data
-    files, read with Hugging Face `datasets` (`pip install datasets`);
+    files of one type, read with Hugging Face `datasets` (`pip install datasets`), which reads one type per
+    directory: a directory mixing types is refused rather than read in part;
   - a hub id (`name` or `org/name`) that `datasets` has already cached on this machine, read in offline mode: the
     hub is never asked (a data set that is not cached is an error saying so, at once).
 - `split` picks the split of a `DatasetDict`, a directory of data files or a hub data set (`train` by default); a
@@ -38,6 +39,9 @@ def source_key(source: str) -> tuple[str, int, int]:
     """(resolved source, size, modification time): what a cache of the source's contents is keyed by. A source that
     is neither a path nor a hub id is a ValueError."""
     path = Path(source).expanduser()
+    if path.is_symlink() and not path.exists():
+        raise ValueError(f"data source {source!r} is a link that leads nowhere (a loop of links, or a missing target); "
+                         "give the file or directory itself")
     if path.exists():
         stat = path.stat()
         return str(path.resolve()), stat.st_size, stat.st_mtime_ns
@@ -77,7 +81,27 @@ def _hf_rows(source: str, path: Path, split: str) -> list[dict]:
         if split != "train":
             raise ValueError(f"{source} is a single Dataset (no splits); leave the split at train")
         return data.to_list()
+    if path.is_dir():
+        _check_one_file_type(path)
     return _load_offline(datasets, source, split)
+
+
+DATA_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet",
+                      ".arrow": "arrow", ".txt": "text"}  # suffix -> the `datasets` builder that reads it
+
+
+def _check_one_file_type(path: Path) -> None:
+    """`datasets` reads a directory's data files of one builder only (the most frequent) and drops the others
+    silently: refuse a directory that mixes them."""
+    found: dict[str, list[str]] = {}
+    for file in sorted(path.rglob("*")):
+        builder = DATA_FILE_BUILDERS.get(file.suffix.lower())
+        if builder and file.is_file() and not any(part.startswith(".") for part in file.relative_to(path).parts):
+            found.setdefault(builder, []).append(file.suffix.lower())
+    if len(found) > 1:
+        kinds = ", ".join(f"{len(v)} {'/'.join(sorted(set(v)))}" for _, v in sorted(found.items()))
+        raise ValueError(f"data directory {path} mixes data file types ({kinds}); datasets reads one type per "
+                         "directory and would drop the other files' rows: convert them to one type, or give one file")
 
 
 def _saved_to_disk(path: Path) -> bool:
@@ -136,14 +160,23 @@ def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
 
 
 def _read_csv(path: Path) -> list[tuple[str, dict]]:
-    """(location, row) of every row of a CSV file with a header line; every cell is kept as the text it is."""
+    """(location, row) of every row of a CSV file with a header line; every cell is kept as the text it is. Quoting is
+    strict: an unclosed quote is an error naming the line its row starts on, not a cell that swallows the file."""
+    rows, start = [], 1
     try:
         with open(path, encoding="utf-8", newline="") as f:
-            return [(f"line {reader.line_num}", dict(row)) for reader in [csv.DictReader(f)] for row in reader]
+            reader = csv.DictReader(f, strict=True)
+            reader.fieldnames  # the header line, read (and checked) first
+            start = reader.line_num + 1
+            for row in reader:
+                rows.append((f"line {reader.line_num}", dict(row)))
+                start = reader.line_num + 1
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not valid UTF-8 (byte 0x{e.object[e.start]:02x}); save the file as UTF-8") from None
     except csv.Error as e:
-        raise ValueError(f"{path}: not a readable CSV file ({e})") from None
+        raise ValueError(f"{path}: the row starting on line {start} is not valid CSV ({e}); close every quoted cell's "
+                         'quote, and write a quote inside a quoted cell twice ("")') from None
+    return rows
 
 
 def _json_object(line: str, where: str) -> dict:

@@ -10,9 +10,10 @@ Design choices:
   (`math_data`, `data_source`). A data set's rows are
   reached by seed: seeds below `holdout` pick rows 0..holdout-1 (validation with `val.seed_base=0`),
   larger seeds cycle through the other rows, so training never sees the held-out rows.
-- The answer is the content of the last box, or, when the reply has none, the text of its last
-  `<answer>...</answer>`. A box is `\\boxed` or `\\fbox` followed by a braced group (braces matched; one
-  that never closes is no answer at all) or by a space and text, which runs to the next `$` or line end
+- The answer is the content of the last `\\boxed`, else of the last `\\fbox` (the MATH dataset's grader and
+  rldynamic prefer `\\boxed` alike), or, when the reply has no box, the text of its last `<answer>...</answer>`.
+  A box is `\\boxed` or `\\fbox` followed by a braced group (braces matched; one that never closes is no answer
+  at all) or by a space and text, which runs to the next `$` or line end
   (`$\\boxed 146$`, read as the MATH dataset's own grader reads it). `\\boxedtext` and a bare `\\boxed`
   are not boxes.
 - Extraction is linear in the reply's length whatever it holds (tags are found with `str.find`, boxes with
@@ -111,11 +112,13 @@ def length_score(length: int, target: int) -> float:
 
 
 def extract_answer(reply: str, fallback: str = "none") -> str | None:
-    """The content of the last box, else the last `<answer>` text, else (`fallback=last_number`, and only when the
-    reply has no box at all) its last number; None when there is no answer (see the module docstring: a box whose
+    """The content of the last `\\boxed` box, else of the last `\\fbox`, else the last `<answer>` text, else
+    (`fallback=last_number`, and only when the reply has no box at all) its last number; None when there is no answer (see the module docstring: a box whose
     braces never close is no answer, even when an earlier box or `<answer>` exists)."""
-    boxes = [m.end() for m in _BOX.finditer(reply)]
-    for box in reversed(boxes):
+    found = list(_BOX.finditer(reply))
+    boxes = [m.end() for m in reversed(found) if m.group() == "\\boxed"]  # `\boxed` first, as MATH's grader
+    boxes += [m.end() for m in reversed(found) if m.group() == "\\fbox"]  # then `\fbox`, last first
+    for box in boxes:
         is_box, content = _box_content(reply, box)
         if is_box:
             return content

@@ -12,15 +12,21 @@ Design choices:
 - Functions are imported and checked when the config is validated (a missing module or name, two functions of one
   name, a name an env component already has: one line, before any work). They run only for single-turn envs
   (`env.max_turns=1`, or an env that grades the whole reply): a completion is then one reply.
-- A function that raises, or returns something other than one finite number (or None) per completion, loses only
-  the rows it failed on: the batch call is retried row by row, each failing row gets 0 for that component and counts
+- Each call gets its own copy of the arguments (`completions`, `prompts` and the columns, whose list cells come from
+  the process's data set cache): a function that edits them in place changes nothing another function, another row
+  or a later step sees.
+- A function that raises (`sys.exit` included), or returns something other than one finite number (or None) per
+  completion, loses only the rows it failed on; a finite number beyond float32's range (|v| > 3.4e38, the precision
+  rewards are trained in) counts as a failure too, since it would become an infinite reward and a NaN loss: the batch call is retried row by row, each failing row gets 0 for that component and counts
   in the per-trajectory metric `reward_func_errors` (logged as `<stage>/<env>/reward_func_errors`, the mean number of
   failed functions per trajectory), and the first failure of each function is printed once in one line naming the
   function, the row (its data set location or env seed, and the start of its prompt) and the error. The run goes on.
+  A Ctrl-C (KeyboardInterrupt) inside a function stops the run as a Ctrl-C anywhere else does.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import math
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ERRORS = "reward_func_errors"  # per-trajectory metric: functions that failed on the trajectory's row
+FLOAT32_MAX = 3.4028234663852886e38  # the largest reward magnitude the float32 reward tensors hold
 
 
 @dataclass
@@ -112,13 +119,13 @@ def score(funcs: list[RewardFunc], prompts: list[str], completions: list[str], c
     values, errors = {}, [0] * n
     for f in funcs:
         try:
-            values[f.name] = _checked(f.fn(**kwargs), n)
-        except Exception:  # noqa: BLE001 (the user's function may raise anything; each row is retried alone below)
+            values[f.name] = _checked(f.fn(**_fresh(kwargs)), n)
+        except (Exception, SystemExit):  # noqa: BLE001 (the user's function may raise anything; rows retried below)
             values[f.name] = []
             for i in range(n):
                 try:
-                    values[f.name] += _checked(f.fn(**{k: v[i:i + 1] for k, v in kwargs.items()}), 1)
-                except Exception as e:  # noqa: BLE001
+                    values[f.name] += _checked(f.fn(**_fresh(kwargs, slice(i, i + 1))), 1)
+                except (Exception, SystemExit) as e:  # noqa: BLE001
                     values[f.name].append(0.0)
                     errors[i] += 1
                     if f.spec not in _WARNED:
@@ -127,6 +134,11 @@ def score(funcs: list[RewardFunc], prompts: list[str], completions: list[str], c
                              f"{e.__class__.__name__}: {_first_line(e)}; that row's {f.name} is 0, counted in "
                              f"<stage>/<env>/{ERRORS} (later failures of {f.name} are counted, not printed)")
     return Graded(values=values, errors=errors)
+
+
+def _fresh(kwargs: dict[str, list], rows: slice = slice(None)) -> dict[str, list]:
+    """A copy of `rows` of every argument list, each cell copied on its own (rows that shared a cell share no copy)."""
+    return {k: [copy.deepcopy(cell) for cell in v[rows]] for k, v in kwargs.items()}
 
 
 def _column_lists(columns: list[dict]) -> dict[str, list]:
@@ -149,6 +161,8 @@ def _checked(out, n: int) -> list[float]:
             values.append(0.0)
         elif isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
             raise ValueError(f"returned {v!r}, not a finite number")
+        elif abs(v) > FLOAT32_MAX:
+            raise ValueError(f"returned {v!r}, beyond float32's range (|v| <= 3.4e38) that rewards are trained in")
         else:
             values.append(float(v))
     return values

@@ -84,9 +84,14 @@ def convert_gguf(file: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(file.parent), file.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    except Exception as e:  # noqa: BLE001 (a damaged file fails deep in the reader: struct.error, a reshape, ...)
+        detail = str(e).strip().splitlines()[0][:120] if str(e).strip() else "no detail"
+        raise ValueError(f"{file}: not a readable GGUF model ({e.__class__.__name__}: {detail}); the file is "
+                         "truncated or damaged (download it again) or not a GGUF model") from None
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are de-quantised floats now
     config.dtype = torch.float32

@@ -56,8 +56,8 @@ def curve_panels(run: RunData) -> list[tuple[str, list[tuple[str, str]]]]:
         ("sampler/trainer mismatch (rollout/corr/k3_kl, kl)",
          [(names.rollout_corr("k3_kl"), "k3"), (names.rollout_corr("kl"), "k1")]),
         ("outside the mismatch band (rollout/corr/*_fraction_outside)",
-         [(names.rollout_corr("token_fraction_outside"), "tokens"), (names.rollout_corr("seq_fraction_outside"),
-                                                                     "sequences")]),
+         [(names.rollout_corr("token_fraction_outside"), "tokens"),
+          (names.rollout_corr("seq_geo_fraction_outside"), "sequences (geometric mean)")]),
         ("response length", [("response_length/mean", "tokens / response")] if has_key(run, "response_length/mean")
          else [(f"{names.env_prefix(e)}/response_length", e) for e in envs]),
     ]

@@ -58,6 +58,10 @@ def print_plan(plan: SweepPlan, slots, console: Console) -> None:
                   f"at a time ({where}), {threads} CPU thread(s) each ({cpu_count()} core(s) here)")
     for label, overrides in plan.point_overrides.items():
         console.print(f"  [bold]{label}[/]: {' '.join(overrides)}", soft_wrap=True)
+    if plan.checkpointing:
+        console.print(f"{' '.join(plan.checkpointing)}: added by the sweep so that an interrupted sweep resumes each "
+                      "run from its newest checkpoint, keeping only that one; set checkpoint.every / "
+                      "checkpoint.keep_last to choose otherwise", soft_wrap=True)
     counts = {a: sum(r.action == a for r in plan.runs) for a in ACTION_WORDS}
     console.print("runs: " + ", ".join(f"{n} {ACTION_WORDS[a]}" for a, n in counts.items() if n))
 

@@ -53,6 +53,8 @@ class SweepPlan:
     point_overrides: dict[str, list[str]]
     """label -> the override set of the point (protocol, user and checkpoint settings), as printed."""
     runs: list[RunPlan]
+    checkpointing: list[str]
+    """The checkpoint settings the sweep added to every point (none when the preset or the user chose them)."""
 
 
 def _keys(overrides: list[str]) -> list[str]:
@@ -163,11 +165,12 @@ def build_plan(protocol: Protocol, seeds: list[int], out: str | Path, preset: st
     out = Path(out).resolve()
     _check_out(out)
     user_keys = _keys(overrides)
-    plans, point_overrides = [], {}
+    plans, point_overrides, added = [], {}, []
     for index, point in enumerate(protocol.points):
         base = [*point.overrides, *overrides]
         cfg = _config(preset, config_file, base, f"point {point.label}")
-        base += _checkpoint_overrides(cfg, user_keys)
+        added = _checkpoint_overrides(cfg, user_keys)
+        base += added
         point_overrides[point.label] = base
         for seed in seeds:
             path = runs.run_dir(out, point.label, seed)
@@ -177,4 +180,4 @@ def build_plan(protocol: Protocol, seeds: list[int], out: str | Path, preset: st
             _check_same_settings(path, cfg)
             plan.action = _action(path)
             plans.append(plan)
-    return SweepPlan(protocol, seeds, out, preset, config_file, point_overrides, plans)
+    return SweepPlan(protocol, seeds, out, preset, config_file, point_overrides, plans, added)

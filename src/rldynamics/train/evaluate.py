@@ -32,7 +32,10 @@ def is_checkpoint(target: str | Path) -> bool:
 
 
 def eval_config(target: str, preset: str | None, overrides: list[str], default_preset: str) -> tuple[Config, int]:
-    """The evaluation's config and the step its metrics are logged at (the checkpoint's, else 0)."""
+    """The evaluation's config and the step its metrics are logged at (the checkpoint's, else 0).
+
+    A run directory, or a checkpoint path that does not exist, is a ConfigError saying which checkpoint to give."""
+    _check_target(target)
     step = 0
     if is_checkpoint(target):
         checkpoint = Path(target).resolve()
@@ -62,9 +65,10 @@ def eval_run_dir(cfg: Config, target: str, step: int) -> Path:
     return Path(cfg.log.run_dir) / name
 
 
-def evaluate(cfg: Config, run_dir: Path, step: int = 0) -> dict[str, float]:
+def evaluate(cfg: Config, run_dir: Path, step: int = 0, checkpoint: Path | None = None) -> dict[str, float]:
     """Validate `cfg.model.path` with the trainer's validation stage; write config.yaml and the metrics row (at `step`)
-    to `run_dir`; return the metrics. Checks the run directory before loading anything and writes it only at the end."""
+    to `run_dir`; return the metrics. Checks the run directory, and verifies `checkpoint` (the manifest's sizes and
+    checksums, as `rldyn probe` and a resume do), before loading anything; writes the run directory only at the end."""
     import torch
 
     from rldynamics import dist
@@ -73,6 +77,7 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0) -> dict[str, float]:
     from rldynamics.models.sharding import wrap
     from rldynamics.rollout.vllm_engine import rollout_engine
     from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
+    from rldynamics.train.checkpoint import verify_checkpoint
     from rldynamics.train.setup import (
         Session,
         announce,
@@ -87,6 +92,8 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0) -> dict[str, float]:
     check_no_links(run_dir)
     _check_new(run_dir)
     RunLock(run_dir).check()
+    if checkpoint is not None:
+        verify_checkpoint(checkpoint)
     device = resolve_device(cfg.model.device)
     threads, threads_from = set_threads(cfg)
     keep_freed_memory()
@@ -112,8 +119,8 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0) -> dict[str, float]:
 
 
 def _checkpoint_step(checkpoint: Path) -> int:
-    """The step a checkpoint was saved at, read from its trainer_state.json without torch (its files are verified
-    as the actor loads)."""
+    """The step a checkpoint was saved at, read from its trainer_state.json without torch (`evaluate` verifies its
+    files before the actor loads)."""
     file = checkpoint / "trainer_state.json"
     try:
         step = json.loads(file.read_text(encoding="utf-8")).get("step")
@@ -123,6 +130,18 @@ def _checkpoint_step(checkpoint: Path) -> int:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ConfigError(f"{file} has no step number; is {checkpoint} a checkpoint written by rldyn train?")
     return step
+
+
+def _check_target(target: str) -> None:
+    """A run directory, or a checkpoint path that does not exist, named as what it is (not as a model to load)."""
+    path = Path(target)
+    if path.is_dir() and (path / "checkpoints").is_dir() and not is_checkpoint(path):
+        found = sorted((p.name for p in (path / "checkpoints").glob("step_*")), key=lambda n: n[5:].zfill(12))
+        latest = f"{path / 'checkpoints' / found[-1]}" if found else f"{path}/checkpoints/step_<N> (it has none yet)"
+        raise ConfigError(f"{target} is a run directory; give one of its checkpoints: rldyn eval {latest}")
+    if not path.exists() and "checkpoints" in path.parts:
+        raise ConfigError(f"no checkpoint {target}; a run is written to <log.run_dir>/<env>_<model>_<time> unless "
+                          "log.name is set (list them: ls runs/); give runs/<run>/checkpoints/step_<N>")
 
 
 def _check_new(run_dir: Path) -> None:
