@@ -155,12 +155,13 @@ class UpdateFlops:
 
     def __init__(self) -> None:
         import torch
+        from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self.flops: list[int] = []
         self.tokens: list[int] = []
         self.shape: ModelShape | None = None
         self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(self._find),
-                         torch.optim.optimizer.register_optimizer_step_post_hook(self._close)]
+                         register_optimizer_step_post_hook(self._close)]
         self._step_open = False
 
     def close(self) -> None:
