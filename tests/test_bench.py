@@ -176,3 +176,29 @@ def test_vs_trl_report_takes_medians_the_best_matmul_and_their_ratio(vs_trl, cap
                    "update GFLOP/s": "2.00", "matmul GFLOP/s": "8.00", "update/matmul": "0.25"}
     assert "update 2.00 GFLOP/s (740 token positions per step)  matmul 8.00 GFLOP/s (1536x1536 float32" in \
         capsys.readouterr().out
+
+
+def test_an_optimizer_step_closes_a_counted_step(vs_trl, tiny_tokenizer):
+    """With the vLLM engine no forward runs without gradients between two updates: the optimizer step ends each."""
+    model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                             intermediate_size=64)
+    ids = torch.randint(5, 100, (2, 6))  # [2, 6]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    counter = vs_trl.UpdateFlops()
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)  # generation in the first step: the counter finds the model
+        for _ in range(2):
+            model(input_ids=ids).logits.sum().backward()
+            optimizer.step()
+    finally:
+        counter.close()
+    assert counter.tokens == [12, 12]
+
+
+def test_vs_trl_report_prints_the_baseline_against_ours(vs_trl, capsys):
+    got = {"ours": [2.0], "trl": [], "baseline": [3.0, 3.0], "rates": [1e9], "tokens": [700], "matmul": [2e9],
+           "params": 1_000_000, "phases": {"update_actor": [1.0]}, "baseline_phases": {"update_actor": [2.0, 2.0]}}
+    row = vs_trl.report("tiny", "8 x 8", "float32", 256, got)
+    assert (row["baseline s/step"], row["baseline/ours"], row["TRL s/step"]) == ("3.000", "1.50", "nan")
+    assert "baseline 3.000 s/step  baseline/ours 1.50  by phase: update_actor 2.000s" in capsys.readouterr().out
