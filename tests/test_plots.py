@@ -589,3 +589,47 @@ def test_regulariser_share_buckets_are_not_joined_across_steps(run):
     ax = fig_reg_share(load_run(run)).axes[0]
     styles = {line.get_label(): line.get_linestyle() for line in ax.get_lines() if not line.get_label().startswith("_")}
     assert styles["all"] == "--" and styles and all(st == "None" for lab, st in styles.items() if lab != "all")
+
+
+def test_a_single_group_bucket_is_a_point_not_a_box(run):
+    from rldynamics.plots.analysis import fig_summary
+
+    ax = fig_summary(step_data(load_run(run), 1)).axes[0]  # buckets of 2, 2, 2 and 3 groups: four boxes
+    boxes = [line for line in ax.lines if line.get_label().startswith("_") and len(line.get_xdata()) == 2]
+    assert {round(float(np.mean(line.get_xdata()))) for line in boxes} == {0, 1, 2, 3}
+    sd = step_data(load_run(run), 1)
+    sd.groups["bucket_3"] = [0.9]
+    ax = fig_summary(sd).axes[0]
+    box_x = {round(float(np.mean(line.get_xdata()))) for line in ax.lines
+             if line.get_label().startswith("_") and len(line.get_xdata()) == 2}
+    assert 2 not in box_x  # no box (a flat line) at the one-group bucket
+    [point] = [line for line in ax.lines if line.get_label() == "a single group (no spread)"]
+    assert point.get_xdata().tolist() == [2] and point.get_ydata().tolist() == [0.9]
+    assert point.get_linestyle() == "None"
+
+
+def test_cosine_panels_share_the_analysis_steps_x_range(tmp_path):
+    from rldynamics.plots.curves import fig_cosines
+
+    path = make_run(tmp_path / "late_kl", steps=4, analysis=(1, 4))
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:  # KL's cosines logged at step 4 only
+        if row["step"] == 1:
+            for key in [k for k in row if "/cos/task_kl" in k or "/cos/entropy_kl" in k]:
+                del row[key]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    axes = fig_cosines(load_run(path)).axes
+    assert len(axes) == 3 and len({ax.get_xlim() for ax in axes}) == 1
+    low, high = axes[0].get_xlim()
+    assert low < 1 and high > 4
+
+
+def test_no_regulariser_share_figure_when_entropy_and_kl_are_off(tmp_path):
+    from rldynamics.plots.curves import fig_reg_share
+
+    path = make_run(tmp_path / "off", steps=4, analysis=(1, 4))
+    _set_config(path, algo={"kl_coef": 0.0, "entropy_coef": 0.0})
+    assert fig_reg_share(load_run(path)) is None
+    page = build_report(path)
+    assert "No regulariser share: both coefficients are 0 (algo.entropy_coef=0, algo.kl_coef=0)" in page
+    assert "Regulariser share of the gradient per bucket" not in page

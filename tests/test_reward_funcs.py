@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from conftest import require_package
@@ -241,3 +242,31 @@ def test_ctrl_c_inside_a_reward_function_stops_training_in_one_line_leaving_a_re
     monkeypatch.setenv("STOP_FILE", str(tmp_path / "never"))
     assert main([*args, "checkpoint.resume=latest"]) == 0  # the run directory was left consistent: it resumes
     assert [m["step"] for m in read_metrics(run) if "train/math/reward_func_errors" in m] == [1, 2, 3]
+
+
+def documented_reward_module() -> str:
+    """The `my_rewards.py` of docs/environments.md ("Your data sets and reward functions"), as a file's text."""
+    text = (Path(__file__).parents[1] / "docs" / "environments.md").read_text()
+    block = text[text.index("    # my_rewards.py"):].split("\n\n")[0]
+    return textwrap.dedent(block)
+
+
+def test_the_documented_rewards_give_an_untrained_tiny_model_a_gradient(fast_overrides, tmp_path, monkeypatch):
+    """The docs' example on the README's prompts command: the untrained tiny model (no solver to warm-start from)
+    gets rewards that differ within groups, and success is not handed to every reply."""
+    (tmp_path / "my_rewards.py").write_text(documented_reward_module())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
+    monkeypatch.setattr(reward_funcs, "_LOADED", {})
+    rows = [{"prompt": f"What is {i} + {i % 3}?", "answer": str(i + i % 3)} for i in range(12)]
+    (tmp_path / "set.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = main(["train", *fast_overrides, "env.name=prompts", "env.max_turns=1", f"env.prompts.source={tmp_path}/set.jsonl",
+                 "env.reward_funcs=[my_rewards:says_answer,my_rewards:near_20_chars]",
+                 "env.reward_weights.near_20_chars=0.5", "train.group_size=4", "env.max_new_tokens=24", "log.name=doc"])
+    assert code == 0
+    run = tmp_path / "runs" / "doc"
+    groups: dict = {}
+    for r in read_rewards(run):
+        groups.setdefault((r["step"], r["group"]), []).append(r["total"])
+    assert sum(len(set(totals)) == 1 for totals in groups.values()) / len(groups) <= 0.25
+    assert not all(r["correct"] for r in read_rewards(run))

@@ -8,7 +8,7 @@ import pytest
 
 from rldynamics.cli import main
 from rldynamics.config import make_config
-from rldynamics.start_notes import actor_never_updates, start_warnings
+from rldynamics.start_notes import actor_never_updates, no_warm_start, start_warnings, warm_starts
 
 
 def warnings_of(preset: str, overrides: list[str]) -> list[str]:
@@ -55,3 +55,13 @@ def test_train_prints_the_warnings_once_at_start_and_the_actor_indeed_never_upda
     rows = [json.loads(line) for line in (tmp_path / "runs" / "warm" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if r["step"] > 0]
     assert trained and all("actor/pg_loss" not in r and r.get("critic/warmup") == 1.0 for r in trained)
+
+
+def test_a_warm_start_with_no_solver_to_imitate_is_named_and_skipped(tmp_path):
+    (tmp_path / "x.jsonl").write_text('{"prompt": "Say 1."}\n')
+    prompts = ["env.name=prompts", "env.max_turns=1", f"env.prompts.source={tmp_path / 'x.jsonl'}",
+               "env.reward_funcs=[json:dumps]"]
+    cfg = make_config(None, None, prompts)
+    assert not warm_starts(cfg) and warm_starts(make_config(None, None, []))
+    assert "no solver for the tiny model's warm start" in no_warm_start(cfg)
+    assert no_warm_start(make_config(None, None, [*prompts, "model.warm_start_episodes=0"])) is None

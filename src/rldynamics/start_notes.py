@@ -8,6 +8,9 @@
   exactly the config it prints and saves (resetting would make `--preset P env.name=E` mean something else than
   "P with env E").
 
+- `no_warm_start`: the embedded tiny model with `model.warm_start_episodes` > 0 on an env with no solver to imitate
+  (`prompts`): the model starts untrained (`warm_starts`).
+
 Pure functions of the config (and the preset's file); no torch, so the CLI can say it before any work.
 """
 
@@ -18,6 +21,7 @@ from typing import Any
 
 from rldynamics.config import Config, EnvConfig, parse_overrides, preset_dict, preset_names, read_config_file
 from rldynamics.envs import ENVS
+from rldynamics.envs.base import demonstrable
 
 
 def actor_never_updates(cfg: Config) -> str | None:
@@ -71,6 +75,20 @@ def preset_env_switch(preset: str | None, cfg: Config, user_env: dict[str, Any])
     return "; ".join(parts)
 
 
+def warm_starts(cfg: Config) -> bool:
+    """Whether the run warm-starts the embedded tiny model (imitating the env's solver) before training."""
+    return cfg.model.path == "tiny" and cfg.model.warm_start_episodes > 0 and demonstrable(ENVS[cfg.env.name])
+
+
+def no_warm_start(cfg: Config) -> str | None:
+    """Why `model.warm_start_episodes` is ignored in this run, or None."""
+    if cfg.model.path != "tiny" or cfg.model.warm_start_episodes == 0 or warm_starts(cfg):
+        return None
+    return (f"env {cfg.env.name!r} has no solver for the tiny model's warm start to imitate: model.warm_start_episodes="
+            f"{cfg.model.warm_start_episodes} is ignored and training starts from the untrained tiny model "
+            "(model.warm_start_episodes=0 says so)")
+
+
 def user_env(file: str | Path | None, overrides: list[str]) -> dict[str, Any]:
     """The `env` keys the user's config file and overrides set (raw values, merged in that order)."""
     sources = [read_config_file(file)] if file else []
@@ -84,7 +102,8 @@ def user_env(file: str | Path | None, overrides: list[str]) -> dict[str, Any]:
 def start_warnings(cfg: Config, preset: str | None, file: str | Path | None, overrides: list[str]) -> list[str]:
     """Every warning for a run started with this preset, config file and overrides (one line each)."""
     env = user_env(file, overrides)
-    out = [preset_env_switch(preset, cfg, env) if "name" in env else None, actor_never_updates(cfg)]
+    out = [preset_env_switch(preset, cfg, env) if "name" in env else None, actor_never_updates(cfg),
+           no_warm_start(cfg)]
     return [f"warning: {line}" for line in out if line]
 
 

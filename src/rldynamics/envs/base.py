@@ -90,6 +90,12 @@ class Env(Protocol):
         ...
 
 
+def demonstrable(env_cls: type) -> bool:
+    """Whether the tiny model's warm start can play noisy solver episodes of this env: a `solve()`, and random
+    answers for the noise (its own `random_action`, else its action words). `prompts` has neither."""
+    return hasattr(env_cls, "solve") and (hasattr(env_cls, "random_action") or bool(env_cls.actions))
+
+
 def random_action(env: Env, rng: random.Random) -> str:
     """A random action for noisy demonstrations: the env's own `random_action`, else a random action word."""
     own = getattr(env, "random_action", None)

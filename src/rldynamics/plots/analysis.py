@@ -427,7 +427,8 @@ def fig_summary(sd: StepData) -> Figure:
 
 
 def _rv_panel(ax, sd: StepData) -> None:
-    """Box plot of the per-group RVs of each bucket (falls back to mean with min–max bars where no groups)."""
+    """Box plot of the per-group RVs of each bucket (a bucket of one group: an open point, named in the legend;
+    falls back to mean with min–max bars where no groups)."""
     ax.set_title("per-group reward std per bucket", fontsize=10)
     x = np.arange(len(sd.buckets))
     ax.set_xticks(x, sd.labels)
@@ -435,12 +436,18 @@ def _rv_panel(ax, sd: StepData) -> None:
     ax.set_ylabel("group reward std (RV)")
     data = [np.asarray([v for v in sd.groups.get(b, []) if np.isfinite(v)]) for b in sd.buckets]
     have = [i for i, d in enumerate(data) if d.size]
-    if have:
-        ax.boxplot([data[i] for i in have], positions=x[have], widths=0.5, showmeans=True,
+    spread = [i for i in have if data[i].size > 1]  # one group has no spread: a point, not a box
+    if spread:
+        ax.boxplot([data[i] for i in spread], positions=x[spread], widths=0.5, showmeans=True,
                    meanprops={"marker": "D", "markerfacecolor": "w", "markeredgecolor": "k", "markersize": 4})
-        for i in have:
-            ax.scatter(np.full(data[i].size, x[i]) + np.linspace(-0.12, 0.12, data[i].size), data[i], s=6,
-                       color=COLORS["rv"], alpha=0.6, zorder=3)
+    single = [i for i in have if data[i].size == 1]
+    if single:
+        ax.plot(x[single], [data[i][0] for i in single], "o", ls="none", mfc="none", mec="k", ms=6,
+                label="a single group (no spread)")
+        ax.legend(fontsize=7)
+    for i in spread:
+        ax.scatter(np.full(data[i].size, x[i]) + np.linspace(-0.12, 0.12, data[i].size), data[i], s=6,
+                   color=COLORS["rv"], alpha=0.6, zorder=3)
     mean, lo, hi = sd.values("reward_std_mean"), sd.values("reward_std_min"), sd.values("reward_std_max")
     rest = [i for i in range(len(sd.buckets)) if i not in have and np.isfinite(mean[i])]
     if rest:

@@ -4,7 +4,7 @@
   clip fraction, pg loss, filter kept ratio, in-group reward std, response length); non-finite values are
   marked on the axis instead of vanishing, early stops are drawn as a vertical line.
 - `analysis_cosines.png` / `analysis_reg_share.png`: per-bucket component cosines and regulariser share
-  over the analysis steps.
+  over the analysis steps (no share figure when entropy and KL are both off: it is 0 by construction).
 - `analysis_sketch_cosines_step_<N>.png`: bucket × bucket cosine of the task-gradient count-sketches.
 """
 
@@ -172,7 +172,10 @@ def fig_cosines(run: RunData, steps: list[int] | None = None) -> Figure | None:
     if not present:
         return None
     fig = new_figure(5.2 * len(present), 4.2)
-    axes = np.atleast_1d(fig.subplots(1, len(present), squeeze=False).ravel())
+    # every panel compares the same analysis steps: one x range, also for a cosine first logged later
+    axes = np.atleast_1d(fig.subplots(1, len(present), squeeze=False, sharex=True).ravel())
+    pad = 0.5 * (float(np.min(np.diff(steps))) if len(steps) > 1 else 1.0)
+    axes[0].set_xlim(min(steps) - pad, max(steps) + pad)
     for ax, c in zip(axes, present, strict=True):
         a, b = c.split("_")
         if not _lines_per_bucket(ax, run, steps, f"cos/{c}"):
@@ -221,7 +224,7 @@ def fig_reg_share(run: RunData, steps: list[int] | None = None) -> Figure | None
     whiskers where logged; a share of exactly 0 is marked on the bottom edge.
     """
     steps = analysis_steps(run) if steps is None else steps
-    if not any(k.endswith("/reg_share") for s in steps for k in run.row(s)):
+    if reg_share_off(run) or not any(k.endswith("/reg_share") for s in steps for k in run.row(s)):
         return None
     fig = new_figure(7.5, 4.5)
     ax = fig.add_subplot()
@@ -262,6 +265,14 @@ def fig_reg_share(run: RunData, steps: list[int] | None = None) -> Figure | None
     _shared_legend(fig, [ax], _label_order(run, steps))
     fig.suptitle(f"{run.name}: regulariser share per bucket")
     return fig
+
+
+def reg_share_off(run: RunData) -> str | None:
+    """Why the run has no regulariser share to draw (entropy and KL both off: it is 0 by construction), or None."""
+    off = off_terms(run.config)
+    if not {"entropy", "kl"} <= off.keys():
+        return None
+    return f"No regulariser share: both coefficients are 0 ({off['entropy']}, {off['kl']}), so it is 0 at every step."
 
 
 def _bucket_series(run: RunData, steps: list[int], bucket: str, metric: str) -> tuple[np.ndarray, ...]:

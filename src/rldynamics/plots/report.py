@@ -19,7 +19,13 @@ from matplotlib.figure import Figure
 
 from rldynamics.plots.analysis import STEP_FIGURES, fmt, png_bytes, step_data
 from rldynamics.plots.collapse import check_template_collapse, fig_mi_entropy, fig_regimes, mode_of
-from rldynamics.plots.curves import fig_cosines, fig_reg_share, fig_sketch_cosines, fig_training_curves
+from rldynamics.plots.curves import (
+    fig_cosines,
+    fig_reg_share,
+    fig_sketch_cosines,
+    fig_training_curves,
+    reg_share_off,
+)
 from rldynamics.plots.data import (
     PREFIX,
     RunData,
@@ -148,7 +154,9 @@ def analysis_section(run: RunData) -> str:
     out.append(f'<p class="meta">Analysis steps: {", ".join(map(str, steps))}. {buckets} Norms of entropy and KL '
                "are weighted by their coefficients unless marked raw.</p>")
     out.append(figure_html(fig_cosines(run), "Cosines between the task, entropy and KL gradients per bucket"))
-    out.append(figure_html(fig_reg_share(run), "Regulariser share of the gradient per bucket"))
+    off = reg_share_off(run)
+    out.append(f'<p class="meta">{html.escape(off)}</p>' if off else
+               figure_html(fig_reg_share(run), "Regulariser share of the gradient per bucket"))
     for step in steps:
         sd = step_data(run, step)
         out.append(f'<h3 id="step-{step}">Step {step}</h3>')

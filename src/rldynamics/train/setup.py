@@ -53,6 +53,7 @@ from rldynamics.models.sharding import wrap
 from rldynamics.models.tiny import ensure_tiny_model
 from rldynamics.rollout import vllm_engine
 from rldynamics.rollout.vllm_engine import rollout_engine
+from rldynamics.start_notes import warm_starts
 from rldynamics.threads import choose_threads
 from rldynamics.tracking.console import StepConsole
 from rldynamics.tracking.environment import describe, record_start
@@ -135,11 +136,10 @@ def base_model_path(cfg: Config) -> str:
     cached), or the embedded tiny model (built, warm-started, cached)."""
     if cfg.model.path != "tiny":
         return resolve_model_path(cfg.model.path, corpus_fn=lambda: ())
-    m = cfg.model
     t = cfg.tiny
     path = str(ensure_tiny_model(lambda: tiny_corpus(cfg.env), hidden_size=t.hidden_size, num_layers=t.layers,
                                  intermediate_size=4 * t.hidden_size, tie_embeddings=t.tie_embeddings))
-    return ensure_warm_start(path, cfg) if m.warm_start_episodes > 0 else path
+    return ensure_warm_start(path, cfg) if warm_starts(cfg) else path
 
 
 def run_config(checkpoint: str | Path) -> Config:
