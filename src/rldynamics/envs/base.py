@@ -92,8 +92,9 @@ class Env(Protocol):
 
 def demonstrable(env_cls: type) -> bool:
     """Whether the tiny model's warm start can play noisy solver episodes of this env: a `solve()`, and random
-    answers for the noise (its own `random_action`, else its action words). `prompts` has neither."""
-    return hasattr(env_cls, "solve") and (hasattr(env_cls, "random_action") or bool(env_cls.actions))
+    answers for the noise (its own `random_action`, else its action words: an env that sets them per instance, as
+    bandit does, is taken to have them; only a class-level empty tuple says it has none). `prompts` has neither."""
+    return hasattr(env_cls, "solve") and (hasattr(env_cls, "random_action") or getattr(env_cls, "actions", None) != ())
 
 
 def random_action(env: Env, rng: random.Random) -> str:
