@@ -159,8 +159,8 @@ def test_a_recording_update_gives_the_old_pass_log_probs_and_mismatch(setup):
     """`record`: the single-pass update's own forward yields the rollout policy's log-probs, so the mismatch
     metrics need no old-log-prob pass; recording leaves the update itself unchanged."""
     model, batch, inputs = setup
-    cfg = make_config(overrides=[f"train.mini_batch_size={len(batch)}", "train.ppo_epochs=1", "train.micro_batch_size=4",
-                                 "algo.tis_cap=2.0"])
+    cfg = make_config(overrides=[f"train.mini_batch_size={len(batch)}", "train.ppo_epochs=1",
+                                 "train.micro_batch_size=4", "algo.tis_cap=2.0"])
     assert single_pass(cfg.train, len(batch))
     own = ActorInputs(old_logprobs=None, advantages=inputs.advantages)
     updates, models = [], []
