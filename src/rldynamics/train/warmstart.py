@@ -167,7 +167,7 @@ def supervised_warm_start(model, tokenizer, cfg: Config, batch_size: int = 32, l
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.model.warm_start_lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(cfg.model.warm_start_seed)
     losses = []
-    epochs = Lines("warm start epoch", cfg.model.warm_start_epochs, enabled=cfg.log.progress)  # no terminal: a line each
+    epochs = Lines("warm start epoch", cfg.model.warm_start_epochs, enabled=cfg.log.progress)  # no terminal: lines
     with progress_bar(cfg.log.progress) as bar:
         task = bar.add_task("warm start", total=cfg.model.warm_start_epochs * math.ceil(len(demos) / batch_size),
                             info="")
