@@ -93,3 +93,13 @@ def test_smollm2_presets_resolve_by_the_hardware(fake_cpu, capability, factor, m
     assert precision.record()["bf16_capability"] == capability
     tiny = choose_precision(make_config("sokoban-tiny"), torch.device("cpu"))
     assert tiny.model.name == "float32" and tiny.engine is None
+
+
+def test_the_tiny_model_on_auto_times_nothing(fake_cpu):
+    """Its choice is float32 whatever the CPU, so a start does not measure bfloat16 for it."""
+    fake, calls = fake_cpu
+    fake("AVX512_BF16", 2.5)
+    precision = choose_precision(make_config("sokoban-tiny"), torch.device("cpu"))
+    assert (precision.model.name, precision.speed.factor, calls) == ("float32", None, [])
+    assert choose_precision(make_config("sokoban-tiny", overrides=["model.dtype=bfloat16"]),
+                            torch.device("cpu")).speed.factor == 2.5 and calls == [1]  # asked for: measured

@@ -77,9 +77,11 @@ def choose_dtype(key: str, requested: str, speed: Bf16Speed, *, tiny: bool = Fal
     return DtypeChoice("float32", f"{key}=auto: no fast bfloat16 on this device ({speed.words()})")
 
 
-def bf16_speed(device: torch.device, *, measure_slow: bool = False, cache_dir: Path | None = None) -> Bf16Speed:
-    """The bfloat16 speed of `device` (see the module docstring). `measure_slow`: measure the factor of a CPU without
-    native bfloat16 too (to word a warning); it is never cached as fast."""
+def bf16_speed(device: torch.device, *, measure: bool = True, measure_slow: bool = False,
+               cache_dir: Path | None = None) -> Bf16Speed:
+    """The bfloat16 speed of `device` (see the module docstring). `measure=False`: the capability alone, nothing
+    timed (fast = native instructions; for a choice that does not depend on it). `measure_slow`: measure the factor
+    of a CPU without native bfloat16 too (to word a warning); it is never cached as fast."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return Bf16Speed("cuda", f"cuda sm_{major}{minor}", fast=torch.cuda.is_bf16_supported())
@@ -87,8 +89,8 @@ def bf16_speed(device: torch.device, *, measure_slow: bool = False, cache_dir: P
         return Bf16Speed(device.type, device.type, fast=False)
     capability = cpu_capability()
     native = capability in NATIVE_BF16
-    if not native and not measure_slow:
-        return Bf16Speed("cpu", capability, fast=False)
+    if not measure or (not native and not measure_slow):
+        return Bf16Speed("cpu", capability, fast=native)
     factor = _cached_factor(capability, cache_dir)
     return Bf16Speed("cpu", capability, fast=native and factor >= FAST_FACTOR, factor=factor)
 

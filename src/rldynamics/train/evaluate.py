@@ -72,21 +72,12 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0, checkpoint: Path | None 
     import torch
 
     from rldynamics import dist
-    from rldynamics.memory import keep_freed_memory
     from rldynamics.models.loading import load_model_and_tokenizer
     from rldynamics.models.sharding import wrap
     from rldynamics.rollout.vllm_engine import rollout_engine
     from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
     from rldynamics.train.checkpoint import verify_checkpoint
-    from rldynamics.train.setup import (
-        Session,
-        announce,
-        base_model_path,
-        choose_precision,
-        prepare,
-        resolve_device,
-        set_threads,
-    )
+    from rldynamics.train.setup import Session, base_model_path, prepare, resolve_device, start_compute
     from rldynamics.train.trainer import validate
 
     check_no_links(run_dir)
@@ -95,10 +86,7 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0, checkpoint: Path | None 
     if checkpoint is not None:
         verify_checkpoint(checkpoint)
     device = resolve_device(cfg.model.device)
-    threads, threads_from = set_threads(cfg)
-    keep_freed_memory()
-    precision = choose_precision(cfg, device)
-    announce(device, threads, threads_from, precision)
+    *_, precision = start_compute(cfg, device)
     torch.manual_seed(cfg.seed)
     path = base_model_path(cfg)
     model, tokenizer = load_model_and_tokenizer(path, device=str(device), chat_template=cfg.model.chat_template)

@@ -270,10 +270,7 @@ def check_resume_settings(cfg: Config, run_dir: Path) -> None:
 def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
     """Build the training session for `cfg`, resuming `start`; writes nothing (`open_run` does, under the lock)."""
     device = resolve_device(cfg.model.device)
-    threads, threads_from = set_threads(cfg)
-    malloc = keep_freed_memory()
-    precision = choose_precision(cfg, device)
-    announce(device, threads, threads_from, precision)
+    threads, threads_from, malloc, precision = start_compute(cfg, device)
     torch.manual_seed(cfg.seed)
     base = dist.on_main(run_base_path, cfg, start)  # the tiny model is built (and warm-started) once, by rank 0
     ckpt = start.checkpoint
@@ -302,6 +299,17 @@ def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
                    ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer, main=dist.is_main(),
                    collapse_ema=copy.deepcopy((start.state or {}).get("collapse_ema", {})),  # a resumed run goes on
                    environment=environment, engine=rollout_engine(cfg, base, model, precision.engine_dtype))
+
+
+def start_compute(cfg: Config, device: torch.device) -> tuple[int, str, str, Precision]:
+    """How this process computes, set and said once per start (`rldyn train`, `probe`, `eval`): torch's thread
+    count, freed memory kept for reuse, the compute dtypes; the first console line says them. Returns (threads,
+    where the number comes from, what malloc does, precision)."""
+    threads, threads_from = set_threads(cfg)
+    malloc = keep_freed_memory()
+    precision = choose_precision(cfg, device)
+    announce(device, threads, threads_from, precision)
+    return threads, threads_from, malloc, precision
 
 
 def set_threads(cfg: Config) -> tuple[int, str]:
@@ -341,8 +349,9 @@ class Precision:
 def choose_precision(cfg: Config, device: torch.device) -> Precision:
     """Resolve `model.dtype` (and `rollout.vllm_dtype`) on `device` (`models.hardware.choose_dtype`)."""
     engine = cfg.rollout.vllm_dtype if cfg.rollout.engine == "vllm" else None
-    speed = bf16_speed(device, measure_slow="bfloat16" in (cfg.model.dtype, engine))
     tiny = cfg.model.path == "tiny"
+    explicit = "bfloat16" in (cfg.model.dtype, engine)
+    speed = bf16_speed(device, measure=explicit or not tiny, measure_slow=explicit)  # tiny + auto: float32 anyway
     return Precision(model=choose_dtype("model.dtype", cfg.model.dtype, speed, tiny=tiny),
                      engine=None if engine is None else choose_dtype("rollout.vllm_dtype", engine, speed, tiny=tiny),
                      speed=speed)
