@@ -11,7 +11,7 @@ per group; trajectory-uniform: `--samples` pairs, each its own column), then tim
   (a) a training step without the diagnostics: the rollout, the old-log-prob pass and one actor update epoch
       (GRPO advantages, mini-batch 32, micro-batch 16);
   (b) ours: `cross_loglik` with each distinct prompt encoded once per micro-batch (shared prefix) and the scores of
-      identical prompts copied, plus the metrics and 200 bootstrap resamples (`train/collapse_stage.py`'s work);
+      identical prompts copied, plus the metrics and 200 bootstrap resamples (`train/diagnostics/collapse.py`'s work);
   (c) naive (RAGEN's protocol, docs/reference/ragen_behaviour.md §5): every column's prompt with every reply
       forwarded as an independent full sequence [x_j | z_i] (N x C rows, no prefix reuse, no de-duplication of
       columns).

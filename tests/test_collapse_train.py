@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from rldynamics.config import make_config
 from rldynamics.tracking.run_dir import read_metrics
-from rldynamics.train.collapse_stage import collapse_due
+from rldynamics.train.diagnostics.collapse import collapse_due
 from rldynamics.train.trainer import train
 
 
@@ -56,7 +56,7 @@ def test_valid_thinking_rate_counts_turns_with_reasoning():
     from types import SimpleNamespace
 
     from rldynamics.rollout.batch import RolloutBatch
-    from rldynamics.train.collapse_stage import valid_thinking_rate
+    from rldynamics.train.diagnostics.collapse import valid_thinking_rate
 
     texts = {1: "plan</think><answer>Up</answer>", 2: " </think><answer>Up</answer>", 3: "<answer>Up</answer>"}
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "".join(texts[int(i)] for i in ids))

@@ -124,7 +124,7 @@ def test_mismatch_per_bucket_is_that_of_the_buckets_rows():
     from types import SimpleNamespace
 
     from rldynamics.analysis.objective import ActorInputs
-    from rldynamics.train.analysis_pass import bucket_mismatch
+    from rldynamics.train.diagnostics.gradient_analysis import bucket_mismatch
 
     cfg = make_config(overrides=["algo.mismatch_band=1.5"])
     batch = SimpleNamespace(group_ids=torch.tensor([7, 3]), rollout_logprobs=ROLLOUT, response_mask=MASK)

@@ -47,6 +47,7 @@ FILTER_KEPT_COUNT = "rollout/filter_kept_count"
 FILTER_ZERO_COUNT = "rollout/filter_zero_count"
 GRADIENT_ANALYSIS_ONLY = "trainer/gradient_analysis_only"
 EXITED_AFTER_ANALYSIS = "trainer/exited_after_gradient_analysis"
+CRITIC_WARMUP = "critic/warmup"  # 1 on the critic warm-up's steps (the actor waits), read by the sweeps
 STEP_TIME = "timing_s/step"
 VAL_TIME = "timing_s/val"
 EARLY_STOPPED = "early_stopped/"
@@ -130,6 +131,11 @@ def reward_grad_prefix(prefix: str) -> str:
 def actor_grad_norm(component: str) -> str:
     """RAGEN's root copy of the whole batch's gradient norm of a loss component."""
     return f"actor/grad_norm/{component}"
+
+
+def response_length(metric: str) -> str:
+    """`response_length/<metric>`: lengths of the sampled replies (verl's namespace)."""
+    return f"response_length/{metric}"
 
 
 def actor(metric: str) -> str:

@@ -1,6 +1,6 @@
 """`rldyn eval`: one validation of a checkpoint or a model, written to a small run directory of its own.
 
-What is measured is the trainer's validation stage itself (`trainer.validate`: the fixed validation seeds
+What is measured is the trainer's validation stage itself (`train.step.validate`: the fixed validation seeds
 `val.seed_base ..`, `val.group_size` samples each at `val.temperature`), so an eval of a run's checkpoint gives the
 number that run logged at that step: success, pass@`val.group_size`, the weighted reward and each raw reward
 component (`val-reward/<name>/*`), response length and the env's own metrics.
@@ -78,7 +78,7 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0, checkpoint: Path | None 
     from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
     from rldynamics.train.checkpoint import verify_checkpoint
     from rldynamics.train.setup import Session, base_model_path, prepare, resolve_device, start_compute
-    from rldynamics.train.trainer import validate
+    from rldynamics.train import step as stages
 
     check_no_links(run_dir)
     _check_new(run_dir)
@@ -94,7 +94,7 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0, checkpoint: Path | None 
     session = Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=None,
                       main=dist.is_main(), engine=rollout_engine(cfg, path, model, precision.engine_dtype))
     start = time.perf_counter()
-    metrics = validate(session).metrics
+    metrics = stages.validate(session).metrics
     metrics["timing_s/eval"] = time.perf_counter() - start
     if dist.is_main():
         with RunLock(run_dir):

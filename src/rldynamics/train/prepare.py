@@ -1,12 +1,13 @@
 """The stage between the filter and the updates: old / reference log-probs, critic values, advantages, returns.
 
 `prepare_update` is the one place these are computed, for the training step and for a separate analysis batch
-(`train/analysis_pass.py`) alike, so an analysed batch is prepared exactly as a trained one.
+(`train/diagnostics/gradient_analysis.py`) alike, so an analysed batch is prepared exactly as a trained one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,9 +18,11 @@ from rldynamics.analysis.objective import ActorInputs
 from rldynamics.config import Config
 from rldynamics.models.forward import batch_logprobs, batch_values
 from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.train.setup import Session
 from rldynamics.train.sharded import row_pass
 from rldynamics.train.stages import advantages_and_returns, timed
+
+if TYPE_CHECKING:  # the session is built in train/setup.py, which builds the diagnostics that prepare batches
+    from rldynamics.train.setup import Session
 
 
 @dataclass

@@ -25,10 +25,13 @@ from rldynamics import metric_names as names
 from rldynamics.config import Config, ConfigError, apply_overrides, config_diff
 from rldynamics.rollout.sampling import NonFiniteLogits
 from rldynamics.tracking.console import StepConsole
-from rldynamics.train import trainer
+from rldynamics.train import step as stages
 from rldynamics.train.checkpoint import read_trainer_state
+from rldynamics.train.diagnostics.base import BEFORE_UPDATE, END, ROLLOUT, StepRecord
 from rldynamics.train.early_stop import EarlyStopper
+from rldynamics.train.lifecycle import opened
 from rldynamics.train.setup import Session, run_config
+from rldynamics.train.stages import filter_batch
 
 PROBE_DEFAULTS = ["algo.kl_coef=0.001", "algo.kl_type=k3", "algo.entropy_coef=0.001"]
 RUN_MODEL_KEYS = ("model.path", "tiny.", "model.warm_start_")  # the run's base model: never a probe's to change
@@ -60,7 +63,7 @@ def probe_checkpoint(checkpoint: str | Path, overrides: list[str], validate: boo
     cfg = probe_config(checkpoint, overrides, validate)
     name = cfg.log.name if any(o.startswith("log.name=") for o in overrides) else (
         f"probe_{checkpoint.parent.parent.name}_{checkpoint.name}")
-    with trainer.opened(cfg, Path(cfg.log.run_dir) / name) as (s, start, stopper):
+    with opened(cfg, Path(cfg.log.run_dir) / name) as (s, start, stopper):
         probe_steps(s, start.step, stopper)
     return s.run_dir
 
@@ -69,7 +72,7 @@ def probe_steps(s: Session, step: int, stopper: EarlyStopper) -> None:
     """Validation (with `val.before_train`, what `--validate` sets), then the analysis of the checkpoint, both
     logged at the checkpoint's `step`."""
     cfg = s.cfg
-    before = trainer.validate(s).metrics if cfg.val.before_train else {}
+    before = stages.validate(s).metrics if cfg.val.before_train else {}
     if before:
         s.log(step, before)
     with StepConsole(cfg.train.steps, cfg.env.name, enabled=cfg.log.progress and s.main, probe=True,
@@ -79,23 +82,32 @@ def probe_steps(s: Session, step: int, stopper: EarlyStopper) -> None:
         try:
             metrics = analyse_checkpoint(s, step, stopper)
         except NonFiniteLogits:
-            metrics = {**trainer.non_finite_logits(), names.early_stopped(trainer.NON_FINITE_LOGITS): 1.0}
-            console.print(f"[yellow]early stop at step {step}: {trainer.NON_FINITE_LOGITS}")
+            metrics = {**stages.non_finite_logits(), names.early_stopped(stages.NON_FINITE_LOGITS): 1.0}
+            console.print(f"[yellow]early stop at step {step}: {stages.NON_FINITE_LOGITS}")
         else:
             console.analysis_done(step)
         s.log(step, metrics)
 
 
 def analyse_checkpoint(s: Session, step: int, stopper: EarlyStopper) -> dict[str, float]:
-    """The probe's row: rollout of the probe seeds, filter, prepare (no update), gradient analysis.
+    """The probe's row: rollout of the probe seeds, filter, prepare (no update), the diagnostics of every point
+    (the gradient analysis among them: `analysis.every=1`).
 
     The stopper only counts (`rollout/consecutive_empty_after_filter_steps` continues the checkpoint's count);
-    its stop reasons are ignored."""
-    m: dict[str, float] = {}
-    filtered = trainer.roll_out(s, step, PROBE_SEED_STEP, m)
-    trainer.record_filter(m, stopper, filtered)
-    prepared = trainer.prepare(s, filtered, m) if len(filtered.batch) > 0 else None
-    m[names.GRADIENT_ANALYSIS_ONLY] = 1.0
-    trainer.analyse(s, step, m, filtered, prepared, PROBE_SEED_STEP)
-    m[names.EXITED_AFTER_ANALYSIS] = 1.0
-    return m
+    its stop reasons, and the analysis's `analysis.exit_after`, are ignored."""
+    due = stages.due_diagnostics(s, step)
+    record = StepRecord(step=step, seed_step=PROBE_SEED_STEP)
+    rollout = stages.roll_out(s, step, PROBE_SEED_STEP)
+    record.rollout = rollout.batch
+    record.add(rollout.metrics)
+    stages.run_point(s, due, ROLLOUT, record)
+    record.filtered = filtered = filter_batch(rollout.batch, s.cfg.filter)
+    record.add(filtered.metrics, stages.stop_after_filter(stopper, filtered).metrics)
+    if len(filtered.batch) > 0:
+        record.prepared = stages.prepare(s, filtered)
+        record.add(record.prepared.metrics)
+    record.add({names.GRADIENT_ANALYSIS_ONLY: 1.0})
+    stages.run_point(s, due, BEFORE_UPDATE, record)
+    stages.run_point(s, due, END, record)
+    record.add({names.EXITED_AFTER_ANALYSIS: 1.0})
+    return record.metrics()

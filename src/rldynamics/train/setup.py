@@ -27,7 +27,6 @@ written. A run killed before its first checkpoint is restarted from step 0 by `c
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,9 +56,9 @@ from rldynamics.start_notes import warm_starts
 from rldynamics.threads import choose_threads
 from rldynamics.tracking.console import StepConsole
 from rldynamics.tracking.environment import describe, record_start
-from rldynamics.tracking.grad_dump import GradientDumper
 from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
 from rldynamics.tracking.sinks import TensorBoardSink, WandbSink, check_installed
+from rldynamics.train.diagnostics import Diagnostic, build_diagnostics
 from rldynamics.train.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -85,11 +84,10 @@ class Session:
     critic: torch.nn.Module | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
     console: StepConsole | None = None
-    dumper: GradientDumper | None = None  # analysis.dump_gradients: started by the first dump
     engine: object | None = None  # the rollout engine of rollout.engine=vllm (None: HF generate per rollout)
     main: bool = True  # rank 0 (or one process): the one that writes the run directory
     environment: dict | None = None  # what computes this start (`tracking.environment`), recorded by open_run
-    collapse_ema: dict = field(default_factory=dict)  # collapse diagnostics: EMA of the marginal std per mode
+    diagnostics: list[Diagnostic] = field(default_factory=list)  # read-only parts of the step (`train/diagnostics`)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append the metrics row of `step` (rank 0 only)."""
@@ -297,8 +295,8 @@ def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
     environment.update(precision.record(), malloc=malloc)
     return Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=optimizer,
                    ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer, main=dist.is_main(),
-                   collapse_ema=copy.deepcopy((start.state or {}).get("collapse_ema", {})),  # a resumed run goes on
-                   environment=environment, engine=rollout_engine(cfg, base, model, precision.engine_dtype))
+                   environment=environment, engine=rollout_engine(cfg, base, model, precision.engine_dtype),
+                   diagnostics=build_diagnostics(cfg, start.state))  # a resumed run's diagnostics go on
 
 
 def start_compute(cfg: Config, device: torch.device) -> tuple[int, str, str, Precision]:

@@ -1,12 +1,14 @@
-"""The template-collapse diagnostics as a stage of the training step (`collapse.*`, docs/collapse.md).
+"""The template-collapse diagnostics as a diagnostic of the training step (`Collapse`; `collapse.*`,
+docs/collapse.md).
 
 - Schedule (RAGEN's): step 1, then every step divisible by `collapse.compute_freq`; on the unfiltered training
-  batch, right after the rollout.
+  batch, right after the rollout (`ROLLOUT`).
 - Modes: first turn (one column per group; `collapse/first_turn_num_total|num_valid|valid_rate`) and
   trajectory-uniform pairs (each pair its own column); metrics under `collapse_first_turn_sample/` and
   `collapse_trajectory_sample/` (`analysis/collapse.py`), with `timing_s/collapse_first_turn_step` and
   `timing_s/collapse_multi_turn_step`. With `env.enable_think`, `collapse/valid_thinking_rate` is the share of
   turns whose reply holds a non-empty `<think>` text.
+- State: the running EMA of the marginal std per mode (`collapse_metrics`' `ema_std`), saved with the checkpoint.
 - Read-only: the pairs and the bootstrap draw from their own generators seeded from (seed, step), the scoring
   runs without gradients, so a run with the stage on ends bit-identical to the run without it (parameters and
   every RNG stream).
@@ -16,6 +18,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 import time
 
@@ -33,6 +36,7 @@ from rldynamics.analysis.cross_scoring import (
 )
 from rldynamics.config import Config
 from rldynamics.rollout.batch import RolloutBatch
+from rldynamics.train.diagnostics.base import ROLLOUT, Diagnostic, DiagnosticResult, StepRecord
 from rldynamics.train.sharded import row_pass
 from rldynamics.train.stages import step_seed
 
@@ -45,11 +49,38 @@ def collapse_due(cfg: Config, step: int) -> bool:
     return cfg.collapse.enabled and step >= 1 and (step == 1 or step % cfg.collapse.compute_freq == 0)
 
 
-def run_collapse(s, step: int, batch: RolloutBatch) -> dict[str, float]:
+class Collapse(Diagnostic):
+    """RAGEN's template-collapse diagnostics: cross-scored replies give the conditional entropy, the mutual
+    information between prompt and reply and their retrieval accuracy; state: the EMA of the marginal std."""
+
+    name, point, phase = "collapse", ROLLOUT, "collapse"
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.ema: dict[str, dict] = {}  # mode prefix -> `collapse_metrics`' running EMA of the marginal std
+
+    @staticmethod
+    def enabled(cfg: Config) -> bool:
+        return cfg.collapse.enabled
+
+    def due(self, step: int) -> bool:
+        return collapse_due(self.cfg, step)
+
+    def run(self, s, record: StepRecord) -> DiagnosticResult:
+        return DiagnosticResult(run_collapse(s, record.step, record.rollout, self.ema))
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ema = copy.deepcopy(state.get("ema", {}))
+
+
+def run_collapse(s, step: int, batch: RolloutBatch, ema: dict[str, dict]) -> dict[str, float]:
     """The collapse metrics of `batch` (the step's unfiltered rollout) under the current actor.
 
-    `s` is the training session (`train.setup.Session`): its model, tokenizer, config and `collapse_ema` (the
-    running EMA of the marginal std per mode, updated here)."""
+    `s` is the training session (`train.setup.Session`): its model, tokenizer and config; `ema` the running EMA of
+    the marginal std per mode, updated here."""
     cfg = s.cfg.collapse
     generator = torch.Generator().manual_seed(step_seed(s.cfg.seed, step, stream=SAMPLE_STREAM))
     out: dict[str, float] = {}
@@ -62,20 +93,20 @@ def run_collapse(s, step: int, batch: RolloutBatch) -> dict[str, float]:
                     f"{names.COLLAPSE}/first_turn_num_valid": float(valid),
                     f"{names.COLLAPSE}/first_turn_valid_rate": valid / total if total else 0.0})
         if pairs is not None:
-            out.update(_diagnose(s, pairs, names.COLLAPSE_FIRST_TURN, generator))
+            out.update(_diagnose(s, pairs, names.COLLAPSE_FIRST_TURN, generator, ema))
         out[names.timing("collapse_first_turn_step")] = time.perf_counter() - start
     if cfg.multi_turn_enabled:
         start = time.perf_counter()
         pairs = trajectory_pairs(batch.input_ids, batch.response_mask, cfg.num_samples, generator)
         if pairs is not None:
-            out.update(_diagnose(s, pairs, names.COLLAPSE_TRAJECTORY, generator))
+            out.update(_diagnose(s, pairs, names.COLLAPSE_TRAJECTORY, generator, ema))
         out[names.timing("collapse_multi_turn_step")] = time.perf_counter() - start
     if s.cfg.env.enable_think:
         out[f"{names.COLLAPSE}/valid_thinking_rate"] = valid_thinking_rate(batch, s.tokenizer)
     return out
 
 
-def _diagnose(s, pairs: Pairs, prefix: str, generator: torch.Generator) -> dict[str, float]:
+def _diagnose(s, pairs: Pairs, prefix: str, generator: torch.Generator, ema: dict) -> dict[str, float]:
     """Cross-score `pairs` and return their metrics (and bootstrap intervals) under `prefix/`."""
     cfg = s.cfg.collapse
 
@@ -89,7 +120,7 @@ def _diagnose(s, pairs: Pairs, prefix: str, generator: torch.Generator) -> dict[
                           row_pass=split)  # [N, C]
     lengths = reply_lengths(pairs)  # [N]
     metrics = collapse_metrics(loglik, lengths, pairs.column, pairs.classes, std_eps=cfg.std_eps,
-                               ema_std=s.collapse_ema.setdefault(prefix, {}), ema_decay=cfg.ema_decay)
+                               ema_std=ema.setdefault(prefix, {}), ema_decay=cfg.ema_decay)
     metrics["num_samples"] = float(len(pairs.replies))
     metrics["num_prompts"] = float(int(pairs.classes.max()) + 1)
     if cfg.bootstrap_resamples >= 2:

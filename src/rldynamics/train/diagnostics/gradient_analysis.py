@@ -1,7 +1,8 @@
-"""The gradient analysis as a stage of the training step: which batch, which passes, what is written.
+"""The gradient analysis as a diagnostic of the training step (`GradientAnalysis`): which batch, which passes,
+what is written.
 
 - Cadence: analysis runs at steps 1, 1+every, 1+2*every, ... after the critic update and before the actor
-  update, on the filtered training batch, or, when `analysis.env_groups` / `analysis.group_size` are set,
+  update (`BEFORE_UPDATE`), on the filtered training batch, or, when `analysis.env_groups` / `analysis.group_size` are set,
   on a separate batch drawn with its own env seeds (seed_base + 500000 + groups*(k-1) + g at step k; a probe
   draws those of step 1 whatever the checkpoint's step, so every probe draws the same puzzles) and sampling seed
   (inside a forked RNG, so training is unaffected) and filtered with the same filter settings.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -36,9 +38,13 @@ from rldynamics.config import Config
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.tracking.files import replacing, write_file
 from rldynamics.tracking.grad_dump import GradientDumper
+from rldynamics.train.checkpoint import crash_point
+from rldynamics.train.diagnostics.base import BEFORE_UPDATE, Diagnostic, DiagnosticResult, Needs, StepRecord
 from rldynamics.train.prepare import Prepared, prepare_update
 from rldynamics.train.sharded import rollout_groups
 from rldynamics.train.stages import Filtered, component_advantages, filter_batch, step_seed, train_seeds
+
+EXITED = "exited_after_gradient_analysis"  # the stop reason of `analysis.exit_after`
 
 ANALYSIS_SEED_OFFSET = 500_000  # separate analysis batches use their own env seeds
 GROUP_NORM_COLUMNS = ("share", "rows", "tokens", "task", "entropy", "kl", "raw/entropy", "raw/kl", "regularizer",
@@ -55,6 +61,45 @@ def analysis_due(cfg: Config, step: int) -> bool:
     return cfg.analysis.enabled and (step - 1) % cfg.analysis.every == 0
 
 
+class GradientAnalysis(Diagnostic):
+    """RAGEN's gradient analysis (`analysis.*`): per reward-variance bucket, the task / entropy / KL gradient norms
+    of the step's batch under the rollout policy, without an optimizer step. Needs the old-log-prob and reference
+    passes on its steps; its state is none (gradient dumps are written in the background and flushed by `close`)."""
+
+    name, point, phase = "gradient_analysis", BEFORE_UPDATE, "analysis"
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.dumper: GradientDumper | None = None  # analysis.dump_gradients: started by the first dump
+
+    @staticmethod
+    def enabled(cfg: Config) -> bool:
+        return cfg.analysis.enabled
+
+    def due(self, step: int) -> bool:
+        return analysis_due(self.cfg, step)
+
+    def needs(self, step: int) -> Needs:
+        return Needs(old_logprobs=True, ref_logprobs=True)
+
+    def run(self, s, record: StepRecord) -> DiagnosticResult:
+        metrics = run_analysis(s, record.step, record.filtered, record.prepared, record.seed_step, self.submit)
+        crash_point("analysis", record.step)
+        if not self.cfg.analysis.exit_after:
+            return DiagnosticResult(metrics)
+        return DiagnosticResult({**metrics, names.EXITED_AFTER_ANALYSIS: 1.0}, stop=EXITED)
+
+    def submit(self, file: Path, arrays: dict[str, np.ndarray]) -> None:
+        """Queue a gradient dump (written in the background)."""
+        if self.dumper is None:
+            self.dumper = GradientDumper(self.cfg.analysis.dump_max_pending)
+        self.dumper.submit(file, arrays)
+
+    def close(self) -> None:
+        if self.dumper is not None:
+            self.dumper.close()  # every queued gradient dump is on disk (or its error raised) before the run ends
+
+
 def uses_separate_batch(cfg: Config) -> bool:
     """Whether the analysis draws its own batch rather than reusing the training batch."""
     a, t = cfg.analysis, cfg.train
@@ -62,15 +107,17 @@ def uses_separate_batch(cfg: Config) -> bool:
         a.group_size is not None and a.group_size != t.group_size)
 
 
-def run_analysis(s, step: int, filtered: Filtered | None, prepared: Prepared | None,
-                 seed_step: int) -> dict[str, float]:
+def run_analysis(s, step: int, filtered: Filtered | None, prepared: Prepared | None, seed_step: int,
+                 submit: Callable[[Path, dict], None]) -> dict[str, float]:
     """Analyse the filtered training batch, prepared for its update (or a separate batch drawn with the seeds of step
-    `seed_step` and prepared here by the same stages), and write the artefacts of `step`; returns the metrics."""
+    `seed_step` and prepared here by the same stages), and write the artefacts of `step` (gradient dumps through
+    `submit`); returns the metrics."""
     cfg = s.cfg
     metrics: dict[str, float] = {_own("uses_training_batch"): float(not uses_separate_batch(cfg))}
     passes: list[tuple[str, RolloutBatch, ActorInputs, dict[int, float], float]] = []
     if uses_separate_batch(cfg):
-        passes = _separate_batch_passes(s, seed_step, metrics)
+        passes, drawn = _separate_batch_passes(s, seed_step)
+        metrics.update(drawn)
     elif filtered is not None and len(filtered.batch) > 0:
         passes = [(names.GRAD_NORM, filtered.batch, prepared.inputs, filtered.group_std, filtered.kept_ratio)]
     rows, sketches, reward_grad, dump = [], {}, {}, {}
@@ -90,9 +137,7 @@ def run_analysis(s, step: int, filtered: Filtered | None, prepared: Prepared | N
     out_dir = s.writer.analysis_dir(step)
     write_artefacts(out_dir, metrics, rows, sketches, reward_grad)
     if dump:
-        if s.dumper is None:
-            s.dumper = GradientDumper(cfg.analysis.dump_max_pending)
-        s.dumper.submit(out_dir / "gradients.npz", dump)
+        submit(out_dir / "gradients.npz", dump)
     return metrics
 
 
@@ -147,8 +192,9 @@ def probe_settings(cfg: Config, prefix: str) -> ProbeSettings:
                          memory_chunks=a.memory_chunks)
 
 
-def _separate_batch_passes(s, k: int, metrics: dict[str, float]) -> list:
-    """Roll out, filter and prepare the separate analysis batch (and its unfiltered copy if asked)."""
+def _separate_batch_passes(s, k: int) -> tuple[list, dict[str, float]]:
+    """Roll out, filter and prepare the separate analysis batch (and its unfiltered copy if asked); returns the
+    passes and the batch's metrics."""
     cfg = s.cfg
     groups = cfg.analysis.env_groups or cfg.train.env_groups
     size = cfg.analysis.group_size or cfg.train.group_size
@@ -156,18 +202,17 @@ def _separate_batch_passes(s, k: int, metrics: dict[str, float]) -> list:
         raw = rollout_groups(cfg, s.model, s.tokenizer,
                              train_seeds(cfg.train.seed_base + ANALYSIS_SEED_OFFSET, groups, k), size,
                              cfg.train.temperature, step_seed(cfg.seed, k, stream=3), engine=s.engine)
-    metrics.update({_own("source_env_groups"): float(groups), _own("source_group_size"): float(size),
-                    _own("source_batch_size"): float(len(raw))})
     filtered = filter_batch(raw, cfg.filter, prefix=names.GRAD_ANALYSIS)
-    metrics.update(filtered.metrics)
-    metrics[_own("empty_after_filter")] = float(len(filtered.batch) == 0)
+    metrics = {_own("source_env_groups"): float(groups), _own("source_group_size"): float(size),
+               _own("source_batch_size"): float(len(raw)), **filtered.metrics,
+               _own("empty_after_filter"): float(len(filtered.batch) == 0)}
     passes = []
     if cfg.analysis.prefilter:
         passes.append((names.GRAD_NORM_PREFILTER, raw, prepare_update(s, raw, 1.0).inputs, filtered.group_std, 1.0))
     if len(filtered.batch) > 0:
         inputs = prepare_update(s, filtered.batch, filtered.kept_ratio).inputs
         passes.append((names.GRAD_NORM, filtered.batch, inputs, filtered.group_std, filtered.kept_ratio))
-    return passes
+    return passes, metrics
 
 
 def _own(metric: str) -> str:

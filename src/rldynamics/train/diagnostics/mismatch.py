@@ -1,0 +1,33 @@
+"""The sampler/trainer mismatch of the step's batch (`rollout/corr/*`, docs/vllm.md) as a diagnostic.
+
+Due on every step of a run that measures it (`algo.rollout_corr.measures_mismatch`: a rollout engine other than
+the trainer's own model, or a correction on). It compares the sampler's log-probs of the sampled tokens with the
+trainer's under the rollout policy: from the old-log-prob pass, or, for an on-policy single-pass update in one
+process, from the update's own forward (no extra pass). Under torchrun each rank's update holds only its rows, so
+there it asks for the old-log-prob pass.
+"""
+
+from __future__ import annotations
+
+from rldynamics import dist
+from rldynamics.algo.rollout_corr import batch_mismatch, measures_mismatch
+from rldynamics.config import Config
+from rldynamics.train.diagnostics.base import END, Diagnostic, DiagnosticResult, Needs, StepRecord
+
+
+class Mismatch(Diagnostic):
+    """`rollout/corr/*` of the filtered batch: how far off-policy the update trains."""
+
+    name, point = "mismatch", END
+
+    @staticmethod
+    def enabled(cfg: Config) -> bool:
+        return measures_mismatch(cfg)
+
+    def needs(self, step: int) -> Needs:
+        return Needs(old_logprobs=dist.distributed(), update_logprobs=True)
+
+    def run(self, s, record: StepRecord) -> DiagnosticResult:
+        if record.filtered is None:
+            return DiagnosticResult({})
+        return DiagnosticResult(batch_mismatch(self.cfg, record.filtered.batch, record.rollout_policy_logprobs()))
