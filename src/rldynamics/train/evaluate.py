@@ -74,7 +74,7 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0, checkpoint: Path | None 
     from rldynamics import dist
     from rldynamics.models.loading import load_model_and_tokenizer
     from rldynamics.models.sharding import wrap
-    from rldynamics.rollout.vllm_engine import rollout_engine
+    from rldynamics.rollout.engines import rollout_engine
     from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
     from rldynamics.train.checkpoint import verify_checkpoint
     from rldynamics.train.setup import Session, base_model_path, prepare, resolve_device, start_compute

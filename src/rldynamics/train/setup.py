@@ -50,8 +50,8 @@ from rldynamics.models.loading import load_model_and_tokenizer, load_value_model
 from rldynamics.models.precision import compute_in, enable_checkpointing
 from rldynamics.models.sharding import wrap
 from rldynamics.models.tiny import ensure_tiny_model
-from rldynamics.rollout import vllm_engine
-from rldynamics.rollout.vllm_engine import rollout_engine
+from rldynamics.rollout import engines
+from rldynamics.rollout.engines import RolloutEngine, rollout_engine
 from rldynamics.start_notes import warm_starts
 from rldynamics.threads import choose_threads
 from rldynamics.tracking.console import StepConsole
@@ -84,7 +84,7 @@ class Session:
     critic: torch.nn.Module | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
     console: StepConsole | None = None
-    engine: object | None = None  # the rollout engine of rollout.engine=vllm (None: HF generate per rollout)
+    engine: RolloutEngine | None = None  # the run's rollout engine (rollout.engines; None: an HFEngine per rollout)
     main: bool = True  # rank 0 (or one process): the one that writes the run directory
     environment: dict | None = None  # what computes this start (`tracking.environment`), recorded by open_run
     diagnostics: list[Diagnostic] = field(default_factory=list)  # read-only parts of the step (`train/diagnostics`)
@@ -229,8 +229,7 @@ def plan_start(cfg: Config, run_dir: Path) -> Start:
     resume) and decide where the run starts; raise before any work if it cannot start. (`validate` has already
     built one env with the configured settings.)"""
     check_installed(cfg.log.wandb, cfg.log.tensorboard)
-    if cfg.rollout.engine == "vllm":
-        vllm_engine.check_installed()
+    engines.check_installed(cfg.rollout.engine)
     resolve_device(cfg.model.device)
     check_no_links(run_dir)  # a link in place of a file the run writes is refused before any work
     RunLock(run_dir).check()  # a second process fails here, at once

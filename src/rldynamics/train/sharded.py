@@ -23,14 +23,15 @@ from rldynamics.config import Config
 from rldynamics.models.sharding import gathered
 from rldynamics.rollout.agent import rollout
 from rldynamics.rollout.batch import RolloutBatch
+from rldynamics.rollout.engines import RolloutEngine
 from rldynamics.rollout.sampling import NonFiniteLogits
 
 
 def rollout_groups(cfg: Config, model, tokenizer, seeds: list[int], group_size: int, temperature: float,
-                   seed: int, engine=None) -> RolloutBatch:
+                   seed: int, engine: RolloutEngine | None = None) -> RolloutBatch:
     """The rollout of one env group per seed, sampled from the stream `seed`, split over the ranks by whole groups.
     `engine`: the run's rollout engine (None: HF generate on `model`, whose weights are gathered for it), released
-    after the rollout (`VllmEngine.release`: its GPU memory is the trainer's until it samples again).
+    after the rollout (`RolloutEngine.release`: vLLM's GPU memory is the trainer's until it samples again).
 
     Raises NonFiniteLogits on every rank when any rank's policy scores were not finite.
     """
