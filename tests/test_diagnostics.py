@@ -82,7 +82,7 @@ class Counter(Diagnostic):
 
     def run(self, s, record: StepRecord) -> DiagnosticResult:
         self.count += 1
-        Counter.runs.append((record.step, record.update is not None and record.prepared.inputs.old_logprobs is not None))
+        Counter.runs.append((record.step, record.prepared.inputs.old_logprobs is not None))
         return DiagnosticResult({"counter/count": float(self.count)})
 
     def state_dict(self) -> dict:
@@ -98,8 +98,8 @@ def test_a_diagnostic_is_one_class_and_one_entry(fast_overrides, tmp_path, monke
     monkeypatch.setitem(DIAGNOSTICS, "counter", Counter)
     Counter.runs = []
     common = [*fast_overrides, f"log.run_dir={tmp_path}", "log.name=c", "val.every=0", "checkpoint.every=2",
-              "train.mini_batch_size=4", "train.ppo_epochs=1"]  # one pass on the rollout policy: only the diagnostic's need makes the
-    # old-log-prob pass run
+              "train.mini_batch_size=4", "train.ppo_epochs=1"]  # one pass on the rollout policy: only the
+    # diagnostic's need makes the old-log-prob pass run
     run = train(make_config(overrides=[*common, "train.steps=2"]))
     state = json.loads((run / "checkpoints" / "step_2" / "trainer_state.json").read_text())
     assert state["diagnostics"]["counter"] == {"count": 1}

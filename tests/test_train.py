@@ -157,13 +157,17 @@ def test_metric_names_mean_what_ragen_means(fast_overrides):
         assert row["actor/entropy_loss"] != row["actor/entropy"]  # the update's mean (two epochs) is its own key
         assert row["actor/kl_coef"] == 0.02
         assert row["rollout/empty_after_filter"] == 0.0 and row["rollout/consecutive_empty_after_filter_steps"] == 0.0
-    # min_p at 2 x the best score without zero-score groups keeps nothing: every step is empty
+    # min_p at 2 x the best score without zero-score groups keeps nothing: every step is empty; an analysis of its
+    # own batch (analysed at steps 1 and 3) still runs and is logged in the empty step's row
     empty = train(make_config(overrides=[*fast_overrides, "log.name=empty", "train.steps=3", "filter.strategy=min_p",
                                          "filter.value=2", "filter.include_zero=false", "val.every=0",
-                                         "val.before_train=false"]))
+                                         "val.before_train=false", "analysis.enabled=true", "analysis.every=2",
+                                         "analysis.env_groups=3"]))
     rows = read_metrics(empty)
     assert [r["rollout/empty_after_filter"] for r in rows] == [1.0, 1.0, 1.0]
     assert [r["rollout/consecutive_empty_after_filter_steps"] for r in rows] == [1.0, 2.0, 3.0]
+    assert [r.get("grad_analysis/source_batch_size") for r in rows] == [6.0, None, 6.0]
+    assert all(r["trainer/gradient_analysis_only"] == 0.0 for r in rows)
 
 
 def test_explained_variance_and_its_terms_by_hand():

@@ -76,9 +76,9 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0, checkpoint: Path | None 
     from rldynamics.models.sharding import wrap
     from rldynamics.rollout.engines import rollout_engine
     from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
+    from rldynamics.train import step as stages
     from rldynamics.train.checkpoint import verify_checkpoint
     from rldynamics.train.setup import Session, base_model_path, prepare, resolve_device, start_compute
-    from rldynamics.train import step as stages
 
     check_no_links(run_dir)
     _check_new(run_dir)

@@ -27,11 +27,10 @@ from rldynamics.rollout.sampling import NonFiniteLogits
 from rldynamics.tracking.console import StepConsole
 from rldynamics.train import step as stages
 from rldynamics.train.checkpoint import read_trainer_state
-from rldynamics.train.diagnostics.base import BEFORE_UPDATE, END, ROLLOUT, StepRecord
+from rldynamics.train.diagnostics.base import BEFORE_UPDATE, END, StepRecord
 from rldynamics.train.early_stop import EarlyStopper
 from rldynamics.train.lifecycle import opened
 from rldynamics.train.setup import Session, run_config
-from rldynamics.train.stages import filter_batch
 
 PROBE_DEFAULTS = ["algo.kl_coef=0.001", "algo.kl_type=k3", "algo.entropy_coef=0.001"]
 RUN_MODEL_KEYS = ("model.path", "tiny.", "model.warm_start_")  # the run's base model: never a probe's to change
@@ -97,14 +96,9 @@ def analyse_checkpoint(s: Session, step: int, stopper: EarlyStopper) -> dict[str
     its stop reasons, and the analysis's `analysis.exit_after`, are ignored."""
     due = stages.due_diagnostics(s, step)
     record = StepRecord(step=step, seed_step=PROBE_SEED_STEP)
-    rollout = stages.roll_out(s, step, PROBE_SEED_STEP)
-    record.rollout = rollout.batch
-    record.add(rollout.metrics)
-    stages.run_point(s, due, ROLLOUT, record)
-    record.filtered = filtered = filter_batch(rollout.batch, s.cfg.filter)
-    record.add(filtered.metrics, stages.stop_after_filter(stopper, filtered).metrics)
-    if len(filtered.batch) > 0:
-        record.prepared = stages.prepare(s, filtered)
+    stages.begin(s, due, record, stopper)  # its stop reason is not the probe's
+    if len(record.filtered.batch) > 0:
+        record.prepared = stages.prepare(s, record.filtered)
         record.add(record.prepared.metrics)
     record.add({names.GRADIENT_ANALYSIS_ONLY: 1.0})
     stages.run_point(s, due, BEFORE_UPDATE, record)

@@ -58,7 +58,6 @@ from rldynamics.tracking.console import StepConsole
 from rldynamics.tracking.environment import describe, record_start
 from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
 from rldynamics.tracking.sinks import TensorBoardSink, WandbSink, check_installed
-from rldynamics.train.diagnostics import Diagnostic, build_diagnostics
 from rldynamics.train.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -67,6 +66,7 @@ from rldynamics.train.checkpoint import (
     remove_stale,
     verify_checkpoint,
 )
+from rldynamics.train.diagnostics import Diagnostic, build_diagnostics
 from rldynamics.train.warmstart import ensure_warm_start, tiny_corpus
 
 

@@ -3,6 +3,8 @@
 
     roll_out -> filter_batch -> stop_after_filter -> prepare -> critic_update -> actor_update -> sync_engine
 
+(`begin` is the opening both a training step and a probe share: rollout, ROLLOUT diagnostics, filter, stopper.)
+
 Each stage returns its typed result with its own metrics (and timings); the composition records them in a
 `StepRecord` and merges the row in one place. The diagnostics (`train/diagnostics/`) run at the points
 `ROLLOUT`, `BEFORE_UPDATE` and `END` through `run_point`; the step asks the due ones what passes they need
@@ -28,12 +30,12 @@ from rldynamics.rollout.sampling import NonFiniteLogits
 from rldynamics.train.actor import ActorUpdate, update_actor
 from rldynamics.train.checkpoint import crash_point
 from rldynamics.train.critic import update_critic
-from rldynamics.train.diagnostics.base import Diagnostic, DiagnosticResult, Needs, StepRecord
+from rldynamics.train.diagnostics.base import ROLLOUT, Diagnostic, DiagnosticResult, Needs, StepRecord
 from rldynamics.train.early_stop import EarlyStopper
 from rldynamics.train.prepare import Prepared, prepare_update
 from rldynamics.train.setup import Session
 from rldynamics.train.sharded import rollout_groups
-from rldynamics.train.stages import Filtered, data_metrics, step_seed, train_seeds, val_seeds
+from rldynamics.train.stages import Filtered, data_metrics, filter_batch, step_seed, train_seeds, val_seeds
 
 NON_FINITE_LOGITS = "non_finite_logits"  # the stop reason of a rollout whose sampling scores were not finite
 
@@ -81,6 +83,19 @@ def roll_out(s: Session, step: int, seed_step: int) -> Rollout:
     _log_samples(s, step, batch)
     crash_point("samples", step)
     return Rollout(batch, metrics)
+
+
+def begin(s: Session, due: list[Diagnostic], record: StepRecord, stopper: EarlyStopper) -> FilterDecision:
+    """The opening of a training step and of a probe, recorded in `record`: the rollout of `record.seed_step`'s
+    seeds, the ROLLOUT diagnostics, the filter and the early stopper's word on it."""
+    rollout = roll_out(s, record.step, record.seed_step)
+    record.rollout = rollout.batch
+    record.add(rollout.metrics)
+    run_point(s, due, ROLLOUT, record)
+    record.filtered = filter_batch(rollout.batch, s.cfg.filter)
+    decision = stop_after_filter(stopper, record.filtered)
+    record.add(record.filtered.metrics, decision.metrics)
+    return decision
 
 
 def stop_after_filter(stopper: EarlyStopper, filtered: Filtered) -> FilterDecision:

@@ -35,12 +35,11 @@ from rldynamics.train import step as stages
 from rldynamics.train.actor import single_pass
 from rldynamics.train.checkpoint import crash_point, save_checkpoint
 from rldynamics.train.diagnostics import diagnostic_states
-from rldynamics.train.diagnostics.base import BEFORE_UPDATE, END, ROLLOUT, StepRecord
+from rldynamics.train.diagnostics.base import BEFORE_UPDATE, END, StepRecord
 from rldynamics.train.diagnostics.gradient_analysis import EXITED
 from rldynamics.train.early_stop import EarlyStopper
 from rldynamics.train.lifecycle import opened
 from rldynamics.train.setup import Session
-from rldynamics.train.stages import filter_batch
 
 NON_FINITE_PARAMETERS = "non_finite_parameters"
 NOT_SAVED = (stages.NON_FINITE_LOGITS, NON_FINITE_PARAMETERS)  # stops whose state is broken: no checkpoint
@@ -122,17 +121,13 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> StepResult:
     cfg = s.cfg
     due = stages.due_diagnostics(s, step)
     record = StepRecord(step=step, seed_step=step)
-    rollout = stages.roll_out(s, step, step)
-    record.rollout = rollout.batch
-    record.add(rollout.metrics)
-    stages.run_point(s, due, ROLLOUT, record)
-    record.filtered = filtered = filter_batch(rollout.batch, cfg.filter)
-    decision = stages.stop_after_filter(stopper, filtered)
-    record.add(filtered.metrics, decision.metrics)
+    decision = stages.begin(s, due, record, stopper)
+    filtered = record.filtered
     batch = filtered.batch
     if len(batch) == 0:  # nothing to update; an analysis of its own batch still runs
         record.add({names.GRADIENT_ANALYSIS_ONLY: 0.0})
-        return StepResult(record.metrics(), stages.run_point(s, due, BEFORE_UPDATE, record) or decision.stop)
+        stop = stages.run_point(s, due, BEFORE_UPDATE, record)
+        return StepResult(record.metrics(), stop or decision.stop)
     if decision.stop is not None:
         return StepResult(record.metrics(), decision.stop)
 

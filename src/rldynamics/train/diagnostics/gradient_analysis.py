@@ -2,7 +2,8 @@
 what is written.
 
 - Cadence: analysis runs at steps 1, 1+every, 1+2*every, ... after the critic update and before the actor
-  update (`BEFORE_UPDATE`), on the filtered training batch, or, when `analysis.env_groups` / `analysis.group_size` are set,
+  update (`BEFORE_UPDATE`), on the filtered training batch, or, when `analysis.env_groups` /
+  `analysis.group_size` are set,
   on a separate batch drawn with its own env seeds (seed_base + 500000 + groups*(k-1) + g at step k; a probe
   draws those of step 1 whatever the checkpoint's step, so every probe draws the same puzzles) and sampling seed
   (inside a forked RNG, so training is unaffected) and filtered with the same filter settings.
