@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 
 from rldynamics.algo.shares import sub_batch_share
-from rldynamics.analysis.objective import ActorInputs, actor_terms, coefs
+from rldynamics.analysis.objective import ActorInputs, actor_terms, policy_loss_settings
 from rldynamics.analysis.probe import ProbeSettings, gradient_probe
 from rldynamics.config import AlgoConfig, TrainConfig
 from rldynamics.models.forward import batch_logprobs, micro_batches
@@ -103,17 +103,18 @@ def naive_probe(model, batch, inputs, buckets: dict[str, torch.Tensor], algo: Al
                 temperature: float) -> dict[str, float]:
     """RAGEN's protocol: per bucket (incl. `all`) and component, a fresh forward + backward per micro-batch."""
     params = [p for p in model.parameters() if p.requires_grad]
-    weights = coefs(algo)
+    settings = policy_loss_settings(algo)
+    weights = settings.coefs
     out = {}
     for name, rows in buckets.items():
         mask = batch.response_mask[rows]  # [n_b, L]
         for comp, term in RAGEN_COMPONENT.items():
             model.zero_grad(set_to_none=True)
             for positions in micro_batches(torch.arange(rows.numel()), micro_batch_size):
-                share = sub_batch_share(mask, positions, algo.loss_agg_mode)
+                share = sub_batch_share(mask, positions, settings.agg)
                 if share == 0.0:
                     continue
-                terms, _ = actor_terms(model, batch, rows[positions], inputs, algo, temperature=temperature)
+                terms, _ = actor_terms(model, batch, rows[positions], inputs, settings, temperature=temperature)
                 (share * weights[term] * terms[term]).backward()
             grads = [p.grad for p in params if p.grad is not None]
             out[f"{name}/{comp}"] = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)

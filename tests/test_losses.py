@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 from rldynamics.algo.losses import (
     AGG_MODES,
+    POLICY_LOSSES,
+    PolicyLossSettings,
     aggregate,
     aggregation_weights,
     entropy_from_logits,
@@ -103,9 +105,9 @@ PPO_RATIO = torch.tensor([[1.5, 0.5, 0.5, 1.1, 5.0, 9.0]])
 PPO_MASK = torch.tensor([[1, 1, 1, 1, 1, 0]], dtype=torch.float32)
 
 
-def ppo_case(**kwargs):
+def ppo_case(**settings):
     logp = PPO_RATIO.log().clone().requires_grad_(True)
-    loss, metrics = policy_loss(logp, torch.zeros_like(logp), PPO_ADV, PPO_MASK, **kwargs)
+    loss, metrics = policy_loss(logp, torch.zeros_like(logp), PPO_ADV, PPO_MASK, PolicyLossSettings(**settings))
     loss.backward()
     return loss, metrics, logp.grad
 
@@ -136,15 +138,38 @@ def test_ppo_symmetric_clip_and_agg():
 
 
 def test_policy_loss_bad_arguments():
-    x = torch.zeros(1, 3)
     with pytest.raises(ValueError, match="clip_c"):
-        policy_loss(x, x, x, x, clip_c=1.0)
+        PolicyLossSettings(clip_c=1.0)
     with pytest.raises(ValueError, match="ppo"):
-        policy_loss(x, x, x, x, kind="gspo")
+        PolicyLossSettings(kind="gspo")
     with pytest.raises(ValueError, match="clip_low"):
-        policy_loss(x, x, x, x, clip_low=1.0)
+        PolicyLossSettings(clip_low=1.0)
+    with pytest.raises(ValueError, match="cispo_clip_low"):
+        PolicyLossSettings(kind="cispo", cispo_clip_low=1.5)
+    x = torch.zeros(1, 3)
     with pytest.raises(ValueError, match="shape"):
-        policy_loss(x, x, torch.zeros(1, 2), x)
+        policy_loss(x, x, torch.zeros(1, 2), x, PolicyLossSettings())
+
+
+def test_every_policy_loss_choice_has_its_function():
+    from rldynamics.config import CHOICES
+
+    assert set(POLICY_LOSSES) == set(CHOICES["algo.policy_loss"])
+
+
+def test_settings_from_the_config_are_its_values():
+    from rldynamics.analysis.objective import policy_loss_settings
+    from rldynamics.config import AlgoConfig
+
+    assert policy_loss_settings(AlgoConfig()) == PolicyLossSettings()  # the defaults are the config's
+    cfg = AlgoConfig(policy_loss="cispo", clip_high=0.3, cispo_clip_low=0.1, loss_agg_mode="seq-mean-token-sum",
+                     kl_type="k2", kl_coef=0.2, entropy_coef=0.0, tis_cap=2.0, mismatch_band=1.5)
+    settings = policy_loss_settings(cfg)
+    assert (settings.kind, settings.clip_high, settings.cispo_clip_low, settings.agg, settings.kl_type) == (
+        "cispo", 0.3, 0.1, "seq-mean-token-sum", "k2")
+    assert settings.coefs == {"pg": 1.0, "entropy": -0.0, "kl": 0.2}
+    assert (settings.tis_cap, settings.mis_band) == (2.0, None)  # MIS off: no band
+    assert policy_loss_settings(AlgoConfig(mis=True, mismatch_band=1.5)).mis_band == 1.5
 
 
 # --- CISPO -----------------------------------------------------------------------------------
@@ -157,17 +182,20 @@ def test_cispo_is_the_published_formula_hand_case():
     adv = torch.tensor([[1.0, -2.0, 2.0, 3.0]])
     old = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
     logp = (old + ratio.log()).requires_grad_(True)
-    loss, metrics = policy_loss(logp, old, adv, torch.ones(1, 4), kind="cispo", clip_low=0.2, clip_high=0.28)
+    settings = PolicyLossSettings(kind="cispo", clip_low=0.2, clip_high=0.28)
+    loss, metrics = policy_loss(logp, old, adv, torch.ones(1, 4), settings)
     loss.backward()
     # IS weights 0.5, 1.0, 1.28 (capped), 0.1; d loss / d logπ = -w·A / 4 tokens
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.125, 0.5, -0.64, -0.075]]))
     logp_values = [-1.0 + math.log(0.5), -2.0, -0.5 + math.log(1.5), -3.0 + math.log(0.1)]
-    expected = sum(-w * a * lp for w, a, lp in zip((0.5, 1.0, 1.28, 0.1), (1.0, -2.0, 2.0, 3.0), logp_values)) / 4
+    weights, advs = (0.5, 1.0, 1.28, 0.1), (1.0, -2.0, 2.0, 3.0)
+    expected = sum(-w * a * lp for w, a, lp in zip(weights, advs, logp_values, strict=True)) / 4
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     assert metrics["pg_clipfrac"] == pytest.approx(1 / 4)
     # the lower bound is an option: weights 0.8, 1.0, 1.28, 0.8
     logp.grad = None
-    loss, metrics = policy_loss(logp, old, adv, torch.ones(1, 4), kind="cispo", clip_high=0.28, cispo_clip_low=0.2)
+    loss, metrics = policy_loss(logp, old, adv, torch.ones(1, 4),
+                                PolicyLossSettings(kind="cispo", clip_high=0.28, cispo_clip_low=0.2))
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.2, 0.5, -0.64, -0.6]]))
     assert metrics["pg_clipfrac"] == pytest.approx(3 / 4)
@@ -179,7 +207,8 @@ def test_cispo_value_and_stop_gradient():
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1]], dtype=torch.float32)
     old = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-0.2, -1.0, -4.0, -2.0]])
     logp = (old + ratio.log()).requires_grad_(True)
-    loss, metrics = policy_loss(logp, old, adv, mask, kind="cispo", agg="seq-mean-token-mean", cispo_clip_low=0.2)
+    loss, metrics = policy_loss(logp, old, adv, mask,
+                                PolicyLossSettings(kind="cispo", agg="seq-mean-token-mean", cispo_clip_low=0.2))
     loss.backward()
     clipped = ratio.clamp(0.8, 1.28)
     weights = aggregation_weights(mask, "seq-mean-token-mean")

@@ -18,7 +18,7 @@ import torch
 from rldynamics.algo.losses import AGG_MODES
 from rldynamics.algo.shares import sub_batch_share
 from rldynamics.analysis.engines import chunk_bounds
-from rldynamics.analysis.objective import ActorInputs, actor_terms
+from rldynamics.analysis.objective import ActorInputs, actor_terms, policy_loss_settings
 from rldynamics.analysis.probe import ProbeResult, ProbeSettings, gradient_probe
 from rldynamics.analysis.probe_metrics import numerically_zero
 from rldynamics.analysis.sketch import GradientSketcher
@@ -117,7 +117,7 @@ def test_derived_all_equals_direct_gradient(model, data, mode):
     batch, inputs, _ = data
     algo = algo_cfg(mode)
     result = probe(model, data, algo=algo, keep_gradients=True, micro_batch_size=2, num_buckets=3)
-    terms, _ = actor_terms(model, batch, torch.arange(len(batch)), inputs, algo, temperature=1.0)
+    terms, _ = actor_terms(model, batch, torch.arange(len(batch)), inputs, policy_loss_settings(algo), temperature=1.0)
     for comp, (term, sign) in SIGNS.items():
         parts = torch.autograd.grad(terms[term], params_of(model), retain_graph=True, allow_unused=True)
         direct = sign * torch.cat([p.reshape(-1) for p in parts])  # [P]
@@ -137,7 +137,7 @@ def test_bucket_gradient_matches_backward_on_fresh_copy(model, data, mode):
         rows = bucket_rows(result, batch, bucket)
         for comp, (term, sign) in SIGNS.items():
             fresh = copy.deepcopy(model)
-            terms, _ = actor_terms(fresh, batch, rows, inputs, algo, temperature=1.0)
+            terms, _ = actor_terms(fresh, batch, rows, inputs, policy_loss_settings(algo), temperature=1.0)
             (sign * terms[term]).backward()
             expected = torch.cat([p.grad.reshape(-1) for p in params_of(fresh)])  # [P]
             got = result.gradients[f"{bucket}/{comp}"]  # [P]
@@ -455,7 +455,7 @@ def test_per_group_gradients_rebuild_the_bucket_gradient(model, data, mode):
             # each group's norm is that of its own rows differentiated alone, on a fresh copy
             rows = torch.isin(batch.group_ids, torch.tensor(gids[:1])).nonzero().squeeze(1)
             fresh = copy.deepcopy(model)
-            terms, _ = actor_terms(fresh, batch, rows, inputs, algo, temperature=1.0)
+            terms, _ = actor_terms(fresh, batch, rows, inputs, policy_loss_settings(algo), temperature=1.0)
             (sign * terms[term]).backward()
             alone = float(torch.cat([p.grad.reshape(-1) for p in params_of(fresh)]).norm())
             assert grouped.group_norms[gids[0]][key] == pytest.approx(alone, rel=1e-4)

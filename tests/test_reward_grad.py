@@ -12,7 +12,7 @@ import torch
 from rldynamics.algo.advantages import grpo_advantages
 from rldynamics.algo.losses import policy_loss
 from rldynamics.analysis.gram import gram, local_slices
-from rldynamics.analysis.objective import ActorInputs
+from rldynamics.analysis.objective import ActorInputs, policy_loss_settings
 from rldynamics.analysis.probe import ProbeSettings, gradient_probe
 from rldynamics.analysis.reward_grad import layer_groups, reward_grad_metrics
 from rldynamics.config import AlgoConfig
@@ -82,7 +82,7 @@ def test_each_component_gradient_equals_an_independent_backward(model):
         fresh = copy.deepcopy(model)
         adv = grpo_advantages(batch.reward_components[:, k], batch.group_ids, batch.response_mask)  # [N, L]
         logprobs, _ = token_logprobs(fresh, batch.input_ids, batch.attention_mask)  # [N, L]
-        loss, _ = policy_loss(logprobs, old, adv, batch.response_mask, agg="seq-mean-token-mean")
+        loss, _ = policy_loss(logprobs, old, adv, batch.response_mask, policy_loss_settings(algo))
         loss.backward()
         expected = torch.cat([p.grad.reshape(-1) for p in fresh.parameters() if p.requires_grad])  # [P]
         got = result.gradients[f"all/reward/{name}"]  # [P]

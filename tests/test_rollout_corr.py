@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from rldynamics.algo.losses import policy_loss, rollout_correction_weights
+from conftest import micro_model_batch
+from rldynamics.algo.losses import PolicyLossSettings, policy_loss, rollout_correction_weights
 from rldynamics.algo.rollout_corr import mismatch_metrics
 from rldynamics.config import make_config
 from rldynamics.models.forward import batch_logprobs
-from conftest import micro_model_batch
 
 # two sequences of two sampled tokens and one pad; the trainer's and the sampler's probabilities of each token
 OLD = torch.log(torch.tensor([[0.5, 0.5, 1.0], [0.9, 0.1, 1.0]]))  # [2, 3]
@@ -44,9 +44,9 @@ def test_corrections_off_weigh_nothing_and_bad_values_are_refused():
 def test_policy_loss_weighs_each_token_by_the_correction():
     # ratio 1 and advantage 1: every token's ppo loss is -1; token-mean over the 4 sampled tokens
     weights = rollout_correction_weights(OLD, ROLLOUT, MASK, tis_cap=1.5, mis_band=2.0)
-    loss, _ = policy_loss(OLD, OLD, torch.ones(2, 3), MASK, token_weights=weights)
+    loss, _ = policy_loss(OLD, OLD, torch.ones(2, 3), MASK, PolicyLossSettings(), token_weights=weights)
     assert loss.item() == pytest.approx(-(1.5 + 1.0 + 0.0 + 0.0) / 4)
-    plain, _ = policy_loss(OLD, OLD, torch.ones(2, 3), MASK)
+    plain, _ = policy_loss(OLD, OLD, torch.ones(2, 3), MASK, PolicyLossSettings())
     assert plain.item() == pytest.approx(-1.0)
 
 

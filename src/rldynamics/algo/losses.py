@@ -8,7 +8,10 @@ Design choices:
 - Positions outside the mask never reach the result, even when they hold inf/nan: values are
   selected with ``torch.where`` rather than multiplied by the mask.
 - Losses return ``(loss, metrics)`` where metrics are python floats computed without gradient.
-- Pure functions of tensors and scalars: no config objects, no models, no loggers.
+- Pure functions of tensors, scalars and :class:`PolicyLossSettings` (plain values, built once per update from
+  the config by ``analysis.objective.policy_loss_settings``): no config objects, no models, no loggers.
+- Each policy-loss kind is one function of one signature in :data:`POLICY_LOSSES` (``algo.policy_loss``'s
+  choices): it returns the per-token loss matrix, and :func:`policy_loss` weights and reduces it.
 
 Formulas follow the PPO/verl conventions summarised in ``docs/reference/ragen_behaviour.md`` §4 and
 ``docs/reference/peer_systems.md`` D.2-D.5.
@@ -16,10 +19,12 @@ Formulas follow the PPO/verl conventions summarised in ``docs/reference/ragen_be
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-POLICY_LOSS_KINDS: tuple[str, ...] = ("ppo", "cispo")
 _EPS = 1e-8
 
 
@@ -107,40 +112,123 @@ def _metric(flags: torch.Tensor, mask: torch.Tensor) -> float:
     return float(masked_mean(flags.float(), mask))
 
 
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """Every setting of the actor loss (:func:`loss_terms`, :func:`policy_loss`), as plain values.
+
+    Built once per update or probe from ``algo.*`` (``analysis.objective.policy_loss_settings``); the defaults are
+    the config's. The policy-loss fields are checked here, ``agg`` by :func:`aggregate`, ``kl_type`` by
+    :func:`kl_penalty`, ``tis_cap`` / ``mis_band`` by :func:`rollout_correction_weights`.
+    """
+
+    kind: str = "ppo"  # a key of POLICY_LOSSES: ppo (dual clip when clip_c is set) | cispo
+    clip_low: float = 0.2  # ppo: ratio >= 1 - clip_low, in [0, 1) (cispo ignores it)
+    clip_high: float = 0.28  # >= 0. ppo: ratio <= 1 + clip_high; cispo: the IS weight's cap 1 + clip_high
+    clip_c: float | None = 3.0  # ppo dual clip: a token with A < 0 loses at most -A·clip_c; > 1, None = off
+    cispo_clip_low: float | None = None  # cispo: IS weight >= 1 - cispo_clip_low, in [0, 1]; None = no lower bound
+    agg: str = "token-mean"  # how every term reduces its [N, T] matrix: one of AGG_MODES (aggregate)
+    kl_type: str = "low_var_kl"  # the kl term's per-token estimator: one of KL_KINDS (kl_penalty)
+    entropy_coef: float = 0.001  # weight of the entropy bonus in the training loss (term_coefs)
+    kl_coef: float = 0.0  # weight of the kl term in the training loss (term_coefs)
+    tis_cap: float | None = None  # TIS: each token's pg loss times min(π_old / π_rollout, tis_cap); > 0, None = off
+    mis_band: float | None = None  # MIS: a sequence whose geometric-mean π_old / π_rollout leaves
+    # [1 / mis_band, mis_band] drops out of the pg loss; > 1, None = off
+
+    def __post_init__(self) -> None:
+        if self.kind not in POLICY_LOSSES:
+            raise ValueError(f"kind must be one of {tuple(POLICY_LOSSES)}, got {self.kind!r}")
+        if not 0.0 <= self.clip_low < 1.0 or self.clip_high < 0.0:
+            raise ValueError(f"clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        if self.clip_c is not None and self.clip_c <= 1.0:
+            raise ValueError(f"clip_c must be > 1 or None, got {self.clip_c}")
+        if self.cispo_clip_low is not None and not 0.0 <= self.cispo_clip_low <= 1.0:
+            raise ValueError(f"cispo_clip_low must be in [0, 1] or None, got {self.cispo_clip_low}")
+
+    @property
+    def coefs(self) -> dict[str, float]:
+        """The coefficient of each term of :func:`loss_terms` in the training loss (:func:`term_coefs`)."""
+        return term_coefs(self.entropy_coef, self.kl_coef)
+
+
+def ppo_token_loss(logprobs: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+                   settings: PolicyLossSettings) -> tuple[torch.Tensor, dict[str, float]]:
+    """Dual-clip PPO (https://arxiv.org/abs/1912.09729) with asymmetric "clip-higher" bounds, per token.
+
+    ``L = max(-A·r, -A·clip(r, 1-clip_low, 1+clip_high))`` and, for A < 0 when ``clip_c`` is set,
+    ``min(L, -A·clip_c)``. The gradient flows through ``r`` (``logprobs`` itself is unused).
+
+    Args:
+        logprobs, ratio, advantages, response_mask: ``[N, T]`` each; ``ratio`` = π / π_old (carries the gradient).
+        settings: reads ``clip_low``, ``clip_high``, ``clip_c``.
+
+    Returns:
+        ``(per-token loss [N, T], {"pg_clipfrac", "pg_clipfrac_lower"})``, the metrics masked token means.
+    """
+    clipped = ratio.clamp(1.0 - settings.clip_low, 1.0 + settings.clip_high)  # [N, T]
+    unclipped_loss = -advantages * ratio  # [N, T]
+    clipped_loss = -advantages * clipped  # [N, T]
+    per_token = torch.maximum(unclipped_loss, clipped_loss)  # [N, T]
+    lower = torch.zeros_like(per_token, dtype=torch.bool)  # [N, T]
+    if settings.clip_c is not None:
+        dual_bound = -advantages * settings.clip_c  # [N, T]
+        lower = (per_token > dual_bound) & (advantages < 0)  # [N, T]
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, dual_bound), per_token)  # [N, T]
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": _metric(clipped_loss > unclipped_loss, response_mask),
+            "pg_clipfrac_lower": _metric(lower, response_mask),
+        }
+    return per_token, metrics  # [N, T]
+
+
+def cispo_token_loss(logprobs: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+                     settings: PolicyLossSettings) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (https://arxiv.org/abs/2506.13585, as published and as in TRL), per token.
+
+    ``L = -sg(min(r, 1+clip_high))·A·logπ``: no gradient flows through the ratio and the IS weight is bounded only
+    from above; ``cispo_clip_low`` adds the lower bound ``1-cispo_clip_low``.
+
+    Args:
+        logprobs: ``[N, T]`` current-policy log-probs (carries the gradient).
+        ratio, advantages, response_mask: ``[N, T]`` each; ``ratio`` = π / π_old.
+        settings: reads ``clip_high``, ``cispo_clip_low``.
+
+    Returns:
+        ``(per-token loss [N, T], {"pg_clipfrac", "pg_clipfrac_lower"})``: the share of tokens whose IS weight is
+        clipped, and 0.
+    """
+    low = None if settings.cispo_clip_low is None else 1.0 - settings.cispo_clip_low
+    weight = ratio.clamp(low, 1.0 + settings.clip_high)  # [N, T] the IS weight
+    per_token = -weight.detach() * advantages * logprobs  # [N, T]
+    with torch.no_grad():
+        clipfrac = _metric(ratio != weight, response_mask)
+    return per_token, {"pg_clipfrac": clipfrac, "pg_clipfrac_lower": 0.0}  # [N, T]
+
+
+PolicyTokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PolicyLossSettings],
+                           tuple[torch.Tensor, dict[str, float]]]
+POLICY_LOSSES: dict[str, PolicyTokenLoss] = {"ppo": ppo_token_loss, "cispo": cispo_token_loss}  # algo.policy_loss
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
+    settings: PolicyLossSettings,
     *,
-    kind: str = "ppo",
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    clip_c: float | None = 3.0,
-    agg: str = "token-mean",
-    cispo_clip_low: float | None = None,
     token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss.
+    """Clipped policy-gradient loss of kind ``settings.kind`` (:data:`POLICY_LOSSES`), reduced with ``settings.agg``.
 
-    ``ppo``: dual-clip PPO (https://arxiv.org/abs/1912.09729) with asymmetric "clip-higher" bounds;
-    ``L = max(-A·r, -A·clip(r, 1-clip_low, 1+clip_high))`` and, for A < 0 when ``clip_c`` is set,
-    ``min(L, -A·clip_c)``. ``cispo`` (https://arxiv.org/abs/2506.13585, as published and as in TRL):
-    ``L = -sg(min(r, 1+clip_high))·A·logπ``, so no gradient flows through the ratio and the IS weight is
-    bounded only from above; ``cispo_clip_low`` adds the lower bound ``1-cispo_clip_low``.
-    ``r = exp(clamp(logπ - logπ_old, -20, 20))``.
+    ``r = exp(clamp(logπ - logπ_old, -20, 20))``; the kind's per-token loss times ``token_weights`` is aggregated.
 
     Args:
         logprobs: ``[N, T]`` current-policy token log-probs (carries the gradient).
         old_logprobs: ``[N, T]`` behaviour-policy log-probs.
         advantages: ``[N, T]``.
         response_mask: ``[N, T]`` tokens that are trained on.
-        kind: ppo | cispo.
-        clip_low, clip_high: ratio clip bounds (``0 ≤ clip_low < 1``, ``clip_high ≥ 0``); clip_low is ppo's only.
-        clip_c: dual-clip constant, must be > 1; ``None`` turns dual clip off (ppo only).
-        agg: aggregation mode, see :func:`aggregate`.
-        cispo_clip_low: cispo only: lower bound ``1 - cispo_clip_low`` of the IS weight (``0 ≤ · ≤ 1``), or
-            ``None`` for none (the published method).
+        settings: the kind, its clip settings and ``agg`` (:class:`PolicyLossSettings`).
         token_weights: ``[N, T]`` constant factor on each token's loss (the rollout correction,
             :func:`rollout_correction_weights`), or ``None``.
 
@@ -149,41 +237,12 @@ def policy_loss(
         (token-level masked means, independent of ``agg``).
     """
     check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask)
-    if kind not in POLICY_LOSS_KINDS:
-        raise ValueError(f"kind must be one of {POLICY_LOSS_KINDS}, got {kind!r}")
-    if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
-        raise ValueError(f"clip_low must be in [0, 1) and clip_high >= 0, got {clip_low}, {clip_high}")
-    if clip_c is not None and clip_c <= 1.0:
-        raise ValueError(f"clip_c must be > 1 or None, got {clip_c}")
-    if cispo_clip_low is not None and not 0.0 <= cispo_clip_low <= 1.0:
-        raise ValueError(f"cispo_clip_low must be in [0, 1] or None, got {cispo_clip_low}")
     log_ratio = logprobs - old_logprobs  # [N, T]
     ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))  # [N, T]
     ppo_kl = _metric(-log_ratio.detach(), response_mask)
-    if kind == "cispo":
-        low = None if cispo_clip_low is None else 1.0 - cispo_clip_low
-        weight = ratio.clamp(low, 1.0 + clip_high)  # [N, T] the IS weight
-        per_token = -weight.detach() * advantages * logprobs  # [N, T]
-        with torch.no_grad():
-            clipfrac = _metric(ratio != weight, response_mask)
-        metrics = {"pg_clipfrac": clipfrac, "pg_clipfrac_lower": 0.0, "ppo_kl": ppo_kl}
-        return aggregate(_weighted(per_token, token_weights), response_mask, agg), metrics
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [N, T]
-    unclipped_loss = -advantages * ratio  # [N, T]
-    clipped_loss = -advantages * clipped  # [N, T]
-    per_token = torch.maximum(unclipped_loss, clipped_loss)  # [N, T]
-    lower = torch.zeros_like(per_token, dtype=torch.bool)  # [N, T]
-    if clip_c is not None:
-        dual_bound = -advantages * clip_c  # [N, T]
-        lower = (per_token > dual_bound) & (advantages < 0)  # [N, T]
-        per_token = torch.where(advantages < 0, torch.minimum(per_token, dual_bound), per_token)  # [N, T]
-    with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": _metric(clipped_loss > unclipped_loss, response_mask),
-            "pg_clipfrac_lower": _metric(lower, response_mask),
-            "ppo_kl": ppo_kl,
-        }
-    return aggregate(_weighted(per_token, token_weights), response_mask, agg), metrics
+    per_token, metrics = POLICY_LOSSES[settings.kind](logprobs, ratio, advantages, response_mask, settings)  # [N, T]
+    loss = aggregate(_weighted(per_token, token_weights), response_mask, settings.agg)  # []
+    return loss, {**metrics, "ppo_kl": ppo_kl}
 
 
 def _weighted(per_token: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
@@ -307,21 +366,13 @@ def loss_terms(
     old_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
+    settings: PolicyLossSettings,
     *,
     ref_logprobs: torch.Tensor | None = None,
     component_advantages: dict[str, torch.Tensor] | None = None,
-    kind: str = "ppo",
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    clip_c: float | None = 3.0,
-    agg: str = "token-mean",
-    kl_type: str = "low_var_kl",
-    cispo_clip_low: float | None = None,
     rollout_logprobs: torch.Tensor | None = None,
-    tis_cap: float | None = None,
-    mis_band: float | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """The unweighted terms of the actor loss, each aggregated with ``agg`` (``docs/design.md`` §4.1).
+    """The unweighted terms of the actor loss, each aggregated with ``settings.agg`` (``docs/design.md`` §4.1).
 
     Args:
         logprobs: ``[N, T]`` current-policy token log-probs (carries the gradient).
@@ -330,9 +381,10 @@ def loss_terms(
             itself, so ``logprobs`` detached stand in for them (ratio exactly 1).
         advantages: ``[N, T]``.
         response_mask: ``[N, T]`` tokens that are trained on.
+        settings: the policy loss (see :func:`policy_loss`), ``agg``, ``kl_type`` (see :func:`kl_penalty`) and the
+            rollout corrections ``tis_cap`` / ``mis_band``.
         ref_logprobs: ``[N, T]`` reference-policy log-probs; gives the ``kl`` term.
         component_advantages: name -> ``[N, T]``: the pg loss with each named reward component's own advantages.
-        kind, clip_low, clip_high, clip_c, cispo_clip_low: see :func:`policy_loss`; kl_type: see :func:`kl_penalty`.
         rollout_logprobs: ``[N, T]`` the rollout engine's sampling log-probs; with ``tis_cap`` / ``mis_band``
             every policy-gradient term is weighted by :func:`rollout_correction_weights` (old vs rollout).
 
@@ -340,24 +392,29 @@ def loss_terms(
         ``({"pg", "entropy", "kl" (with a reference), "reward/<name>" per component}, pg metrics)``.
     """
     old = logprobs.detach() if old_logprobs is None else old_logprobs  # [N, T]
-    weights = None
-    if tis_cap is not None or mis_band is not None:
-        if rollout_logprobs is None:
-            raise ValueError("tis_cap / mis_band need the rollout's sampling log-probs (rollout_logprobs)")
-        weights = rollout_correction_weights(old, rollout_logprobs, response_mask, tis_cap=tis_cap,
-                                             mis_band=mis_band)  # [N, T]
+    weights = _correction_weights(old, rollout_logprobs, response_mask, settings)  # [N, T] or None
 
     def pg_loss(adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        return policy_loss(logprobs, old, adv, response_mask, kind=kind, clip_low=clip_low, clip_high=clip_high,
-                           clip_c=clip_c, agg=agg, cispo_clip_low=cispo_clip_low, token_weights=weights)
+        return policy_loss(logprobs, old, adv, response_mask, settings, token_weights=weights)
 
     pg, metrics = pg_loss(advantages)
-    terms = {"pg": pg, "entropy": aggregate(entropy, response_mask, agg)}
+    terms = {"pg": pg, "entropy": aggregate(entropy, response_mask, settings.agg)}
     if ref_logprobs is not None:
-        terms["kl"] = aggregate(kl_penalty(logprobs, ref_logprobs, kl_type), response_mask, agg)
+        terms["kl"] = aggregate(kl_penalty(logprobs, ref_logprobs, settings.kl_type), response_mask, settings.agg)
     for name, adv in (component_advantages or {}).items():
         terms[f"reward/{name}"] = pg_loss(adv)[0]
     return terms, metrics
+
+
+def _correction_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor | None,
+                        response_mask: torch.Tensor, settings: PolicyLossSettings) -> torch.Tensor | None:
+    """:func:`rollout_correction_weights` ``[N, T]`` when TIS or MIS is on, else ``None``."""
+    if settings.tis_cap is None and settings.mis_band is None:
+        return None
+    if rollout_logprobs is None:
+        raise ValueError("tis_cap / mis_band need the rollout's sampling log-probs (rollout_logprobs)")
+    return rollout_correction_weights(old_logprobs, rollout_logprobs, response_mask, tis_cap=settings.tis_cap,
+                                      mis_band=settings.mis_band)  # [N, T]
 
 
 def term_coefs(entropy_coef: float, kl_coef: float) -> dict[str, float]:

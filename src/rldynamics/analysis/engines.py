@@ -23,25 +23,25 @@ from dataclasses import dataclass
 import torch
 
 from rldynamics import dist
-from rldynamics.algo.losses import term_coefs
+from rldynamics.algo.losses import PolicyLossSettings, term_coefs
 from rldynamics.algo.shares import sub_batch_share
 from rldynamics.analysis.gram import local_slices
 from rldynamics.analysis.objective import ActorInputs, actor_terms
 from rldynamics.analysis.reward_grad import layer_groups
 from rldynamics.analysis.sketch import GradientSketcher
-from rldynamics.config import AlgoConfig
 from rldynamics.metric_names import TERM_COMPONENT
 from rldynamics.models.sharding import grad_spans, is_sharded, local_flat_grad, replica_shard
 from rldynamics.rollout.batch import RolloutBatch
 
+
 @dataclass
 class Terms:
     """What every pass of one probe differentiates: the term names (``pg``, ``entropy``, ``kl``, ``reward/<name>``),
-    the reward components' advantages, and how the rows are forwarded."""
+    the reward components' advantages, the loss settings (built once per probe), and how the rows are forwarded."""
 
     names: list[str]
     components: dict[str, torch.Tensor]
-    algo: AlgoConfig
+    loss_settings: PolicyLossSettings
     micro_batch_size: int
     temperature: float
     shared_prefix: bool
@@ -106,17 +106,17 @@ def bucket_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: Act
     Each micro-batch's terms are scaled by its share of the bucket's aggregation weight; each rank takes every
     contiguous block of rows (``dist.rank_chunks``), and the parts are summed over ranks (module docstring).
     """
-    names, algo = terms.names, terms.algo
+    names, settings = terms.names, terms.loss_settings
     mask = batch.response_mask[rows]  # [n_b, L]
     sharded = is_sharded(model)
     chunks = dist.rank_chunks(torch.arange(rows.numel()), terms.micro_batch_size, lockstep=sharded)
-    shares = [0.0 if c is None else sub_batch_share(mask, c, algo.loss_agg_mode) for c in chunks]
-    signs = term_signs(algo)
+    shares = [0.0 if c is None else sub_batch_share(mask, c, settings.agg) for c in chunks]
+    signs = term_signs()
     losses = torch.zeros(len(names), dtype=torch.float64)  # [K]
 
     def forward(positions: torch.Tensor | None, share: float) -> dict[str, torch.Tensor]:
-        values, _ = actor_terms(model, batch, rows[positions if positions is not None else slice(0, 1)], inputs, algo,
-                                temperature=terms.temperature, component_advantages=terms.components,
+        values, _ = actor_terms(model, batch, rows[positions if positions is not None else slice(0, 1)], inputs,
+                                settings, temperature=terms.temperature, component_advantages=terms.components,
                                 shared_prefix=terms.shared_prefix)
         if share:
             losses.add_(torch.tensor([share * values[n].item() for n in names], dtype=torch.float64))  # [K]
@@ -187,7 +187,7 @@ def group_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: Acto
     ``g_b = Σ_j s_j g_j`` with ``s_j = sub_batch_share(bucket mask, rows of group j)``: exact in every
     ``loss_agg_mode``, as ``all`` is exact from the buckets.
     """
-    names, algo = terms.names, terms.algo
+    names = terms.names
     grads = {n: zeros(layout) for n in names}  # name -> [p]
     losses = dict.fromkeys(names, 0.0)
     mask = batch.response_mask[rows]  # [n_b, L]
@@ -195,7 +195,7 @@ def group_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: Acto
     singles = []
     for gid in sorted(set(bucket_gids.tolist())):
         positions = (bucket_gids == gid).nonzero().squeeze(1)  # [n_j]
-        share = sub_batch_share(mask, positions, algo.loss_agg_mode)
+        share = sub_batch_share(mask, positions, terms.loss_settings.agg)
         g_j, l_j = bucket_gradients(model, batch, rows[positions], inputs, layout, terms)
         for n in names:
             grads[n].add_(g_j[n], alpha=share)  # [p]
@@ -205,7 +205,7 @@ def group_gradients(model, batch: RolloutBatch, rows: torch.Tensor, inputs: Acto
     return grads, losses, singles
 
 
-def term_signs(algo: AlgoConfig) -> dict[str, float]:
+def term_signs() -> dict[str, float]:
     """Sign with which each unweighted term enters the training loss (+pg, −entropy, +kl), from `term_coefs`."""
     unit = term_coefs(1.0, 1.0)
     return {n: math.copysign(1.0, c) for n, c in unit.items()}

@@ -2,9 +2,10 @@
 
 The actor update (`train/actor.py`) and the gradient probe (`analysis/probe.py`) both call `actor_terms`, so the
 loss the probe differentiates is the loss that is trained. The forward pass is `models.forward.token_logprobs`,
-the terms are the pure `algo.losses.loss_terms`, weighted in one place by `algo.losses.weighted_total`. The
-rollout corrections (`algo.tis_cap`, `algo.mis`) weight the policy-gradient terms there too, so the probe sees the
-corrected objective.
+the terms are the pure `algo.losses.loss_terms`, weighted in one place by `algo.losses.weighted_total`. Both read
+the loss settings from one `algo.losses.PolicyLossSettings`, built once per update or probe from the config by
+`policy_loss_settings`. The rollout corrections (`algo.tis_cap`, `algo.mis`) weight the policy-gradient terms
+there too, so the probe sees the corrected objective.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rldynamics.algo.losses import loss_terms, term_coefs
+from rldynamics.algo.losses import PolicyLossSettings, loss_terms
 from rldynamics.config import AlgoConfig
 from rldynamics.models.forward import token_logprobs
 from rldynamics.models.sharding import is_sharded
@@ -33,11 +34,19 @@ class ActorInputs:
     ref_logprobs: torch.Tensor | None = None
 
 
-def actor_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, cfg: AlgoConfig, *,
+def policy_loss_settings(cfg: AlgoConfig) -> PolicyLossSettings:
+    """The actor loss's settings from the algorithm config (MIS on: `mis_band` = `mismatch_band`, else None)."""
+    return PolicyLossSettings(kind=cfg.policy_loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
+                              cispo_clip_low=cfg.cispo_clip_low, agg=cfg.loss_agg_mode, kl_type=cfg.kl_type,
+                              entropy_coef=cfg.entropy_coef, kl_coef=cfg.kl_coef, tis_cap=cfg.tis_cap,
+                              mis_band=cfg.mismatch_band if cfg.mis else None)
+
+
+def actor_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, settings: PolicyLossSettings, *,
                 temperature: float, component_advantages: dict[str, torch.Tensor] | None = None,
                 shared_prefix: bool = True, record: torch.Tensor | None = None,
                 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Unweighted loss terms of the rows `rows` [n] of `batch`, aggregated with `cfg.loss_agg_mode`.
+    """Unweighted loss terms of the rows `rows` [n] of `batch` under `settings`, aggregated with `settings.agg`.
 
     Returns ({"pg", "entropy", "kl" (if a reference is given), "reward/<name>" per entry of
     `component_advantages` ([N, L] each)}, policy metrics), all from one forward pass (with a prompt shared by
@@ -56,15 +65,7 @@ def actor_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInp
                                        shared_prefix=shared_prefix and not is_sharded(model))  # [n, L], [n, L]
     if record is not None:
         record[rows] = logprobs.detach().to(record.device, record.dtype)
-    return loss_terms(logprobs, entropy, at(inputs.old_logprobs), at(inputs.advantages), mask,
+    return loss_terms(logprobs, entropy, at(inputs.old_logprobs), at(inputs.advantages), mask, settings,
                       ref_logprobs=at(inputs.ref_logprobs),
                       component_advantages={k: at(a) for k, a in (component_advantages or {}).items()},
-                      kind=cfg.policy_loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
-                      agg=cfg.loss_agg_mode, kl_type=cfg.kl_type, cispo_clip_low=cfg.cispo_clip_low,
-                      rollout_logprobs=at(batch.rollout_logprobs), tis_cap=cfg.tis_cap,
-                      mis_band=cfg.mismatch_band if cfg.mis else None)
-
-
-def coefs(cfg: AlgoConfig) -> dict[str, float]:
-    """The coefficient of each term in the training loss (`algo.losses.term_coefs` of the config)."""
-    return term_coefs(cfg.entropy_coef, cfg.kl_coef)
+                      rollout_logprobs=at(batch.rollout_logprobs))

@@ -19,10 +19,10 @@ Semantics (``docs/design.md`` §4.2–4.4, metric names from ``docs/reference/ra
   which would read as "orthogonal"); ``zero_grad/<component>`` = 1 flags each such gradient. Typical
   cases: the k3 KL gradient at π = π_ref (the first step, a probe of the initial model) and the GRPO task
   gradient of zero-variance groups. A gradient counts as zero when its raw norm is 0 or below
-  ``probe_metrics.ZERO_REL_TOL`` (1e-5) times the largest raw norm of the bucket's terms: the k3 gradient at π = π_ref is 0 in exact
-  arithmetic but comes out ~1e-7 of the others from rounding, and its direction is noise. ``reg_share`` is NaN
-  only when task and regulariser are both zero (0/0); with one of them zero it is a real 0 or 1 (a zero-variance
-  bucket: the regulariser is the update).
+  ``probe_metrics.ZERO_REL_TOL`` (1e-5) times the largest raw norm of the bucket's terms: the k3 gradient at
+  π = π_ref is 0 in exact arithmetic but comes out ~1e-7 of the others from rounding, and its direction is noise.
+  ``reg_share`` is NaN only when task and regulariser are both zero (0/0); with one of them zero it is a real 0 or
+  1 (a zero-variance bucket: the regulariser is the update).
 - ``all`` is derived, not recomputed: buckets partition the batch, so
   ``g_all = Σ_b share_b · g_b`` with ``share_b = sub_batch_share(all_mask, rows_b, mode)``; losses of
   ``all`` are combined the same way. Memory stays at three ``all`` vectors plus the current bucket's.
@@ -81,7 +81,7 @@ from rldynamics.analysis.engines import (
     zeros,
 )
 from rldynamics.analysis.gram import gram, group_gram
-from rldynamics.analysis.objective import ActorInputs
+from rldynamics.analysis.objective import ActorInputs, policy_loss_settings
 from rldynamics.analysis.probe_metrics import actor_mirror, bucket_metrics, norm_metrics, term_scales
 from rldynamics.analysis.reward_grad import reward_grad_metrics
 from rldynamics.config import AlgoConfig
@@ -119,7 +119,8 @@ class ProbeSettings:
     """How a probe differentiates and reports (one object for every pass of :func:`gradient_probe`).
 
     Attributes:
-        algo: loss settings (clip, ``loss_agg_mode``, coefficients, KL type) as in training.
+        algo: loss settings (clip, ``loss_agg_mode``, coefficients, KL type) as in training; read once per probe
+            into ``algo.losses.PolicyLossSettings`` (``analysis.objective.policy_loss_settings``).
         micro_batch_size: rows per forward pass (≥ 1); results do not depend on it.
         temperature: logits temperature, as in training.
         num_buckets, bucket_mode: passed to ``assign_buckets``.
@@ -257,10 +258,10 @@ def _probe(model, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int,
     names = [n for n, c in TERM_COMPONENT.items()
              if c in settings.terms and (n != "kl" or inputs.ref_logprobs is not None)]
     names += [f"reward/{k}" for k in components]
-    terms = Terms(names, components, settings.algo, settings.micro_batch_size, settings.temperature,
-                  settings.shared_prefix)
+    terms = Terms(names, components, policy_loss_settings(settings.algo), settings.micro_batch_size,
+                  settings.temperature, settings.shared_prefix)
     bucket_rows = [torch.isin(batch.group_ids, torch.tensor(b)).nonzero().squeeze(1) for _, b in named]  # B x [n_b]
-    shares = [sub_batch_share(batch.response_mask, rows, settings.algo.loss_agg_mode) for rows in bucket_rows]
+    shares = [sub_batch_share(batch.response_mask, rows, terms.loss_settings.agg) for rows in bucket_rows]
     buckets = [(name, rows, share) for (name, _), rows, share in zip(named, bucket_rows, shares, strict=True)]
     sums = {name: _Sums(names) for name in (*(b for b, _ in named), "all")}
     layer_names: list[str] = []

@@ -14,7 +14,7 @@ import torch
 
 from rldynamics.analysis.engines import term_signs
 from rldynamics.analysis.gram import cosine, norm
-from rldynamics.analysis.objective import coefs
+from rldynamics.analysis.objective import policy_loss_settings
 from rldynamics.config import AlgoConfig
 from rldynamics.metric_names import TERM_COMPONENT, TERM_LOSS, actor, actor_grad_norm
 
@@ -27,7 +27,7 @@ def bucket_metrics(whole: torch.Tensor, names: list[str], losses: dict[str, floa
     ``names``) and its unweighted losses."""
     terms = [n for n in names if n in TERM_COMPONENT]  # the reward components are reported apart
     index = {n: names.index(n) for n in terms}
-    weights = coefs(algo)
+    weights = policy_loss_settings(algo).coefs
     out = norm_metrics(whole, index, algo)
     for n in terms:
         comp = TERM_COMPONENT[n]
@@ -87,7 +87,7 @@ def unit(whole: torch.Tensor, i: int) -> torch.Tensor:
 
 def term_scales(algo: AlgoConfig) -> dict[str, float]:
     """Magnitude of each signed term's coefficient in the loss: pg 1, entropy ``entropy_coef``, kl ``kl_coef``."""
-    weights, signs = coefs(algo), term_signs(algo)
+    weights, signs = policy_loss_settings(algo).coefs, term_signs()
     return {n: weights[n] * signs[n] for n in weights}
 
 

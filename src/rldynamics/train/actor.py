@@ -1,7 +1,8 @@
 """The actor update: PPO epochs over mini-batches of the batch (`train.update.optimize`).
 
 The loss of a micro-batch is `analysis.objective.actor_terms` (one forward, the unweighted terms `pg`, `entropy`,
-`kl`) weighted by `algo.losses.weighted_total`: the loss the gradient probe differentiates is the loss trained.
+`kl`) weighted by `algo.losses.weighted_total`: the loss the gradient probe differentiates is the loss trained. The
+loss settings (`algo.losses.PolicyLossSettings`) are read from the config once per update.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from rldynamics.algo.losses import weighted_total
-from rldynamics.analysis.objective import ActorInputs, actor_terms, coefs
+from rldynamics.analysis.objective import ActorInputs, actor_terms, policy_loss_settings
 from rldynamics.config import AlgoConfig, TrainConfig
 from rldynamics.models.forward import micro_batches
 from rldynamics.rollout.batch import RolloutBatch
@@ -49,11 +50,12 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
     (`actor/entropy`, the rollout policy's entropy, is logged by the old-log-prob pass), `actor/kl_coef` the
     KL coefficient in use.
     """
-    weights = coefs(algo)
+    settings = policy_loss_settings(algo)
+    weights = settings.coefs
     own = torch.zeros(batch.response_mask.shape) if record else None  # [N, L]
 
     def loss_of(rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        terms, metrics = actor_terms(model, batch, rows, inputs, algo, temperature=train.temperature,
+        terms, metrics = actor_terms(model, batch, rows, inputs, settings, temperature=train.temperature,
                                      shared_prefix=train.shared_prefix, record=own)
         values = {"pg_loss": terms["pg"].item(), "entropy_loss": terms["entropy"].item(),
                   **({"kl_loss": terms["kl"].item()} if "kl" in terms else {}),
@@ -66,9 +68,9 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
         minis += micro_batches(order, train.mini_batch_size)
     stats = optimize(model, optimizer, batch, minis, loss_of, stats=STATS, token_stats=TOKEN_STATS,
                      micro_batch_size=train.micro_batch_size,
-                     max_grad_norm=train.max_grad_norm, agg_mode=algo.loss_agg_mode,
+                     max_grad_norm=train.max_grad_norm, agg_mode=settings.agg,
                      shared_prefix=train.shared_prefix)
     out = {f"actor/{k}": v for k, v in stats.items()}
     out["actor/lr"] = optimizer.param_groups[0]["lr"]
-    out["actor/kl_coef"] = algo.kl_coef
+    out["actor/kl_coef"] = settings.kl_coef
     return ActorUpdate(entropy=stats["entropy_loss"], metrics=out, logprobs=own)
