@@ -358,6 +358,95 @@ class CollapseConfig:
     """Prompt-cluster bootstrap resamples of the MI and retrieval intervals (.../ci_low|ci_high); 0 = none."""
 
 
+HEALTH_ACTIONS = ("record", "warn", "skip", "rollback", "stop")
+SKIPPABLE = ("health.grad_spike", "health.non_finite")  # the rules whose trouble is found before the optimizer step
+
+
+def _action(default: str) -> Any:
+    """A health rule's action: record (a metric and an events.jsonl line), warn (and one console line), skip (refuse
+    the optimizer step: grad_spike only), rollback (back to the last checkpoint before the trouble, new sampling
+    seeds) or stop (an early stop with the rule as its reason)."""
+    return _one_of(default, *HEALTH_ACTIONS)
+
+
+@dataclass
+class HealthConfig:
+    """The health monitor: rules checked after every step, each with an action (docs/health.md: what each rule
+    means, typical causes, what to try, and the runs the default thresholds were measured on)."""
+
+    enabled: bool = True
+    """Check the rules after every step and log `health/<rule>` (1 on a step where it fires) and events.jsonl."""
+    layer_norms: bool = True
+    """Per-layer gradient norms before/after clipping and update-to-weight ratios (actor/grad_norm/<group>, ...)."""
+    max_rollbacks: int = _within(2, 0)
+    """Rollbacks a run may make; a rollback rule firing after that stops the run."""
+    baseline_steps: int = _within(5, 1)
+    """Steps that give a rule its start value (entropy, reply length) or history (gradient norms)."""
+    non_finite: str = _action("record")
+    """Optimizer steps with a non-finite gradient (always skipped)."""
+    first_step: str = _action("warn")
+    """First step: PPO KL ~0 on the rollout policy; sampler/trainer KL ~0 with the HF engine."""
+    grad_spike: str = _action("skip")
+    """A pre-clip gradient norm above median + grad_spike_k MAD of the recent ones."""
+    grad_spike_k: float = _within(10.0, 0, inclusive=False)
+    """MADs above the median that make a spike."""
+    grad_spike_window: int = _within(20, 1)
+    """Accepted optimizer steps whose norms form the median and MAD."""
+    entropy_collapse: str = _action("warn")
+    """The entropy below entropy_collapse_ratio x its start."""
+    entropy_collapse_ratio: float = _within(0.1, 0, high=1)
+    """Fraction of the start entropy below which the entropy has collapsed."""
+    reward_variance_collapse: str = _action("warn")
+    """At least zero_variance_share of the groups with equal rewards, zero_variance_steps steps in a row."""
+    zero_variance_share: float = _within(0.9, 0, high=1)
+    """Share of equal-reward groups that counts as collapsed."""
+    zero_variance_steps: int = _within(5, 1)
+    """Consecutive steps the share must hold."""
+    policy_drift: str = _action("warn")
+    """The update's PPO KL above drift_kl or its clipped share above drift_clipfrac."""
+    drift_kl: float = _within(0.1, 0)
+    """PPO KL limit."""
+    drift_clipfrac: float = _within(0.3, 0, high=1)
+    """Clipped-token share limit (low + high)."""
+    kl_acceleration: str = _action("record")
+    """The KL to the reference above kl_acceleration_min and growing faster each step (5 steps)."""
+    kl_acceleration_min: float = _within(0.05, 0)
+    """KL below which its growth is not flagged."""
+    mismatch: str = _action("warn")
+    """Sampler/trainer KL above mismatch_kl."""
+    mismatch_kl: float = _within(0.01, 0)
+    """Sampler/trainer KL (k3, mean over tokens) limit."""
+    length_surge: str = _action("warn")
+    """Mean reply length above length_surge_ratio x its start."""
+    length_surge_ratio: float = _within(2.0, 1, inclusive=False)
+    """Growth factor of the mean reply length."""
+    truncation: str = _action("warn")
+    """More than truncation_rate of the replies reached env.max_new_tokens."""
+    truncation_rate: float = _within(0.5, 0, high=1)
+    """Share of cut-off replies."""
+    repetition: str = _action("warn")
+    """More than repetition_rate of the replies repeat half of their own 4-grams."""
+    repetition_rate: float = _within(0.3, 0, high=1)
+    """Share of repeating replies."""
+    reward_component: str = _action("record")
+    """A reward component carrying component_takeover of the reward's variance, or a share below
+    component_against (moving against the total)."""
+    component_takeover: float = _within(0.95, 0, high=1)
+    """Variance share that counts as taking over."""
+    component_against: float = -0.1
+    """Variance share below which a component moves against the total."""
+    template_collapse: str = _action("record")
+    """With collapse.enabled: the first-turn MI below template_mi_drop x its first value while the entropy holds."""
+    template_mi_drop: float = _within(0.5, 0, high=1)
+    """Fraction of the first MI."""
+    falling_validation: str = _action("warn")
+    """Validation success more than 2 standard errors below the run's best."""
+    no_learning: str = _action("warn")
+    """Past no_learning_after of the run, validation success not 2 standard errors above its first value."""
+    no_learning_after: float = _within(0.5, 0, high=1)
+    """Share of train.steps after which a flat validation is flagged."""
+
+
 @dataclass
 class CheckpointConfig:
     every: int = _within(0, 0)
@@ -423,6 +512,7 @@ class Config:
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -752,6 +842,11 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"analysis.terms has unknown terms {unknown}; choose from task, entropy, kl")
     if not cfg.analysis.terms and not cfg.analysis.reward_grad:
         raise ConfigError("analysis.terms=[] leaves nothing to analyse; list terms or set analysis.reward_grad=true")
+    skipping = [k for k, allowed in CHOICES.items() if allowed == HEALTH_ACTIONS and k not in SKIPPABLE
+                and _get(cfg, k) == "skip"]
+    if skipping:
+        raise ConfigError(f"{skipping[0]}=skip: only health.grad_spike can skip (its guard refuses the optimizer step "
+                          "before it is taken); choose record, warn, rollback or stop")
     _validate_env(cfg.env)
     return cfg
 

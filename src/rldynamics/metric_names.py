@@ -40,6 +40,9 @@ TERM_COMPONENT = {"pg": "task", "entropy": "entropy", "kl": "kl"}  # a loss term
 TERM_LOSS = {"pg": "policy", "entropy": "entropy", "kl": "kl"}  # the same in `loss/<name>` keys
 
 ENTROPY = "actor/entropy"
+ENTROPY_COV = "actor/entropy_cov"  # token covariance of the sampled token's log-prob and its advantage
+ENTROPY_CHANGE = "actor/entropy_change"  # the rollout policy's entropy minus the previous step's
+HEALTH = "health"  # the health monitor: `health/<rule>` (1 on a step where it fires) and its signals
 SCORE_MEAN = "critic/score/mean"
 IN_GROUP_REWARD_STD = "rollout/in_group_reward_std"
 FILTER_KEPT_RATIO = "rollout/filter_kept_ratio"
@@ -131,6 +134,11 @@ def reward_grad_prefix(prefix: str) -> str:
 def actor_grad_norm(component: str) -> str:
     """RAGEN's root copy of the whole batch's gradient norm of a loss component."""
     return f"actor/grad_norm/{component}"
+
+
+def health(name: str) -> str:
+    """`health/<name>`: a health rule's firing flag or a health signal (`train/diagnostics/health.py`)."""
+    return f"{HEALTH}/{name}"
 
 
 def response_length(metric: str) -> str:

@@ -7,7 +7,9 @@ Layout:
     samples.jsonl              a few decoded trajectories per step
     rewards.jsonl              one row per training trajectory and step: reward components (raw and weighted),
                                total, response length, correct flag (`read_rewards`)
+    events.jsonl               one row per health alarm and action (`train/diagnostics/health.py`)
     analysis/step_<N>/         gradient-analysis tables and sketches
+    rolled_back/attempt_<k>/   what the steps undone by the k-th rollback wrote (the same files, analysis/ too)
     checkpoints/step_<N>/      model weights (safetensors) + trainer state
     plots/, report.html        written by `rldyn plot` / `rldyn report`
 
@@ -38,7 +40,9 @@ from rldynamics.tracking.files import append_file, open_file, refuse_link, remov
 
 LOCK_FILE = ".lock"
 REWARDS_FILE = "rewards.jsonl"
-LOG_FILES = ("metrics.jsonl", "samples.jsonl", REWARDS_FILE)
+EVENTS_FILE = "events.jsonl"
+LOG_FILES = ("metrics.jsonl", "samples.jsonl", REWARDS_FILE, EVENTS_FILE)
+ROLLED_BACK = "rolled_back"
 
 
 class RunInUse(OSError):
@@ -137,6 +141,33 @@ class RunWriter:
     def log_rewards(self, rows: list[dict[str, Any]]) -> None:
         """Append reward-tracking rows (one per trajectory, see `rollout.rewards.reward_rows`)."""
         _append(self.path / REWARDS_FILE, rows)
+
+    def log_event(self, row: dict[str, Any]) -> None:
+        """Append one health event (a dict with `step`, `rule`, `action`, ...)."""
+        _append(self.path / EVENTS_FILE, [row])
+
+    def attempts(self) -> int:
+        """Rollbacks this run has made (`rolled_back/attempt_<k>/` directories)."""
+        return len(list((self.path / ROLLED_BACK).glob("attempt_*")))
+
+    def archive_after(self, step: int) -> Path:
+        """Move what was written for steps after `step` (log rows, analysis directories) into a new
+        `rolled_back/attempt_<k>/`, which is returned: the steps a rollback undoes stay on record, and the run's own
+        files keep every step once."""
+        archive = self.path / ROLLED_BACK / f"attempt_{self.attempts() + 1}"
+        refuse_link(archive.parent)
+        archive.mkdir(parents=True)
+        for name in LOG_FILES:
+            file = self.path / name
+            if file.exists():
+                later = [line for line in file.read_bytes().splitlines() if (row_step(line) or -1) > step]
+                write_file(archive / name, b"".join(line + b"\n" for line in later))
+        for d in sorted((self.path / "analysis").glob("step_*")):
+            if d.name[5:].isdigit() and int(d.name[5:]) > step:
+                (archive / "analysis").mkdir(exist_ok=True)
+                d.rename(archive / "analysis" / d.name)
+        self.truncate_after(step)
+        return archive
 
     def analysis_dir(self, step: int) -> Path:
         """The directory for the analysis artefacts of `step` (created)."""

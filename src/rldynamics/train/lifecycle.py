@@ -41,7 +41,7 @@ def opened(cfg: Config, run_dir: Path | None = None):
                 d.close()
         if s.main:
             s.writer.close()
-            if cfg.log.report:
+            if cfg.log.report and not s.rolling_back:
                 _write_report(s.run_dir)
 
 

@@ -88,6 +88,8 @@ class Session:
     main: bool = True  # rank 0 (or one process): the one that writes the run directory
     environment: dict | None = None  # what computes this start (`tracking.environment`), recorded by open_run
     diagnostics: list[Diagnostic] = field(default_factory=list)  # read-only parts of the step (`train/diagnostics`)
+    attempt: int = 0  # rollbacks the run has made (`rolled_back/attempt_<k>/`): its sampling stream
+    rolling_back: bool = False  # set when the run goes back to a checkpoint: no report at the close
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append the metrics row of `step` (rank 0 only)."""
@@ -384,6 +386,7 @@ def open_run(s: Session, start: Start) -> None:
     check_new_run(s.run_dir, start.in_place)  # again under the lock: another start may have won the race
     s.writer = RunWriter(s.run_dir)
     s.writer.truncate_after(start.step if start.checkpoint is not None else -1)
+    s.attempt = s.writer.attempts() if start.checkpoint is not None else 0
     remove_stale(s.run_dir / "checkpoints")
     s.writer.sinks = _sinks(s.cfg, s.run_dir)
     save_config(s.cfg, s.run_dir / "config.yaml")

@@ -61,6 +61,15 @@ class Filtered:
     metrics: dict[str, float]  # the filter's `<prefix>/...` metrics
 
 
+@dataclass
+class Validation:
+    """A validation's success rate (None when it has none: non-finite sampling scores) and its metrics."""
+
+    success: float | None
+    metrics: dict[str, float]
+    trajectories: int = 0  # how many were sampled (the success rate's standard error)
+
+
 def filter_batch(batch: RolloutBatch, cfg: FilterConfig, prefix: str = ROLLOUT) -> Filtered:
     """Keep whole groups by `cfg`; its metrics are named under `prefix`.
 

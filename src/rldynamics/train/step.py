@@ -35,9 +35,18 @@ from rldynamics.train.early_stop import EarlyStopper
 from rldynamics.train.prepare import Prepared, prepare_update
 from rldynamics.train.setup import Session
 from rldynamics.train.sharded import rollout_groups
-from rldynamics.train.stages import Filtered, data_metrics, filter_batch, step_seed, train_seeds, val_seeds
+from rldynamics.train.stages import (
+    Filtered,
+    Validation,
+    data_metrics,
+    filter_batch,
+    step_seed,
+    train_seeds,
+    val_seeds,
+)
 
 NON_FINITE_LOGITS = "non_finite_logits"  # the stop reason of a rollout whose sampling scores were not finite
+ATTEMPT_STREAM = 1000  # sampling streams of the attempts after rollbacks (0 for the first attempt)
 
 
 @dataclass
@@ -56,14 +65,6 @@ class FilterDecision:
     metrics: dict[str, float]  # `rollout/empty_after_filter`, `rollout/consecutive_empty_after_filter_steps`
 
 
-@dataclass
-class Validation:
-    """A validation's success rate (None when it has none: non-finite sampling scores) and its metrics."""
-
-    success: float | None
-    metrics: dict[str, float]
-
-
 def roll_out(s: Session, step: int, seed_step: int) -> Rollout:
     """Roll out the groups of `seed_step`'s env seeds and sampling seed; log their rewards and samples as `step`."""
     cfg = s.cfg
@@ -71,7 +72,7 @@ def roll_out(s: Session, step: int, seed_step: int) -> Rollout:
     start = time.perf_counter()
     batch = rollout_groups(cfg, s.model, s.tokenizer,
                            train_seeds(cfg.train.seed_base, cfg.train.env_groups, seed_step),
-                           cfg.train.group_size, cfg.train.temperature, step_seed(cfg.seed, seed_step),
+                           cfg.train.group_size, cfg.train.temperature, sampling_seed(s, seed_step),
                            engine=s.engine)
     metrics = {names.timing("gen"): time.perf_counter() - start}
     metrics.update(env_metric_summary(batch, names.env_prefix(cfg.env.name), cfg.train.group_size))
@@ -96,6 +97,12 @@ def begin(s: Session, due: list[Diagnostic], record: StepRecord, stopper: EarlyS
     decision = stop_after_filter(stopper, record.filtered)
     record.add(record.filtered.metrics, decision.metrics)
     return decision
+
+
+def sampling_seed(s: Session, step: int) -> int:
+    """The rollout's sampling seed of `step`: (seed, step), and after the k-th rollback a stream of its own (the
+    same puzzles, new samples)."""
+    return step_seed(s.cfg.seed, step, stream=ATTEMPT_STREAM * s.attempt)
 
 
 def stop_after_filter(stopper: EarlyStopper, filtered: Filtered) -> FilterDecision:
@@ -125,14 +132,16 @@ def critic_update(s: Session, batch: RolloutBatch, prepared: Prepared) -> dict[s
     return {**metrics, names.timing("update_critic"): time.perf_counter() - start}
 
 
-def actor_update(s: Session, step: int, batch: RolloutBatch, prepared: Prepared, *, record: bool) -> ActorUpdate:
+def actor_update(s: Session, step: int, batch: RolloutBatch, prepared: Prepared, *, record: bool,
+                 guard=None) -> ActorUpdate:
     """The actor's PPO epochs on the batch (`update_actor`, mini-batches shuffled by (seed, step)); with `record`
-    the update keeps its own log-probs of the sampled tokens."""
+    the update keeps its own log-probs of the sampled tokens; `guard` may refuse an optimizer step."""
     cfg = s.cfg
     s.console.phase("actor")
     start = time.perf_counter()
     update = update_actor(s.model, s.optimizer, batch, prepared.inputs, cfg.algo, cfg.train,
-                          torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1)), record=record)
+                          torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1)), record=record,
+                          guard=guard, trace_groups=cfg.health.enabled and cfg.health.layer_norms)
     update.metrics[names.timing("update_actor")] = time.perf_counter() - start
     return update
 
@@ -168,9 +177,16 @@ def run_point(s: Session, due: list[Diagnostic], point: str, record: StepRecord)
             s.console.phase(d.phase)
         start = time.perf_counter()
         result: DiagnosticResult = d.run(s, record)
+        record.results[d.name] = result
         record.add(result.metrics, {names.timing(d.name): time.perf_counter() - start})
         stop = stop or result.stop
     return stop
+
+
+def guard_of(due: list[Diagnostic]):
+    """The due diagnostics' guards as one (any refusal refuses the optimizer step); None when none has one."""
+    guards = [d.guard for d in due if type(d).guard is not Diagnostic.guard]
+    return (lambda trace: any(g(trace) for g in guards)) if guards else None
 
 
 def non_finite_logits() -> dict[str, float]:
@@ -209,4 +225,4 @@ def validate(s: Session) -> Validation:
                                             names.VAL_REWARD))
     metrics[names.VAL_TIME] = time.perf_counter() - start
     success = sum(m["success"] for m in batch.env_metrics) / len(batch) if batch.env_metrics else None
-    return Validation(success, metrics)
+    return Validation(success, metrics, trajectories=len(batch))

@@ -26,8 +26,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rldynamics import dist
 from rldynamics import metric_names as names
-from rldynamics.config import Config
+from rldynamics.config import Config, apply_overrides
 from rldynamics.models.sharding import all_finite
 from rldynamics.rollout.sampling import NonFiniteLogits
 from rldynamics.tracking.console import StepConsole
@@ -47,21 +48,27 @@ NOT_SAVED = (stages.NON_FINITE_LOGITS, NON_FINITE_PARAMETERS)  # stops whose sta
 
 @dataclass
 class StepResult:
-    """A step's metrics row and its stop reason (None: go on)."""
+    """A step's metrics row, its stop reason (None: go on) and the checkpoint to roll back to (None: none)."""
 
     metrics: dict[str, float]
     stop: str | None = None
+    rollback_to: Path | None = None
 
 
 def train(cfg: Config, run_dir: Path | None = None) -> Path:
-    """Run training as configured (into `run_dir` if given); returns the run directory."""
-    with opened(cfg, run_dir) as (s, start, stopper):
-        run_steps(s, start.step, stopper)
-    return s.run_dir
+    """Run training as configured (into `run_dir` if given); returns the run directory. A health rollback reopens
+    the run from the checkpoint it goes back to (the same checks and restores as a resume)."""
+    while True:
+        with opened(cfg, run_dir) as (s, start, stopper):
+            back = run_steps(s, start.step, stopper)
+        if back is None:
+            return s.run_dir
+        cfg, run_dir = apply_overrides(cfg, [f"checkpoint.resume={back}"]), s.run_dir
 
 
-def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
-    """Validation before training, then the steps after `start`, each logged before its checkpoint is saved."""
+def run_steps(s: Session, start: int, stopper: EarlyStopper) -> Path | None:
+    """Validation before training, then the steps after `start`, each logged before its checkpoint is saved;
+    returns the checkpoint a health rollback goes back to (None when the run ended)."""
     cfg = s.cfg
     before = stages.validate(s).metrics if cfg.val.before_train and start == 0 else {}
     if before:
@@ -80,16 +87,14 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
                 s.log(step, metrics)
                 console.analysis_done(step)
                 break
-            if stop is None and _validation_due(cfg, step):
-                val = stages.validate(s)
-                metrics.update(val.metrics)
-                if val.success is not None:
-                    stop = stopper.after_validation(val.success)
             if stop is not None:
                 metrics[names.early_stopped(stop)] = 1.0
             metrics[names.STEP_TIME] = time.perf_counter() - t0
             s.log(step, metrics)  # before the checkpoint: a resumed run never lacks this row
             crash_point("logged", step)
+            if result.rollback_to is not None and stop is None:
+                _roll_back(s, step, result.rollback_to)
+                return result.rollback_to
             if stop not in NOT_SAVED and _checkpoint_due(cfg, step, stop is not None):
                 console.phase("checkpoint")
                 _save(s, step, stopper)
@@ -97,6 +102,21 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> None:
             if stop is not None:
                 console.print(f"[yellow]early stop at step {step}: {stop}")
                 break
+    return None
+
+
+def _roll_back(s: Session, step: int, checkpoint: Path) -> None:
+    """Move the rows of the steps after `checkpoint` (this one's included) to `rolled_back/attempt_<k>/`."""
+    s.rolling_back = True
+    back = int(checkpoint.name[5:])
+    s.console.print(f"[yellow]rolling back to {checkpoint} (steps {back + 1}-{step} kept in rolled_back/)")
+    dist.on_main(_archive, s, step, back)
+
+
+def _archive(s: Session, step: int, back: int) -> None:
+    archive = s.writer.archive_after(back)
+    s.writer.log_event({"step": back, "rule": "rollback", "action": "rollback", "from_step": step,
+                        "archive": archive.name, "message": f"steps {back + 1}-{step} rolled back"})
 
 
 def _validation_due(cfg: Config, step: int) -> bool:
@@ -117,7 +137,8 @@ def _save(s: Session, step: int, stopper: EarlyStopper) -> None:
 
 
 def train_step(s: Session, step: int, stopper: EarlyStopper) -> StepResult:
-    """One training step: its metrics row and a stop reason (early stop, EXITED after the analysis, non-finite)."""
+    """One training step: its metrics row and a stop reason (early stop, EXITED after the analysis, non-finite, a
+    health rule), or a checkpoint to roll back to."""
     cfg = s.cfg
     due = stages.due_diagnostics(s, step)
     record = StepRecord(step=step, seed_step=step)
@@ -127,9 +148,9 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> StepResult:
     if len(batch) == 0:  # nothing to update; an analysis of its own batch still runs
         record.add({names.GRADIENT_ANALYSIS_ONLY: 0.0})
         stop = stages.run_point(s, due, BEFORE_UPDATE, record)
-        return StepResult(record.metrics(), stop or decision.stop)
+        return _end(s, due, stopper, record, stop or decision.stop)
     if decision.stop is not None:
-        return StepResult(record.metrics(), decision.stop)
+        return _end(s, due, stopper, record, decision.stop)
 
     # an on-policy single-pass update needs no old-log-prob pass: its own forward gives the rollout policy's
     # log-probs, unless a due diagnostic asks for the pass
@@ -142,24 +163,32 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> StepResult:
         record.add(stages.critic_update(s, batch, prepared))
     if step <= cfg.critic.warmup_steps:  # critic warm-up: the actor waits for a critic that predicts something
         record.add({names.CRITIC_WARMUP: 1.0})
-        return _end(s, due, record, None)
+        return _end(s, due, stopper, record, None)
     record.add({names.GRADIENT_ANALYSIS_ONLY: 0.0})
     stop = stages.run_point(s, due, BEFORE_UPDATE, record)
     if stop is not None:
-        return _end(s, due, record, stop)
-    record.update = update = stages.actor_update(s, step, batch, prepared, record=own_old and needs.update_logprobs)
+        return _end(s, due, stopper, record, stop)
+    record.update = update = stages.actor_update(s, step, batch, prepared, record=own_old and needs.update_logprobs,
+                                                 guard=stages.guard_of(due))
     record.add(update.metrics)
     if prepared.entropy is None:  # one step on the rollout policy: its entropy is the update's
         record.add({names.ENTROPY: update.entropy})
     if not all_finite(s.model, s.critic):  # an optimizer step overflowed: nothing left to train or save
         record.add({names.actor(NON_FINITE_PARAMETERS): 1.0})
-        return _end(s, due, record, NON_FINITE_PARAMETERS)
+        return _end(s, due, stopper, record, NON_FINITE_PARAMETERS)
     if s.engine is not None:
         record.add(stages.sync_engine(s))
-    return _end(s, due, record, None)
+    return _end(s, due, stopper, record, None)
 
 
-def _end(s: Session, due: list, record: StepRecord, stop: str | None) -> StepResult:
-    """Run the END diagnostics; the step's row with `stop` (or else the first stop reason they gave)."""
+def _end(s: Session, due: list, stopper: EarlyStopper, record: StepRecord, stop: str | None) -> StepResult:
+    """The step's validation (when due and the run goes on), then the END diagnostics; the step's result."""
+    if stop is None and _validation_due(s.cfg, record.step):
+        record.validation = val = stages.validate(s)
+        record.add(val.metrics)
+        if val.success is not None:
+            stop = stopper.after_validation(val.success)
     ended = stages.run_point(s, due, END, record)
-    return StepResult(record.metrics(), stop or ended)
+    targets = [r.rollback_to for r in record.results.values() if r.rollback_to is not None]
+    back = min(targets, key=lambda p: int(p.name[5:])) if targets else None
+    return StepResult(record.metrics(), stop or ended, back)

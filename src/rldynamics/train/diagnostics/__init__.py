@@ -10,6 +10,7 @@ from rldynamics.config import Config
 from rldynamics.train.diagnostics.base import Diagnostic
 from rldynamics.train.diagnostics.collapse import Collapse
 from rldynamics.train.diagnostics.gradient_analysis import GradientAnalysis
+from rldynamics.train.diagnostics.health import Health
 from rldynamics.train.diagnostics.lengths import ReplyLengths
 from rldynamics.train.diagnostics.mismatch import Mismatch
 
@@ -19,6 +20,7 @@ DIAGNOSTICS: dict[str, type[Diagnostic]] = {
     "collapse": Collapse,
     "gradient_analysis": GradientAnalysis,
     "mismatch": Mismatch,
+    "health": Health,  # last: it reads the others' results
 }
 
 

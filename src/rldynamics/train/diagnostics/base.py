@@ -4,18 +4,22 @@ returns and what state it keeps. The step (`train/step.py`) runs the due ones at
     ROLLOUT        after the rollout, on the whole (unfiltered) batch, under the policy that sampled it
     BEFORE_UPDATE  after the critic update, before the actor update: the filtered batch and its prepared inputs,
                    still under the rollout policy (`prepared` is None when the filter kept nothing)
-    END            last, on every step that prepared an update (also when it ends before the actor update:
-                   critic warm-up, `analysis.exit_after`); `update` is None when there was none
+    END            last, on every step, after the update and the step's validation (`prepared`, `update`,
+                   `validation` are None where the step had none: an empty batch, the critic warm-up, an early stop)
 
-A diagnostic reads the step's typed results from a `StepRecord`, never a metric string, and returns a
-`DiagnosticResult`: its metrics and, rarely, a reason to end the run (the gradient analysis with
-`analysis.exit_after`). Its state (`state_dict`) is saved in the checkpoint's trainer state under
+A diagnostic reads the step's typed results from a `StepRecord` (the stages' results and the earlier
+diagnostics' results), never a metric string, and returns a `DiagnosticResult`: its metrics and, rarely, a reason
+to end the run (the gradient analysis with `analysis.exit_after`, a health rule's stop) or to roll back to a
+checkpoint. During the actor update a diagnostic's `guard` may refuse an optimizer step (the health monitor's
+gradient-spike rule). Its state (`state_dict`) is saved in the checkpoint's trainer state under
 `diagnostics/<name>` and restored on resume.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,7 +27,10 @@ from rldynamics.config import Config
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.train.actor import ActorUpdate
 from rldynamics.train.prepare import Prepared
-from rldynamics.train.stages import Filtered
+from rldynamics.train.stages import Filtered, Validation
+
+if TYPE_CHECKING:
+    from rldynamics.train.update import StepTrace
 
 ROLLOUT, BEFORE_UPDATE, END = "rollout", "before_update", "end"
 POINTS = (ROLLOUT, BEFORE_UPDATE, END)  # the order the step reaches them
@@ -53,6 +60,8 @@ class StepRecord:
     filtered: Filtered | None = None  # the filter's outcome
     prepared: Prepared | None = None  # the update's inputs (None: the filter kept nothing)
     update: ActorUpdate | None = None  # the actor update (None before it, or without one)
+    validation: Validation | None = None  # the step's validation (None: not due, or the step stopped)
+    results: dict[str, DiagnosticResult] = field(default_factory=dict)  # diagnostic name -> its result this step
     parts: list[dict[str, float]] = field(default_factory=list)
 
     def add(self, *metrics: dict[str, float]) -> None:
@@ -73,10 +82,12 @@ class StepRecord:
 
 @dataclass
 class DiagnosticResult:
-    """What a diagnostic returns: its metrics, and a reason to end the run after this step (None: go on)."""
+    """What a diagnostic returns: its metrics, a reason to end the run after this step (None: go on), or a
+    checkpoint of the run to go back to (None: no rollback)."""
 
     metrics: dict[str, float]
     stop: str | None = None
+    rollback_to: Path | None = None
 
 
 class Diagnostic:
@@ -109,6 +120,10 @@ class Diagnostic:
     def run(self, s, record: StepRecord) -> DiagnosticResult:
         """Its result at `record.step`; `s` is the session (`train.setup.Session`: model, tokenizer, writer)."""
         raise NotImplementedError
+
+    def guard(self, trace: StepTrace) -> bool:
+        """During the actor update, before each optimizer step: True refuses the step (default: never)."""
+        return False
 
     def state_dict(self) -> dict:
         """What a resumed run needs to go on as if never stopped (JSON-serialisable; {} for none)."""

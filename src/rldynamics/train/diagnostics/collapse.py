@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import re
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +50,13 @@ def collapse_due(cfg: Config, step: int) -> bool:
     return cfg.collapse.enabled and step >= 1 and (step == 1 or step % cfg.collapse.compute_freq == 0)
 
 
+@dataclass
+class CollapseResult(DiagnosticResult):
+    """The collapse metrics, and the first-turn MI estimate the health monitor's template-collapse rule reads."""
+
+    mi: float | None = None  # RAGEN's `mi_estimate` of the first-turn pairs (None: not measured this step)
+
+
 class Collapse(Diagnostic):
     """RAGEN's template-collapse diagnostics: cross-scored replies give the conditional entropy, the mutual
     information between prompt and reply and their retrieval accuracy; state: the EMA of the marginal std."""
@@ -66,8 +74,9 @@ class Collapse(Diagnostic):
     def due(self, step: int) -> bool:
         return collapse_due(self.cfg, step)
 
-    def run(self, s, record: StepRecord) -> DiagnosticResult:
-        return DiagnosticResult(run_collapse(s, record.step, record.rollout, self.ema))
+    def run(self, s, record: StepRecord) -> CollapseResult:
+        metrics, mi = run_collapse(s, record.step, record.rollout, self.ema)
+        return CollapseResult(metrics, mi=mi)
 
     def state_dict(self) -> dict:
         return {"ema": self.ema}
@@ -76,14 +85,16 @@ class Collapse(Diagnostic):
         self.ema = copy.deepcopy(state.get("ema", {}))
 
 
-def run_collapse(s, step: int, batch: RolloutBatch, ema: dict[str, dict]) -> dict[str, float]:
-    """The collapse metrics of `batch` (the step's unfiltered rollout) under the current actor.
+def run_collapse(s, step: int, batch: RolloutBatch, ema: dict[str, dict]) -> tuple[dict[str, float], float | None]:
+    """The collapse metrics of `batch` (the step's unfiltered rollout) under the current actor, and the first-turn
+    MI estimate (None when there were no first-turn pairs).
 
     `s` is the training session (`train.setup.Session`): its model, tokenizer and config; `ema` the running EMA of
     the marginal std per mode, updated here."""
     cfg = s.cfg.collapse
     generator = torch.Generator().manual_seed(step_seed(s.cfg.seed, step, stream=SAMPLE_STREAM))
     out: dict[str, float] = {}
+    mi = None
     if cfg.first_turn_enabled:
         start = time.perf_counter()
         pairs, valid = first_turn_pairs(batch.input_ids, batch.response_mask, batch.group_ids, cfg.num_samples,
@@ -93,21 +104,22 @@ def run_collapse(s, step: int, batch: RolloutBatch, ema: dict[str, dict]) -> dic
                     f"{names.COLLAPSE}/first_turn_num_valid": float(valid),
                     f"{names.COLLAPSE}/first_turn_valid_rate": valid / total if total else 0.0})
         if pairs is not None:
-            out.update(_diagnose(s, pairs, names.COLLAPSE_FIRST_TURN, generator, ema))
+            found, mi = _diagnose(s, pairs, names.COLLAPSE_FIRST_TURN, generator, ema)
+            out.update(found)
         out[names.timing("collapse_first_turn_step")] = time.perf_counter() - start
     if cfg.multi_turn_enabled:
         start = time.perf_counter()
         pairs = trajectory_pairs(batch.input_ids, batch.response_mask, cfg.num_samples, generator)
         if pairs is not None:
-            out.update(_diagnose(s, pairs, names.COLLAPSE_TRAJECTORY, generator, ema))
+            out.update(_diagnose(s, pairs, names.COLLAPSE_TRAJECTORY, generator, ema)[0])
         out[names.timing("collapse_multi_turn_step")] = time.perf_counter() - start
     if s.cfg.env.enable_think:
         out[f"{names.COLLAPSE}/valid_thinking_rate"] = valid_thinking_rate(batch, s.tokenizer)
-    return out
+    return out, mi
 
 
-def _diagnose(s, pairs: Pairs, prefix: str, generator: torch.Generator, ema: dict) -> dict[str, float]:
-    """Cross-score `pairs` and return their metrics (and bootstrap intervals) under `prefix/`."""
+def _diagnose(s, pairs: Pairs, prefix: str, generator: torch.Generator, ema: dict) -> tuple[dict[str, float], float]:
+    """Cross-score `pairs`; their metrics (and bootstrap intervals) under `prefix/`, and their MI estimate."""
     cfg = s.cfg.collapse
 
     def split(ids, attn, positions, compute):
@@ -127,7 +139,7 @@ def _diagnose(s, pairs: Pairs, prefix: str, generator: torch.Generator, ema: dic
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         metrics.update(bootstrap_intervals(loglik, lengths, pairs.column, pairs.classes,
                                            resamples=cfg.bootstrap_resamples, seed=seed))
-    return {f"{prefix}/{k}": v for k, v in metrics.items()}
+    return {f"{prefix}/{k}": v for k, v in metrics.items()}, metrics["mi_estimate"]
 
 
 def valid_thinking_rate(batch: RolloutBatch, tokenizer) -> float:

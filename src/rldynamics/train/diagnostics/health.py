@@ -1,0 +1,189 @@
+"""The health monitor as a diagnostic of the step (`Health`, at END; `health.*`, docs/health.md).
+
+After every step it reads the step's typed results (`StepRecord`: rollout, filter, prepared inputs, actor update
+with its optimizer-step traces, validation, the collapse diagnostic's MI), turns them into `Signals`, and checks
+every rule of `analysis/health_rules.py`. For each rule it logs `health/<rule>` (1 on a step where it fires,
+else 0); when a rule starts firing it writes one line to `events.jsonl` and acts as configured:
+
+- record: the metric and the event line only;
+- warn: also one console line;
+- skip (`health.grad_spike`): the rule is the actor update's guard, refusing a spiking optimizer step before it
+  is taken (the weights and optimizer state stay as they were); the event says so;
+- rollback: the run goes back to its last checkpoint saved before the trouble began and goes on with new
+  sampling seeds (`train/trainer.py`; at most `health.max_rollbacks`, then it stops);
+- stop: an early stop with `health_<rule>` as its reason (sweeps count it as a failed regime).
+
+Signals no other trainer logs, also logged here: `actor/entropy_cov` (the token covariance of the sampled token's
+log-prob and its advantage, `analysis.health_signals.token_covariance`: Cui et al. 2025 predict the step's
+entropy change as about −lr × it) beside `actor/entropy_change` (the realised change of the rollout policy's
+entropy since the previous step), `health/zero_variance_share`, `health/repetition_rate` and
+`health/reward_share/<component>`. The per-layer gradient norms and update ratios come with the actor update
+(`health.layer_norms`).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from rldynamics import metric_names as names
+from rldynamics.algo.rollout_corr import mismatch_metrics
+from rldynamics.analysis.health_rules import RULES, Alarm, GradSpike, Signals
+from rldynamics.analysis.health_signals import component_shares, repetition_rate, reply_lengths, token_covariance
+from rldynamics.config import Config
+from rldynamics.train.checkpoint import checkpoints
+from rldynamics.train.diagnostics.base import END, Diagnostic, DiagnosticResult, Needs, StepRecord
+
+
+class Health(Diagnostic):
+    """The rules of `analysis/health_rules.py` with their actions; state: each rule's history."""
+
+    name, point = "health", END
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.rules = {name: rule(cfg.health) for name, rule in RULES.items()}
+        self.last_entropy: float | None = None
+
+    @staticmethod
+    def enabled(cfg: Config) -> bool:
+        return cfg.health.enabled
+
+    def action(self, rule: str) -> str:
+        return getattr(self.cfg.health, rule)
+
+    def needs(self, step: int) -> Needs:
+        return Needs(update_logprobs=True)  # the entropy covariance and the mismatch read the rollout policy's
+
+    def guard(self, trace) -> bool:
+        """Refuse an optimizer step whose gradient norm is a spike (`health.grad_spike=skip`)."""
+        spike: GradSpike = self.rules[GradSpike.name]
+        return self.action(GradSpike.name) == "skip" and spike.is_spike(trace.grad_norm)
+
+    def run(self, s, record: StepRecord) -> DiagnosticResult:
+        x = signals(self.cfg, record)
+        metrics = self.signal_metrics(record, x)
+        result = DiagnosticResult(metrics)
+        for name, rule in self.rules.items():
+            alarm = rule.check(x)
+            metrics[names.health(name)] = float(alarm is not None)
+            new = alarm is not None and rule.streak_start is None
+            rule.streak_start = None if alarm is None else (rule.streak_start or alarm.since)
+            if alarm is not None:
+                self.act(s, record.step, alarm, new, result)
+        return result
+
+    def act(self, s, step: int, alarm: Alarm, new: bool, result: DiagnosticResult) -> None:
+        """Carry out the rule's action (the event line and the console line only when its trouble is new)."""
+        action = self.action(alarm.rule)
+        if action == "rollback":
+            target = rollback_target(s, alarm.since)
+            if target is None:  # none left, or no checkpoint before the trouble
+                action = "stop"
+            elif result.rollback_to is None or checkpoint_step(target) < checkpoint_step(result.rollback_to):
+                result.rollback_to = target  # the earliest of the rules' targets
+        if action == "stop":
+            result.stop = result.stop or f"health_{alarm.rule}"
+        if not new and action in ("record", "warn", "skip"):
+            return
+        if s.main:
+            s.writer.log_event({"step": step, "rule": alarm.rule, "action": action, "value": alarm.value,
+                                "threshold": alarm.threshold, "since": alarm.since, "message": alarm.message})
+        if action != "record" and s.console is not None:
+            s.console.print(f"[yellow]health at step {step}: {alarm.message} ({alarm.rule}: {action})")
+
+    def signal_metrics(self, record: StepRecord, x: Signals) -> dict[str, float]:
+        """The signals no other trainer logs, as metrics."""
+        out: dict[str, float] = {}
+        if x.zero_variance_share is not None:
+            out[names.health("zero_variance_share")] = x.zero_variance_share
+        if x.repetition is not None:
+            out[names.health("repetition_rate")] = x.repetition
+        out.update({names.health(f"reward_share/{k}"): v for k, v in x.component_shares.items()})
+        cov = entropy_covariance(record)
+        if cov is not None:
+            out[names.ENTROPY_COV] = cov
+        if x.entropy is not None:
+            if self.last_entropy is not None:
+                out[names.ENTROPY_CHANGE] = x.entropy - self.last_entropy
+            self.last_entropy = x.entropy
+        return out
+
+    def state_dict(self) -> dict:
+        return {"rules": {name: rule.state_dict() for name, rule in self.rules.items()},
+                "last_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, saved in state.get("rules", {}).items():
+            if name in self.rules:
+                self.rules[name].load_state_dict(saved)
+        self.last_entropy = state.get("last_entropy")
+
+
+def rollback_target(s, since: int) -> Path | None:
+    """The last checkpoint of the run saved before step `since`, while rollbacks are left (None otherwise)."""
+    if s.attempt >= s.cfg.health.max_rollbacks:
+        return None
+    before = [p for p in checkpoints(s.run_dir) if checkpoint_step(p) < since]
+    return before[-1] if before else None
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(path.name[5:])
+
+
+def signals(cfg: Config, record: StepRecord) -> Signals:
+    """The numbers the rules read, from the step's typed results."""
+    x = Signals(step=record.step, progress=record.step / cfg.train.steps, first_step=record.step == 1,
+                sampler_is_trainer=cfg.rollout.engine == "hf")
+    if record.rollout is not None:
+        batch = record.rollout
+        lengths = reply_lengths(batch.response_mask)
+        if lengths:
+            x.reply_mean = sum(lengths) / len(lengths)
+            x.truncation = sum(n >= cfg.env.max_new_tokens for n in lengths) / len(lengths)
+        x.repetition = repetition_rate(batch.input_ids, batch.response_mask)
+        x.component_shares = component_shares(batch.reward_components, batch.reward_weights, batch.reward_names)
+    if record.filtered is not None and record.filtered.group_std:
+        stds = list(record.filtered.group_std.values())
+        x.zero_variance_share = sum(v <= 1e-8 for v in stds) / len(stds)
+    if record.prepared is not None and record.prepared.entropy is not None:
+        x.entropy = record.prepared.entropy
+    _update_signals(x, record)
+    x.mismatch_kl = _mismatch_kl(cfg, record)
+    collapse = record.results.get("collapse")
+    x.mi = getattr(collapse, "mi", None)
+    if record.validation is not None and record.validation.success is not None:
+        x.val_success, x.val_count = record.validation.success, record.validation.trajectories
+    return x
+
+
+def _update_signals(x: Signals, record: StepRecord) -> None:
+    update = record.update
+    if update is None:
+        return
+    if x.entropy is None:
+        x.entropy = update.entropy
+    x.grad_norms = tuple(t.grad_norm for t in update.steps)
+    x.non_finite_skips = sum(not math.isfinite(t.grad_norm) for t in update.steps)
+    x.first_ppo_kl = update.steps[0].stats.get("ppo_kl") if update.steps else None
+    x.ppo_kl, x.clipfrac, x.kl_ref = update.ppo_kl, update.clipfrac_high + update.clipfrac_low, update.kl_loss
+
+
+def _mismatch_kl(cfg: Config, record: StepRecord) -> float | None:
+    """The sampler/trainer k3 KL of the filtered batch, when the sampler's log-probs and the trainer's are known."""
+    old = record.rollout_policy_logprobs()
+    if record.filtered is None or old is None or record.filtered.batch.rollout_logprobs is None:
+        return None
+    batch = record.filtered.batch
+    found = mismatch_metrics(old, batch.rollout_logprobs, batch.response_mask, band=cfg.algo.mismatch_band,
+                             tis_cap=cfg.algo.tis_cap, mis=cfg.algo.mis)
+    return found["k3_kl"]
+
+
+def entropy_covariance(record: StepRecord) -> float | None:
+    """`token_covariance` of the rollout policy's log-probs and the trained advantages of the filtered batch."""
+    old = record.rollout_policy_logprobs()
+    if record.prepared is None or old is None:
+        return None
+    return token_covariance(old, record.prepared.inputs.advantages, record.filtered.batch.response_mask)
