@@ -35,10 +35,10 @@ from matplotlib.patches import Patch
 from matplotlib.text import Text
 from matplotlib.ticker import FixedFormatter, FixedLocator, FuncFormatter, LogLocator
 
+from rldynamics import metric_names as naming
 from rldynamics.plots.data import (
     COMPONENTS,
     RunData,
-    off_terms,
     analysis_steps,
     bucket_intervals,
     bucket_label,
@@ -46,6 +46,7 @@ from rldynamics.plots.data import (
     bucket_sort_key,
     bucket_values,
     is_zero_rv,
+    off_terms,
     read_group_norms,
     read_groups,
     regularizer_values,
@@ -339,7 +340,7 @@ def fig_losses(sd: StepData) -> Figure:
         if name in sd.off:
             term_off(ax, name, sd.off[name])
             continue
-        bars(ax, sd.labels, sd.values(f"loss/{name}"), color, ylabel="Loss", title=f"loss/{name}")
+        bars(ax, sd.labels, sd.values(naming.loss(name)), color, ylabel="Loss", title=naming.loss(name))
         ax.set_xlabel("Reward Variance Bucket")
     fig.suptitle(f"{sd.run_name} — step {sd.step}: losses per bucket")
     return fig

@@ -321,7 +321,7 @@ def env_names(run: RunData) -> list[str]:
     for r in run.rows:
         for k in r:
             parsed = naming.parse_env_metric(k)
-            if parsed and parsed[2] == "success" and parsed[1] not in names:
+            if parsed and parsed[2] == naming.SUCCESS and parsed[1] not in names:
                 names.append(parsed[1])
     return names
 

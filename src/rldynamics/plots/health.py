@@ -63,7 +63,7 @@ def _g(x: float) -> str:
     return f"{x:.4g}"
 
 
-def check_grad_norm(rows: list[dict[str, Any]], key: str = "actor/grad_norm", factor: float = 5.0,
+def check_grad_norm(rows: list[dict[str, Any]], key: str = names.ACTOR_GRAD_NORM, factor: float = 5.0,
                     min_history: int = 3) -> list[Flag]:
     """Non-finite grad norms (error) and spikes above `factor` × the running median of the earlier finite values."""
     steps, v = _series(rows, key)
@@ -94,7 +94,7 @@ def check_grad_norm(rows: list[dict[str, Any]], key: str = "actor/grad_norm", fa
     return flags
 
 
-def check_clipfrac(rows: list[dict[str, Any]], key: str = "actor/pg_clipfrac", last: int = 10,
+def check_clipfrac(rows: list[dict[str, Any]], key: str = names.PG_CLIPFRAC, last: int = 10,
                    low: float = 0.10, high: float = 0.40) -> list[Flag]:
     """Mean clip fraction over the last `last` steps outside [low, high] (a rule of thumb)."""
     steps, v = _series(rows, key)
@@ -115,7 +115,7 @@ def check_clipfrac(rows: list[dict[str, Any]], key: str = "actor/pg_clipfrac", l
     return []
 
 
-def check_reward_trend(rows: list[dict[str, Any]], key: str = "critic/score/mean", min_points: int = 3) -> list[Flag]:
+def check_reward_trend(rows: list[dict[str, Any]], key: str = names.SCORE_MEAN, min_points: int = 3) -> list[Flag]:
     """Slope of a least-squares line through the reward over steps; ≤ 0 is flagged."""
     steps, v = _series(rows, key)
     ok = np.isfinite(v)
@@ -135,7 +135,7 @@ def check_reward_trend(rows: list[dict[str, Any]], key: str = "critic/score/mean
                   "steps": f"{int(steps[ok][0])}–{int(steps[ok][-1])}"})]
 
 
-def check_loss_swings(rows: list[dict[str, Any]], key: str = "actor/pg_loss", ratio: float = 5.0,
+def check_loss_swings(rows: list[dict[str, Any]], key: str = names.PG_LOSS, ratio: float = 5.0,
                       min_std: float = 0.1, min_points: int = 5) -> list[Flag]:
     """Policy-loss std above `ratio` × its median magnitude and above `min_std` (wild swings); non-finite losses.
 
@@ -210,7 +210,7 @@ def val_success_key(rows: list[dict[str, Any]], config: dict[str, Any] | None = 
     for row in rows:
         for key in row:
             parsed = names.parse_env_metric(key)  # (validation?, env, metric)
-            if parsed and parsed[0] and parsed[2] == "success":
+            if parsed and parsed[0] and parsed[2] == names.SUCCESS:
                 return key
     return None
 
@@ -248,7 +248,7 @@ def check_early_stop(rows: list[dict[str, Any]]) -> list[Flag]:
             for step, reason in hits]
 
 
-def check_skipped_steps(rows: list[dict[str, Any]], key: str = "actor/skipped_steps") -> list[Flag]:
+def check_skipped_steps(rows: list[dict[str, Any]], key: str = names.SKIPPED_STEPS) -> list[Flag]:
     """Steps where optimizer updates were skipped (non-finite gradients)."""
     steps, v = _series(rows, key)
     hit = np.isfinite(v) & (v > 0)

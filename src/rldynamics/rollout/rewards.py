@@ -65,12 +65,12 @@ def reward_rows(batch, step: int, tokenizer) -> list[dict]:
             "weighted": {n: w * v for n, w, v in zip(names, weights, raw, strict=True)},
             "total": float(batch.scores[i]), "response_tokens": int(sampled.numel()),
             "response_chars": len(tokenizer.decode(sampled.tolist(), skip_special_tokens=True)),
-            "correct": bool(batch.env_metrics[i]["success"]),
+            "correct": bool(batch.env_metrics[i][metric_names.SUCCESS]),
         })
     return rows
 
 
-def reward_stats(rows: list[dict], names: tuple[str, ...], prefix: str = "reward_stats") -> dict[str, float]:
+def reward_stats(rows: list[dict], names: tuple[str, ...], prefix: str = metric_names.REWARD_STATS) -> dict[str, float]:
     """rldynamic's per-step reward statistics from reward-tracking rows.
 
     `<prefix>/avg_<name>` (mean raw component), `avg_actual_length` (mean response characters),

@@ -281,13 +281,13 @@ def collapse_markdown(summary: SweepSummary) -> str:
     """The `summary.md` section of the collapse diagnostics: the finding, then every run's final values."""
     finding = collapse_finding(summary)
     what = {"mi": "final MI estimate", "retrieval": "final retrieval above chance",
-            "entropy": "final conditional entropy H(Z|X)", "policy_entropy": "final policy entropy actor/entropy"}
+            "entropy": "final conditional entropy H(Z|X)", "policy_entropy": f"final policy entropy {names.ENTROPY}"}
     lines = ["\n## Template collapse: success vs MI and entropy\n\n",
              "Spearman rank correlation over runs of the final success with (95 % bootstrap interval over runs):\n\n"]
     lines += [f"- {what[k]}: {num(rho, 3) or 'undefined'} [{num(lo, 3) or '–'}, {num(hi, 3) or '–'}] ({n} runs)\n"
               for k, (rho, lo, hi, n) in finding.items()]
     table = [["point", "seed", "outcome", "final %", "final MI", "final H(Z|X)", "retrieval above chance",
-              "actor/entropy"]]
+              names.ENTROPY]]
     table += [[p.label, str(r.seed), r.outcome, pct(r.final), num(r.mi, 3) or "–", num(r.entropy, 3) or "–",
                num(r.retrieval, 3) or "–", num(r.policy_entropy, 3) or "–"] for p in summary.points for r in p.runs]
     return "".join(lines) + "\n" + _md_table(table)
