@@ -26,16 +26,14 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
 from rldynamics import metric_names as names
 from rldynamics.plots.data import RunData, as_float, early_stops, load_run
+from rldynamics.sweep.plan_types import SweepPlan
 from rldynamics.tracking.run_dir import read_config, row_step
-
-if TYPE_CHECKING:
-    from rldynamics.sweep.plan import SweepPlan
 
 STATUS_FILE = "sweep.json"
 PLAN_FILE = "plan.json"
