@@ -116,7 +116,7 @@ def fig_training_curves(run: RunData) -> Figure | None:
     for n, (ax, (title, keys)) in enumerate(zip(axes, panels, strict=False)):
         values = []
         for key, label in keys:
-            x, y = series(run, key)
+            x, y = series(run.rows, key)
             smoothed |= _plot_series(ax, x, y, label)
             values.append(y)
         ylim = ax.get_ylim()

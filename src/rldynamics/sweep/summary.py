@@ -110,7 +110,7 @@ def run_result(path: Path) -> RunResult:
     """Read one run directory into a RunResult."""
     run = runs.load(path)
     found = runs.outcome(path, run)
-    steps, values = series(run, runs.val_key(run))
+    steps, values = series(run.rows, runs.val_key(run))
     fin = np.isfinite(values)
     wall, step_s = _times(run)
     report = f"{path.parent.name}/{path.name}/report.html" if (path / "report.html").exists() else None
@@ -127,20 +127,20 @@ def run_result(path: Path) -> RunResult:
 
 
 def _last(run: RunData, key: str) -> float:
-    _, y = series(run, key)
+    _, y = series(run.rows, key)
     y = y[np.isfinite(y)]
     return float(y[-1]) if len(y) else math.nan
 
 
 def _mean(run: RunData, key: str) -> float:
-    _, y = series(run, key)
+    _, y = series(run.rows, key)
     y = y[np.isfinite(y)]
     return float(y.mean()) if len(y) else math.nan
 
 
 def _times(run: RunData) -> tuple[float, float]:
     """(wall seconds of the logged steps plus the step-0 validation, mean seconds per step)."""
-    _, per_step = series(run, names.STEP_TIME)
+    _, per_step = series(run.rows, names.STEP_TIME)
     if not run.rows or not len(per_step):
         return math.nan, math.nan
     first = as_float(run.rows[0].get(names.VAL_TIME)) if run.rows[0]["step"] == 0 else math.nan
