@@ -440,7 +440,8 @@ def test_figures_do_not_mislead(tmp_path):
 def test_bar_axis_scale_follows_the_bars_not_the_whiskers():
     # KL norms 2.4e-4..7.5e-4 (one bucket's interval reaching down to 1e-5): bars on a linear axis from 0, not
     # a log axis on which 2.4e-4 and 7.5e-4 look nearly equal
-    from rldynamics.plots.analysis import bars, new_figure
+    from rldynamics.plots.analysis import bars
+    from rldynamics.plots.figure import new_figure
 
     ax = new_figure(4, 3).add_subplot()
     values = np.array([3.7e-4, 2.4e-4, 7.5e-4])
@@ -454,7 +455,8 @@ def test_bar_axis_scale_follows_the_bars_not_the_whiskers():
 def test_paper_overlays_two_runs_at_the_same_steps(tmp_path):
     from matplotlib.colors import to_hex
 
-    from rldynamics.plots.analysis import RUN_COLORS, fig_paper_grid
+    from rldynamics.plots.analysis import fig_paper_grid
+    from rldynamics.plots.figure import RUN_COLORS
 
     first = make_run(tmp_path / "grpo", steps=4, analysis=(1, 4), name="grpo")
     second = make_run(tmp_path / "drgrpo", steps=4, analysis=(1, 4), name="drgrpo")

@@ -24,8 +24,8 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from rldynamics import metric_names as names
-from rldynamics.plots.analysis import DPI, RUN_COLORS, new_figure, save_png
 from rldynamics.plots.data import RunData, series
+from rldynamics.plots.figure import DPI, RUN_COLORS, new_figure, save_png
 from rldynamics.plots.health import Flag
 
 MODES = (names.COLLAPSE_FIRST_TURN, names.COLLAPSE_TRAJECTORY)

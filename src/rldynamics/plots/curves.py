@@ -18,7 +18,6 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from rldynamics import metric_names as names
-from rldynamics.plots.analysis import DPI, auto_scale, new_figure, note, readable_log_ticks, save_png
 from rldynamics.plots.data import (
     PREFIX,
     RunData,
@@ -35,6 +34,7 @@ from rldynamics.plots.data import (
     read_sketches,
     series,
 )
+from rldynamics.plots.figure import DPI, auto_scale, new_figure, note, readable_log_ticks, save_png
 
 COSINES = ("task_entropy", "task_kl", "entropy_kl")
 

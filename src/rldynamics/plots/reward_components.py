@@ -16,8 +16,8 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from rldynamics import metric_names as naming
-from rldynamics.plots.analysis import fmt, new_figure
 from rldynamics.plots.data import RunData, analysis_dirs, as_float, series
+from rldynamics.plots.figure import fmt, new_figure
 from rldynamics.plots.health import Flag
 from rldynamics.tracking.run_dir import read_rewards
 
