@@ -795,14 +795,6 @@ def _check_reward_funcs(instance, env: EnvConfig) -> tuple[str, ...]:
     return own + tuple(f.name for f in funcs)
 
 
-def reward_names(env, cfg: EnvConfig) -> tuple[str, ...]:
-    """`rollout.rewards.reward_names`, for the callers that still import it from here (the import runs at call time:
-    config imports nothing of the rollout)."""
-    from rldynamics.rollout import rewards
-
-    return rewards.reward_names(env, cfg)
-
-
 def _get(cfg: Config, dotted: str) -> Any:
     obj: Any = cfg
     for part in dotted.split("."):
