@@ -221,11 +221,11 @@ def run_matmul(size: int, dtype: str) -> dict:
 
 def sokoban_rows(tokenizer, model, groups: int, steps: int):
     """(prompt text, env seed) of every group of our first `steps` steps, checked to tokenise to our ids."""
-    from rldynamics.config import make_config, reward_names
+    from rldynamics.config import make_config
     from rldynamics.envs import make_env
     from rldynamics.rollout.agent import RolloutContext, _start
     from rldynamics.rollout.chat import ChatPrompts
-    from rldynamics.rollout.rewards import resolve_weights
+    from rldynamics.rollout.rewards import resolve_weights, reward_names
     from rldynamics.train.stages import train_seeds
 
     cfg = make_config(overrides=["env.max_turns=1", f"env.max_new_tokens={NEW_TOKENS}"]).env

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import micro_model_batch
+from rldynamics import metric_names as names
 from rldynamics.algo.losses import term_coefs, weighted_total
 from rldynamics.algo.rollout_corr import batch_mismatch
 from rldynamics.algo.shares import sub_batch_share
@@ -43,7 +44,7 @@ def test_update_does_not_depend_on_micro_batch_size(setup, mode):
     for m, metrics in results[:-1]:
         flat = torch.cat([p.flatten() for p in m.parameters()])
         assert torch.allclose(flat, ref, atol=1e-5)
-        assert metrics["actor/grad_norm"] == pytest.approx(results[-1][1]["actor/grad_norm"], rel=1e-4)
+        assert metrics[names.ACTOR_GRAD_NORM] == pytest.approx(results[-1][1][names.ACTOR_GRAD_NORM], rel=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -54,10 +55,10 @@ def test_update_statistics_do_not_depend_on_micro_batch_size(setup, mode):
     gen = torch.Generator().manual_seed(3)
     off = ActorInputs(old_logprobs=inputs.old_logprobs + 0.3 * torch.randn(inputs.old_logprobs.shape, generator=gen),
                       advantages=inputs.advantages)  # ratios away from 1: clipping happens
-    keys = ("actor/pg_loss", "actor/entropy_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl")
+    keys = tuple(names.actor(k) for k in ("pg_loss", "entropy_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"))
     results = [_update(model, batch, off, [f"train.micro_batch_size={m}", f"algo.loss_agg_mode={mode}",
                                            "train.ppo_epochs=1"])[1] for m in (1, 4, 6)]
-    assert results[-1]["actor/pg_clipfrac"] > 0 and results[-1]["actor/ppo_kl"] != 0
+    assert results[-1][names.PG_CLIPFRAC] > 0 and results[-1][names.actor("ppo_kl")] != 0
     for metrics in results[:-1]:
         for key in keys:
             assert metrics[key] == pytest.approx(results[-1][key], rel=1e-5, abs=1e-7), key
@@ -73,7 +74,7 @@ def test_cispo_weight_has_no_lower_bound_unless_configured(setup):
     for extra, clipped in (([], ratio > 1.28), (["algo.cispo_clip_low=0.2"], (ratio > 1.28) | (ratio < 0.8))):
         metrics = _update(model, batch, off, ["algo.policy_loss=cispo", "train.micro_batch_size=6",
                                               "train.ppo_epochs=1", *extra])[1]
-        assert metrics["actor/pg_clipfrac"] == pytest.approx(clipped.float().mean().item(), abs=1.5 / len(ratio))
+        assert metrics[names.PG_CLIPFRAC] == pytest.approx(clipped.float().mean().item(), abs=1.5 / len(ratio))
     assert ((ratio < 0.8).float().mean() * len(ratio)) >= 3  # the two cases differ by more than the tolerance
 
 
@@ -116,7 +117,7 @@ def test_non_finite_gradient_skips_the_step(setup):
     bad = ActorInputs(old_logprobs=inputs.old_logprobs, advantages=inputs.advantages.clone())
     bad.advantages[0, batch.response_mask[0].nonzero()[0]] = float("nan")
     updated, metrics = _update(model, batch, bad, ["train.micro_batch_size=6"])
-    assert metrics["actor/skipped_steps"] == metrics["actor/num_updates"] >= 1  # every update saw the NaN row
+    assert metrics[names.SKIPPED_STEPS] == metrics[names.actor("num_updates")] >= 1  # every update saw the NaN row
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), updated.parameters(), strict=True))
 
 
@@ -150,9 +151,9 @@ def test_on_policy_update_without_old_pass_matches_the_old_pass(setup, policy_lo
     (with_pass, m_pass), (without, m_own) = results
     for p, q in zip(with_pass.parameters(), without.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7)
-    for key in ("actor/pg_loss", "actor/entropy_loss", "actor/grad_norm"):
+    for key in (names.PG_LOSS, names.actor("entropy_loss"), names.ACTOR_GRAD_NORM):
         assert m_own[key] == pytest.approx(m_pass[key], rel=1e-5, abs=1e-7)
-    assert m_own["actor/ppo_kl"] == 0.0 and m_own["actor/pg_clipfrac"] == 0.0  # ratio exactly 1
+    assert m_own[names.actor("ppo_kl")] == 0.0 and m_own[names.PG_CLIPFRAC] == 0.0  # ratio exactly 1
 
 
 def test_a_recording_update_gives_the_old_pass_log_probs_and_mismatch(setup):

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from rldynamics import metric_names as names
 from rldynamics.plots.cli import plot_command, report_command
 from rldynamics.plots.collapse import check_template_collapse, spearman, spearman_interval
 from rldynamics.sweep.report import write_summary
@@ -36,7 +37,7 @@ def test_template_collapse_rule_names_the_step_range():
     # retrieval above chance falling alone is flagged too
     only = check_template_collapse(_rows([0.2, 0.2, 0.2], [1.0, 1.0, 1.0], retrieval=[0.5, 0.4, 0.1]))
     assert [f.check for f in only] == ["template_collapse_retrieval_above_chance"]
-    assert check_template_collapse([{"step": 1, "actor/entropy": 1.0}]) == []
+    assert check_template_collapse([{"step": 1, names.ENTROPY: 1.0}]) == []
 
 
 def test_spearman_by_hand_and_its_interval_brackets_it():
@@ -55,10 +56,10 @@ def _run(path, rows: list[dict], success: list[tuple[int, float]]):
     writer = RunWriter(path)
     by_step = {r["step"]: dict(r) for r in rows}
     for step, value in success:
-        by_step.setdefault(step, {"step": step})["val-env/sokoban/success"] = value
+        by_step.setdefault(step, {"step": step})[names.val_success("sokoban")] = value
     for step in sorted(by_step):
         row = {k: v for k, v in by_step[step].items() if k != "step"}
-        row.update({"timing_s/step": 1.0} if step else {"timing_s/val": 1.0})
+        row.update({names.STEP_TIME: 1.0} if step else {names.VAL_TIME: 1.0})
         writer.log(step, row)
     return path
 

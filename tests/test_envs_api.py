@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from rldynamics.config import ConfigError, envs_help, load_config, make_config, save_config, to_dict
+from rldynamics.cli import envs_help
+from rldynamics.config import ConfigError, load_config, make_config, save_config, to_dict
 from rldynamics.envs import ENVS
 from rldynamics.envs.base import StepResult
 from rldynamics.rollout.agent import rollout

@@ -42,15 +42,16 @@ def _bucket_metrics(step: int, rng: np.random.Generator, kl: bool = True) -> dic
         count = 8.0 * len(rvs)
         vals = {"task": task, "entropy": 1e-3 * raw_ent, "raw/entropy": raw_ent, "reward_std_mean": rv,
                 "reward_std_min": min(rvs), "reward_std_max": max(rvs), "sample_count": count,
-                "group_rv_count": float(len(rvs)), "sample_pct": count / 72, "loss/policy": -0.01 * rv,
-                "loss/entropy": -1e-3 * raw_ent, "loss/total": -0.01 * rv - 1e-3 * raw_ent,
+                "group_rv_count": float(len(rvs)), "sample_pct": count / 72, names.loss("policy"): -0.01 * rv,
+                names.loss("entropy"): -1e-3 * raw_ent, names.LOSS_TOTAL: -0.01 * rv - 1e-3 * raw_ent,
                 "per_sample/task": task / count, "per_token/task": task / (count * 30),
                 "per_sample/entropy": 1e-3 * raw_ent / count, "per_token/entropy": 1e-3 * raw_ent / (count * 30),
                 "cos/task_entropy": 0.1 * rng.standard_normal(), "regularizer": 1e-3 * raw_ent,
                 "reg_share": 1e-3 * raw_ent / (task + 1e-3 * raw_ent)}
         if kl:
-            vals.update({"kl": 1e-3 * raw_kl, "raw/kl": raw_kl, "loss/kl": 1e-4, "per_sample/kl": 1e-3 * raw_kl / count,
-                         "per_token/kl": 1e-3 * raw_kl / (count * 30), "cos/task_kl": -0.05, "cos/entropy_kl": 0.2})
+            vals.update({"kl": 1e-3 * raw_kl, "raw/kl": raw_kl, names.loss("kl"): 1e-4,
+                         "per_sample/kl": 1e-3 * raw_kl / count, "per_token/kl": 1e-3 * raw_kl / (count * 30),
+                         "cos/task_kl": -0.05, "cos/entropy_kl": 0.2})
         m.update({names.bucket_metric(names.GRAD_NORM, b, k): v for k, v in vals.items()})
     return m
 
@@ -85,14 +86,14 @@ def make_run(path: Path, *, steps: int = 6, analysis: tuple[int, ...] = (1, 4), 
     for s in range(1, steps + 1):
         m = {names.SCORE_MEAN: (0.2 * s if healthy else 2.0 - 0.3 * s), names.ENTROPY: 1.0 - 0.02 * s,
              names.STEP_TIME: 2.0,
-             names.actor("grad_norm"): 0.3 + 0.01 * s, names.actor("pg_clipfrac"): 0.2 if healthy else 0.6,
-             names.actor("pg_loss"): 0.01 * (-1) ** s, names.actor("kl_loss"): 0.001 * s,
-             names.actor("skipped_steps"): 0.0, names.FILTER_KEPT_RATIO: 0.75, names.FILTER_KEPT_COUNT: 6.0,
-             names.FILTER_ZERO_COUNT: 1.0, names.IN_GROUP_REWARD_STD: 1.0, "response_length/mean": 30.0 + s,
-             f"{names.env_prefix('sokoban')}/success": 0.1 + 0.05 * s,
-             f"{names.env_prefix('sokoban')}/response_length": 7.0}
+             names.ACTOR_GRAD_NORM: 0.3 + 0.01 * s, names.PG_CLIPFRAC: 0.2 if healthy else 0.6,
+             names.PG_LOSS: 0.01 * (-1) ** s, names.KL_LOSS: 0.001 * s,
+             names.SKIPPED_STEPS: 0.0, names.FILTER_KEPT_RATIO: 0.75, names.FILTER_KEPT_COUNT: 6.0,
+             names.FILTER_ZERO_COUNT: 1.0, names.IN_GROUP_REWARD_STD: 1.0, names.RESPONSE_LENGTH_MEAN: 30.0 + s,
+             names.env_metric("sokoban", names.SUCCESS): 0.1 + 0.05 * s,
+             names.env_metric("sokoban", "response_length"): 7.0}
         if not healthy and s == 3:
-            m[names.actor("grad_norm")] = math.nan
+            m[names.ACTOR_GRAD_NORM] = math.nan
         if not healthy and s == steps:
             m[names.early_stopped("reward_variance_collapse")] = 1.0
         if s % 2 == 0:
@@ -145,7 +146,7 @@ def test_plot_metrics_json_and_rv_table(plotted):
     row = json.loads((plotted / "gradient_analysis_metrics_step_4.json").read_text())
     assert row["step"] == 4 and row["grad_norm/bucket_3/task"] == pytest.approx(0.5 * 0.95)
     assert list(row) == sorted(row)
-    assert "critic/score/mean" in row and "grad_norm/all/raw/kl" in row
+    assert names.SCORE_MEAN in row and names.bucket_metric(names.GRAD_NORM, names.ALL, "raw/kl") in row
     with open(plotted / "gradient_analysis_bucket_rv_table_step_1.csv", newline="") as f:
         rows = list(csv.reader(f))
     assert rows[0] == ["bucket", "reward_std"]
@@ -297,13 +298,12 @@ def test_report_flags_unhealthy_run(tmp_path):
 
 
 def test_health_checks_on_rows():
-    rows = [{"step": s, "actor/grad_norm": 1.0, "actor/pg_loss": 0.01, "actor/skipped_steps": 0.0} for s in range(10)]
+    rows = [{"step": s, names.ACTOR_GRAD_NORM: 1.0, names.PG_LOSS: 0.01, names.SKIPPED_STEPS: 0.0} for s in range(10)]
     assert health.health_checks(rows) == []
-    rows[8]["actor/grad_norm"] = 9.0
-    rows[5]["actor/pg_loss"] = -250.0
-    rows[6]["actor/skipped_steps"] = 2.0
-    rows[7].update({"rollout/filter_zero_count": 7.0, "rollout/filter_kept_count": 1.0,
-                    "rollout/filter_kept_ratio": 0.125})
+    rows[8][names.ACTOR_GRAD_NORM] = 9.0
+    rows[5][names.PG_LOSS] = -250.0
+    rows[6][names.SKIPPED_STEPS] = 2.0
+    rows[7].update({names.FILTER_ZERO_COUNT: 7.0, names.FILTER_KEPT_COUNT: 1.0, names.FILTER_KEPT_RATIO: 0.125})
     checks = {f.check: f for f in health.health_checks(rows)}
     assert set(checks) == {"grad_norm_spike", "loss_swings", "skipped_steps", "zero_variance_groups"}
     assert "step 8" in checks["grad_norm_spike"].numbers["worst"]
@@ -359,7 +359,7 @@ ODD = {
         _edit_rows(p, lambda rows: [{**r, "train/$x^_{$/success": 0.5} for r in rows])),
     "values of 1e308": lambda p: _edit_rows(p, _huge_values),
     "step Infinity, NaN, 1e300, true": lambda p: _edit_rows(p, lambda rows: [
-        *rows, {"step": math.inf, "actor/grad_norm": 1.0}, {"step": math.nan}, {"step": 1e300}, {"step": True}]),
+        *rows, {"step": math.inf, names.ACTOR_GRAD_NORM: 1.0}, {"step": math.nan}, {"step": 1e300}, {"step": True}]),
     "corrupted sketches": lambda p: [f.write_bytes(f.read_bytes()[:99]) for f in p.glob("analysis/*/sketches.*")],
     "non-UTF-8 bytes in groups.csv": lambda p: [f.write_bytes(f.read_bytes() + b"grad_norm,bucket_\xff,7,\xfe\n")
                                                 for f in p.glob("analysis/*/groups.csv")],
@@ -440,7 +440,8 @@ def test_figures_do_not_mislead(tmp_path):
 def test_bar_axis_scale_follows_the_bars_not_the_whiskers():
     # KL norms 2.4e-4..7.5e-4 (one bucket's interval reaching down to 1e-5): bars on a linear axis from 0, not
     # a log axis on which 2.4e-4 and 7.5e-4 look nearly equal
-    from rldynamics.plots.analysis import bars, new_figure
+    from rldynamics.plots.analysis import bars
+    from rldynamics.plots.figure import new_figure
 
     ax = new_figure(4, 3).add_subplot()
     values = np.array([3.7e-4, 2.4e-4, 7.5e-4])
@@ -454,7 +455,8 @@ def test_bar_axis_scale_follows_the_bars_not_the_whiskers():
 def test_paper_overlays_two_runs_at_the_same_steps(tmp_path):
     from matplotlib.colors import to_hex
 
-    from rldynamics.plots.analysis import RUN_COLORS, fig_paper_grid
+    from rldynamics.plots.analysis import fig_paper_grid
+    from rldynamics.plots.figure import RUN_COLORS
 
     first = make_run(tmp_path / "grpo", steps=4, analysis=(1, 4), name="grpo")
     second = make_run(tmp_path / "drgrpo", steps=4, analysis=(1, 4), name="drgrpo")
@@ -537,7 +539,7 @@ def test_report_opens_with_headline_numbers_environment_and_samples(tmp_path):
 
 def test_falling_validation_is_flagged():
     def flags(values):
-        rows = [{"step": 10 * i, "val-env/sokoban/success": v} for i, v in enumerate(values)]
+        rows = [{"step": 10 * i, names.val_success("sokoban"): v} for i, v in enumerate(values)]
         return [f.check for f in health.health_checks(rows, {"env": {"name": "sokoban"}})]
 
     assert flags([0.30, 0.27, 0.22]) == ["val_falling"]
@@ -554,7 +556,8 @@ def test_terms_that_are_off_get_no_panels(tmp_path):
     sd = step_data(run, 1)
     for fig in (fig_grad_norms(sd), fig_losses(sd), fig_normed_grads(sd)):
         titles = [ax.get_title() for ax in fig.axes]
-        assert "kl: off" in titles and not any(t.startswith(("kl gradient", "loss/kl", "kl:  per")) for t in titles)
+        assert "kl: off" in titles
+        assert not any(t.startswith(("kl gradient", names.loss("kl"), "kl:  per")) for t in titles)
     _set_config(path, algo={"kl_coef": 0.001, "entropy_coef": 0.001})
     assert any("KL" in ax.get_title() for ax in fig_training_curves(load_run(path)).axes)
 

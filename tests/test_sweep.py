@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 import resource
 import shutil
 import signal
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST
+from rldynamics import metric_names as names
 from rldynamics.cli import main
 from rldynamics.config import ConfigError, make_config, save_config
 from rldynamics.sweep.launch import make_slots
@@ -101,14 +102,14 @@ def _write_run(out, label, seed, val, overrides=(), stop=None, status=None, kept
     save_config(cfg, path / "config.yaml")
     writer = RunWriter(path)
     for step, v in enumerate(val):
-        row = {"val-env/sokoban/success": v, "timing_s/val": 1.0}
+        row = {names.val_success("sokoban"): v, names.VAL_TIME: 1.0}
         if step > 0:
-            row.update({"rollout/in_group_reward_std": 0.5 * step, "rollout/filter_kept_ratio": kept,
-                        "rollout/empty_after_filter": float(kept == 0), "timing_s/step": 2.0})
+            row.update({names.IN_GROUP_REWARD_STD: 0.5 * step, names.FILTER_KEPT_RATIO: kept,
+                        names.EMPTY_AFTER_FILTER: float(kept == 0), names.STEP_TIME: 2.0})
             if kept:
-                row["actor/pg_loss"] = 0.1
+                row[names.PG_LOSS] = 0.1
         if stop and step == len(val) - 1:
-            row[f"early_stopped/{stop}"] = 1.0
+            row[names.early_stopped(stop)] = 1.0
         writer.log(step, row)
     write_status(path, sweep="kl", keys=["algo.kl_coef"], point=label, value=label, index=0 if label == "a" else 1,
                  **(status or {"state": "completed", "returncode": 0}))

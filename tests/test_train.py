@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rldynamics import metric_names as names
 from rldynamics.config import make_config
 from rldynamics.tracking.run_dir import read_metrics
 from rldynamics.train.trainer import train
@@ -181,6 +182,6 @@ def test_explained_variance_and_its_terms_by_hand():
     returns = torch.tensor([[0.0, 4.0, 4.0], [0.0, 1.0, 0.0]])  # masked: 4, 4, 1 (mean 3, variance 2)
     values = torch.tensor([[9.0, 3.0, 2.0], [9.0, 1.0, 9.0]])  # residuals 1, 2, 0 (mean 1, variance 2/3)
     m = data_metrics(batch, torch.zeros(2, 3), returns, values)
-    assert m["critic/returns/var"] == pytest.approx(2.0)
-    assert m["critic/vf_residual_var"] == pytest.approx(2.0 / 3.0)
-    assert m["critic/vf_explained_var"] == pytest.approx(1.0 - (2.0 / 3.0) / 2.0)
+    assert m[names.RETURNS_VAR] == pytest.approx(2.0)
+    assert m[names.VF_RESIDUAL_VAR] == pytest.approx(2.0 / 3.0)
+    assert m[names.VF_EXPLAINED_VAR] == pytest.approx(1.0 - (2.0 / 3.0) / 2.0)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from rldynamics import __version__
-from rldynamics.config import resume_may_change
+from rldynamics.config import EnvConfig, documented_keys, resume_may_change
+from rldynamics.envs import ENVS
 
 DEFAULT_PRESET = "sokoban-tiny"
 VALUE_RULES = f"""\
@@ -422,10 +424,34 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_envs(args: argparse.Namespace) -> int:
-    from rldynamics.config import envs_help
-
     print(envs_help())
     return 0
+
+
+def envs_help() -> str:
+    """`rldyn envs`: each env's keys with defaults and meanings, reward components and actions."""
+    blocks = []
+    shared = EnvConfig()
+    for name, cls in ENVS.items():
+        try:
+            env = cls(**dataclasses.asdict(cls.Config()))
+        except ValueError:  # an env that needs a setting to be built (prompts: its data set): its class says enough
+            env = cls
+        weights = ", ".join(f"{r} (weight {env.reward_weights.get(r, 1.0):g})" for r in env.reward_names) or (
+            "none of its own: env.reward_funcs")
+        actions = ", ".join(env.actions) if env.actions else "free-form answer text"
+        actions = "the whole reply" if getattr(env, "full_reply", False) else actions
+        penalty = ("; graded on the whole reply (no format_penalty)" if getattr(env, "full_reply", False) else
+                   f"; plus format_penalty (env.format_penalty={shared.format_penalty:g}) for malformed turns")
+        lines = [f"{name}  ({cls.__module__}.{cls.__name__})", f"  reward components: {weights}{penalty}",
+                 f"  actions: {actions}"]
+        keys = documented_keys(cls.Config(), f"env.{name}.")
+        width = max((len(f"{key}={default!s}") for key, default, _ in keys), default=0)
+        lines += [f"  {f'{key}={default!s}':<{width}}  {doc}" for key, default, doc in keys]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n\nshared keys: env.name, env.max_turns, env.max_actions_per_turn, " \
+        "env.max_actions_per_traj, env.max_new_tokens, env.enable_think, env.open_answer, env.format_penalty, " \
+        "env.reward_weights, env.reward_funcs (`rldyn train --help-config`)."
 
 
 def _without_nproc(argv: list[str]) -> list[str]:

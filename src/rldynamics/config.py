@@ -35,6 +35,7 @@ import yaml
 
 from rldynamics import ragen_keys
 from rldynamics.envs import ENVS
+from rldynamics.envs.base import own_reward_names
 from rldynamics.envs.reward_funcs import load_reward_funcs
 from rldynamics.tracking.files import write_file
 
@@ -878,7 +879,7 @@ def _check_reward_funcs(instance, env: EnvConfig) -> tuple[str, ...]:
     if funcs and env.max_turns != 1 and not getattr(instance, "full_reply", False):
         raise ConfigError(f"env.reward_funcs grade one reply, but env {env.name!r} has env.max_turns={env.max_turns}; "
                           "use a single-turn env (math, prompts) or set env.max_turns=1")
-    own = reward_names(instance, env, with_funcs=False)
+    own = own_reward_names(instance, env.format_penalty)
     clash = [f.name for f in funcs if f.name in own]
     if clash:
         raise ConfigError(f"env.reward_funcs: {clash[0]!r} is already a reward component of env {env.name!r} "
@@ -887,14 +888,6 @@ def _check_reward_funcs(instance, env: EnvConfig) -> tuple[str, ...]:
         raise ConfigError(f"env {env.name!r} has no reward of its own: name your reward functions in "
                           "env.reward_funcs=[module:function] (`rldyn envs`)")
     return own + tuple(f.name for f in funcs)
-
-
-def reward_names(env, cfg: EnvConfig, with_funcs: bool = True) -> tuple[str, ...]:
-    """The reward components of a rollout: the env's own, then `format_penalty` when it is non-zero (never for
-    envs that grade the whole reply, `full_reply`: they judge format themselves), then one per `env.reward_funcs`."""
-    penalty = cfg.format_penalty != 0 and not getattr(env, "full_reply", False)
-    funcs = tuple(f.name for f in load_reward_funcs(cfg.reward_funcs)) if with_funcs else ()
-    return tuple(env.reward_names) + (("format_penalty",) if penalty else ()) + funcs
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -991,32 +984,6 @@ def help_text() -> str:
     keys = documented_keys(Config())
     width = max(len(f"{key}={default!s}") for key, default, _ in keys)
     return "\n".join(f"  {f'{key}={default!s}':<{width}}  {doc}" for key, default, doc in keys)
-
-
-def envs_help() -> str:
-    """`rldyn envs`: each env's keys with defaults and meanings, reward components and actions."""
-    blocks = []
-    shared = EnvConfig()
-    for name, cls in ENVS.items():
-        try:
-            env = cls(**dataclasses.asdict(cls.Config()))
-        except ValueError:  # an env that needs a setting to be built (prompts: its data set): its class says enough
-            env = cls
-        weights = ", ".join(f"{r} (weight {env.reward_weights.get(r, 1.0):g})" for r in env.reward_names) or (
-            "none of its own: env.reward_funcs")
-        actions = ", ".join(env.actions) if env.actions else "free-form answer text"
-        actions = "the whole reply" if getattr(env, "full_reply", False) else actions
-        penalty = ("; graded on the whole reply (no format_penalty)" if getattr(env, "full_reply", False) else
-                   f"; plus format_penalty (env.format_penalty={shared.format_penalty:g}) for malformed turns")
-        lines = [f"{name}  ({cls.__module__}.{cls.__name__})", f"  reward components: {weights}{penalty}",
-                 f"  actions: {actions}"]
-        keys = documented_keys(cls.Config(), f"env.{name}.")
-        width = max((len(f"{key}={default!s}") for key, default, _ in keys), default=0)
-        lines += [f"  {f'{key}={default!s}':<{width}}  {doc}" for key, default, doc in keys]
-        blocks.append("\n".join(lines))
-    return "\n\n".join(blocks) + "\n\nshared keys: env.name, env.max_turns, env.max_actions_per_turn, " \
-        "env.max_actions_per_traj, env.max_new_tokens, env.enable_think, env.open_answer, env.format_penalty, " \
-        "env.reward_weights, env.reward_funcs (`rldyn train --help-config`)."
 
 
 def documented_keys(obj: Any, prefix: str = "") -> list[tuple[str, Any, str]]:

@@ -5,12 +5,12 @@ builders below spell them and the parsers read them back, so a rename here reach
 Decisions of the trainer never read a metric: the stages return typed values (`train/stages.py`).
 
 - Namespaces of a training row: `rollout/` (the filter's RAGEN names), `actor/`, `critic/`, `response_length/`,
-  `train/<env>/` and `val-env/<env>/` (env metrics), `reward/<component>/` and `val-reward/<component>/` (reward
-  components of the training batch and of a validation), `timing_s/` (wall
-  time of a phase), `early_stopped/<reason>`, `trainer/`, and of an analysis step `grad_norm/<bucket>/...`
-  (`grad_norm_prefilter/` for the unfiltered separate batch), `reward_grad/<bucket>/...` and `grad_analysis/`, and
-  of a collapse-diagnosed step `collapse_first_turn_sample/`, `collapse_trajectory_sample/` (RAGEN's names) and
-  `collapse/` (their coverage counts).
+  `train/<env>/` and `val-env/<env>/` (env metrics; `train/batch_size` beside them), `reward/<component>/` and
+  `val-reward/<component>/` (reward components of the training batch and of a validation), `reward_stats/`
+  (rldynamic's), `timing_s/` (wall time of a phase), `early_stopped/<reason>`, `trainer/`, and of an analysis step
+  `grad_norm/<bucket>/...` (`grad_norm_prefilter/` for the unfiltered separate batch), `reward_grad/<bucket>/...`
+  and `grad_analysis/`, and of a collapse-diagnosed step `collapse_first_turn_sample/`,
+  `collapse_trajectory_sample/` (RAGEN's names) and `collapse/` (their coverage counts).
 - Bucket names are RAGEN's: ``bucket_<k>``, k = 1, 2, ... (``docs/reference/ragen_behaviour.md`` §3.4).
   quantile: ``bucket_k`` is the k-th quantile bucket, lowest reward std first; labelled ``Q<k>``.
   fixed_rv: ``bucket_k`` is always the interval [k-1, k) of group reward std (the last one [5, ∞)), also
@@ -32,6 +32,7 @@ GRAD_NORM_PREFILTER = "grad_norm_prefilter"  # the same of a separate analysis b
 ALL = "all"  # the whole analysed batch, beside its buckets
 REWARD = "reward"  # per-component reward statistics of a rollout
 VAL_REWARD = "val-reward"  # the same of a validation's rollouts: `val-reward/<component>/mean|std|zero_std_group_frac`
+REWARD_STATS = "reward_stats"  # rldynamic's per-step reward statistics (`rollout.rewards.reward_stats`)
 COLLAPSE = "collapse"  # the collapse diagnostics' coverage counts (collapse/first_turn_num_total, ...)
 COLLAPSE_FIRST_TURN = "collapse_first_turn_sample"  # their metrics on (first prompt, first reply) pairs
 COLLAPSE_TRAJECTORY = "collapse_trajectory_sample"  # ... on trajectory-uniform (prompt, reply) pairs
@@ -39,18 +40,27 @@ COLLAPSE_TRAJECTORY = "collapse_trajectory_sample"  # ... on trajectory-uniform 
 TERM_COMPONENT = {"pg": "task", "entropy": "entropy", "kl": "kl"}  # a loss term of the code -> RAGEN's name in keys
 TERM_LOSS = {"pg": "policy", "entropy": "entropy", "kl": "kl"}  # the same in `loss/<name>` keys
 
-ENTROPY = "actor/entropy"
+ENTROPY = "actor/entropy"  # the rollout policy's entropy (the old-log-prob pass)
+PG_LOSS = "actor/pg_loss"  # the actor update's metrics (`train/actor.py`, `train/update.py`): `actor/<stat>`
+PG_CLIPFRAC = "actor/pg_clipfrac"
+KL_LOSS = "actor/kl_loss"
+ACTOR_GRAD_NORM = "actor/grad_norm"  # pre-clip
+SKIPPED_STEPS = "actor/skipped_steps"  # optimizer steps skipped for a non-finite gradient
+ACTOR_LR = "actor/lr"
+KL_COEF = "actor/kl_coef"
+CRITIC_WARMUP = "critic/warmup"  # 1 on a step whose actor update the critic's warm-up skipped
+BATCH_SIZE = "train/batch_size"  # rows of the trained (filtered) batch
 ENTROPY_COV = "actor/entropy_cov"  # token covariance of the sampled token's log-prob and its advantage
 ENTROPY_CHANGE = "actor/entropy_change"  # the rollout policy's entropy minus the previous step's
 HEALTH = "health"  # the health monitor: `health/<rule>` (1 on a step where it fires) and its signals
-SCORE_MEAN = "critic/score/mean"
 IN_GROUP_REWARD_STD = "rollout/in_group_reward_std"
 FILTER_KEPT_RATIO = "rollout/filter_kept_ratio"
 FILTER_KEPT_COUNT = "rollout/filter_kept_count"
 FILTER_ZERO_COUNT = "rollout/filter_zero_count"
+EMPTY_AFTER_FILTER = "rollout/empty_after_filter"  # 1 on a step whose filter kept no group
+REF_LOG_PROB = "rollout/ref_log_prob"  # mean log-prob of the sampled tokens under the reference
 GRADIENT_ANALYSIS_ONLY = "trainer/gradient_analysis_only"
 EXITED_AFTER_ANALYSIS = "trainer/exited_after_gradient_analysis"
-CRITIC_WARMUP = "critic/warmup"  # 1 on the critic warm-up's steps (the actor waits), read by the sweeps
 STEP_TIME = "timing_s/step"
 VAL_TIME = "timing_s/val"
 EARLY_STOPPED = "early_stopped/"
@@ -74,9 +84,17 @@ def env_prefix(env: str, validation: bool = False) -> str:
     return f"{'val-env' if validation else 'train'}/{env}"
 
 
+def env_metric(env: str, metric: str, validation: bool = False) -> str:
+    """An env metric of training (`train/<env>/<metric>`) or validation (`val-env/<env>/<metric>`) rollouts."""
+    return f"{env_prefix(env, validation)}/{metric}"
+
+
+SUCCESS = "success"  # the env metric every env logs: the share of successful trajectories
+
+
 def val_success(env: str) -> str:
     """The validation success rate of `env`."""
-    return f"{env_prefix(env, validation=True)}/success"
+    return env_metric(env, SUCCESS, validation=True)
 
 
 def parse_env_metric(key: str) -> tuple[bool, str, str] | None:
@@ -141,14 +159,48 @@ def health(name: str) -> str:
     return f"{HEALTH}/{name}"
 
 
-def response_length(metric: str) -> str:
-    """`response_length/<metric>`: lengths of the sampled replies (verl's namespace)."""
-    return f"response_length/{metric}"
-
-
 def actor(metric: str) -> str:
     """An actor metric: `actor/<metric>`."""
     return f"actor/{metric}"
+
+
+def critic(metric: str) -> str:
+    """A critic metric: `critic/<metric>` (the critic update's and verl's batch summaries)."""
+    return f"critic/{metric}"
+
+
+def loss(term: str) -> str:
+    """The weighted loss of a term in an analysis bucket (RAGEN's `loss/policy|entropy|kl|total`; `TERM_LOSS`)."""
+    return f"loss/{term}"
+
+
+LOSS_TOTAL = loss("total")
+
+
+# verl's batch summaries (`train/stages.py` `data_metrics`); stat: mean | max | min
+def score(stat: str) -> str:
+    """A statistic of the trained scores: `critic/score/<stat>`."""
+    return critic(f"score/{stat}")
+
+
+def advantages(stat: str) -> str:
+    """A statistic of the advantages over response tokens: `critic/advantages/<stat>`."""
+    return critic(f"advantages/{stat}")
+
+
+def response_length(stat: str) -> str:
+    """A statistic of the response lengths in tokens: `response_length/<stat>` (trajectories of the filtered
+    batch: mean | max | min; replies of the whole rollout: clip_ratio | reply_mean | reply_max)."""
+    return f"response_length/{stat}"
+
+
+SCORE_MEAN = score("mean")
+RESPONSE_LENGTH_MEAN = response_length("mean")
+RETURNS_MEAN = critic("returns/mean")  # with a critic: GAE returns and values over response tokens
+RETURNS_VAR = critic("returns/var")
+VALUES_MEAN = critic("values/mean")
+VF_EXPLAINED_VAR = critic("vf_explained_var")  # 1 - VF_RESIDUAL_VAR / RETURNS_VAR
+VF_RESIDUAL_VAR = critic("vf_residual_var")
 
 
 FIXED_RV_EDGES: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 5.0)  # [0,1), [1,2), ..., [4,5), [5, inf)

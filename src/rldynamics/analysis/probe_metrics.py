@@ -16,7 +16,7 @@ from rldynamics.analysis.engines import term_signs
 from rldynamics.analysis.gram import cosine, norm
 from rldynamics.analysis.objective import policy_loss_settings
 from rldynamics.config import AlgoConfig
-from rldynamics.metric_names import TERM_COMPONENT, TERM_LOSS, actor, actor_grad_norm
+from rldynamics.metric_names import LOSS_TOTAL, TERM_COMPONENT, TERM_LOSS, actor, actor_grad_norm, loss
 
 ZERO_REL_TOL = 1e-5  # a raw gradient norm below this fraction of the bucket's largest is rounding noise (0)
 
@@ -34,8 +34,8 @@ def bucket_metrics(whole: torch.Tensor, names: list[str], losses: dict[str, floa
         out[f"per_sample/{comp}"] = out[comp] / count if count > 0 else 0.0
         out[f"per_token/{comp}"] = out[comp] / tokens if tokens > 0 else 0.0
     for n in terms:
-        out[f"loss/{TERM_LOSS[n]}"] = weights[n] * losses[n]
-    out["loss/total"] = sum(weights[n] * losses[n] for n in terms)
+        out[loss(TERM_LOSS[n])] = weights[n] * losses[n]
+    out[LOSS_TOTAL] = sum(weights[n] * losses[n] for n in terms)
     out.update(sample_count=count, sample_pct=count / total_rows if total_rows > 0 else 0.0,
                reward_std_mean=sum(stds) / len(stds), reward_std_min=min(stds), reward_std_max=max(stds),
                group_rv_count=float(len(stds)))
@@ -95,5 +95,5 @@ def actor_mirror(all_metrics: dict[str, float]) -> dict[str, float]:
     """RAGEN's root copies of the ``all`` bucket: ``actor/grad_norm/*`` and ``actor/loss/*``."""
     keys = [k for k in ("task", "entropy", "kl") if k in all_metrics]
     out = {actor_grad_norm(k): all_metrics[k] for k in keys}
-    out.update({actor(k): v for k, v in all_metrics.items() if k.startswith("loss/")})
+    out.update({actor(k): v for k, v in all_metrics.items() if k.startswith(loss(""))})
     return out

@@ -90,6 +90,14 @@ class Env(Protocol):
         ...
 
 
+def own_reward_names(env: Env, format_penalty: float) -> tuple[str, ...]:
+    """The reward components of a rollout of `env` before the user's `env.reward_funcs`: the env's own, then
+    `format_penalty` when it is non-zero (never for an env that grades the whole reply, `full_reply`: it judges format
+    itself)."""
+    penalty = format_penalty != 0 and not getattr(env, "full_reply", False)
+    return tuple(env.reward_names) + (("format_penalty",) if penalty else ())
+
+
 def demonstrable(env_cls: type) -> bool:
     """Whether the tiny model's warm start can play noisy solver episodes of this env: a `solve()`, and random
     answers for the noise (its own `random_action`, else its action words: an env that sets them per instance, as

@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rldynamics import metric_names as names
-from rldynamics.plots.analysis import save_png, write_paper_grid, write_step
+from rldynamics.plots.analysis import write_paper_grid, write_step
 from rldynamics.plots.collapse import fig_runs_mi_success, mode_of, write_collapse_figures
 from rldynamics.plots.curves import write_curves
 from rldynamics.plots.data import RunData, analysis_steps, load_run
+from rldynamics.plots.figure import save_png
 from rldynamics.plots.report import write_report
 from rldynamics.plots.reward_components import write_reward_component_figures
 

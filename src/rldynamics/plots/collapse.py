@@ -24,8 +24,8 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from rldynamics import metric_names as names
-from rldynamics.plots.analysis import DPI, RUN_COLORS, new_figure, save_png
 from rldynamics.plots.data import RunData, series
+from rldynamics.plots.figure import DPI, RUN_COLORS, new_figure, save_png
 from rldynamics.plots.health import Flag
 
 MODES = (names.COLLAPSE_FIRST_TURN, names.COLLAPSE_TRAJECTORY)
@@ -44,7 +44,7 @@ def mode_of(run: RunData) -> str | None:
 def collapse_series(run: RunData, name: str, mode: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(steps, values) of `<mode>/<name>` (mode: `mode_of(run)` when not given)."""
     mode = mode or mode_of(run)
-    return series(run, f"{mode}/{name}") if mode else (np.zeros(0), np.zeros(0))
+    return series(run.rows, f"{mode}/{name}") if mode else (np.zeros(0), np.zeros(0))
 
 
 def final_value(run: RunData, name: str) -> float:
@@ -183,7 +183,7 @@ def fig_runs_mi_success(runs: list[RunData], success_key: str) -> Figure | None:
     for i, run in enumerate(runs):
         color = RUN_COLORS[i % len(RUN_COLORS)]
         label = run.name if unique else f"{run.path.parent.name}/{run.name}"
-        s, y = series(run, success_key)
+        s, y = series(run.rows, success_key)
         left.plot(s, y, "o-", color=color, label=label)
         s, y = collapse_series(run, MI)
         right.plot(s, y, "s-", color=color, label=label)

@@ -18,7 +18,6 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from rldynamics import metric_names as names
-from rldynamics.plots.analysis import DPI, auto_scale, new_figure, note, readable_log_ticks, save_png
 from rldynamics.plots.data import (
     PREFIX,
     RunData,
@@ -35,6 +34,7 @@ from rldynamics.plots.data import (
     read_sketches,
     series,
 )
+from rldynamics.plots.figure import DPI, auto_scale, new_figure, note, readable_log_ticks, save_png
 
 COSINES = ("task_entropy", "task_kl", "entropy_kl")
 
@@ -44,13 +44,13 @@ def curve_panels(run: RunData) -> list[tuple[str, list[tuple[str, str]]]]:
     envs = env_names(run)
     candidates: list[tuple[str, list[tuple[str, str]]]] = [
         (f"reward ({names.SCORE_MEAN})", [(names.SCORE_MEAN, "mean score")]),
-        ("success rate", [(f"{names.env_prefix(e, validation)}/success", f"{'val' if validation else 'train'} {e}")
+        ("success rate", [(names.env_metric(e, names.SUCCESS, validation), f"{'val' if validation else 'train'} {e}")
                           for e in envs for validation in (False, True)]),
         (f"rollout-policy entropy ({names.ENTROPY})", [(names.ENTROPY, "entropy")]),
-        ("KL loss (actor/kl_loss)", [("actor/kl_loss", "kl_loss")]),
-        ("grad norm (actor/grad_norm, pre-clip)", [("actor/grad_norm", "grad norm")]),
-        ("clip fraction (actor/pg_clipfrac; rule of thumb 10–40 %)", [("actor/pg_clipfrac", "pg_clipfrac")]),
-        ("policy loss (actor/pg_loss)", [("actor/pg_loss", "pg_loss")]),
+        (f"KL loss ({names.KL_LOSS})", [(names.KL_LOSS, "kl_loss")]),
+        (f"grad norm ({names.ACTOR_GRAD_NORM}, pre-clip)", [(names.ACTOR_GRAD_NORM, "grad norm")]),
+        (f"clip fraction ({names.PG_CLIPFRAC}; rule of thumb 10–40 %)", [(names.PG_CLIPFRAC, "pg_clipfrac")]),
+        (f"policy loss ({names.PG_LOSS})", [(names.PG_LOSS, "pg_loss")]),
         ("filter kept ratio", [(names.FILTER_KEPT_RATIO, "kept ratio")]),
         ("in-group reward std", [(names.IN_GROUP_REWARD_STD, "mean group std")]),
         ("sampler/trainer mismatch (rollout/corr/k3_kl, kl)",
@@ -58,8 +58,8 @@ def curve_panels(run: RunData) -> list[tuple[str, list[tuple[str, str]]]]:
         ("outside the mismatch band (rollout/corr/*_fraction_outside)",
          [(names.rollout_corr("token_fraction_outside"), "tokens"),
           (names.rollout_corr("seq_geo_fraction_outside"), "sequences (geometric mean)")]),
-        ("response length", [("response_length/mean", "tokens / response")] if has_key(run, "response_length/mean")
-         else [(f"{names.env_prefix(e)}/response_length", e) for e in envs]),
+        ("response length", [(names.RESPONSE_LENGTH_MEAN, "tokens / response")]
+         if has_key(run, names.RESPONSE_LENGTH_MEAN) else [(names.env_metric(e, "response_length"), e) for e in envs]),
     ]
     if "kl" in off_terms(run.config):  # a KL loss that is off is 0 by construction: no flat panel
         candidates = [c for c in candidates if not c[0].startswith("KL loss")]
@@ -116,7 +116,7 @@ def fig_training_curves(run: RunData) -> Figure | None:
     for n, (ax, (title, keys)) in enumerate(zip(axes, panels, strict=False)):
         values = []
         for key, label in keys:
-            x, y = series(run, key)
+            x, y = series(run.rows, key)
             smoothed |= _plot_series(ax, x, y, label)
             values.append(y)
         ylim = ax.get_ylim()

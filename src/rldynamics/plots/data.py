@@ -321,14 +321,15 @@ def env_names(run: RunData) -> list[str]:
     for r in run.rows:
         for k in r:
             parsed = naming.parse_env_metric(k)
-            if parsed and parsed[2] == "success" and parsed[1] not in names:
+            if parsed and parsed[2] == naming.SUCCESS and parsed[1] not in names:
                 names.append(parsed[1])
     return names
 
 
-def series(run: RunData, key: str) -> tuple[np.ndarray, np.ndarray]:
-    """(steps, values) of the rows that have `key`; values may contain nan/inf (as logged)."""
-    pairs = [(r["step"], as_float(r[key])) for r in run.rows if key in r]
+def series(rows: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of the metrics rows (`RunData.rows`) that have `key` and a step; values may contain nan/inf
+    (as logged)."""
+    pairs = [(r["step"], as_float(r[key])) for r in rows if key in r and "step" in r]
     if not pairs:
         return np.zeros(0), np.zeros(0)
     steps, values = zip(*pairs, strict=True)
@@ -360,7 +361,7 @@ class Headline:
 def headline(run: RunData) -> Headline:
     """The run's headline numbers from its metrics rows and config."""
     envs = env_names(run)
-    x, y = series(run, naming.val_success(envs[0])) if envs else (np.zeros(0), np.zeros(0))
+    x, y = series(run.rows, naming.val_success(envs[0])) if envs else (np.zeros(0), np.zeros(0))
     ok = np.isfinite(y)
     x, y = x[ok].astype(int), y[ok]
     val = None

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from rldynamics import metric_names as names
-from rldynamics.plots.data import as_float
+from rldynamics.plots.data import as_float, series
 
 SEVERITIES = ("error", "warning", "note")
 
@@ -44,15 +44,6 @@ class Flag:
     numbers: dict[str, Any] = field(default_factory=dict)
 
 
-def _series(rows: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
-    """(steps, values) of the rows holding `key` (values may be nan/inf)."""
-    pairs = [(r["step"], as_float(r[key])) for r in rows if key in r and "step" in r]
-    if not pairs:
-        return np.zeros(0), np.zeros(0)
-    s, v = zip(*pairs, strict=True)
-    return np.asarray(s, dtype=float), np.asarray(v, dtype=float)
-
-
 def _steps_text(steps, limit: int = 10) -> str:
     steps = [int(s) for s in steps]
     head = ", ".join(map(str, steps[:limit]))
@@ -63,10 +54,10 @@ def _g(x: float) -> str:
     return f"{x:.4g}"
 
 
-def check_grad_norm(rows: list[dict[str, Any]], key: str = "actor/grad_norm", factor: float = 5.0,
+def check_grad_norm(rows: list[dict[str, Any]], key: str = names.ACTOR_GRAD_NORM, factor: float = 5.0,
                     min_history: int = 3) -> list[Flag]:
     """Non-finite grad norms (error) and spikes above `factor` × the running median of the earlier finite values."""
-    steps, v = _series(rows, key)
+    steps, v = series(rows, key)
     flags = []
     bad = ~np.isfinite(v)
     if bad.any():
@@ -94,10 +85,10 @@ def check_grad_norm(rows: list[dict[str, Any]], key: str = "actor/grad_norm", fa
     return flags
 
 
-def check_clipfrac(rows: list[dict[str, Any]], key: str = "actor/pg_clipfrac", last: int = 10,
+def check_clipfrac(rows: list[dict[str, Any]], key: str = names.PG_CLIPFRAC, last: int = 10,
                    low: float = 0.10, high: float = 0.40) -> list[Flag]:
     """Mean clip fraction over the last `last` steps outside [low, high] (a rule of thumb)."""
-    steps, v = _series(rows, key)
+    steps, v = series(rows, key)
     fin = v[np.isfinite(v)][-last:]
     if fin.size == 0:
         return []
@@ -115,9 +106,9 @@ def check_clipfrac(rows: list[dict[str, Any]], key: str = "actor/pg_clipfrac", l
     return []
 
 
-def check_reward_trend(rows: list[dict[str, Any]], key: str = "critic/score/mean", min_points: int = 3) -> list[Flag]:
+def check_reward_trend(rows: list[dict[str, Any]], key: str = names.SCORE_MEAN, min_points: int = 3) -> list[Flag]:
     """Slope of a least-squares line through the reward over steps; ≤ 0 is flagged."""
-    steps, v = _series(rows, key)
+    steps, v = series(rows, key)
     ok = np.isfinite(v)
     if ok.sum() < min_points or np.ptp(steps[ok]) == 0:
         return []
@@ -135,13 +126,13 @@ def check_reward_trend(rows: list[dict[str, Any]], key: str = "critic/score/mean
                   "steps": f"{int(steps[ok][0])}–{int(steps[ok][-1])}"})]
 
 
-def check_loss_swings(rows: list[dict[str, Any]], key: str = "actor/pg_loss", ratio: float = 5.0,
+def check_loss_swings(rows: list[dict[str, Any]], key: str = names.PG_LOSS, ratio: float = 5.0,
                       min_std: float = 0.1, min_points: int = 5) -> list[Flag]:
     """Policy-loss std above `ratio` × its median magnitude and above `min_std` (wild swings); non-finite losses.
 
     `min_std` keeps tiny absolute wiggles of a loss that sits at ≈ 0 (normalised advantages) from being flagged.
     """
-    steps, v = _series(rows, key)
+    steps, v = series(rows, key)
     flags = []
     if (~np.isfinite(v)).any():
         flags.append(Flag("loss_nonfinite", "error", f"non-finite {key} at {int((~np.isfinite(v)).sum())} step(s)",
@@ -180,7 +171,7 @@ def check_zero_variance(rows: list[dict[str, Any]], num_groups: int | None = Non
                           "the regularisers then dominate the update. Raise temperature/group size or filter groups.",
                           {"mean share (last steps)": f"{recent.mean():.1%}", "last step share": f"{recent[-1]:.1%}",
                            "groups per step": num_groups or "from filter_kept_count / filter_kept_ratio"}))
-    _, std = _series(rows, names.IN_GROUP_REWARD_STD)
+    _, std = series(rows, names.IN_GROUP_REWARD_STD)
     std = std[np.isfinite(std)]
     if std.size:
         tail, head = float(std[-last:].mean()), float(std[:last].mean())
@@ -210,7 +201,7 @@ def val_success_key(rows: list[dict[str, Any]], config: dict[str, Any] | None = 
     for row in rows:
         for key in row:
             parsed = names.parse_env_metric(key)  # (validation?, env, metric)
-            if parsed and parsed[0] and parsed[2] == "success":
+            if parsed and parsed[0] and parsed[2] == names.SUCCESS:
                 return key
     return None
 
@@ -219,7 +210,7 @@ def check_val_falling(rows: list[dict[str, Any]], key: str | None, drop_from_sta
                       drop_from_best: float = 0.10, min_points: int = 3) -> list[Flag]:
     """Validation success that ended `drop_from_start` below its first value or `drop_from_best` below its best
     (absolute; with 512 validation puzzles near 20 % one standard error is about 2 points)."""
-    steps, v = _series(rows, key) if key else (np.zeros(0), np.zeros(0))
+    steps, v = series(rows, key) if key else (np.zeros(0), np.zeros(0))
     ok = np.isfinite(v)
     if ok.sum() < min_points:
         return []
@@ -248,9 +239,9 @@ def check_early_stop(rows: list[dict[str, Any]]) -> list[Flag]:
             for step, reason in hits]
 
 
-def check_skipped_steps(rows: list[dict[str, Any]], key: str = "actor/skipped_steps") -> list[Flag]:
+def check_skipped_steps(rows: list[dict[str, Any]], key: str = names.SKIPPED_STEPS) -> list[Flag]:
     """Steps where optimizer updates were skipped (non-finite gradients)."""
-    steps, v = _series(rows, key)
+    steps, v = series(rows, key)
     hit = np.isfinite(v) & (v > 0)
     if not hit.any():
         return []

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from rldynamics.plots.analysis import STEP_FIGURES, fmt, png_bytes, step_data
+from rldynamics.plots.analysis import STEP_FIGURES, step_data
 from rldynamics.plots.collapse import check_template_collapse, fig_mi_entropy, fig_regimes, mode_of
 from rldynamics.plots.curves import (
     fig_cosines,
@@ -29,14 +29,15 @@ from rldynamics.plots.curves import (
 from rldynamics.plots.data import (
     PREFIX,
     RunData,
-    headline,
     analysis_steps,
     as_float,
     bucket_label,
     bucket_metric_names,
+    headline,
     load_run,
     norm_is_zero,
 )
+from rldynamics.plots.figure import fmt, png_bytes
 from rldynamics.plots.health import Flag, health_checks, summary_line
 from rldynamics.plots.reward_components import (
     check_reward_components,

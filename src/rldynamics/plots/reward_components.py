@@ -16,8 +16,8 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from rldynamics import metric_names as naming
-from rldynamics.plots.analysis import fmt, new_figure
 from rldynamics.plots.data import RunData, analysis_dirs, as_float, series
+from rldynamics.plots.figure import fmt, new_figure
 from rldynamics.plots.health import Flag
 from rldynamics.tracking.run_dir import read_rewards
 
@@ -87,7 +87,7 @@ def fig_cosines_over_steps(run: RunData, bucket: str = "all") -> Figure | None:
     for col, (keys, title) in enumerate(((pairs, "between components"), (totals, "with the total (trained) reward"))):
         ax = fig.add_subplot(1, 2, col + 1)
         for key in keys:
-            x, y = series(run, key)
+            x, y = series(run.rows, key)
             if len(x):
                 ax.plot(x, y, marker="o", ms=3, label=key.rsplit("/", 1)[1].replace("__", " · "))
         ax.axhline(0, color="#999", lw=0.8)
@@ -130,7 +130,7 @@ def fig_component_rewards(run: RunData) -> Figure | None:
     for col, (stat, ylabel) in enumerate((("mean", "mean (raw)"), ("zero_std_group_frac", "groups with zero std"))):
         ax = fig.add_subplot(1, 2, col + 1)
         for name in names:
-            x, y = series(run, naming.reward_component(name, stat))
+            x, y = series(run.rows, naming.reward_component(name, stat))
             if len(x):
                 ax.plot(x, y, lw=1.2, label=name)
         ax.set_xlabel("step")
@@ -183,7 +183,7 @@ def check_reward_components(run: RunData, last: int = 10) -> list[Flag]:
     one only); a component constant in every group."""
     flags = []
     for key in _keys(run, f"{RG}/all/cos_total/"):
-        x, y = series(run, key)
+        x, y = series(run.rows, key)
         finite = y[np.isfinite(y)]
         if len(finite) and np.median(finite) < 0:
             name = key.rsplit("/", 1)[1]
@@ -201,10 +201,10 @@ def check_reward_components(run: RunData, last: int = 10) -> list[Flag]:
                               {"latest cosine": fmt(float(finite[-1])),
                                "median cosine": fmt(float(np.median(finite)))}))
     for name in component_names(run):
-        x, y = series(run, naming.reward_component(name, "zero_std_group_frac"))
+        x, y = series(run.rows, naming.reward_component(name, "zero_std_group_frac"))
         recent = y[-last:][np.isfinite(y[-last:])]
         if len(recent) and bool(np.all(recent >= 1.0)):
-            _, mean = series(run, naming.reward_component(name, "mean"))
+            _, mean = series(run.rows, naming.reward_component(name, "mean"))
             flags.append(Flag("reward_component_constant", "note",
                               f"Reward component {name} is constant within every group",
                               f"In the last {len(recent)} steps every group gave all its trajectories the same {name}: "

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from rldynamics.config import EnvConfig, reward_names
+from rldynamics import metric_names
+from rldynamics.config import EnvConfig
 from rldynamics.envs import make_env
 from rldynamics.envs.reward_funcs import ERRORS, load_reward_funcs, score
 from rldynamics.models.forward import with_cache
@@ -40,7 +41,7 @@ from rldynamics.rollout.chat import ChatPrompts, Conversation
 from rldynamics.rollout.engines import RolloutEngine
 from rldynamics.rollout.parse import ParsedTurn, parse_answer, parse_response
 from rldynamics.rollout.prefill import TurnCaches, shared_prompt_cache
-from rldynamics.rollout.rewards import resolve_weights, weighted_sum
+from rldynamics.rollout.rewards import resolve_weights, reward_names, weighted_sum
 from rldynamics.rollout.sampling import SampledLogprobs, row_key, sampling_guard
 
 SYSTEM_PREFIX = "You're a helpful assistant. "
@@ -353,7 +354,7 @@ def _to_batch(trajs: list[Trajectory], tokenizer, names: tuple[str, ...], weight
 def _metrics(t: Trajectory, weights: dict[str, float]) -> dict[str, float]:
     extra = getattr(t.env, "metrics", None)  # optional Env hook (envs/base.py)
     return {
-        "success": float(t.env.success()),
+        metric_names.SUCCESS: float(t.env.success()),
         "num_actions": float(t.num_actions),
         "action_is_effective": t.effective_actions / max(t.num_actions, 1),
         "action_is_valid": t.valid_turns / max(t.turns, 1),
@@ -372,6 +373,6 @@ def env_metric_summary(batch: RolloutBatch, prefix: str, group_size: int) -> dic
         return {}
     out = {f"{prefix}/{k}": sum(m[k] for m in batch.env_metrics) / len(batch) for k in batch.env_metrics[0]}
     groups = batch.group_rows()
-    passed = [max(batch.env_metrics[i]["success"] for i in rows) for rows in groups.values()]
+    passed = [max(batch.env_metrics[i][metric_names.SUCCESS] for i in rows) for rows in groups.values()]
     out[f"{prefix}/pass@{group_size}"] = sum(passed) / len(passed)
     return out

@@ -1,9 +1,9 @@
-"""Named reward components: their weights, the trained score (their weighted sum), per-component statistics,
-and the per-trajectory reward-tracking rows.
+"""Named reward components: which a rollout has (`reward_names`), their weights, the trained score (their weighted
+sum), per-component statistics, and the per-trajectory reward-tracking rows.
 
 This module is the one place the weighted reward is formed (docs/design.md §4.11): the rollout calls
-`weighted_sum` for every trajectory score and for the per-turn "Reward:" line of the prompt. It also owns the
-metric keys `reward/<name>/*` and `reward_stats/*` (rldynamic's per-step statistics).
+`weighted_sum` for every trajectory score and for the per-turn "Reward:" line of the prompt. It also writes the
+metrics `reward/<name>/*` and `reward_stats/*` (rldynamic's per-step statistics; their names: `metric_names`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,14 @@ import torch
 
 from rldynamics import metric_names
 from rldynamics.config import EnvConfig
+from rldynamics.envs.base import own_reward_names
+from rldynamics.envs.reward_funcs import load_reward_funcs
+
+
+def reward_names(env, cfg: EnvConfig) -> tuple[str, ...]:
+    """The reward components of a rollout, in order: the env's own, then `format_penalty` when it is non-zero (never
+    for envs that grade the whole reply: `envs.base.own_reward_names`), then one per `env.reward_funcs`."""
+    return own_reward_names(env, cfg.format_penalty) + tuple(f.name for f in load_reward_funcs(cfg.reward_funcs))
 
 
 def resolve_weights(env, cfg: EnvConfig, names: tuple[str, ...]) -> dict[str, float]:
@@ -65,12 +73,12 @@ def reward_rows(batch, step: int, tokenizer) -> list[dict]:
             "weighted": {n: w * v for n, w, v in zip(names, weights, raw, strict=True)},
             "total": float(batch.scores[i]), "response_tokens": int(sampled.numel()),
             "response_chars": len(tokenizer.decode(sampled.tolist(), skip_special_tokens=True)),
-            "correct": bool(batch.env_metrics[i]["success"]),
+            "correct": bool(batch.env_metrics[i][metric_names.SUCCESS]),
         })
     return rows
 
 
-def reward_stats(rows: list[dict], names: tuple[str, ...], prefix: str = "reward_stats") -> dict[str, float]:
+def reward_stats(rows: list[dict], names: tuple[str, ...], prefix: str = metric_names.REWARD_STATS) -> dict[str, float]:
     """rldynamic's per-step reward statistics from reward-tracking rows.
 
     `<prefix>/avg_<name>` (mean raw component), `avg_actual_length` (mean response characters),

@@ -17,7 +17,8 @@ from rich.table import Table
 from rldynamics.config import ConfigError
 from rldynamics.sweep import protocols
 from rldynamics.sweep.launch import Launcher, cpu_count, make_slots, sweep_lock
-from rldynamics.sweep.plan import SweepPlan, build_plan, check_free
+from rldynamics.sweep.plan import build_plan, check_free
+from rldynamics.sweep.plan_types import SweepPlan
 from rldynamics.sweep.protocols import SweepError
 from rldynamics.sweep.report import write_summary
 from rldynamics.sweep.runs import FINISHED, record_runs

@@ -33,9 +33,9 @@ from rich.live import Live
 from rich.table import Table
 
 from rldynamics.sweep import runs
-from rldynamics.threads import default_threads, explicit_threads
-from rldynamics.sweep.plan import RunPlan, SweepPlan
+from rldynamics.sweep.plan_types import RunPlan, SweepPlan
 from rldynamics.sweep.protocols import SweepError
+from rldynamics.threads import default_threads, explicit_threads
 from rldynamics.tracking.run_dir import RunInUse, RunLock
 
 GRACE_S = 20.0

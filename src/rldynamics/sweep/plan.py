@@ -8,53 +8,18 @@ imports no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from rldynamics.config import ConfigError, make_config, parse_overrides, to_dict
 from rldynamics.sweep import runs
-from rldynamics.sweep.protocols import Point, Protocol, SweepError
+from rldynamics.sweep.plan_types import RunPlan, SweepPlan
+from rldynamics.sweep.protocols import Protocol, SweepError
 from rldynamics.tracking.run_dir import RunInUse, RunLock, read_config
 
 MANAGED = {"seed": "--seeds", "log.run_dir": "--out", "log.name": "--out", "checkpoint.resume": "re-running the sweep"}
 IGNORED_WHEN_COMPARING = ("log.run_dir", "log.name", "checkpoint.resume")
-
-
-@dataclass
-class RunPlan:
-    """One (point, seed) run: where it lives, the overrides it is trained with, and the action to take."""
-
-    point: Point
-    index: int
-    seed: int
-    path: Path
-    overrides: list[str]
-    """Everything but the seed and the run directory: the point's overrides, the user's, checkpoint settings."""
-    action: str
-    """start | resume (from the latest checkpoint) | restart (no checkpoint yet, or a damaged run: the old attempt is
-    kept aside) | skip (finished)."""
-
-    def train_overrides(self) -> list[str]:
-        """The full `key=value` list given to `rldyn train`."""
-        extra = ["checkpoint.resume=latest"] if self.action == "resume" else []
-        return [*self.overrides, f"seed={self.seed}", f"log.run_dir={self.path.parent}", f"log.name={self.path.name}",
-                *extra]
-
-
-@dataclass
-class SweepPlan:
-    protocol: Protocol
-    seeds: list[int]
-    out: Path
-    preset: str
-    config_file: str | None
-    point_overrides: dict[str, list[str]]
-    """label -> the override set of the point (protocol, user and checkpoint settings), as printed."""
-    runs: list[RunPlan]
-    checkpointing: list[str]
-    """The checkpoint settings the sweep added to every point (none when the preset or the user chose them)."""
 
 
 def _keys(overrides: list[str]) -> list[str]:

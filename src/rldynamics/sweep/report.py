@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from rldynamics.plots.analysis import new_figure, note, png_bytes
+from rldynamics.plots.figure import new_figure, note, png_bytes
 from rldynamics.plots.report import CSS, figure_html
 from rldynamics.sweep.summary import (
     TEXT_COLUMNS,

@@ -26,22 +26,18 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
 from rldynamics import metric_names as names
 from rldynamics.plots.data import RunData, as_float, early_stops, load_run
+from rldynamics.sweep.plan_types import SweepPlan
 from rldynamics.tracking.run_dir import read_config, row_step
-
-if TYPE_CHECKING:
-    from rldynamics.sweep.plan import SweepPlan
 
 STATUS_FILE = "sweep.json"
 PLAN_FILE = "plan.json"
 LOG_FILE = "train.log"
-UPDATED = names.actor("pg_loss")  # logged by every actor update
-EMPTY_AFTER_FILTER = names.filter_metric(names.ROLLOUT, "empty_after_filter")
 FINISHED = ("completed", "early_stopped")
 _SEED_DIR = re.compile(r"seed(\d+)")
 
@@ -214,10 +210,10 @@ def never_updated(rows: list[dict[str, Any]]) -> str:
     """Why a run's actor was never updated, in words ("" when some step updated it): the filter kept no group at any
     step, the critic's warm-up covered every step, or no step reached the actor update."""
     steps = [r for r in rows if r.get("step", 0) >= 1]
-    if not steps or any(UPDATED in r for r in steps):
+    if not steps or any(names.PG_LOSS in r for r in steps):  # logged by every actor update
         return ""
-    if all(as_float(r.get(EMPTY_AFTER_FILTER, 0)) == 1 for r in steps):
+    if all(as_float(r.get(names.EMPTY_AFTER_FILTER, 0)) == 1 for r in steps):
         return "never updated: the filter kept no group at any step"
-    if all(as_float(r.get("critic/warmup", 0)) == 1 for r in steps):
+    if all(as_float(r.get(names.CRITIC_WARMUP, 0)) == 1 for r in steps):
         return "never updated: the critic warm-up (critic.warmup_steps) covered every step"
     return "never updated: no step reached the actor update"

@@ -110,7 +110,7 @@ def run_result(path: Path) -> RunResult:
     """Read one run directory into a RunResult."""
     run = runs.load(path)
     found = runs.outcome(path, run)
-    steps, values = series(run, runs.val_key(run))
+    steps, values = series(run.rows, runs.val_key(run))
     fin = np.isfinite(values)
     wall, step_s = _times(run)
     report = f"{path.parent.name}/{path.name}/report.html" if (path / "report.html").exists() else None
@@ -127,20 +127,20 @@ def run_result(path: Path) -> RunResult:
 
 
 def _last(run: RunData, key: str) -> float:
-    _, y = series(run, key)
+    _, y = series(run.rows, key)
     y = y[np.isfinite(y)]
     return float(y[-1]) if len(y) else math.nan
 
 
 def _mean(run: RunData, key: str) -> float:
-    _, y = series(run, key)
+    _, y = series(run.rows, key)
     y = y[np.isfinite(y)]
     return float(y.mean()) if len(y) else math.nan
 
 
 def _times(run: RunData) -> tuple[float, float]:
     """(wall seconds of the logged steps plus the step-0 validation, mean seconds per step)."""
-    _, per_step = series(run, names.STEP_TIME)
+    _, per_step = series(run.rows, names.STEP_TIME)
     if not run.rows or not len(per_step):
         return math.nan, math.nan
     first = as_float(run.rows[0].get(names.VAL_TIME)) if run.rows[0]["step"] == 0 else math.nan
@@ -281,13 +281,13 @@ def collapse_markdown(summary: SweepSummary) -> str:
     """The `summary.md` section of the collapse diagnostics: the finding, then every run's final values."""
     finding = collapse_finding(summary)
     what = {"mi": "final MI estimate", "retrieval": "final retrieval above chance",
-            "entropy": "final conditional entropy H(Z|X)", "policy_entropy": "final policy entropy actor/entropy"}
+            "entropy": "final conditional entropy H(Z|X)", "policy_entropy": f"final policy entropy {names.ENTROPY}"}
     lines = ["\n## Template collapse: success vs MI and entropy\n\n",
              "Spearman rank correlation over runs of the final success with (95 % bootstrap interval over runs):\n\n"]
     lines += [f"- {what[k]}: {num(rho, 3) or 'undefined'} [{num(lo, 3) or '–'}, {num(hi, 3) or '–'}] ({n} runs)\n"
               for k, (rho, lo, hi, n) in finding.items()]
     table = [["point", "seed", "outcome", "final %", "final MI", "final H(Z|X)", "retrieval above chance",
-              "actor/entropy"]]
+              names.ENTROPY]]
     table += [[p.label, str(r.seed), r.outcome, pct(r.final), num(r.mi, 3) or "–", num(r.entropy, 3) or "–",
                num(r.retrieval, 3) or "–", num(r.policy_entropy, 3) or "–"] for p in summary.points for r in p.runs]
     return "".join(lines) + "\n" + _md_table(table)

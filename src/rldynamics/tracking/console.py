@@ -16,12 +16,12 @@ from rldynamics import metric_names as names
 
 SUMMARY_KEYS = (
     ("reward", names.SCORE_MEAN),
-    ("success", names.env_prefix("{env}") + "/success"),
+    ("success", names.env_metric("{env}", names.SUCCESS)),
     ("val", names.val_success("{env}")),
     ("kept", names.FILTER_KEPT_RATIO),
-    ("pg", names.actor("pg_loss")),
+    ("pg", names.PG_LOSS),
     ("H", names.ENTROPY),
-    ("|g|", names.actor("grad_norm")),
+    ("|g|", names.ACTOR_GRAD_NORM),
     ("s", names.STEP_TIME),
 )
 

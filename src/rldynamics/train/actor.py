@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rldynamics import metric_names as names
 from rldynamics.algo.losses import weighted_total
 from rldynamics.analysis.objective import ActorInputs, actor_terms, policy_loss_settings
 from rldynamics.config import AlgoConfig, TrainConfig
@@ -70,7 +71,7 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
                      micro_batch_size=train.micro_batch_size,
                      max_grad_norm=train.max_grad_norm, agg_mode=settings.agg,
                      shared_prefix=train.shared_prefix)
-    out = {f"actor/{k}": v for k, v in stats.items()}
-    out["actor/lr"] = optimizer.param_groups[0]["lr"]
-    out["actor/kl_coef"] = settings.kl_coef
+    out = {names.actor(k): v for k, v in stats.items()}
+    out[names.ACTOR_LR] = optimizer.param_groups[0]["lr"]
+    out[names.KL_COEF] = settings.kl_coef
     return ActorUpdate(entropy=stats["entropy_loss"], metrics=out, logprobs=own)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from rldynamics import metric_names as names
 from rldynamics.algo.losses import value_loss
 from rldynamics.config import AlgoConfig, CriticConfig, TrainConfig
 from rldynamics.models.forward import micro_batches, token_values
@@ -38,4 +39,4 @@ def update_critic(critic, optimizer, batch: RolloutBatch, old_values: torch.Tens
     stats = optimize(critic, optimizer, batch, minis, loss_of, stats=STATS, token_stats=TOKEN_STATS,
                      micro_batch_size=train.micro_batch_size,
                      max_grad_norm=critic_cfg.max_grad_norm, agg_mode=algo.loss_agg_mode, sort_by_length=False)
-    return {f"critic/{k}": v for k, v in stats.items() if k != "num_updates"}
+    return {names.critic(k): v for k, v in stats.items() if k != "num_updates"}

@@ -95,7 +95,7 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0, checkpoint: Path | None 
                       main=dist.is_main(), engine=rollout_engine(cfg, path, model, precision.engine_dtype))
     start = time.perf_counter()
     metrics = stages.validate(session).metrics
-    metrics["timing_s/eval"] = time.perf_counter() - start
+    metrics[names.timing("eval")] = time.perf_counter() - start
     if dist.is_main():
         with RunLock(run_dir):
             _check_new(run_dir)
@@ -140,8 +140,8 @@ def _check_new(run_dir: Path) -> None:
 def metrics_table(metrics: dict[str, float], env: str) -> str:
     """The evaluation as an aligned two-column table: the env's validation metrics first (success, pass@k, reward,
     response length, ...), then each reward component's mean and std."""
-    head = f"val-env/{env}/"
-    first = ("success", *sorted(k[len(head):] for k in metrics if k.startswith(head + "pass@")), "reward",
+    head = names.env_prefix(env, validation=True) + "/"
+    first = (names.SUCCESS, *sorted(k[len(head):] for k in metrics if k.startswith(head + "pass@")), "reward",
              "response_length")
     rows = [(name + (" (tokens per turn)" if name == "response_length" else ""), metrics[head + name])
             for name in first if head + name in metrics]

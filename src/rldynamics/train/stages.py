@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from rldynamics import metric_names as names
 from rldynamics.algo.advantages import gae_advantages, grpo_advantages, reinforce_pp_advantages, rloo_advantages
 from rldynamics.algo.filter import filter_metrics, group_scores, group_stats, kept_ratio, mean_or_zero, select_groups
 from rldynamics.algo.losses import masked_mean
 from rldynamics.config import AlgoConfig, FilterConfig
-from rldynamics.metric_names import ROLLOUT, timing
 from rldynamics.rollout.batch import RolloutBatch
 
 
@@ -44,10 +44,10 @@ def step_seed(seed: int, step: int, stream: int = 0) -> int:
 
 @contextmanager
 def timed(metrics: dict[str, float], name: str):
-    """Add the wall time of the block to `metrics["timing_s/<name>"]`."""
+    """Add the wall time of the block to `metrics[timing(name)]` (`timing_s/<name>`)."""
     start = time.perf_counter()
     yield
-    metrics[timing(name)] = metrics.get(timing(name), 0.0) + time.perf_counter() - start
+    metrics[names.timing(name)] = metrics.get(names.timing(name), 0.0) + time.perf_counter() - start
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Validation:
     trajectories: int = 0  # how many were sampled (the success rate's standard error)
 
 
-def filter_batch(batch: RolloutBatch, cfg: FilterConfig, prefix: str = ROLLOUT) -> Filtered:
+def filter_batch(batch: RolloutBatch, cfg: FilterConfig, prefix: str = names.ROLLOUT) -> Filtered:
     """Keep whole groups by `cfg`; its metrics are named under `prefix`.
 
     The group reward std is always computed (it drives the analysis buckets and early stopping),
@@ -161,25 +161,25 @@ def data_metrics(batch: RolloutBatch, advantages: torch.Tensor, returns: torch.T
     mask = batch.response_mask  # [N, L]
     lengths = mask.sum(dim=1)  # [N]
     out = {
-        "critic/score/mean": batch.scores.mean().item(),
-        "critic/score/max": batch.scores.max().item(),
-        "critic/score/min": batch.scores.min().item(),
-        "critic/advantages/mean": masked_mean(advantages, mask).item(),
-        "critic/advantages/max": advantages[mask > 0].max().item() if mask.any() else 0.0,
-        "critic/advantages/min": advantages[mask > 0].min().item() if mask.any() else 0.0,
-        "response_length/mean": lengths.mean().item(),
-        "response_length/max": lengths.max().item(),
-        "response_length/min": lengths.min().item(),
-        "train/batch_size": float(len(batch)),
+        names.score("mean"): batch.scores.mean().item(),
+        names.score("max"): batch.scores.max().item(),
+        names.score("min"): batch.scores.min().item(),
+        names.advantages("mean"): masked_mean(advantages, mask).item(),
+        names.advantages("max"): advantages[mask > 0].max().item() if mask.any() else 0.0,
+        names.advantages("min"): advantages[mask > 0].min().item() if mask.any() else 0.0,
+        names.response_length("mean"): lengths.mean().item(),
+        names.response_length("max"): lengths.max().item(),
+        names.response_length("min"): lengths.min().item(),
+        names.BATCH_SIZE: float(len(batch)),
     }
     if returns is not None and values is not None:
-        out["critic/returns/mean"] = masked_mean(returns, mask).item()
-        out["critic/values/mean"] = masked_mean(values, mask).item()
+        out[names.RETURNS_MEAN] = masked_mean(returns, mask).item()
+        out[names.VALUES_MEAN] = masked_mean(values, mask).item()
         resid = masked_mean((returns - values - masked_mean(returns - values, mask)) ** 2, mask)  # []
         var = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)  # []
-        out["critic/vf_explained_var"] = (1 - resid / (var + 1e-8)).item()
+        out[names.VF_EXPLAINED_VAR] = (1 - resid / (var + 1e-8)).item()
         # the two terms, so explained variance can be pooled over steps (1 - Σ residual / Σ returns var): a batch
         # of 64 with few successes has a tiny return variance and a per-step ratio far below 0
-        out["critic/returns/var"] = var.item()
-        out["critic/vf_residual_var"] = resid.item()
+        out[names.RETURNS_VAR] = var.item()
+        out[names.VF_RESIDUAL_VAR] = resid.item()
     return out

@@ -110,7 +110,7 @@ def stop_after_filter(stopper: EarlyStopper, filtered: Filtered) -> FilterDecisi
     empty = len(filtered.batch) == 0
     stop = stopper.after_rollout(filtered.reward_std, empty=empty)
     return FilterDecision(stop, {
-        names.filter_metric(names.ROLLOUT, "empty_after_filter"): float(empty),
+        names.EMPTY_AFTER_FILTER: float(empty),
         names.filter_metric(names.ROLLOUT, "consecutive_empty_after_filter_steps"): float(stopper.empty)})
 
 
@@ -199,7 +199,7 @@ def _log_samples(s: Session, step: int, batch: RolloutBatch) -> None:
     if k > 0 and s.main:
         picks = range(0, len(batch), max(1, len(batch) // k))
         s.writer.log_samples(step, [{"seed": batch.seeds[i], "reward": batch.scores[i].item(),
-                                     "success": batch.env_metrics[i]["success"], "text": batch.texts[i]}
+                                     "success": batch.env_metrics[i][names.SUCCESS], "text": batch.texts[i]}
                                     for i in list(picks)[:k]])
 
 
@@ -219,10 +219,10 @@ def validate(s: Session) -> Validation:
                                    cfg.val.group_size, cfg.val.temperature, step_seed(cfg.seed, 0, stream=2),
                                    engine=s.engine)
         except NonFiniteLogits:
-            return Validation(None, {f"{prefix}/{NON_FINITE_LOGITS}": 1.0})
+            return Validation(None, {names.env_metric(cfg.env.name, NON_FINITE_LOGITS, validation=True): 1.0})
     metrics = env_metric_summary(batch, prefix, cfg.val.group_size)
     metrics.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids,
                                             names.VAL_REWARD))
     metrics[names.VAL_TIME] = time.perf_counter() - start
-    success = sum(m["success"] for m in batch.env_metrics) / len(batch) if batch.env_metrics else None
+    success = sum(m[names.SUCCESS] for m in batch.env_metrics) / len(batch) if batch.env_metrics else None
     return Validation(success, metrics, trajectories=len(batch))
