@@ -56,7 +56,8 @@ def test_the_rollout_policy_log_probs_come_from_the_pass_or_else_the_update():
     assert record.rollout_policy_logprobs() is passed
     record.prepared.inputs.old_logprobs = None
     assert record.rollout_policy_logprobs() is None
-    record.update = ActorUpdate(entropy=0.0, metrics={}, logprobs=own)
+    record.update = ActorUpdate(entropy=0.0, metrics={}, ppo_kl=0.0, clipfrac_high=0.0, clipfrac_low=0.0, kl_loss=None,
+                                logprobs=own)
     assert record.rollout_policy_logprobs() is own
 
 

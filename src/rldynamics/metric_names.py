@@ -203,6 +203,21 @@ VF_EXPLAINED_VAR = critic("vf_explained_var")  # 1 - VF_RESIDUAL_VAR / RETURNS_V
 VF_RESIDUAL_VAR = critic("vf_residual_var")
 
 
+CLIP_HIT_RATE = "actor/clip_hit_rate"  # share of the update's optimizer steps whose gradient norm was clipped
+GROUP_GRAD_NORM = "grad_norm"  # per parameter group: the pre-clip gradient norm, mean over the update's steps
+GROUP_GRAD_NORM_CLIPPED = "grad_norm_clipped"  # ... the same after clipping
+GROUP_UPDATE_RATIO = "update_ratio"  # ... ||applied change|| / ||weights before the step||
+
+
+def actor_group(metric: str, group: str) -> str:
+    """A per-parameter-group actor metric: `actor/<metric>/<group>`, e.g. `actor/update_ratio/layer.0` (metric: a
+    `GROUP_*` name; group: `train.update.parameter_group`'s `embed`, `layer.<i>`, `norm`, `lm_head`, `other`).
+
+    `actor/grad_norm/<group>` shares its namespace with RAGEN's loss-component copies (`actor_grad_norm`: `task`,
+    `entropy`, `kl`); the two sets of names never meet."""
+    return f"actor/{metric}/{group}"
+
+
 FIXED_RV_EDGES: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 5.0)  # [0,1), [1,2), ..., [4,5), [5, inf)
 ZERO_BUCKET = "bucket_0"
 _BUCKET_RE = re.compile(r"^bucket_(\d+)$")

@@ -3,11 +3,16 @@
 The loss of a micro-batch is `analysis.objective.actor_terms` (one forward, the unweighted terms `pg`, `entropy`,
 `kl`) weighted by `algo.losses.weighted_total`: the loss the gradient probe differentiates is the loss trained. The
 loss settings (`algo.losses.PolicyLossSettings`) are read from the config once per update.
+
+The update returns its statistics typed (`ActorUpdate`, each equal to its `actor/*` metric) with the trace of every
+optimizer step (`train.update.StepTrace`); `trace_groups` adds per-parameter-group gradient norms (before and
+after clipping) and update-to-weight ratios to the metrics.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,7 +22,7 @@ from rldynamics.analysis.objective import ActorInputs, actor_terms, policy_loss_
 from rldynamics.config import AlgoConfig, TrainConfig
 from rldynamics.models.forward import micro_batches
 from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.train.update import optimize
+from rldynamics.train.update import Guard, StepTrace, optimize
 
 STATS = ("pg_loss", "entropy_loss", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
 TOKEN_STATS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")  # token-level means
@@ -34,22 +39,32 @@ def single_pass(train: TrainConfig, batch_size: int) -> bool:
 
 @dataclass
 class ActorUpdate:
-    """What one actor update returns."""
+    """What one actor update returns. The statistics are means over the update's optimizer steps, each equal to its
+    `actor/*` metric."""
 
     entropy: float  # mean over mini-batches of the aggregated entropy during the update (`actor/entropy_loss`)
     metrics: dict[str, float]  # `actor/*`
+    ppo_kl: float  # `actor/ppo_kl`: token mean of log(π_old / π)
+    clipfrac_high: float  # `actor/pg_clipfrac` (verl's): share of tokens whose ratio clip is active (cispo: IS weight)
+    clipfrac_low: float  # `actor/pg_clipfrac_lower` (verl's): share of tokens held by the dual-clip bound
+    kl_loss: float | None  # `actor/kl_loss`: the KL term to the reference; None when off (no reference log-probs)
     logprobs: torch.Tensor | None = None  # [N, L] the update's own log-probs of the sampled tokens (`record`), read
     # by the mismatch metrics in place of an old-log-prob pass; in a single-pass update they are the rollout policy's
+    steps: list[StepTrace] = field(default_factory=list)  # one per optimizer step, in order
 
 
 def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, algo: AlgoConfig, train: TrainConfig,
-                 generator: torch.Generator | None = None, record: bool = False) -> ActorUpdate:
-    """PPO epochs over mini-batches with gradient accumulation over micro-batches; returns the update's entropy
-    and its metrics (and with `record`, the log-probs its forwards computed: one process, one pass).
+                 generator: torch.Generator | None = None, record: bool = False, *, guard: Guard | None = None,
+                 trace_groups: bool = False) -> ActorUpdate:
+    """PPO epochs over mini-batches with gradient accumulation over micro-batches; returns the update's statistics,
+    metrics and step traces (and with `record`, the log-probs its forwards computed: one process, one pass).
 
     verl's names: `actor/entropy_loss` is the mean over mini-batches of the aggregated entropy during the update
     (`actor/entropy`, the rollout policy's entropy, is logged by the old-log-prob pass), `actor/kl_coef` the
-    KL coefficient in use.
+    KL coefficient in use. `actor/clip_hit_rate`: the share of optimizer steps whose gradient was clipped.
+
+    `guard` and `trace_groups` go to `train.update.optimize` (a refused step counts in `actor/skipped_steps`);
+    `trace_groups` adds the per-group metrics of `group_metrics`.
     """
     settings = policy_loss_settings(algo)
     weights = settings.coefs
@@ -67,11 +82,48 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
     for _ in range(train.ppo_epochs):
         order = torch.randperm(len(batch), generator=generator) if train.shuffle else torch.arange(len(batch))
         minis += micro_batches(order, train.mini_batch_size)
-    stats = optimize(model, optimizer, batch, minis, loss_of, stats=STATS, token_stats=TOKEN_STATS,
-                     micro_batch_size=train.micro_batch_size,
-                     max_grad_norm=train.max_grad_norm, agg_mode=settings.agg,
-                     shared_prefix=train.shared_prefix)
+    stats, steps = optimize(model, optimizer, batch, minis, loss_of, stats=STATS, token_stats=TOKEN_STATS,
+                            micro_batch_size=train.micro_batch_size, max_grad_norm=train.max_grad_norm,
+                            agg_mode=settings.agg, shared_prefix=train.shared_prefix, guard=guard,
+                            trace_groups=trace_groups)
     out = {names.actor(k): v for k, v in stats.items()}
     out[names.ACTOR_LR] = optimizer.param_groups[0]["lr"]
     out[names.KL_COEF] = settings.kl_coef
-    return ActorUpdate(entropy=stats["entropy_loss"], metrics=out, logprobs=own)
+    out[names.CLIP_HIT_RATE] = sum(s.clipped for s in steps) / max(len(steps), 1)
+    if trace_groups:
+        out.update(group_metrics(steps, train.max_grad_norm))
+    return ActorUpdate(entropy=stats["entropy_loss"], metrics=out, ppo_kl=stats["ppo_kl"],
+                       clipfrac_high=stats["pg_clipfrac"], clipfrac_low=stats["pg_clipfrac_lower"],
+                       kl_loss=stats["kl_loss"] if inputs.ref_logprobs is not None else None, logprobs=own,
+                       steps=steps)
+
+
+def group_metrics(steps: list[StepTrace], max_grad_norm: float) -> dict[str, float]:
+    """Per parameter group, means over `steps` (traced with `trace_groups`): `actor/grad_norm/<group>` (pre-clip),
+    `actor/grad_norm_clipped/<group>` (pre-clip × min(1, max_grad_norm / grad_norm)) and
+    `actor/update_ratio/<group>` (sqrt(update_sq / weight_sq); 0 on a skipped step)."""
+    sums: dict[str, float] = {}
+    for step in steps:
+        for key, value in _step_group_metrics(step, max_grad_norm).items():
+            sums[key] = sums.get(key, 0.0) + value
+    return {k: v / len(steps) for k, v in sums.items()}
+
+
+def _step_group_metrics(step: StepTrace, max_grad_norm: float) -> dict[str, float]:
+    """One step's per-group gradient norms (before and after clipping) and update-to-weight ratios."""
+    scale = min(1.0, max_grad_norm / step.grad_norm) if step.grad_norm > 0 else 1.0  # clipping's factor
+    out = {}
+    for group, grad_sq in step.group_grad_sq.items():
+        norm = math.sqrt(grad_sq)
+        out[names.actor_group(names.GROUP_GRAD_NORM, group)] = norm
+        out[names.actor_group(names.GROUP_GRAD_NORM_CLIPPED, group)] = norm * scale
+        out[names.actor_group(names.GROUP_UPDATE_RATIO, group)] = _ratio(step.group_update_sq[group],
+                                                                         step.group_weight_sq[group])
+    return out
+
+
+def _ratio(update_sq: float, weight_sq: float) -> float:
+    """||update|| / ||weights||; 0 for no update, inf for an update of zero weights."""
+    if update_sq == 0.0:
+        return 0.0
+    return math.sqrt(update_sq / weight_sq) if weight_sq > 0.0 else math.inf

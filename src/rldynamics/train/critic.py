@@ -36,7 +36,7 @@ def update_critic(critic, optimizer, batch: RolloutBatch, old_values: torch.Tens
 
     epochs = critic_cfg.ppo_epochs if critic_cfg.ppo_epochs is not None else train.ppo_epochs
     minis = [mini for _ in range(epochs) for mini in micro_batches(torch.arange(len(batch)), train.mini_batch_size)]
-    stats = optimize(critic, optimizer, batch, minis, loss_of, stats=STATS, token_stats=TOKEN_STATS,
-                     micro_batch_size=train.micro_batch_size,
-                     max_grad_norm=critic_cfg.max_grad_norm, agg_mode=algo.loss_agg_mode, sort_by_length=False)
+    stats, _ = optimize(critic, optimizer, batch, minis, loss_of, stats=STATS, token_stats=TOKEN_STATS,
+                        micro_batch_size=train.micro_batch_size,
+                        max_grad_norm=critic_cfg.max_grad_norm, agg_mode=algo.loss_agg_mode, sort_by_length=False)
     return {names.critic(k): v for k, v in stats.items() if k != "num_updates"}
