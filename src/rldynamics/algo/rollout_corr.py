@@ -38,6 +38,16 @@ from rldynamics import metric_names as names
 from rldynamics.algo.losses import masked_mean, rollout_log_ratio, sequence_log_ratio
 
 
+def k3_kl(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor) -> float:
+    """The k3 estimate of the sampler/trainer KL, E[r - 1 - log r] over the sampled tokens (r = pi_old / pi_rollout);
+    [N, T] each. 0.0 without tokens."""
+    mask = response_mask.bool()  # [N, T]
+    if not mask.any():
+        return 0.0
+    log_ratio = rollout_log_ratio(old_logprobs.float(), rollout_logprobs.float())  # [N, T]
+    return masked_mean(torch.exp(log_ratio) - 1.0 - log_ratio, mask).item()
+
+
 def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, *,
                      band: float = 2.0, tis_cap: float | None = None,
                      mis: bool = False) -> dict[str, float]:

@@ -27,7 +27,7 @@ import math
 from pathlib import Path
 
 from rldynamics import metric_names as names
-from rldynamics.algo.rollout_corr import mismatch_metrics
+from rldynamics.algo.rollout_corr import k3_kl
 from rldynamics.analysis.health_rules import RULES, Alarm, GradSpike, Signals
 from rldynamics.analysis.health_signals import component_shares, repetition_rate, reply_lengths, token_covariance
 from rldynamics.config import Config
@@ -150,7 +150,7 @@ def signals(cfg: Config, record: StepRecord) -> Signals:
     if record.prepared is not None and record.prepared.entropy is not None:
         x.entropy = record.prepared.entropy
     _update_signals(x, record)
-    x.mismatch_kl = _mismatch_kl(cfg, record)
+    x.mismatch_kl = _mismatch_kl(record)
     collapse = record.results.get("collapse")
     x.mi = getattr(collapse, "mi", None)
     if record.validation is not None and record.validation.success is not None:
@@ -170,15 +170,13 @@ def _update_signals(x: Signals, record: StepRecord) -> None:
     x.ppo_kl, x.clipfrac, x.kl_ref = update.ppo_kl, update.clipfrac_high + update.clipfrac_low, update.kl_loss
 
 
-def _mismatch_kl(cfg: Config, record: StepRecord) -> float | None:
+def _mismatch_kl(record: StepRecord) -> float | None:
     """The sampler/trainer k3 KL of the filtered batch, when the sampler's log-probs and the trainer's are known."""
     old = record.rollout_policy_logprobs()
     if record.filtered is None or old is None or record.filtered.batch.rollout_logprobs is None:
         return None
     batch = record.filtered.batch
-    found = mismatch_metrics(old, batch.rollout_logprobs, batch.response_mask, band=cfg.algo.mismatch_band,
-                             tis_cap=cfg.algo.tis_cap, mis=cfg.algo.mis)
-    return found["k3_kl"]
+    return k3_kl(old, batch.rollout_logprobs, batch.response_mask)
 
 
 def entropy_covariance(record: StepRecord) -> float | None:
