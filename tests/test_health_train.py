@@ -1,0 +1,124 @@
+"""The health monitor's actions end to end on the embedded tiny model: a skipped optimizer step leaves the weights
+bit-identical, a stop is an early stop with the rule as its reason, a rollback is an exact resume from the last
+checkpoint before the trouble (new sampling seeds) with every step once in the run directory and the undone steps
+kept under rolled_back/, and a learning rate 100 x the preset's trips the spike rule."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rldynamics.config import make_config
+from rldynamics.tracking.run_dir import read_metrics
+from rldynamics.train.trainer import train
+
+TIMING = "timing_s/"
+PRESET = "math-tiny"  # one-turn arithmetic replies whose length component varies: rewards vary from step 1
+VARIED = ["train.group_size=3", "env.max_new_tokens=40", "env.max_turns=1", "env.math.length_target=20", "val.env_groups=2",
+          "train.mini_batch_size=64", "train.ppo_epochs=1"]  # one optimizer step per step
+
+
+def _actor(run, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "checkpoints" / f"step_{step}" / "actor" / "model.safetensors"))
+
+
+def _events(run) -> list[dict]:
+    file = run / "events.jsonl"
+    return [json.loads(line) for line in file.read_text().splitlines()] if file.exists() else []
+
+
+def _plain(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(TIMING)}
+
+
+def test_a_spike_skip_leaves_the_weights_bit_identical(fast_overrides):
+    """grad_spike_k tiny: after the baseline steps every gradient above the median is a spike, refused before the
+    optimizer step; the refused step's checkpoint holds exactly the previous step's weights."""
+    run = train(make_config(PRESET, overrides=[*fast_overrides, *VARIED, "log.name=skip", "train.steps=8",
+                                               "checkpoint.every=1", "val.every=0", "health.baseline_steps=2",
+                                               "health.grad_spike_k=1e-6"]))
+    rows = {r["step"]: r for r in read_metrics(run)}
+    skipped = [s for s in range(2, 9) if rows[s]["actor/skipped_steps"] == 1.0]
+    taken = [s for s in range(2, 9) if rows[s]["actor/skipped_steps"] == 0.0]
+    assert skipped and taken
+    for step in skipped:
+        before, after = _actor(run, step - 1), _actor(run, step)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert rows[step]["health/grad_spike"] == 1.0
+    for step in taken:
+        before, after = _actor(run, step - 1), _actor(run, step)
+        assert not all(torch.equal(before[k], after[k]) for k in before)
+    events = [e for e in _events(run) if e["rule"] == "grad_spike"]
+    assert events and all(e["action"] == "skip" for e in events) and events[0]["step"] == skipped[0]
+
+
+def _first_firing(fast_overrides, rule_keys: list[str], rule: str, name: str) -> int:
+    run = train(make_config(PRESET, overrides=[*fast_overrides, *VARIED, f"log.name={name}", *rule_keys,
+                                               f"health.{rule}=record"]))
+    fired = [r["step"] for r in read_metrics(run) if r.get(f"health/{rule}") == 1.0]
+    assert fired, f"{rule} never fired in {name}"
+    return fired[0]
+
+
+DIP = ["train.steps=6", "checkpoint.every=1", "val.every=0", "health.baseline_steps=1",
+       "health.entropy_collapse_ratio=1.0"]  # fires at the first step whose entropy is below step 1's
+
+
+def test_a_stop_rule_ends_the_run_as_an_early_stop(fast_overrides):
+    k = _first_firing(fast_overrides, DIP, "entropy_collapse", "probe_stop")
+    run = train(make_config(PRESET, overrides=[*fast_overrides, *VARIED, "log.name=stop", *DIP,
+                                               "health.entropy_collapse=stop"]))
+    rows = read_metrics(run)
+    assert rows[-1]["step"] == k and rows[-1]["early_stopped/health_entropy_collapse"] == 1.0
+    assert (run / "checkpoints" / f"step_{k}").is_dir()
+    assert [e["action"] for e in _events(run) if e["rule"] == "entropy_collapse"] == ["stop"]
+
+
+def test_a_rollback_is_an_exact_resume_with_new_seeds(fast_overrides, tmp_path):
+    """Run A rolls back when the rule fires at step k (to checkpoint k-1), re-runs step k with the next attempt's
+    sampling seeds, and stops when the rule fires again with no rollback left. Run B reaches checkpoint k-1 alone
+    and is resumed as attempt 1: its step k is A's second step k, bit for bit."""
+    k = _first_firing(fast_overrides, DIP, "entropy_collapse", "probe_back")
+    assert k >= 2
+    back = [*DIP, "health.entropy_collapse=rollback", "health.max_rollbacks=1"]
+    a = train(make_config(PRESET, overrides=[*fast_overrides, *VARIED, "log.name=a", *back]))
+    rows = read_metrics(a)
+    assert [r["step"] for r in rows] == list(range(0, k + 1)) if rows[0]["step"] == 0 else list(range(1, k + 1))
+    undone = [json.loads(line) for line in (a / "rolled_back" / "attempt_1" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in undone] == [k] and undone[0]["health/entropy_collapse"] == 1.0
+    assert _plain(undone[0]) != _plain(rows[-1])  # step k again, with new samples
+    rollback = [e for e in _events(a) if e["rule"] == "rollback"]
+    assert rollback == [{"step": k - 1, "rule": "rollback", "action": "rollback", "from_step": k,
+                         "archive": "attempt_1", "message": f"steps {k}-{k} rolled back"}]
+    assert rows[-1]["early_stopped/health_entropy_collapse"] == 1.0  # fired again, no rollback left
+
+    b = train(make_config(PRESET, overrides=[*fast_overrides, *VARIED, "log.name=b", *back, f"train.steps={k - 1}"]))
+    shutil.copytree(a / "rolled_back", b / "rolled_back")  # B is now a run that rolled back once
+    train(make_config(PRESET, overrides=[*fast_overrides, *VARIED, "log.name=b", *back, "checkpoint.resume=latest"]))
+    assert _plain(read_metrics(b)[-1]) == _plain(rows[-1])
+    wa, wb = _actor(a, k), _actor(b, k)
+    assert all(torch.equal(wa[key], wb[key]) for key in wa)
+
+
+def test_a_learning_rate_100_times_the_presets_trips_the_spike_rule(fast_overrides):
+    """The failing run of the docs in miniature: lr 3e-2 (the preset's 3e-4 x 100) on the warm-started tiny model
+    blows the gradient norm up; the spike rule fires and refuses those optimizer steps."""
+    run = train(make_config(PRESET, overrides=[*fast_overrides, *VARIED, "log.name=lr", "train.steps=12",
+                                               "val.every=0", "train.lr=3e-2", "health.baseline_steps=3"]))
+    rows = read_metrics(run)
+    spikes = [r["step"] for r in rows if r.get("health/grad_spike") == 1.0]
+    assert spikes, [round(r.get("actor/grad_norm", 0), 3) for r in rows]
+    assert all(r["actor/skipped_steps"] > 0 for r in rows if r["step"] in spikes)
+    assert any(e["rule"] == "grad_spike" and e["action"] == "skip" for e in _events(run))
+
+
+@pytest.mark.slow
+def test_the_default_preset_raises_nothing_above_record(fast_overrides, tmp_path):
+    """Six steps of the default preset as shipped (its packaged warm start), two validations."""
+    run = train(make_config(overrides=[f"log.run_dir={tmp_path}", "log.name=healthy", "log.progress=false",
+                                       "log.report=false", "train.steps=6", "val.every=3", "val.env_groups=16"]))
+    assert [e for e in _events(run) if e["action"] != "record"] == []
