@@ -388,7 +388,10 @@ class HealthConfig:
     first_step: str = _action("warn")
     """First step: PPO KL ~0 on the rollout policy; sampler/trainer KL ~0 with the HF engine."""
     grad_spike: str = _action("skip")
-    """A pre-clip gradient norm above median + grad_spike_k MAD of the recent ones."""
+    """A pre-clip gradient norm above grad_spike_factor x the median of the recent ones and above the median +
+    grad_spike_k MAD."""
+    grad_spike_factor: float = _within(10.0, 1)
+    """Times the recent median that make a spike (a healthy default run reached 4.7)."""
     grad_spike_k: float = _within(10.0, 0, inclusive=False)
     """MADs above the median that make a spike."""
     grad_spike_window: int = _within(20, 1)

@@ -123,8 +123,10 @@ class RewardVarianceCollapse(Rule):
 
 
 class GradSpike(Rule):
-    """An optimizer step's pre-clip gradient norm far above the recent ones: above median + k x MAD of the last
-    `window` accepted norms (the MAD at least 5 % of the median). `is_spike` is also the update's guard."""
+    """An optimizer step's pre-clip gradient norm far above the recent ones: above both median + k x MAD and
+    `grad_spike_factor` x the median of the last `window` accepted non-zero norms (the MAD at least 5 % of the
+    median). RL gradient norms are heavy-tailed (they scale with the batch's reward variance): on the default
+    preset a healthy step reached 4.7 x the running median. `is_spike` is also the update's guard."""
 
     name = "grad_spike"
 
@@ -138,7 +140,7 @@ class GradSpike(Rule):
             return None
         median = statistics.median(self.norms)
         mad = statistics.median(abs(n - median) for n in self.norms)
-        return median + self.cfg.grad_spike_k * max(mad, 0.05 * median)
+        return max(median + self.cfg.grad_spike_k * max(mad, 0.05 * median), self.cfg.grad_spike_factor * median)
 
     def is_spike(self, norm: float) -> bool:
         limit = self.limit()
@@ -147,12 +149,12 @@ class GradSpike(Rule):
     def check(self, x: Signals) -> Alarm | None:
         spikes = [n for n in x.grad_norms if self.is_spike(n)]
         limit = self.limit()
-        self.norms = (self.norms + [n for n in x.grad_norms if math.isfinite(n) and not self.is_spike(n)])[
-            -self.cfg.grad_spike_window:]
+        accepted = [n for n in x.grad_norms if math.isfinite(n) and n > 0 and not self.is_spike(n)]
+        self.norms = (self.norms + accepted)[-self.cfg.grad_spike_window:]  # a zero norm: no reward variance
         if not spikes:
             return None
-        return self.alarm(x, max(spikes), limit, f"gradient norm {max(spikes):.3g} > {limit:.3g} (median + "
-                          f"{self.cfg.grad_spike_k:g} MAD of the last {self.cfg.grad_spike_window} steps)")
+        return self.alarm(x, max(spikes), limit, f"gradient norm {max(spikes):.3g} > {limit:.3g} (the recent median "
+                          f"x {self.cfg.grad_spike_factor:g}, and + {self.cfg.grad_spike_k:g} MAD)")
 
 
 class PolicyDrift(Rule):
