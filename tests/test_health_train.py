@@ -18,8 +18,8 @@ from rldynamics.train.trainer import train
 
 TIMING = "timing_s/"
 PRESET = "math-tiny"  # one-turn arithmetic replies whose length component varies: rewards vary from step 1
-VARIED = ["train.group_size=3", "env.max_new_tokens=40", "env.max_turns=1", "env.math.length_target=20", "val.env_groups=2",
-          "train.mini_batch_size=64", "train.ppo_epochs=1"]  # one optimizer step per step
+VARIED = ["train.group_size=3", "env.max_new_tokens=40", "env.max_turns=1", "env.math.length_target=20",
+          "val.env_groups=2", "train.mini_batch_size=64", "train.ppo_epochs=1"]  # one optimizer step per step
 
 
 def _actor(run, step: int) -> dict[str, torch.Tensor]:
