@@ -365,8 +365,9 @@ SKIPPABLE = ("health.grad_spike", "health.non_finite")  # the rules whose troubl
 
 def _action(default: str) -> Any:
     """A health rule's action: record (a metric and an events.jsonl line), warn (and one console line), skip (refuse
-    the optimizer step: grad_spike only), rollback (back to the last checkpoint before the trouble, new sampling
-    seeds) or stop (an early stop with the rule as its reason)."""
+    the optimizer step: grad_spike and non_finite only, `SKIPPABLE`; a non-finite step is skipped in any case),
+    rollback (back to the last checkpoint before the trouble, new sampling seeds) or stop (an early stop with the rule
+    as its reason)."""
     return _one_of(default, *HEALTH_ACTIONS)
 
 
@@ -849,8 +850,8 @@ def validate(cfg: Config) -> Config:
     skipping = [k for k, allowed in CHOICES.items() if allowed == HEALTH_ACTIONS and k not in SKIPPABLE
                 and _get(cfg, k) == "skip"]
     if skipping:
-        raise ConfigError(f"{skipping[0]}=skip: only health.grad_spike can skip (its guard refuses the optimizer step "
-                          "before it is taken); choose record, warn, rollback or stop")
+        raise ConfigError(f"{skipping[0]}=skip: only {' and '.join(SKIPPABLE)} can skip (their trouble is found "
+                          "before the optimizer step is taken); choose record, warn, rollback or stop")
     _validate_env(cfg.env)
     return cfg
 

@@ -263,7 +263,7 @@ class RewardComponent(Rule):
             if share >= self.cfg.component_takeover:
                 return self.alarm(x, share, self.cfg.component_takeover,
                                   f"reward component {name} carries {share:.0%} of the reward's variance")
-            if share <= self.cfg.component_against:
+            if share < self.cfg.component_against:
                 return self.alarm(x, share, self.cfg.component_against,
                                   f"reward component {name} moves against the total (share {share:.2f})")
         return None
