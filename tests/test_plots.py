@@ -525,7 +525,7 @@ def test_report_opens_with_headline_numbers_environment_and_samples(tmp_path):
                                     {"seed": 8, "reward": 10.0, "success": 1.0, "text": "<answer>Left</answer> 8"}])
     record_start(path, describe(0, 1, "model.threads=1", "cpu"))
     text = build_report(path)
-    head = text[:text.index('id="health"')]
+    head = text[text.index('id="summary"'):text.index('id="checks"')]  # the run summary, after the Health section
     assert "10.0% → 34.0% (+24.0 points)" in head and "step 0 → step 6" in head  # start and end
     assert ">34.0%<" in head and "6 of" not in head  # best, and train.steps is not in this config
     assert "13 s" in head  # wall time: 6 steps x 2 s + the first validation's 1 s

@@ -159,6 +159,15 @@ def health(name: str) -> str:
     return f"{HEALTH}/{name}"
 
 
+HEALTH_ZERO_VARIANCE_SHARE = health("zero_variance_share")  # groups with equal rewards / all groups
+HEALTH_REPETITION_RATE = health("repetition_rate")  # replies that repeat their own 4-grams / all replies
+
+
+def health_reward_share(component: str) -> str:
+    """A reward component's share of the trained reward's variance: `health/reward_share/<component>`."""
+    return health(f"reward_share/{component}")
+
+
 def actor(metric: str) -> str:
     """An actor metric: `actor/<metric>`."""
     return f"actor/{metric}"
@@ -196,6 +205,7 @@ def response_length(stat: str) -> str:
 
 SCORE_MEAN = score("mean")
 RESPONSE_LENGTH_MEAN = response_length("mean")
+RESPONSE_CLIP_RATIO = response_length("clip_ratio")  # replies that reached env.max_new_tokens / all replies
 RETURNS_MEAN = critic("returns/mean")  # with a critic: GAE returns and values over response tokens
 RETURNS_VAR = critic("returns/var")
 VALUES_MEAN = critic("values/mean")

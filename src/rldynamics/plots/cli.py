@@ -18,6 +18,7 @@ from rldynamics.plots.data import RunData, analysis_steps, load_run
 from rldynamics.plots.figure import save_png
 from rldynamics.plots.report import write_report
 from rldynamics.plots.reward_components import write_reward_component_figures
+from rldynamics.plots.timeline import write_timeline
 
 NO_STEPS = "No gradient-analysis steps found."
 
@@ -37,7 +38,8 @@ def _load(cmd: str, run_dir: str | Path) -> RunData:
 def plot_command(run_dir: str | Path | Sequence[str | Path], steps: Sequence[int] | None = None,
                  list_steps: bool = False, out: str | Path | None = None, paper: bool = False,
                  paper_steps: Sequence[int] | None = None) -> int:
-    """`rldyn plot`: per-step gradient-analysis figures + training curves, or (`paper`) the multi-step grid.
+    """`rldyn plot`: the health timeline, per-step gradient-analysis figures + training curves, or (`paper`) the
+    multi-step grid.
 
     Args:
         run_dir: one run directory, or several with `paper`.
@@ -78,7 +80,8 @@ def _per_step(run: RunData, steps: list[int] | None, out_dir: Path) -> int:
                                 f"{run.path} (available: {avail})")
     chosen = available if steps is None else [s for s in available if s in steps]
     try:
-        written = write_curves(run, out_dir, steps=chosen)
+        written = write_timeline(run, out_dir)
+        written += write_curves(run, out_dir, steps=chosen)
         for s in chosen:
             written += write_step(run, s, out_dir)
         written += write_reward_component_figures(run, out_dir, save_png, chosen if steps is not None else None)

@@ -63,6 +63,12 @@ def curve_panels(run: RunData) -> list[tuple[str, list[tuple[str, str]]]]:
     ]
     if "kl" in off_terms(run.config):  # a KL loss that is off is 0 by construction: no flat panel
         candidates = [c for c in candidates if not c[0].startswith("KL loss")]
+    return logged_panels(run, candidates)
+
+
+def logged_panels(run: RunData, candidates: list[tuple[str, list[tuple[str, str]]]]):
+    """The candidate panels (title, [(metric key, legend label)]) with the keys the run logged; panels without any
+    left out."""
     out = []
     for title, keys in candidates:
         present = [(k, label) for k, label in keys if has_key(run, k)]
@@ -82,7 +88,7 @@ def trailing_mean(y: np.ndarray, window: int) -> np.ndarray:
     return (csum[ends] - csum[starts]) / (ends - starts)
 
 
-def _plot_series(ax, x: np.ndarray, y: np.ndarray, label: str) -> bool:
+def plot_series(ax, x: np.ndarray, y: np.ndarray, label: str) -> bool:
     """Line with markers of the finite values; non-finite ones as red ticks at the bottom.
 
     Long series are drawn faint with their trailing mean over a tenth of the points on top, so a trend
@@ -117,7 +123,7 @@ def fig_training_curves(run: RunData) -> Figure | None:
         values = []
         for key, label in keys:
             x, y = series(run.rows, key)
-            smoothed |= _plot_series(ax, x, y, label)
+            smoothed |= plot_series(ax, x, y, label)
             values.append(y)
         ylim = ax.get_ylim()
         if title.startswith("clip fraction") and ylim[0] < 0.4 and ylim[1] > 0.1:  # band only where it meets the data

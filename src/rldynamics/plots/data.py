@@ -29,7 +29,7 @@ import numpy as np
 import yaml
 
 from rldynamics import metric_names as naming
-from rldynamics.tracking.run_dir import read_config, read_metrics
+from rldynamics.tracking.run_dir import EVENTS_FILE, ROLLED_BACK, read_config, read_events, read_metrics
 
 PREFIX = naming.GRAD_NORM
 COMPONENTS = ("task", "entropy", "kl")
@@ -45,6 +45,7 @@ class RunData:
     rows: list[dict[str, Any]]
     config: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    events: list[HealthEvent] = field(default_factory=list)  # events.jsonl, then the rolled-back attempts' alarms
 
     @property
     def name(self) -> str:
@@ -97,7 +98,8 @@ def load_run(run_dir: str | Path) -> RunData:
             loaded = None
             warnings.append(f"config.yaml could not be parsed ({e.__class__.__name__}); config ignored")
         config = loaded if isinstance(loaded, dict) else {}
-    return RunData(path=path, rows=[by_step[s] for s in sorted(by_step)], config=config, warnings=warnings)
+    return RunData(path=path, rows=[by_step[s] for s in sorted(by_step)], config=config, warnings=warnings,
+                   events=load_events(path, warnings))
 
 
 def _step_of(row: Any) -> int | None:
@@ -122,6 +124,81 @@ def _read_rows(path: Path, warnings: list[str]) -> list[Any]:
             except (ValueError, UnicodeDecodeError):
                 warnings.append(f"metrics.jsonl line {i} is not valid UTF-8 JSON; skipped")
         return rows
+
+
+@dataclass(frozen=True)
+class HealthEvent:
+    """One row of `events.jsonl` (`tracking.run_dir.read_events`): an alarm, or a rollback (`rule` "rollback",
+    `from_step` and `archive` set). `undone`: the `rolled_back/` attempt it was read from (an alarm of a step that a
+    rollback undid, the one that asked for it among them), None for a row of the run's own events.jsonl."""
+
+    step: int
+    rule: str
+    action: str
+    message: str = ""
+    value: float | None = None
+    threshold: float | None = None
+    since: int | None = None
+    from_step: int | None = None
+    archive: str | None = None
+    undone: str | None = None
+
+    @property
+    def is_rollback(self) -> bool:
+        return self.action == "rollback" and self.from_step is not None
+
+
+def load_events(path: Path, warnings: list[str]) -> list[HealthEvent]:
+    """The health events of a run: its `events.jsonl`, then those of every `rolled_back/attempt_<k>/events.jsonl`
+    (with `undone` set). Rows without a whole step, or with a rule or action that is not text, are skipped with a
+    warning; none when the run wrote no events."""
+    sources = [(path, None)] + [(d, d.name) for d in sorted((path / ROLLED_BACK).glob("attempt_*"),
+                                                             key=lambda d: (len(d.name), d.name)) if d.is_dir()]
+    events = []
+    for directory, undone in sources:
+        where = f"{ROLLED_BACK}/{undone}/{EVENTS_FILE}" if undone else EVENTS_FILE
+        for number, row in enumerate(_event_rows(directory, where, warnings), start=1):
+            event = _event(row, undone)
+            if event is None:
+                warnings.append(f"{where}: row {number} is not a health event ({str(row)[:60]}); skipped")
+            else:
+                events.append(event)
+    return events
+
+
+def _event_rows(directory: Path, where: str, warnings: list[str]) -> list[Any]:
+    """`read_events`, falling back to skipping undecodable lines (bad bytes, a damaged line before the last)."""
+    try:
+        return read_events(directory)
+    except (ValueError, UnicodeDecodeError, OSError):
+        rows = []
+        try:
+            lines = (directory / EVENTS_FILE).read_bytes().splitlines()
+        except OSError as e:
+            warnings.append(f"{where} could not be read ({e.__class__.__name__}); its events are left out")
+            return []
+        for i, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line.decode("utf-8")))
+            except (ValueError, UnicodeDecodeError):
+                if i < len(lines):
+                    warnings.append(f"{where} line {i} is not valid UTF-8 JSON; skipped")
+        return rows
+
+
+def _event(row: Any, undone: str | None) -> HealthEvent | None:
+    """A `HealthEvent` of an events.jsonl row, or None when it has no whole step or its rule or action is not text."""
+    step = _step_of(row)
+    if step is None or not isinstance(row.get("rule"), str) or not isinstance(row.get("action"), str):
+        return None
+    value, threshold = as_float(row.get("value")), as_float(row.get("threshold"))
+    since, from_step = _step_of({"step": row.get("since")}), _step_of({"step": row.get("from_step")})
+    return HealthEvent(step=step, rule=row["rule"], action=row["action"], message=str(row.get("message", "")),
+                       value=None if math.isnan(value) else value,
+                       threshold=None if math.isnan(threshold) else threshold, since=since, from_step=from_step,
+                       archive=row["archive"] if isinstance(row.get("archive"), str) else None, undone=undone)
 
 
 def _analysis_metrics(path: Path) -> dict[int, dict[str, Any]]:

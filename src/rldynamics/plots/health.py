@@ -1,6 +1,8 @@
-"""Health checks over a run's metrics rows: what a researcher should watch, as flags with numbers.
+"""Post-run health checks over a run's metrics rows: what a researcher should watch, as flags with numbers.
 
-docs/plots-and-report.md describes the report's health section these flags fill.
+They read only the logged metrics, so they work on any run, also one trained without the health monitor (whose own
+alarms, from events.jsonl, lead the report: `timeline.py`, docs/health.md). docs/plots-and-report.md describes the
+report's "Post-run checks" section these flags fill.
 
 Each check is a pure function `rows -> list[Flag]`; `health_checks` runs them all. Thresholds are rules of
 thumb, stated in the flag text, not hard truths:

@@ -1,8 +1,11 @@
 """`rldyn report`: one self-contained HTML page for a run directory.
 
-First screen: the headline numbers (validation success at the start and the end, the best validation and its step,
-steps run, wall time, what computed the run) and the health checks. Then the training curves, the gradient analysis
-(across-step views, then per analysis step its figures, with the bucket-metrics table folded), a few sample
+First the run's health (`health_section`): a one-line verdict from the health monitor's events.jsonl, the health
+timeline (`plots/timeline.py`), a table of the events with the decoded samples of each event's step (folded), and
+the glossary of the rules and signals (`plots/glossary.py`, the text of docs/health.md). Then the headline numbers
+(validation success at the start and the end, the best validation and its step, steps run, wall time, what
+computed the run), the post-run checks over the metrics (`plots/health.py`), the training curves, the gradient
+analysis (across-step views, then per analysis step its figures, with the bucket-metrics table folded), a few sample
 trajectories, the reward components, and the resolved config (folded). Figures are embedded as base64 PNG and the
 style sheet is inline, so the file can be mailed or opened offline; nothing external is loaded.
 """
@@ -17,6 +20,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from rldynamics.plots import glossary
 from rldynamics.plots.analysis import STEP_FIGURES, step_data
 from rldynamics.plots.collapse import check_template_collapse, fig_mi_entropy, fig_regimes, mode_of
 from rldynamics.plots.curves import (
@@ -28,6 +32,7 @@ from rldynamics.plots.curves import (
 )
 from rldynamics.plots.data import (
     PREFIX,
+    HealthEvent,
     RunData,
     analysis_steps,
     as_float,
@@ -49,9 +54,10 @@ from rldynamics.plots.reward_components import (
     fig_response_lengths,
     read_reward_grad,
 )
+from rldynamics.plots.timeline import ACTION_COLORS, alarms, rollback_cause, timeline_or_none, undone_steps, verdict
 from rldynamics.tracking.environment import PACKAGES, read_environment
 from rldynamics.tracking.files import write_file
-from rldynamics.tracking.run_dir import read_samples
+from rldynamics.tracking.run_dir import ROLLED_BACK, read_samples
 
 REPORT_DPI = 110
 STEP_FIGURE_TITLES = {
@@ -85,7 +91,11 @@ th { background: #f3f3f3; } td.name, th.name { text-align: left; font-family: mo
 .headline .cell { border: 1px solid #ddd; border-radius: 4px; padding: 0.5em 1em; min-width: 12em; }
 .headline .label { color: #666; font-size: 0.85em; } .headline .value { font-size: 1.35em; font-weight: bold; }
 details pre { white-space: pre-wrap; }
-"""
+td.text, th.text { text-align: left; max-width: 40em; } td.samples { text-align: left; min-width: 14em; }
+.action { font-weight: bold; } .verdict { font-size: 1.1em; }
+.gloss { margin: 0.6em 0 1em; } .gloss dl { margin: 0.2em 0 0 1em; } .gloss dt { font-weight: bold; color: #444; }
+.gloss dd { margin: 0 0 0.3em 1.2em; }
+""" + "".join(f".act-{a} {{ color: {c}; }}\n" for a, c in ACTION_COLORS.items())
 
 
 def figure_html(fig: Figure | None, caption: str) -> str:
@@ -105,14 +115,117 @@ def _flag_html(flag: Flag) -> str:
             f"{f'<table>{rows}</table>' if rows else ''}</div>")
 
 
+SAMPLES_PER_EVENT = 4  # decoded samples shown under an event (log.samples_per_step writes 4 per step by default)
+MAX_EVENT_ROWS = 200
+VERDICT_CLASS = {"error": "flag error", "warning": "flag warning", "ok": "ok"}
+
+
 def health_section(run: RunData) -> str:
-    """The Health section: a summary line and one box per flag."""
+    """The Health section: the verdict, the timeline, the events table, the glossary."""
+    v = verdict(run)
+    out = ['<h2 id="health">Health</h2>',
+           f'<p class="verdict {VERDICT_CLASS[v.level]}">{html.escape(v.text)}</p>',
+           figure_html(timeline_or_none(run), "Health timeline: the main curves with every health event at its step "
+                       "(colour: its action; shaded: steps a rollback undid; dotted: alarms of those steps)"),
+           events_table(run), glossary_section(run)]
+    return "".join(out)
+
+
+def ordered_events(run: RunData) -> list[HealthEvent]:
+    """The events in the order they happened: events.jsonl's rows, with the alarms of the steps a rollback undid
+    (its `rolled_back/` attempt) just before the rollback's row."""
+    undone: dict[str, list[HealthEvent]] = {}
+    for e in run.events:
+        if e.undone is not None:
+            undone.setdefault(e.undone, []).append(e)
+    out = []
+    for e in run.events:
+        if e.undone is None:
+            out += undone.pop(e.archive, []) if e.is_rollback and e.archive else []
+            out.append(e)
+    return out + [e for rest in undone.values() for e in rest]
+
+
+def _sample_head(s: dict, step: int) -> str:
+    return (f"step {step} · seed {s.get('seed', '?')} · reward {fmt(as_float(s.get('reward')))} · "
+            f"{'success' if as_float(s.get('success', 0)) > 0 else 'no success'}")
+
+
+def _event_samples(run: RunData, cache: dict, where: str | None, step: int) -> str:
+    """The decoded samples of `step` (from `rolled_back/<where>/` for an undone step), folded; escaped."""
+    if where not in cache:
+        try:
+            cache[where] = read_samples(run.path if where is None else run.path / ROLLED_BACK / where)
+        except (ValueError, UnicodeDecodeError, OSError):
+            cache[where] = []
+    found = [s for s in cache[where] if isinstance(s, dict) and s.get("step") == step][:SAMPLES_PER_EVENT]
+    if not found:
+        return '<span class="meta">none logged</span>'
+    body = "".join(f'<div class="meta">{html.escape(_sample_head(s, step))}</div>'
+                   f"<pre>{html.escape(str(s.get('text', '')))}</pre>" for s in found)
+    return (f"<details><summary>{len(found)} sample{'s' if len(found) > 1 else ''} of step {step}</summary>"
+            f"{body}</details>")
+
+
+def _event_row(run: RunData, e: HealthEvent, cache: dict) -> str:
+    step = f"{e.step}" + (f'<br><span class="meta">undone ({html.escape(e.undone)})</span>' if e.undone else "")
+    rule = (f'<a href="#{glossary.anchor(e.rule)}">{html.escape(e.rule)}</a>' if e.rule in glossary.RULES
+            else html.escape(e.rule))
+    message = html.escape(e.message)
+    if e.is_rollback:
+        cause = rollback_cause(run, e)
+        seen = f"{undone_steps(e)} undone"
+        message += (f"<br>asked for by <b>{html.escape(cause.rule)}</b> at step {cause.step}" if cause else "")
+        message += f'<br><span class="meta">their rows: {ROLLED_BACK}/{html.escape(e.archive or "?")}/</span>'
+        samples = _event_samples(run, cache, e.archive, e.from_step)
+    else:
+        seen = f"{fmt(e.value)} vs {fmt(e.threshold)}" if e.value is not None or e.threshold is not None else ""
+        samples = _event_samples(run, cache, e.undone, e.step)
+    action = f'<span class="action act-{e.action}">' if e.action in ACTION_COLORS else "<span>"
+    return (f'<tr><td>{step}</td><td class="name">{rule}</td><td class="name">{action}{html.escape(e.action)}</span>'
+            f'</td><td>{html.escape(seen)}</td><td class="text">{message}</td><td class="samples">{samples}</td></tr>')
+
+
+def events_table(run: RunData) -> str:
+    """One row per health event (step, rule, action, value vs threshold, message, the step's samples folded)."""
+    events = ordered_events(run)
+    if not events:
+        return ('<p class="meta">No events.jsonl rows: no health rule started firing (the monitor writes one row '
+                "when a rule starts firing, and one per rollback).</p>")
+    cache: dict = {}
+    rows = "".join(_event_row(run, e, cache) for e in events[:MAX_EVENT_ROWS])
+    more = (f'<p class="meta">{len(events) - MAX_EVENT_ROWS} more events are left out; events.jsonl holds them.'
+            "</p>" if len(events) > MAX_EVENT_ROWS else "")
+    return ('<table class="events"><tr><th>step</th><th class="name">rule</th><th class="name">action</th>'
+            '<th>value vs threshold</th><th class="text">message</th><th class="text">samples of the step</th></tr>'
+            f"{rows}</table>{more}")
+
+
+def glossary_section(run: RunData) -> str:
+    """The glossary (docs/health.md's text): the entries of the rules that fired in this run, open; the other rules
+    and the signals folded."""
+    fired = list(dict.fromkeys(e.rule for e in alarms(run) if e.rule in glossary.RULES))
+    rest = [r for r in glossary.RULES if r not in fired] + list(glossary.SIGNALS)
+    out = ['<h3 id="glossary">Glossary</h3>']
+    if fired:
+        out.append('<p class="meta">The rules that fired in this run: what they mean, their typical causes, what '
+                   "to try.</p>" + "".join(glossary.entry_html(r) for r in fired))
+    out.append(f"<details><summary>{'The other rules' if fired else 'Every rule'} and the signals the monitor logs "
+               f"({len(rest)} entries, as in docs/health.md)</summary>"
+               f"{''.join(glossary.entry_html(r) for r in rest)}</details>")
+    return "".join(out)
+
+
+def checks_section(run: RunData) -> str:
+    """The post-run checks over the metrics rows (`plots/health.py`): a summary line and one box per flag."""
     if not run.rows:
-        return '<h2 id="health">Health</h2><p class="meta">No metrics rows were logged: nothing to check.</p>'
+        return '<h2 id="checks">Post-run checks</h2><p class="meta">No metrics rows were logged: nothing to check.</p>'
     flags = health_checks(run.rows, run.config)
     body = "".join(_flag_html(f) for f in flags)
     summary = html.escape(summary_line(flags))
-    return f'<h2 id="health">Health</h2><p class="{"ok" if not flags else "meta"}">{summary}</p>{body}'
+    return (f'<h2 id="checks">Post-run checks</h2><p class="meta">Rules of thumb over the logged metrics, for any run '
+            f'(also one trained without the health monitor).</p><p class="{"ok" if not flags else "meta"}">{summary}'
+            f"</p>{body}")
 
 
 def bucket_table(run: RunData, step: int) -> str:
@@ -268,10 +381,8 @@ def samples_section(run: RunData, per_step: int = 2) -> str:
     for step in dict.fromkeys((steps[0], steps[-1])):
         rows = sorted((s for s in samples if s["step"] == step), key=lambda s: -as_float(s.get("success", 0)))
         for s in rows[:per_step]:
-            head = (f"step {step} · seed {s.get('seed', '?')} · reward {fmt(as_float(s.get('reward')))} · "
-                    f"{'success' if as_float(s.get('success', 0)) > 0 else 'no success'}")
-            out.append(f"<details><summary>{html.escape(head)}</summary><pre>{html.escape(str(s.get('text', '')))}"
-                       "</pre></details>")
+            out.append(f"<details><summary>{html.escape(_sample_head(s, step))}</summary>"
+                       f"<pre>{html.escape(str(s.get('text', '')))}</pre></details>")
     return "".join(out)
 
 
@@ -293,12 +404,15 @@ def build_report(run_dir: str | Path | RunData) -> str:
         f"<h1>{html.escape(run.name)}</h1>",
         f'<p class="meta">run directory <code>{html.escape(str(run.path.resolve()))}</code> · {span} · '
         f"report generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} by rldynamics</p>",
-        '<nav><a href="#health">Health</a><a href="#curves">Training curves</a>'
+        '<nav><a href="#health">Health</a><a href="#summary">Summary</a><a href="#checks">Post-run checks</a>'
+        '<a href="#curves">Training curves</a>'
         '<a href="#analysis">Gradient analysis</a><a href="#samples">Samples</a>'
         '<a href="#reward-components">Reward components</a><a href="#collapse">Template collapse</a>'
         '<a href="#config">Config</a></nav>',
-        headline_section(run),
         health_section(run),
+        '<h2 id="summary">Run summary</h2>',
+        headline_section(run),
+        checks_section(run),
         '<h2 id="curves">Training curves</h2>',
         figure_html(curves, "Training curves") if curves
         else '<p class="meta">No known training metrics were logged.</p>',

@@ -269,6 +269,18 @@ def read_samples(run_dir: str | Path) -> list[dict[str, Any]]:
     return _read_jsonl(file) if file.is_file() else []
 
 
+def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The health events of `events.jsonl`, in file order; none when absent. Safe to call while the run is writing.
+
+    An alarm row: `step`, `rule`, `action` (record | warn | skip | rollback | stop), `value`, `threshold`, `since`
+    (the first step of the trouble), `message`. A rollback row: `step` (the checkpoint gone back to), `rule` and
+    `action` "rollback", `from_step` (the step it left), `archive` (`attempt_<k>` under `rolled_back/`, which holds
+    the rows of the undone steps: `read_events(run_dir / ROLLED_BACK / archive)` reads its alarms), `message`.
+    """
+    file = Path(run_dir) / EVENTS_FILE
+    return _read_jsonl(file) if file.is_file() else []
+
+
 def read_config(run_dir: str | Path) -> dict[str, Any]:
     """The resolved config of a run as a plain dict."""
     import yaml

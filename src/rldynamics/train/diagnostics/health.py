@@ -96,10 +96,10 @@ class Health(Diagnostic):
         """The signals no other trainer logs, as metrics."""
         out: dict[str, float] = {}
         if x.zero_variance_share is not None:
-            out[names.health("zero_variance_share")] = x.zero_variance_share
+            out[names.HEALTH_ZERO_VARIANCE_SHARE] = x.zero_variance_share
         if x.repetition is not None:
-            out[names.health("repetition_rate")] = x.repetition
-        out.update({names.health(f"reward_share/{k}"): v for k, v in x.component_shares.items()})
+            out[names.HEALTH_REPETITION_RATE] = x.repetition
+        out.update({names.health_reward_share(k): v for k, v in x.component_shares.items()})
         cov = entropy_covariance(record)
         if cov is not None:
             out[names.ENTROPY_COV] = cov

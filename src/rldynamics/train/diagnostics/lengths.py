@@ -31,6 +31,6 @@ class ReplyLengths(Diagnostic):
         if not lengths:
             return DiagnosticResult({})
         cap = self.cfg.env.max_new_tokens
-        return DiagnosticResult({names.response_length("clip_ratio"): sum(n >= cap for n in lengths) / len(lengths),
+        return DiagnosticResult({names.RESPONSE_CLIP_RATIO: sum(n >= cap for n in lengths) / len(lengths),
                                  names.response_length("reply_mean"): sum(lengths) / len(lengths),
                                  names.response_length("reply_max"): float(max(lengths))})
