@@ -60,7 +60,14 @@ def check_alarm(alarm: Alarm | None, rule: str, value: float, threshold: float, 
     assert alarm.message and "\n" not in alarm.message
 
 
+SE2 = dataclasses.replace(CFG, falling_validation_se=2.0)  # the hand numbers below use 2 standard errors
+ONE_STEP = dataclasses.replace(CFG, component_steps=1)  # a component rule that fires on one step
+KL4 = dataclasses.replace(CFG, first_step_kl=1e-4)  # the float32 first-step bound
+MAD_ONLY = dataclasses.replace(CFG, grad_spike_factor=1.0)  # the spike bound by median + k MAD alone
+
+
 def test_defaults_the_hand_numbers_below_assume():
+    assert (CFG.falling_validation_se, CFG.component_steps, CFG.first_step_kl) == (3.0, 5, 5e-3)
     assert (CFG.baseline_steps, CFG.grad_spike_k, CFG.grad_spike_window) == (5, 10.0, 20)
     assert (CFG.entropy_collapse_ratio, CFG.zero_variance_share, CFG.zero_variance_steps) == (0.1, 0.9, 5)
     assert (CFG.drift_kl, CFG.drift_clipfrac, CFG.kl_acceleration_min, CFG.mismatch_kl) == (0.1, 0.3, 0.05, 0.01)
@@ -94,7 +101,7 @@ def test_first_step_ppo_kl():
 
 
 def test_first_step_mismatch_only_with_the_trainer_sampling():
-    rule = FirstStep(CFG)
+    rule = FirstStep(KL4)
     check_alarm(rule.check(Signals(step=1, first_step=True, mismatch_kl=2e-4)), "first_step", 2e-4, 1e-4, 1)
     assert rule.check(Signals(step=1, first_step=True, mismatch_kl=2e-4, sampler_is_trainer=False)) is None
     assert rule.check(Signals(step=1, first_step=True, mismatch_kl=1e-4)) is None  # boundary: > 1e-4 fires
@@ -111,7 +118,7 @@ BASE_LIMIT = 2.0
 
 
 def spike_rule(norms=BASE_NORMS, **changes) -> GradSpike:
-    rule = GradSpike(cfg(**changes))
+    rule = GradSpike(cfg(**{"grad_spike_factor": 1.0, **changes}))
     assert feed(rule, [Signals(step=i + 1, grad_norms=(n,)) for i, n in enumerate(norms)]) == [None] * len(norms)
     return rule
 
@@ -350,7 +357,7 @@ def test_length_surge_short_run_and_missing():
 # --- RewardComponent: a share >= component_takeover, or below component_against ---
 
 def test_reward_component_takeover():
-    rule = RewardComponent(CFG)
+    rule = RewardComponent(ONE_STEP)
     alarm = rule.check(Signals(step=3, component_shares={"format": 0.97, "success": 0.03}))
     check_alarm(alarm, "reward_component", 0.97, 0.95, 3)
     assert "format" in alarm.message
@@ -361,7 +368,7 @@ def test_reward_component_takeover():
 
 
 def test_reward_component_against():
-    rule = RewardComponent(CFG)
+    rule = RewardComponent(ONE_STEP)
     alarm = rule.check(Signals(step=3, component_shares={"a": 0.6, "b": 0.6, "c": -0.2}))
     check_alarm(alarm, "reward_component", -0.2, -0.1, 3)
     assert "c" in alarm.message and "against" in alarm.message
@@ -369,7 +376,7 @@ def test_reward_component_against():
     assert rule.check(Signals(step=4, component_shares={"a": 0.55, "b": 0.55, "c": -0.1})) is None
     assert rule.check(Signals(step=5, component_shares={"a": 0.5, "b": 0.55, "c": -0.05})) is None
     assert rule.check(Signals(step=6)) is None  # one component or a constant total: no shares
-    assert history(rule) == {}
+    assert history(rule) == {"recent": [[5, ":0.0"]]}  # the last step that had shares, which crossed nothing
 
 
 # --- FallingValidation: success < best - 2 hypot(SE_best, SE_now), SE = sqrt(p (1 - p) / n) ---
@@ -379,7 +386,7 @@ def val(step, success, count=100, progress=0.0):
 
 
 def test_falling_validation_fires_two_standard_errors_below_the_best():
-    rule = FallingValidation(CFG)
+    rule = FallingValidation(SE2)
     assert feed(rule, [val(1, 0.6), val(3, 0.8), val(4, 0.8)]) == [None] * 3  # the best: step 3 (ties keep it)
     # SE_best = sqrt(0.8 x 0.2 / 100) = 0.04, SE_now = sqrt(0.6 x 0.4 / 100) = sqrt(0.0024)
     limit = 0.8 - 2 * math.sqrt(0.0016 + 0.0024)  # 0.67351
@@ -387,7 +394,7 @@ def test_falling_validation_fires_two_standard_errors_below_the_best():
 
 
 def test_falling_validation_not_within_two_standard_errors():
-    rule = FallingValidation(CFG)
+    rule = FallingValidation(SE2)
     assert feed(rule, [val(1, 0.8), val(2, 0.7)]) == [None, None]  # limit 0.8 - 2 sqrt(0.0016 + 0.0021) = 0.678
     assert rule.check(val(3, 0.9)) is None  # a new best
     assert history(rule)["best"] == [3, 0.9, 100]
@@ -396,7 +403,7 @@ def test_falling_validation_not_within_two_standard_errors():
 def test_falling_validation_boundary():
     # best 0.9 of 100: SE 0.03; now 0.8 of 100: SE 0.04 -> limit 0.9 - 2 x 0.05 = 0.8 (d(now - limit)/d now = 0.88)
     # (the float arithmetic lands on 0.8 exactly too: 0.9 - 2 x hypot(0.03, 0.04) == 0.8)
-    rule = FallingValidation(CFG)
+    rule = FallingValidation(SE2)
     rule.check(val(2, 0.9))
     assert rule.check(val(3, 0.8)) is None  # "more than 2 standard errors below": < limit
     assert rule.check(val(3, 0.8 + 1e-9)) is None
@@ -404,13 +411,39 @@ def test_falling_validation_boundary():
 
 
 def test_falling_validation_short_run_and_missing():
-    rule = FallingValidation(CFG)
+    rule = FallingValidation(SE2)
     assert rule.check(val(1, 0.0)) is None  # the first validation is the best
-    rule = FallingValidation(CFG)
+    rule = FallingValidation(SE2)
     rule.check(val(1, 0.8))
     before = history(rule)
     assert rule.check(Signals(step=2)) is None
     assert history(rule) == before
+
+
+def test_a_spike_must_also_be_ten_times_the_median_by_default():
+    rule = GradSpike(CFG)
+    rule.check(Signals(step=1, grad_norms=(1.0, 1.1, 0.9, 1.0, 1.2)))  # median 1.0, MAD 0.1: median + 10 MAD = 2
+    assert not rule.is_spike(9.9) and rule.is_spike(10.01)
+    check_alarm(rule.check(Signals(step=2, grad_norms=(0.0, 12.0))), "grad_spike", 12.0, 10.0, 2)
+    assert rule.norms == [1.0, 1.1, 0.9, 1.0, 1.2]  # the zero norm (no reward variance) and the spike left out
+
+
+def test_falling_validation_by_default_needs_three_standard_errors():
+    rule = FallingValidation(CFG)
+    rule.check(val(1, 0.9))
+    assert rule.check(val(2, 0.79)) is None  # 2.2 standard errors (0.05 each) below: not enough by default
+    check_alarm(rule.check(val(3, 0.7)), "falling_validation", 0.7, 0.9 - 3 * math.hypot(0.03, math.sqrt(0.21 / 100)),
+                2)
+
+
+def test_reward_component_needs_the_same_finding_on_consecutive_steps():
+    rule = RewardComponent(CFG)
+    over = {"format": 0.97, "success": 0.03}
+    assert feed(rule, [Signals(step=s, component_shares=over) for s in range(1, 5)]) == [None] * 4
+    check_alarm(rule.check(Signals(step=5, component_shares=over)), "reward_component", 0.97, 0.95, 1)
+    rule = RewardComponent(CFG)
+    mixed = [over, over, {"format": 0.5, "success": 0.5}, over, over]  # a step without a takeover breaks the run
+    assert feed(rule, [Signals(step=s + 1, component_shares=m) for s, m in enumerate(mixed)]) == [None] * 5
 
 
 # --- NoLearning: at progress >= no_learning_after, success <= first + 2 hypot(SE_first, SE_now) ---
@@ -494,18 +527,19 @@ def busy(step: int) -> Signals:
 
 @pytest.mark.parametrize("name", list(RULES))
 def test_state_dict_through_json_gives_the_same_decisions(name):
-    rule = RULES[name](CFG)
+    rule = RULES[name](ONE_STEP)
     feed(rule, [busy(step) for step in range(1, 7)])
     rule.streak_start = 3
     state = json.loads(json.dumps(rule.state_dict()))
-    restored, fresh = RULES[name](CFG), RULES[name](CFG)
+    restored, fresh = RULES[name](ONE_STEP), RULES[name](ONE_STEP)
     restored.load_state_dict(state)
     assert restored.streak_start == 3
     later = [busy(step) for step in range(7, 13)]
     want = feed(rule, later)
     assert any(want), f"{name} never fires on the later steps: the comparison would be empty"
     assert feed(restored, later) == want
-    if set(vars(fresh)) - {"cfg", "streak_start"}:  # a rule with a history: without it the decisions differ
+    if set(vars(fresh)) - {"cfg", "streak_start"} and name != "reward_component":  # a rule with a history (the
+        # component rule's is one step long here): without it the decisions differ
         assert feed(fresh, later) != want
 
 

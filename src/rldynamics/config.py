@@ -387,7 +387,10 @@ class HealthConfig:
     non_finite: str = _action("record")
     """Optimizer steps with a non-finite gradient (always skipped)."""
     first_step: str = _action("warn")
-    """First step: PPO KL ~0 on the rollout policy; sampler/trainer KL ~0 with the HF engine."""
+    """First step: PPO KL ~0 on the rollout policy; sampler/trainer KL below first_step_kl with the HF engine."""
+    first_step_kl: float = _within(5e-3, 0)
+    """Sampler/trainer KL the HF engine may show at the first step (bfloat16 rounding alone gave 1.2e-3 on
+    SmolLM2 on an H200; float32 gives ~1e-7)."""
     grad_spike: str = _action("skip")
     """A pre-clip gradient norm above grad_spike_factor x the median of the recent ones and above the median +
     grad_spike_k MAD."""
@@ -440,12 +443,17 @@ class HealthConfig:
     """Variance share that counts as taking over."""
     component_against: float = -0.1
     """Variance share below which a component moves against the total."""
+    component_steps: int = _within(5, 1)
+    """Consecutive steps a component must take over (or move against) the total."""
     template_collapse: str = _action("record")
     """With collapse.enabled: the first-turn MI below template_mi_drop x its first value while the entropy holds."""
     template_mi_drop: float = _within(0.5, 0, high=1)
     """Fraction of the first MI."""
     falling_validation: str = _action("warn")
-    """Validation success more than 2 standard errors below the run's best."""
+    """Validation success more than falling_validation_se standard errors below the run's best."""
+    falling_validation_se: float = _within(3.0, 0, inclusive=False)
+    """Standard errors of the difference (the best of several validations is biased upward: math-tiny's healthy
+    run dipped 2.6 below its best at step 100 and set a new best at 150)."""
     no_learning: str = _action("warn")
     """Past no_learning_after of the run, validation success not 2 standard errors above its first value."""
     no_learning_after: float = _within(0.5, 0, high=1)

@@ -67,6 +67,10 @@ class Rule:
     def check(self, x: Signals) -> Alarm | None:
         raise NotImplementedError
 
+    def sees(self, x: Signals) -> bool:
+        """Whether the step has this rule's signal at all (a step without it neither starts nor ends its streak)."""
+        return True
+
     def alarm(self, x: Signals, value: float, threshold: float, message: str, since: int | None = None) -> Alarm:
         return Alarm(self.name, float(value), float(threshold), x.step if since is None else since, message)
 
@@ -254,19 +258,42 @@ class Repetition(Rule):
 
 
 class RewardComponent(Rule):
-    """One reward component carries almost all of the trained reward's variance, or moves against the total."""
+    """One reward component carries almost all of the trained reward's variance, or moves against the total, on each
+    of the last `component_steps` steps (one step alone is common: a batch where only one component varied)."""
 
     name = "reward_component"
 
+    def __init__(self, cfg: HealthConfig):
+        super().__init__(cfg)
+        self.recent: list[tuple[int, str]] = []  # (step, what the step showed: "<component>:over|against" or "")
+
+    def sees(self, x: Signals) -> bool:
+        return bool(x.component_shares)
+
     def check(self, x: Signals) -> Alarm | None:
+        found = self.finding(x)
+        if found is None:
+            return None
+        name, share, limit, message = found
+        self.recent = (self.recent + [(x.step, f"{name}:{limit}")])[-self.cfg.component_steps:]
+        if len(self.recent) < self.cfg.component_steps or len({seen for _, seen in self.recent}) > 1 or not name:
+            return None
+        return self.alarm(x, share, limit, f"{message} ({self.cfg.component_steps} steps in a row)",
+                          since=self.recent[0][0])
+
+    def finding(self, x: Signals) -> tuple[str, float, float, str] | None:
+        """(component, share, limit crossed, message) of this step; ("", ...) when none crossed; None without
+        components."""
+        if not x.component_shares:
+            return None
         for name, share in x.component_shares.items():
             if share >= self.cfg.component_takeover:
-                return self.alarm(x, share, self.cfg.component_takeover,
-                                  f"reward component {name} carries {share:.0%} of the reward's variance")
+                return name, share, self.cfg.component_takeover, (
+                    f"reward component {name} carries {share:.0%} of the reward's variance")
             if share < self.cfg.component_against:
-                return self.alarm(x, share, self.cfg.component_against,
-                                  f"reward component {name} moves against the total (share {share:.2f})")
-        return None
+                return name, share, self.cfg.component_against, (
+                    f"reward component {name} moves against the total (share {share:.2f})")
+        return "", 0.0, 0.0, ""
 
 
 def _binomial_se(p: float, n: int) -> float:
@@ -282,6 +309,9 @@ class FallingValidation(Rule):
         super().__init__(cfg)
         self.best: tuple[int, float, int] | None = None  # (step, success, trajectories)
 
+    def sees(self, x: Signals) -> bool:
+        return x.val_success is not None
+
     def check(self, x: Signals) -> Alarm | None:
         if x.val_success is None:
             return None
@@ -289,11 +319,12 @@ class FallingValidation(Rule):
             self.best = (x.step, x.val_success, x.val_count)
             return None
         step, best, n = self.best
-        limit = best - 2 * math.hypot(_binomial_se(best, n), _binomial_se(x.val_success, x.val_count))
+        se = math.hypot(_binomial_se(best, n), _binomial_se(x.val_success, x.val_count))
+        limit = best - self.cfg.falling_validation_se * se
         if x.val_success >= limit:
             return None
         return self.alarm(x, x.val_success, limit, f"validation {x.val_success:.1%} < the best {best:.1%} (step "
-                          f"{step}) by more than 2 standard errors", since=step + 1)
+                          f"{step}) by more than {self.cfg.falling_validation_se:g} standard errors", since=step + 1)
 
 
 class NoLearning(Rule):
@@ -304,6 +335,9 @@ class NoLearning(Rule):
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
         self.first: tuple[float, int] | None = None
+
+    def sees(self, x: Signals) -> bool:
+        return x.val_success is not None
 
     def check(self, x: Signals) -> Alarm | None:
         if x.val_success is None:
@@ -330,6 +364,9 @@ class TemplateCollapse(Rule):
         self.first_mi: float | None = None
         self.first_entropy: float | None = None
 
+    def sees(self, x: Signals) -> bool:
+        return x.mi is not None
+
     def check(self, x: Signals) -> Alarm | None:
         if x.mi is None or x.entropy is None:
             return None
@@ -355,8 +392,9 @@ class FirstStep(Rule):
         if x.first_ppo_kl is not None and abs(x.first_ppo_kl) > 1e-3:
             return self.alarm(x, x.first_ppo_kl, 1e-3, f"first step: PPO KL {x.first_ppo_kl:.3g} on the rollout "
                               "policy (expected ~0: dropout on, or old log-probs from another model?)")
-        if x.sampler_is_trainer and x.mismatch_kl is not None and x.mismatch_kl > 1e-4:
-            return self.alarm(x, x.mismatch_kl, 1e-4, f"first step: sampler/trainer KL {x.mismatch_kl:.3g} with the "
+        limit = self.cfg.first_step_kl
+        if x.sampler_is_trainer and x.mismatch_kl is not None and x.mismatch_kl > limit:
+            return self.alarm(x, x.mismatch_kl, limit, f"first step: sampler/trainer KL {x.mismatch_kl:.3g} with the "
                               "trainer's own model sampling (expected ~0)")
         return None
 

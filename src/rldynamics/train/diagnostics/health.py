@@ -68,7 +68,8 @@ class Health(Diagnostic):
             alarm = rule.check(x)
             metrics[names.health(name)] = float(alarm is not None)
             new = alarm is not None and rule.streak_start is None
-            rule.streak_start = None if alarm is None else (rule.streak_start or alarm.since)
+            if alarm is not None or rule.sees(x):  # a step without the rule's signal leaves its streak as it was
+                rule.streak_start = None if alarm is None else (rule.streak_start or alarm.since)
             if alarm is not None:
                 self.act(s, record.step, alarm, new, result)
         return result
