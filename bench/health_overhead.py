@@ -1,6 +1,6 @@
 """What the health monitor costs: the step time with its default signals and rules on against off, in one run.
 
-    python bench/health_overhead.py [--steps 6] [--rounds 2] [key=value ...]
+    python bench/health_overhead.py [--steps 6] [--rounds 2] [--preset NAME] [key=value ...]
 
 Each round trains the same seeded steps twice, health on (`health.enabled=true`, its default: the rules, the
 per-layer gradient norms and update ratios, the entropy covariance) and off, alternating which goes first; the first
@@ -23,10 +23,10 @@ from rldynamics.tracking.run_dir import read_metrics
 from rldynamics.train.trainer import train
 
 
-def timings(steps: int, overrides: list[str]) -> list[dict]:
+def timings(preset: str | None, steps: int, overrides: list[str]) -> list[dict]:
     """The metrics rows after the first step of a short run with `overrides`."""
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = make_config(overrides=[f"train.steps={steps}", "val.every=0", "val.before_train=false",
+        cfg = make_config(preset, overrides=[f"train.steps={steps}", "val.every=0", "val.before_train=false",
                                      "checkpoint.save_last=false", "log.progress=false", "log.report=false",
                                      f"log.run_dir={tmp}", *overrides])
         return read_metrics(train(cfg))[1:]
@@ -41,13 +41,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--preset", default=None, help="a preset (default: the default preset)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     hf_logging.disable_progress_bar()
     runs: dict[bool, list[dict]] = {True: [], False: []}
     for r in range(args.rounds):
         for on in ((True, False) if r % 2 == 0 else (False, True)):
-            runs[on] += timings(args.steps, [*args.overrides, f"health.enabled={str(on).lower()}"])
+            runs[on] += timings(args.preset, args.steps, [*args.overrides, f"health.enabled={str(on).lower()}"])
     on, off = median(runs[True], "timing_s/step"), median(runs[False], "timing_s/step")
     print(f"health on : {on:.3f} s/step (health {median(runs[True], 'timing_s/health'):.3f} s, actor update "
           f"{median(runs[True], 'timing_s/update_actor'):.3f} s)")
