@@ -129,3 +129,19 @@ def test_the_default_preset_raises_nothing_above_record(fast_overrides, tmp_path
                                        "log.report=false", "train.steps=6", "val.every=3", "val.env_groups=16",
                                        "health.no_learning=record"]))
     assert [e for e in _events(run) if e["action"] != "record"] == []
+
+
+def test_the_same_batch_entropy_change_is_read_only_and_zero_without_an_update(fast_overrides):
+    """`health.entropy_after_update`: one more forward after the update; with lr 0 the weights do not move, so the
+    batch's entropy after equals its entropy before exactly; with lr > 0 the run ends with the weights of the run
+    without the measurement."""
+    common = [*fast_overrides, *VARIED, "train.steps=3", "checkpoint.every=3", "val.every=0"]
+    still = train(make_config(PRESET, overrides=[*common, "log.name=still", "train.lr=0",
+                                                 "health.entropy_after_update=true"]))
+    assert [r["actor/entropy_change_same_batch"] for r in read_metrics(still)[1:]] == [0.0, 0.0, 0.0]
+    on = train(make_config(PRESET, overrides=[*common, "log.name=on", "health.entropy_after_update=true"]))
+    off = train(make_config(PRESET, overrides=[*common, "log.name=off"]))
+    moved = [r["actor/entropy_change_same_batch"] for r in read_metrics(on)[1:]]
+    assert all(v != 0.0 for v in moved)
+    a, b = _actor(on, 3), _actor(off, 3)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -380,6 +380,10 @@ class HealthConfig:
     """Check the rules after every step and log `health/<rule>` (1 on a step where it fires) and events.jsonl."""
     layer_norms: bool = True
     """Per-layer gradient norms before/after clipping and update-to-weight ratios (actor/grad_norm/<group>, ...)."""
+    entropy_after_update: bool = False
+    """Measure the entropy of the step's batch again under the updated policy (one more forward, and the
+    old-log-prob pass on every step): actor/entropy_change_same_batch, the realised change actor/entropy_cov
+    predicts."""
     max_rollbacks: int = _within(2, 0)
     """Rollbacks a run may make; a rollback rule firing after that stops the run."""
     baseline_steps: int = _within(5, 1)

@@ -52,6 +52,7 @@ CRITIC_WARMUP = "critic/warmup"  # 1 on a step whose actor update the critic's w
 BATCH_SIZE = "train/batch_size"  # rows of the trained (filtered) batch
 ENTROPY_COV = "actor/entropy_cov"  # token covariance of the sampled token's log-prob and its advantage
 ENTROPY_CHANGE = "actor/entropy_change"  # the rollout policy's entropy minus the previous step's
+ENTROPY_CHANGE_SAME_BATCH = "actor/entropy_change_same_batch"  # the batch's entropy after the update minus before
 HEALTH = "health"  # the health monitor: `health/<rule>` (1 on a step where it fires) and its signals
 IN_GROUP_REWARD_STD = "rollout/in_group_reward_std"
 FILTER_KEPT_RATIO = "rollout/filter_kept_ratio"

@@ -50,12 +50,12 @@ def prepare_update(s: Session, batch: RolloutBatch, kept_ratio: float, *, old_pa
     entropy = None
     if old_pass:
         with timed(m, "old_log_prob"):
-            inputs.old_logprobs, token_entropy = _logprob_pass(cfg, s.model, batch, with_entropy=True)  # [N, L] each
+            inputs.old_logprobs, token_entropy = logprob_pass(cfg, s.model, batch, with_entropy=True)  # [N, L] each
         entropy = aggregate(token_entropy, batch.response_mask, cfg.algo.loss_agg_mode).item()
         m[names.ENTROPY] = entropy
     if s.ref_model is not None and ref_pass:
         with timed(m, "ref"):
-            inputs.ref_logprobs, = _logprob_pass(cfg, s.ref_model, batch, with_entropy=False)  # [N, L]
+            inputs.ref_logprobs, = logprob_pass(cfg, s.ref_model, batch, with_entropy=False)  # [N, L]
         m[names.REF_LOG_PROB] = masked_mean(inputs.ref_logprobs, batch.response_mask).item()
     values = None
     if s.critic is not None:
@@ -68,7 +68,7 @@ def prepare_update(s: Session, batch: RolloutBatch, kept_ratio: float, *, old_pa
     return Prepared(inputs=inputs, values=values, returns=returns, entropy=entropy, metrics=m)
 
 
-def _logprob_pass(cfg: Config, model, batch: RolloutBatch, *, with_entropy: bool) -> tuple[torch.Tensor, ...]:
+def logprob_pass(cfg: Config, model, batch: RolloutBatch, *, with_entropy: bool) -> tuple[torch.Tensor, ...]:
     """The log-probs (and entropies) of `batch`'s response tokens under `model`, without gradients, the rows split
     over the ranks (`row_pass`). ([N, L], and [N, L] with `with_entropy`)"""
 

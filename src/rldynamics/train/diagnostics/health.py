@@ -27,12 +27,14 @@ import math
 from pathlib import Path
 
 from rldynamics import metric_names as names
+from rldynamics.algo.losses import aggregate
 from rldynamics.algo.rollout_corr import k3_kl
 from rldynamics.analysis.health_rules import RULES, Alarm, GradSpike, Signals
 from rldynamics.analysis.health_signals import component_shares, repetition_rate, reply_lengths, token_covariance
 from rldynamics.config import Config
 from rldynamics.train.checkpoint import checkpoints
 from rldynamics.train.diagnostics.base import END, Diagnostic, DiagnosticResult, Needs, StepRecord
+from rldynamics.train.prepare import logprob_pass
 
 
 class Health(Diagnostic):
@@ -53,7 +55,9 @@ class Health(Diagnostic):
         return getattr(self.cfg.health, rule)
 
     def needs(self, step: int) -> Needs:
-        return Needs(update_logprobs=True)  # the entropy covariance and the mismatch read the rollout policy's
+        # the entropy covariance and the mismatch read the rollout policy's log-probs; the same-batch entropy change
+        # compares the old-log-prob pass's entropy with the batch's after the update
+        return Needs(old_logprobs=self.cfg.health.entropy_after_update, update_logprobs=True)
 
     def guard(self, trace) -> bool:
         """Refuse an optimizer step whose gradient norm is a spike (`health.grad_spike=skip`)."""
@@ -62,7 +66,7 @@ class Health(Diagnostic):
 
     def run(self, s, record: StepRecord) -> DiagnosticResult:
         x = signals(self.cfg, record)
-        metrics = self.signal_metrics(record, x)
+        metrics = self.signal_metrics(s, record, x)
         result = DiagnosticResult(metrics)
         for name, rule in self.rules.items():
             alarm = rule.check(x)
@@ -93,9 +97,13 @@ class Health(Diagnostic):
         if action != "record" and s.console is not None:
             s.console.print(f"[yellow]health at step {step}: {alarm.message} ({alarm.rule}: {action})")
 
-    def signal_metrics(self, record: StepRecord, x: Signals) -> dict[str, float]:
+    def signal_metrics(self, s, record: StepRecord, x: Signals) -> dict[str, float]:
         """The signals no other trainer logs, as metrics."""
         out: dict[str, float] = {}
+        if self.cfg.health.entropy_after_update:
+            after = entropy_after_update(s, record)
+            if after is not None:
+                out[names.ENTROPY_CHANGE_SAME_BATCH] = after - record.prepared.entropy
         if x.zero_variance_share is not None:
             out[names.HEALTH_ZERO_VARIANCE_SHARE] = x.zero_variance_share
         if x.repetition is not None:
@@ -178,6 +186,16 @@ def _mismatch_kl(record: StepRecord) -> float | None:
         return None
     batch = record.filtered.batch
     return k3_kl(old, batch.rollout_logprobs, batch.response_mask)
+
+
+def entropy_after_update(s, record: StepRecord) -> float | None:
+    """The aggregated entropy of the filtered batch's sampled tokens under the updated policy (one no-grad forward),
+    aggregated like the old-log-prob pass's (`Prepared.entropy`); None without an update or that pass."""
+    if record.update is None or record.prepared is None or record.prepared.entropy is None:
+        return None
+    batch = record.filtered.batch
+    _, token_entropy = logprob_pass(s.cfg, s.model, batch, with_entropy=True)  # [N, L]
+    return aggregate(token_entropy, batch.response_mask, s.cfg.algo.loss_agg_mode).item()
 
 
 def entropy_covariance(record: StepRecord) -> float | None:
