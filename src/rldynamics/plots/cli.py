@@ -89,7 +89,8 @@ def _per_step(run: RunData, steps: list[int] | None, out_dir: Path) -> int:
     except OSError as e:
         return _err("plot", f"could not write to {out_dir}: {e}")
     if not available:
-        print(f"{NO_STEPS} " + ("Wrote the training curves only." if written else "No known metrics to plot either."))
+        print(f"{NO_STEPS} " + ("Wrote the training curves and the health timeline only." if written
+                                 else "No known metrics to plot either."))
     print(f"wrote {len(written)} file(s) to {out_dir}" + (f" for analysis step(s) {', '.join(map(str, chosen))}"
                                                            if chosen else ""))
     for p in written:
