@@ -46,7 +46,8 @@ def probe_config(checkpoint: Path, overrides: list[str], validate: bool = False)
     step = read_trainer_state(checkpoint)["step"]
     base = run_config(checkpoint)
     mode = [f"checkpoint.resume={checkpoint}", f"train.steps={step}", "analysis.enabled=true", "analysis.every=1",
-            "analysis.exit_after=true", f"val.before_train={str(validate).lower()}"]
+            "analysis.exit_after=true", f"val.before_train={str(validate).lower()}",
+            "health.enabled=false"]  # the health monitor watches training; a probe trains nothing
     cfg = apply_overrides(base, PROBE_DEFAULTS + mode + overrides)
     changed = [f"{key}={new} (the run's: {old})" for key, old, new in config_diff(base, cfg)
                if key.startswith(RUN_MODEL_KEYS)]
