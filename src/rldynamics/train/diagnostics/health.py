@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from rldynamics import dist
 from rldynamics import metric_names as names
 from rldynamics.algo.losses import aggregate
 from rldynamics.algo.rollout_corr import k3_kl
@@ -130,8 +131,9 @@ class Health(Diagnostic):
 
 
 def rollback_target(s, since: int) -> Path | None:
-    """The last checkpoint of the run saved before step `since`, while rollbacks are left (None otherwise)."""
-    if s.attempt >= s.cfg.health.max_rollbacks:
+    """The last checkpoint of the run saved before step `since`, while rollbacks are left (None otherwise; under
+    torchrun always None: reopening the run on every rank is not supported yet, so a rollback rule stops there)."""
+    if s.attempt >= s.cfg.health.max_rollbacks or dist.distributed():
         return None
     before = [p for p in checkpoints(s.run_dir) if checkpoint_step(p) < since]
     return before[-1] if before else None
