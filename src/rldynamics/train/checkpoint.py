@@ -163,7 +163,12 @@ def _discard(path: Path) -> None:
 def checkpoints(run_dir: Path) -> list[Path]:
     """The published checkpoints (`checkpoints/step_<N>`) of `run_dir`, oldest first."""
     found = [p for p in (run_dir / "checkpoints").glob("step_*") if _STEP_DIR.fullmatch(p.name)]
-    return sorted(found, key=lambda p: int(p.name[5:]))
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of a published checkpoint directory (`step_<N>`)."""
+    return int(path.name[5:])
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -34,7 +34,7 @@ from rldynamics.rollout.sampling import NonFiniteLogits
 from rldynamics.tracking.console import StepConsole
 from rldynamics.train import step as stages
 from rldynamics.train.actor import single_pass
-from rldynamics.train.checkpoint import crash_point, save_checkpoint
+from rldynamics.train.checkpoint import checkpoint_step, crash_point, save_checkpoint
 from rldynamics.train.diagnostics import diagnostic_states
 from rldynamics.train.diagnostics.base import BEFORE_UPDATE, END, StepRecord
 from rldynamics.train.diagnostics.gradient_analysis import EXITED
@@ -108,7 +108,7 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> Path | None:
 def _roll_back(s: Session, step: int, checkpoint: Path) -> None:
     """Move the rows of the steps after `checkpoint` (this one's included) to `rolled_back/attempt_<k>/`."""
     s.rolling_back = True
-    back = int(checkpoint.name[5:])
+    back = checkpoint_step(checkpoint)
     s.console.print(f"[yellow]rolling back to {checkpoint} (steps {back + 1}-{step} kept in rolled_back/)")
     dist.on_main(_archive, s, step, back)
 
@@ -190,5 +190,5 @@ def _end(s: Session, due: list, stopper: EarlyStopper, record: StepRecord, stop:
             stop = stopper.after_validation(val.success)
     ended = stages.run_point(s, due, END, record)
     targets = [r.rollback_to for r in record.results.values() if r.rollback_to is not None]
-    back = min(targets, key=lambda p: int(p.name[5:])) if targets else None
+    back = min(targets, key=checkpoint_step) if targets else None
     return StepResult(record.metrics(), stop or ended, back)

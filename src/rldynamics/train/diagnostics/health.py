@@ -33,7 +33,7 @@ from rldynamics.algo.rollout_corr import k3_kl
 from rldynamics.analysis.health_rules import RULES, Alarm, GradSpike, Signals
 from rldynamics.analysis.health_signals import component_shares, repetition_rate, reply_lengths, token_covariance
 from rldynamics.config import Config
-from rldynamics.train.checkpoint import checkpoints
+from rldynamics.train.checkpoint import checkpoint_step, checkpoints
 from rldynamics.train.diagnostics.base import END, Diagnostic, DiagnosticResult, Needs, StepRecord
 from rldynamics.train.prepare import logprob_pass
 
@@ -137,10 +137,6 @@ def rollback_target(s, since: int) -> Path | None:
         return None
     before = [p for p in checkpoints(s.run_dir) if checkpoint_step(p) < since]
     return before[-1] if before else None
-
-
-def checkpoint_step(path: Path) -> int:
-    return int(path.name[5:])
 
 
 def signals(cfg: Config, record: StepRecord) -> Signals:

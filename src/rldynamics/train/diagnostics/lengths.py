@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from rldynamics import metric_names as names
-from rldynamics.analysis.cross_scoring import turn_spans
+from rldynamics.analysis.health_signals import reply_lengths
 from rldynamics.config import Config
 from rldynamics.train.diagnostics.base import ROLLOUT, Diagnostic, DiagnosticResult, StepRecord
 
@@ -26,8 +26,7 @@ class ReplyLengths(Diagnostic):
         return True
 
     def run(self, s, record: StepRecord) -> DiagnosticResult:
-        mask = record.rollout.response_mask  # [N, L]
-        lengths = [end - start for row in mask for start, end in turn_spans(row)]
+        lengths = reply_lengths(record.rollout.response_mask)
         if not lengths:
             return DiagnosticResult({})
         cap = self.cfg.env.max_new_tokens
