@@ -465,6 +465,22 @@ class HealthConfig:
 
 
 @dataclass
+class RecordConfig:
+    """Step records (`records/step_<N>.safetensors`): what a step trained on, for the report's sample browser,
+    `rldyn replay` and `rldyn replay --attribute` (docs/forensics.md)."""
+
+    every: int = _within(10, 0)
+    """Record every N-th step (0 = none on a schedule)."""
+    steps: list[int] = field(default_factory=list)
+    """Record these steps too ([37, 38])."""
+    on_alarm: bool = True
+    """Record every step on which a health rule starts firing."""
+    keep_last: int = _within(0, 0)
+    """Keep only the newest N records, deleting older ones after each write (0 = keep all); those of record.steps
+    are always kept."""
+
+
+@dataclass
 class CheckpointConfig:
     every: int = _within(0, 0)
     """Save every N steps (and at the end when > 0); 0 = only at the end if save_last."""
@@ -530,6 +546,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    record: RecordConfig = field(default_factory=RecordConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -864,6 +881,9 @@ def validate(cfg: Config) -> Config:
     if skipping:
         raise ConfigError(f"{skipping[0]}=skip: only {' and '.join(SKIPPABLE)} can skip (their trouble is found "
                           "before the optimizer step is taken); choose record, warn, rollback or stop")
+    bad_steps = [n for n in cfg.record.steps if n < 1]
+    if bad_steps:
+        raise ConfigError(f"record.steps={cfg.record.steps} holds {bad_steps[0]}: steps are numbered from 1")
     _validate_env(cfg.env)
     return cfg
 
@@ -967,10 +987,10 @@ def to_dict(cfg: Config) -> dict[str, Any]:
     return data
 
 
-RESUME_MAY_CHANGE = ("train.steps", "checkpoint.", "log.", "early_stop.", "filter.empty_stop_steps", "model.device",
-                     "model.threads", "model.shard")  # what a resumed run may change: how long it goes on, when it
-# stops, where and how it logs, the device and threads; every other key keeps the run's config.yaml (a prefix
-# ending in "." covers a section)
+RESUME_MAY_CHANGE = ("train.steps", "checkpoint.", "log.", "early_stop.", "record.", "filter.empty_stop_steps",
+                     "model.device", "model.threads", "model.shard")  # what a resumed run may change: how long it
+# goes on, when it stops, where and how it logs, which steps it records, the device and threads; every other key
+# keeps the run's config.yaml (a prefix ending in "." covers a section)
 
 
 def resume_may_change() -> str:

@@ -65,6 +65,7 @@ EXITED_AFTER_ANALYSIS = "trainer/exited_after_gradient_analysis"
 STEP_TIME = "timing_s/step"
 VAL_TIME = "timing_s/val"
 EARLY_STOPPED = "early_stopped/"
+RECORD_BYTES = "record/bytes"  # the size of the step's record file (`records/step_<N>.safetensors`), recorded steps
 
 
 ROLLOUT_CORR = "rollout/corr"  # the sampler/trainer mismatch (verl's `rollout_corr/*` names), `algo.rollout_corr`

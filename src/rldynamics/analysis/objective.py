@@ -45,6 +45,7 @@ def policy_loss_settings(cfg: AlgoConfig) -> PolicyLossSettings:
 def actor_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, settings: PolicyLossSettings, *,
                 temperature: float, component_advantages: dict[str, torch.Tensor] | None = None,
                 shared_prefix: bool = True, record: torch.Tensor | None = None,
+                record_entropy: torch.Tensor | None = None,
                 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Unweighted loss terms of the rows `rows` [n] of `batch` under `settings`, aggregated with `settings.agg`.
 
@@ -52,7 +53,8 @@ def actor_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInp
     `component_advantages` ([N, L] each)}, policy metrics), all from one forward pass (with a prompt shared by
     several rows forwarded once when `shared_prefix`, except on an FSDP2-sharded model: there every forward is a
     collective of all ranks, which must call the model equally often, and whether rows share a prompt is up to
-    each rank's rows). `record`: an [N, L] CPU tensor the rows' log-probs are written into (detached).
+    each rank's rows). `record` / `record_entropy`: [N, L] CPU tensors the rows' log-probs / entropies are written
+    into (detached).
     """
     device = next(model.parameters()).device
 
@@ -65,6 +67,8 @@ def actor_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInp
                                        shared_prefix=shared_prefix and not is_sharded(model))  # [n, L], [n, L]
     if record is not None:
         record[rows] = logprobs.detach().to(record.device, record.dtype)
+    if record_entropy is not None:
+        record_entropy[rows] = entropy.detach().to(record_entropy.device, record_entropy.dtype)
     return loss_terms(logprobs, entropy, at(inputs.old_logprobs), at(inputs.advantages), mask, settings,
                       ref_logprobs=at(inputs.ref_logprobs),
                       component_advantages={k: at(a) for k, a in (component_advantages or {}).items()},

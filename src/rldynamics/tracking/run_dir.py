@@ -9,6 +9,7 @@ Layout:
                                total, response length, correct flag (`read_rewards`)
     events.jsonl               one row per health alarm and action (`train/diagnostics/health.py`)
     analysis/step_<N>/         gradient-analysis tables and sketches
+    records/step_<N>.safetensors  step records (`tracking/step_records.py`): what step N trained on
     rolled_back/attempt_<k>/   what the steps undone by the k-th rollback wrote (the same files, analysis/ too)
     checkpoints/step_<N>/      model weights (safetensors) + trainer state
     plots/, report.html        written by `rldyn plot` / `rldyn report`
@@ -43,6 +44,7 @@ REWARDS_FILE = "rewards.jsonl"
 EVENTS_FILE = "events.jsonl"
 LOG_FILES = ("metrics.jsonl", "samples.jsonl", REWARDS_FILE, EVENTS_FILE)
 ROLLED_BACK = "rolled_back"
+STEP_DIRS = ("analysis", "records")  # directories of per-step entries `step_<N>` / `step_<N>.<ext>`
 
 
 class RunInUse(OSError):
@@ -151,7 +153,7 @@ class RunWriter:
         return len(list((self.path / ROLLED_BACK).glob("attempt_*")))
 
     def archive_after(self, step: int) -> Path:
-        """Move what was written for steps after `step` (log rows, analysis directories) into a new
+        """Move what was written for steps after `step` (log rows, analysis directories, step records) into a new
         `rolled_back/attempt_<k>/`, which is returned: the steps a rollback undoes stay on record, and the run's own
         files keep every step once."""
         archive = self.path / ROLLED_BACK / f"attempt_{self.attempts() + 1}"
@@ -162,10 +164,9 @@ class RunWriter:
             if file.exists():
                 later = [line for line in file.read_bytes().splitlines() if (row_step(line) or -1) > step]
                 write_file(archive / name, b"".join(line + b"\n" for line in later))
-        for d in sorted((self.path / "analysis").glob("step_*")):
-            if d.name[5:].isdigit() and int(d.name[5:]) > step:
-                (archive / "analysis").mkdir(exist_ok=True)
-                d.rename(archive / "analysis" / d.name)
+        for entry in _step_entries(self.path, step):
+            (archive / entry.parent.name).mkdir(exist_ok=True)
+            entry.rename(archive / entry.parent.name / entry.name)
         self.truncate_after(step)
         return archive
 
@@ -178,7 +179,7 @@ class RunWriter:
 
     def truncate_after(self, step: int) -> None:
         """Drop what was written for steps after `step`: rows of metrics.jsonl, samples.jsonl and rewards.jsonl
-        (and a last line cut by a kill) and `analysis/step_<N>/` with N > step.
+        (and a last line cut by a kill), `analysis/step_<N>/` and `records/step_<N>.safetensors` with N > step.
 
         A resumed run calls this with the step of its checkpoint (-1 to restart from scratch) and then writes
         those steps again, so every step ends up in the run directory exactly once. Any other line that is not a
@@ -201,13 +202,23 @@ class RunWriter:
                     del kept[file]
         for file, lines in kept.items():
             write_file(file, b"".join(line + b"\n" for line in lines))
-        for d in sorted((self.path / "analysis").glob("step_*")):
-            if d.name[5:].isdigit() and int(d.name[5:]) > step:
-                remove(d)
+        for entry in _step_entries(self.path, step):
+            remove(entry)
 
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+
+def _step_entries(run_dir: Path, after: int) -> list[Path]:
+    """The `step_<N>` entries of `STEP_DIRS` with N > `after`."""
+    out = []
+    for name in STEP_DIRS:
+        for entry in sorted((run_dir / name).glob("step_*")):
+            number = entry.name[5:].split(".")[0]
+            if number.isdigit() and int(number) > after:
+                out.append(entry)
+    return out
 
 
 def _append(file: Path, rows: list[dict[str, Any]]) -> None:

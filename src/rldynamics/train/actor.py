@@ -50,6 +50,7 @@ class ActorUpdate:
     kl_loss: float | None  # `actor/kl_loss`: the KL term to the reference; None when off (no reference log-probs)
     logprobs: torch.Tensor | None = None  # [N, L] the update's own log-probs of the sampled tokens (`record`), read
     # by the mismatch metrics in place of an old-log-prob pass; in a single-pass update they are the rollout policy's
+    token_entropy: torch.Tensor | None = None  # [N, L] the entropy at each sampled token in the same forwards (`record`)
     steps: list[StepTrace] = field(default_factory=list)  # one per optimizer step, in order
 
 
@@ -57,7 +58,8 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
                  generator: torch.Generator | None = None, record: bool = False, *, guard: Guard | None = None,
                  trace_groups: bool = False) -> ActorUpdate:
     """PPO epochs over mini-batches with gradient accumulation over micro-batches; returns the update's statistics,
-    metrics and step traces (and with `record`, the log-probs its forwards computed: one process, one pass).
+    metrics and step traces (and with `record`, the log-probs and entropies its forwards computed: one process, one
+    pass).
 
     verl's names: `actor/entropy_loss` is the mean over mini-batches of the aggregated entropy during the update
     (`actor/entropy`, the rollout policy's entropy, is logged by the old-log-prob pass), `actor/kl_coef` the
@@ -69,10 +71,11 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
     settings = policy_loss_settings(algo)
     weights = settings.coefs
     own = torch.zeros(batch.response_mask.shape) if record else None  # [N, L]
+    own_entropy = torch.zeros(batch.response_mask.shape) if record else None  # [N, L]
 
     def loss_of(rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         terms, metrics = actor_terms(model, batch, rows, inputs, settings, temperature=train.temperature,
-                                     shared_prefix=train.shared_prefix, record=own)
+                                     shared_prefix=train.shared_prefix, record=own, record_entropy=own_entropy)
         values = {"pg_loss": terms["pg"].item(), "entropy_loss": terms["entropy"].item(),
                   **({"kl_loss": terms["kl"].item()} if "kl" in terms else {}),
                   **{k: metrics[k] for k in TOKEN_STATS}}
@@ -95,7 +98,7 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
     return ActorUpdate(entropy=stats["entropy_loss"], metrics=out, ppo_kl=stats["ppo_kl"],
                        clipfrac_high=stats["pg_clipfrac"], clipfrac_low=stats["pg_clipfrac_lower"],
                        kl_loss=stats["kl_loss"] if inputs.ref_logprobs is not None else None, logprobs=own,
-                       steps=steps)
+                       token_entropy=own_entropy, steps=steps)
 
 
 def group_metrics(steps: list[StepTrace], max_grad_norm: float) -> dict[str, float]:

@@ -33,6 +33,7 @@ class Prepared:
     values: torch.Tensor | None  # critic values [N, L] (None without a critic)
     returns: torch.Tensor | None  # GAE returns [N, L] (None for the other estimators)
     entropy: float | None  # the rollout policy's aggregated entropy (None when the old-log-prob pass was skipped)
+    token_entropy: torch.Tensor | None = None  # [N, L] its entropy at each sampled token (None likewise)
     metrics: dict[str, float] = field(default_factory=dict)  # timings, `actor/entropy`, `rollout/ref_log_prob`
 
 
@@ -47,7 +48,7 @@ def prepare_update(s: Session, batch: RolloutBatch, kept_ratio: float, *, old_pa
     cfg, m = s.cfg, {}
     micro = cfg.train.micro_batch_size
     inputs = ActorInputs(old_logprobs=None, advantages=torch.zeros_like(batch.response_mask))
-    entropy = None
+    entropy = token_entropy = None
     if old_pass:
         with timed(m, "old_log_prob"):
             inputs.old_logprobs, token_entropy = logprob_pass(cfg, s.model, batch, with_entropy=True)  # [N, L] each
@@ -65,7 +66,8 @@ def prepare_update(s: Session, batch: RolloutBatch, kept_ratio: float, *, old_pa
     with timed(m, "adv"):
         advantages, returns = advantages_and_returns(batch, values, cfg.algo)  # [N, L]
         inputs.advantages = advantages * loss_scale(kept_ratio, cfg.filter.loss_scaling)  # [N, L]
-    return Prepared(inputs=inputs, values=values, returns=returns, entropy=entropy, metrics=m)
+    return Prepared(inputs=inputs, values=values, returns=returns, entropy=entropy, token_entropy=token_entropy,
+                    metrics=m)
 
 
 def logprob_pass(cfg: Config, model, batch: RolloutBatch, *, with_entropy: bool) -> tuple[torch.Tensor, ...]:

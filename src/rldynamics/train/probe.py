@@ -47,7 +47,8 @@ def probe_config(checkpoint: Path, overrides: list[str], validate: bool = False)
     base = run_config(checkpoint)
     mode = [f"checkpoint.resume={checkpoint}", f"train.steps={step}", "analysis.enabled=true", "analysis.every=1",
             "analysis.exit_after=true", f"val.before_train={str(validate).lower()}",
-            "health.enabled=false"]  # the health monitor watches training; a probe trains nothing
+            "health.enabled=false", "record.every=0", "record.steps=[]",
+            "record.on_alarm=false"]  # the health monitor and step records watch training; a probe trains nothing
     cfg = apply_overrides(base, PROBE_DEFAULTS + mode + overrides)
     changed = [f"{key}={new} (the run's: {old})" for key, old, new in config_diff(base, cfg)
                if key.startswith(RUN_MODEL_KEYS)]

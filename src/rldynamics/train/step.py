@@ -90,7 +90,7 @@ def begin(s: Session, due: list[Diagnostic], record: StepRecord, stopper: EarlyS
     """The opening of a training step and of a probe, recorded in `record`: the rollout of `record.seed_step`'s
     seeds, the ROLLOUT diagnostics, the filter and the early stopper's word on it."""
     rollout = roll_out(s, record.step, record.seed_step)
-    record.rollout = rollout.batch
+    record.rollout, record.sampling_seed = rollout.batch, sampling_seed(s, record.seed_step)
     record.add(rollout.metrics)
     run_point(s, due, ROLLOUT, record)
     record.filtered = filter_batch(rollout.batch, s.cfg.filter)

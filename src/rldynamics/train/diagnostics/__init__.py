@@ -13,6 +13,7 @@ from rldynamics.train.diagnostics.gradient_analysis import GradientAnalysis
 from rldynamics.train.diagnostics.health import Health
 from rldynamics.train.diagnostics.lengths import ReplyLengths
 from rldynamics.train.diagnostics.mismatch import Mismatch
+from rldynamics.train.diagnostics.records import StepRecorder
 
 # name -> its class, in the order the diagnostics of one point run
 DIAGNOSTICS: dict[str, type[Diagnostic]] = {
@@ -20,7 +21,8 @@ DIAGNOSTICS: dict[str, type[Diagnostic]] = {
     "collapse": Collapse,
     "gradient_analysis": GradientAnalysis,
     "mismatch": Mismatch,
-    "health": Health,  # last: it reads the others' results
+    "health": Health,  # after the others: it reads their results
+    "step_records": StepRecorder,  # last: it records the steps on which a health rule starts firing
 }
 
 

@@ -56,6 +56,7 @@ class StepRecord:
 
     step: int  # the step the row is logged at
     seed_step: int  # the step whose env and sampling seeds were drawn (a probe: always 1)
+    sampling_seed: int | None = None  # the rollout's sampling seed (set with the rollout)
     rollout: RolloutBatch | None = None  # the whole rollout, before the filter
     filtered: Filtered | None = None  # the filter's outcome
     prepared: Prepared | None = None  # the update's inputs (None: the filter kept nothing)
@@ -79,15 +80,24 @@ class StepRecord:
             return self.prepared.inputs.old_logprobs
         return self.update.logprobs if self.update is not None else None
 
+    def rollout_policy_entropy(self) -> torch.Tensor | None:
+        """The rollout policy's entropy [N, L] at the filtered batch's sampled tokens, from the same pass as
+        `rollout_policy_logprobs` (None when neither ran)."""
+        if self.prepared is not None and self.prepared.token_entropy is not None:
+            return self.prepared.token_entropy
+        return self.update.token_entropy if self.update is not None else None
+
 
 @dataclass
 class DiagnosticResult:
-    """What a diagnostic returns: its metrics, a reason to end the run after this step (None: go on), or a
-    checkpoint of the run to go back to (None: no rollback)."""
+    """What a diagnostic returns: its metrics, a reason to end the run after this step (None: go on), a
+    checkpoint of the run to go back to (None: no rollback), and the alarms that started at this step (the rules of
+    the health monitor whose trouble is new: the step recorder keeps such steps)."""
 
     metrics: dict[str, float]
     stop: str | None = None
     rollback_to: Path | None = None
+    alarms: list[str] = field(default_factory=list)
 
 
 class Diagnostic:

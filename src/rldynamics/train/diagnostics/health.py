@@ -77,6 +77,8 @@ class Health(Diagnostic):
                 rule.streak_start = None if alarm is None else (rule.streak_start or alarm.since)
             if alarm is not None:
                 self.act(s, record.step, alarm, new, result)
+            if new:
+                result.alarms.append(name)
         return result
 
     def act(self, s, step: int, alarm: Alarm, new: bool, result: DiagnosticResult) -> None:
