@@ -31,8 +31,8 @@ and the sampler put zeros too). A step's record is therefore about the size of i
 `reasons` (why it was recorded: `every`, `chosen`, `alarm:<rule>`), `filter` (kept ratio, mean group reward std),
 `passes` (which no-grad passes the step ran: `old_logprobs`, `ref_logprobs`), `update` (per optimizer step: grad
 norm, clipped, skipped, refused by a guard; the step's `actor/*` losses), `weights_after` (SHA-256 of the actor's
-weights after the step, `weights_digest`), `threads` (torch's CPU threads), `pieces` (token id -> its text decoded alone, for
-every id in the record: what the sample browser shows token by token).
+weights after the step, `weights_digest`), `threads` (torch's CPU threads), `pieces` (token id -> its text decoded
+alone, for every id in the record: what the sample browser shows token by token).
 """
 
 from __future__ import annotations

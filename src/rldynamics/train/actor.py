@@ -50,7 +50,7 @@ class ActorUpdate:
     kl_loss: float | None  # `actor/kl_loss`: the KL term to the reference; None when off (no reference log-probs)
     logprobs: torch.Tensor | None = None  # [N, L] the update's own log-probs of the sampled tokens (`record`), read
     # by the mismatch metrics in place of an old-log-prob pass; in a single-pass update they are the rollout policy's
-    token_entropy: torch.Tensor | None = None  # [N, L] the entropy at each sampled token in the same forwards (`record`)
+    token_entropy: torch.Tensor | None = None  # [N, L] the entropy at each sampled token, same forwards (`record`)
     steps: list[StepTrace] = field(default_factory=list)  # one per optimizer step, in order
 
 
