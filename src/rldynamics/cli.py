@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_train(sub)
     _add_probe(sub)
+    _add_replay(sub)
     _add_eval(sub)
     _add_plot(sub)
     _add_report(sub)
@@ -127,6 +128,36 @@ def _add_probe(sub) -> None:
     probe.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. analysis.env_groups=32 analysis.prefilter=true")
     probe.add_argument("--validate", action="store_true", help="run a validation before the analysis")
+
+
+REPLAY_EPILOG = """\
+examples:
+  rldyn replay runs/smoke --step 10                  # recompute step 10 from the checkpoint before it; same weights?
+  rldyn replay runs/smoke --step 10 --attribute      # ... and attribute its gradient to replies and tokens
+  rldyn replay runs/smoke --step 10 train.lr=1e-5    # what-if: the same step with a lower learning rate
+  rldyn replay runs/smoke --step 10 algo.clip_high=0.1 filter.strategy=top_p filter.value=0.9
+"""
+
+
+def _add_replay(sub) -> None:
+    replay = sub.add_parser(
+        "replay", help="recompute a recorded step from the checkpoint before it; what-ifs; gradient attribution",
+        description="Load the state before step N (checkpoints/step_<N-1>, or the run rolled forward to N-1 when "
+                    "it has no checkpoint there) and the step's record (records/step_<N>.safetensors: written for "
+                    "record.every, record.steps and health alarms), recompute the step's update on the recorded "
+                    "rollout and check it against the run: loss, gradient norm and the weights after it (bit-"
+                    "identical on the same machine and thread count). key=value overrides replay the step changed "
+                    "(a what-if) and compare the two updates. --attribute writes each trajectory's, group's and "
+                    "token's share of the step's gradient (attribution.json; shown by the report's sample "
+                    "browser). Output: RUN/replays/step_<N>[_<what-if>]/ (docs/forensics.md).",
+        epilog=REPLAY_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    replay.add_argument("run_dir", help="runs/<run>")
+    replay.add_argument("--step", type=int, required=True, help="the recorded step (ls RUN/records)")
+    replay.add_argument("--attribute", action="store_true",
+                        help="attribute the step's gradient to its trajectories, groups and tokens")
+    replay.add_argument("overrides", nargs="*", metavar="key=value", help="what-if overrides for step N, e.g. "
+                        "train.lr=1e-6 algo.clip_high=0.1")
 
 
 def _add_eval(sub) -> None:
@@ -373,6 +404,15 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return _run_job("probe", job)
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    def job(_):
+        from rldynamics.train.replay import replay_command
+
+        return replay_command(args.run_dir, args.step, args.overrides, attribute=args.attribute)
+
+    return _run_job("replay", job)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     def check():
         from rldynamics.train.evaluate import eval_config
@@ -488,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         build_parser().print_help()
         return 0
-    commands = {"train": cmd_train, "probe": cmd_probe, "eval": cmd_eval, "sweep": cmd_sweep, "plot": cmd_plot,
+    commands = {"train": cmd_train, "probe": cmd_probe, "replay": cmd_replay, "eval": cmd_eval, "sweep": cmd_sweep, "plot": cmd_plot,
                 "report": cmd_report, "envs": cmd_envs}
     try:
         return commands[args.command](args)

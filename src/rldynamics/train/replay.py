@@ -1,0 +1,305 @@
+"""`rldyn replay RUN --step N`: recompute a recorded step's update from the checkpoint before it, and check it.
+
+The replay loads the weights, optimizer and critic of the step before N (`checkpoints/step_<N-1>`; the base model
+for N = 1) and the record of step N (`records/step_<N>.safetensors`, `tracking/step_records.py`), and composes the
+stages of a training step on the recorded rollout instead of a new one:
+
+    recorded rollout -> filter -> prepare (the passes the step ran) -> critic update -> actor update
+
+with the optimizer steps the health monitor refused refused again. On the same machine with the same thread count
+(the record's, set by default) the replay of an unchanged step ends with bit-identical weights (the record holds the
+SHA-256 of the weights after the step) and the same loss and gradient norm; `replay.json` says whether it did.
+
+Without a checkpoint at N-1 the run is first rolled forward from its last checkpoint before N (or from step 0) to
+N-1 by training those steps again (`replays/roll_forward/`, a run directory of its own, kept for later replays):
+every step is seeded by (seed, step), so this repeats the run exactly where a resume does (the HF engine; not across
+a health rollback, whose steps drew other samples).
+
+What-ifs: KEY=VALUE overrides (a learning rate, a clip range, a filter, a KL coefficient) apply to step N only; the
+replay then runs the step twice from the same start, as recorded and as changed, and compares the two updates
+(norms, the cosine between them, losses). With `--attribute` it also attributes the step's gradient to its
+trajectories, groups and tokens (`analysis/attribution.py`) before the update, into `attribution.json`.
+
+Output: `<run>/replays/step_<N>[_<what-if>]/` (a run directory: config.yaml, metrics.jsonl with the replayed row,
+replay.json, attribution.json).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rldynamics import metric_names as names
+from rldynamics.config import Config, ConfigError, apply_overrides, load_config
+from rldynamics.rollout.batch import RolloutBatch
+from rldynamics.tracking.console import StepConsole
+from rldynamics.tracking.files import remove, write_file
+from rldynamics.tracking.run_dir import read_metrics
+from rldynamics.tracking.step_records import read_record, record_path
+from rldynamics.train import step as stages
+from rldynamics.train.checkpoint import checkpoint_step, checkpoints
+from rldynamics.train.diagnostics.records import weights_digest
+from rldynamics.train.lifecycle import opened
+from rldynamics.train.stages import filter_batch
+
+REPLAYS = "replays"
+ROLL_FORWARD = "roll_forward"
+QUIET = ["log.report=false", "val.before_train=false", "analysis.enabled=false", "health.enabled=false",
+         "record.every=0", "record.steps=[]", "record.on_alarm=false", "collapse.enabled=false"]
+COMPARED = (names.PG_LOSS, names.ACTOR_GRAD_NORM, names.KL_LOSS, names.PG_CLIPFRAC)  # the recorded update's losses
+
+
+@dataclass
+class Replayed:
+    """One replay of the step: its metrics row, the weights digest after it and the change it made."""
+
+    metrics: dict[str, float]
+    digest: str | None
+    delta: torch.Tensor | None  # [P] float32: weights after - before (None without an actor update)
+    kept_rows: list[int] = field(default_factory=list)
+
+
+def replay_command(run_dir: str | Path, step: int, overrides: list[str], attribute: bool = False) -> Path:
+    """Replay step `step` of `run_dir` (with what-if `overrides`); returns the replay's directory."""
+    run_dir = Path(run_dir).resolve()
+    tensors, meta = read_record(record_path(run_dir, step))
+    run_cfg = load_config(run_dir / "config.yaml")
+    start = start_checkpoint(run_dir, run_cfg, step, meta)
+    out = run_dir / REPLAYS / f"step_{step}"
+    as_recorded = run_replay(replay_config(run_cfg, start, step, meta, []), fresh(out), step, tensors, meta,
+                             attribute=attribute)
+    summary = {"step": step, "start": str(start) if start else "base model (step 0)", "threads": meta.get("threads"),
+               **verdict(as_recorded, tensors, meta, read_row(run_dir, step))}
+    write_file(out / "replay.json", json.dumps(summary, indent=1))
+    if overrides:
+        out = run_dir / REPLAYS / f"step_{step}_{slug(overrides)}"
+        what_if = run_replay(replay_config(run_cfg, start, step, meta, overrides), fresh(out), step, tensors, meta,
+                             attribute=False)
+        summary["what_if"] = {"overrides": overrides, **compare_updates(as_recorded, what_if)}
+        write_file(out / "replay.json", json.dumps(summary, indent=1))
+    print(summary_lines(summary))
+    return out
+
+
+def fresh(out: Path) -> Path:
+    """`out` emptied: a replay is derived from the record and the checkpoint, and written again each time."""
+    if out.exists():
+        remove(out)
+    return out
+
+
+def start_checkpoint(run_dir: Path, cfg: Config, step: int, meta: dict) -> Path | None:
+    """The checkpoint holding the state before `step` (None for step 1: the base model); rolls the run forward to
+    step - 1 first where the run has no checkpoint there."""
+    if step == 1:
+        return None
+    at = {checkpoint_step(p): p for p in checkpoints(run_dir)}
+    if step - 1 in at:
+        return at[step - 1]
+    scratch = run_dir / REPLAYS / ROLL_FORWARD
+    done = {checkpoint_step(p): p for p in checkpoints(scratch)} if scratch.is_dir() else {}
+    if step - 1 in done:
+        return done[step - 1]
+    if meta.get("attempt", 0) > 0:
+        raise ConfigError(f"{run_dir}: step {step} was trained after a health rollback and the run has no checkpoint "
+                          f"at step {step - 1}; rolling forward would draw other samples than the run did. Record "
+                          "the steps you want to replay with a checkpoint before them (checkpoint.every=1)")
+    before = [n for n in at if n < step - 1]
+    origin = at[max(before)] if before else None
+    return roll_forward(cfg, origin, step - 1, scratch)
+
+
+def roll_forward(cfg: Config, origin: Path | None, last: int, scratch: Path) -> Path:
+    """Train the run's steps after `origin` (None: from step 0) to `last` again, into `scratch`; returns the
+    checkpoint of step `last`."""
+    from rldynamics.train.trainer import train
+
+    first = checkpoint_step(origin) if origin else 0
+    print(f"no checkpoint at step {last}: training steps {first + 1}-{last} again from "
+          f"{origin or 'the base model'} into {scratch}")
+    if scratch.exists():
+        remove(scratch)
+    keys = [f"checkpoint.resume={origin}"] if origin else []
+    keys += [f"train.steps={last}", "checkpoint.every=0", "checkpoint.save_last=true", "checkpoint.keep_last=1",
+             "log.report=false", "val.before_train=false", "val.every=0", "record.every=0", "record.steps=[]",
+             "record.on_alarm=false"]
+    train(apply_overrides(cfg, keys), scratch)
+    found = {checkpoint_step(p): p for p in checkpoints(scratch)}
+    if last not in found:
+        raise RuntimeError(f"rolling {scratch} forward stopped before step {last} (an early stop or a health stop): "
+                           "the recorded step cannot be reached this way")
+    return found[last]
+
+
+def replay_config(cfg: Config, start: Path | None, step: int, meta: dict, overrides: list[str]) -> Config:
+    """The replay's config: the run's, started from `start`, with the diagnostics, records, validation and report
+    off, the HF engine (nothing is sampled), the record's thread count, then the what-if `overrides`."""
+    keys = ([f"checkpoint.resume={start}"] if start else []) + [f"train.steps={step}", "rollout.engine=hf"] + QUIET
+    if meta.get("threads"):
+        keys.append(f"model.threads={meta['threads']}")
+    return apply_overrides(apply_overrides(cfg, keys), overrides, "what-if overrides")
+
+
+def run_replay(cfg: Config, out: Path, step: int, tensors: dict, meta: dict, *, attribute: bool) -> Replayed:
+    """Open a session at the start of `step` and run the recorded step's update in it."""
+    with opened(cfg, out) as (s, _, _), StepConsole(step, cfg.env.name, enabled=False) as console:
+        s.console = console
+        set_learning_rates(s)
+        before = flat_weights(s.model)
+        batch = batch_of(tensors, meta)
+        filtered = filter_batch(batch, cfg.filter)
+        passes = meta.get("passes", {})
+        prepared = stages.prepare(s, filtered, old_pass=passes.get("old_logprobs", True),
+                                  ref_pass=cfg.algo.kl_coef > 0)
+        metrics = {**filtered.metrics, **prepared.metrics}
+        if s.critic is not None:
+            metrics.update(stages.critic_update(s, filtered.batch, prepared))
+        if attribute:
+            write_attribution(s, out, step, batch, filtered, prepared)
+        delta = None
+        if step > cfg.critic.warmup_steps and len(filtered.batch) > 0:
+            update = stages.actor_update(s, step, filtered.batch, prepared, record=False, guard=refusals(meta))
+            metrics.update(update.metrics)
+            delta = flat_weights(s.model) - before
+        s.log(step, metrics)
+        kept = [i for i, g in enumerate(batch.group_ids.tolist()) if g in set(filtered.batch.group_ids.tolist())]
+        return Replayed(metrics, weights_digest(s.model), delta, kept)
+
+
+def set_learning_rates(s) -> None:
+    """The config's learning rates and weight decay in the optimizers (a checkpoint's optimizer state carries the
+    run's; a what-if may change them)."""
+    for group in s.optimizer.param_groups:
+        group.update(lr=s.cfg.train.lr, weight_decay=s.cfg.train.weight_decay)
+    if s.critic_optimizer is not None:
+        for group in s.critic_optimizer.param_groups:
+            group["lr"] = s.cfg.critic.lr
+
+
+def batch_of(tensors: dict[str, np.ndarray], meta: dict) -> RolloutBatch:
+    """The recorded rollout as the `RolloutBatch` the step trained on (the dtypes of `rollout.agent`)."""
+
+    def t(name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        return torch.from_numpy(np.array(tensors[name])).to(dtype) if name in tensors else None
+
+    return RolloutBatch(input_ids=t("input_ids", torch.long), attention_mask=t("attention_mask", torch.long),
+                        response_mask=t("response_mask", torch.float32), scores=t("scores", torch.float32),
+                        group_ids=t("group_ids", torch.long), reward_components=t("reward_components", torch.float32),
+                        reward_names=tuple(meta["reward_names"]), reward_weights=tuple(meta["reward_weights"]),
+                        env_metrics=list(meta["env_metrics"]), rollout_logprobs=t("rollout_logprobs", torch.float32),
+                        seeds=list(meta["env_seeds"]))
+
+
+def refusals(meta: dict):
+    """A guard refusing the optimizer steps the run's guard refused (by position), or None when it refused none."""
+    refused = [bool(s.get("refused")) for s in meta.get("update", {}).get("steps", [])]
+    if not any(refused):
+        return None
+    calls = iter(refused)
+    return lambda trace: next(calls, False)
+
+
+def flat_weights(model: torch.nn.Module) -> torch.Tensor:
+    """The trainable weights as one float32 vector. [P]"""
+    return torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters() if p.requires_grad])
+
+
+def read_row(run_dir: Path, step: int) -> dict:
+    """The run's metrics row of `step` (the training row, not a validation-only one)."""
+    rows = [r for r in read_metrics(run_dir) if r.get("step") == step and names.ACTOR_GRAD_NORM in r]
+    return rows[-1] if rows else {}
+
+
+def verdict(replayed: Replayed, tensors: dict, meta: dict, row: dict) -> dict:
+    """How the replay compares with the record: the weights digest and the update's losses."""
+    recorded = meta.get("update", {}).get("metrics", {}) or row
+    metrics = {k: {"recorded": recorded.get(k), "replayed": replayed.metrics.get(k)} for k in COMPARED
+               if k in recorded or k in replayed.metrics}
+    same = all(_same(m["recorded"], m["replayed"]) for m in metrics.values())
+    expected = meta.get("weights_after")
+    return {"weights_identical": None if expected is None else replayed.digest == expected,
+            "weights_after": replayed.digest, "metrics_identical": same, "metrics": metrics,
+            "kept_rows_identical": replayed.kept_rows == tensors["kept_rows"].tolist()}
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def compare_updates(base: Replayed, other: Replayed) -> dict:
+    """The what-if's update against the recorded one: norms, their cosine, and the compared losses."""
+    out = {"metrics": {k: {"as_recorded": base.metrics.get(k), "what_if": other.metrics.get(k)} for k in COMPARED}}
+    if base.delta is not None and other.delta is not None:
+        a, b = base.delta.double(), other.delta.double()
+        na, nb = a.norm().item(), b.norm().item()
+        out.update(update_norm={"as_recorded": na, "what_if": nb},
+                   update_cosine=(a @ b).item() / (na * nb) if na > 0 and nb > 0 else None,
+                   kept_rows={"as_recorded": len(base.kept_rows), "what_if": len(other.kept_rows)})
+    return out
+
+
+def write_attribution(s, out: Path, step: int, batch: RolloutBatch, filtered, prepared) -> None:
+    """Attribute the step's gradient (at the weights before it) and write `attribution.json`."""
+    from rldynamics.analysis.attribution import attribute
+    from rldynamics.analysis.objective import policy_loss_settings
+
+    s.console.phase("attribution")
+    result = attribute(s.model, filtered.batch, prepared.inputs, policy_loss_settings(s.cfg.algo),
+                       temperature=s.cfg.train.temperature, micro_batch_size=s.cfg.train.micro_batch_size)
+    kept = [i for i, g in enumerate(batch.group_ids.tolist()) if g in set(filtered.batch.group_ids.tolist())]
+    write_file(out / "attribution.json", json.dumps(attribution_json(result, step, kept)))
+
+
+def attribution_json(result, step: int, kept: list[int], tokens_per_row: int = 10) -> dict:
+    """The attribution in the record's row numbering (`kept[i]` is the record row of the filtered batch's row i)."""
+    rows = [{"row": kept[i], "group": int(result.row_groups[i]), "share": float(result.row_share[i]),
+             "cosine": _plain(result.row_cosine[i]), "norm": float(result.row_norm[i])} for i in range(len(kept))]
+    groups = [{"group": int(g), "share": float(sh), "cosine": _plain(c), "norm": float(n)}
+              for g, sh, c, n in zip(result.group_ids, result.group_share, result.group_cosine, result.group_norm,
+                                     strict=True)]
+    tokens = {str(kept[i]): [[int(p), float(v)] for p, v in result.top_tokens(i, tokens_per_row)]
+              for i in range(len(kept))}
+    return {"step": step, "grad_norm": float(result.grad_norm), "rows": rows, "groups": groups, "tokens": tokens}
+
+
+def _plain(value) -> float | None:
+    value = float(value)
+    return None if math.isnan(value) else value
+
+
+def slug(overrides: list[str]) -> str:
+    """A directory-safe name for a what-if (`train.lr=1e-6` -> `train.lr-1e-6`)."""
+    text = "_".join(o.replace("=", "-") for o in overrides)
+    return re.sub(r"[^A-Za-z0-9._-]+", "", text)[:80] or "what_if"
+
+
+def summary_lines(summary: dict) -> str:
+    """What the console says about a replay."""
+    lines = [f"replay of step {summary['step']} from {summary['start']} ({summary['threads']} threads):"]
+    for key, m in summary["metrics"].items():
+        lines.append(f"  {key}: recorded {_num(m['recorded'])}, replayed {_num(m['replayed'])}")
+    same = summary["weights_identical"]
+    lines.append("  weights after the step: " + ("bit-identical to the run's" if same else "not recorded" if same is None
+                                                  else "DIFFERENT from the run's (another machine, thread count or "
+                                                       "library version?)"))
+    if "what_if" in summary:
+        w = summary["what_if"]
+        lines.append(f"what-if {' '.join(w['overrides'])}:")
+        for key, m in w["metrics"].items():
+            lines.append(f"  {key}: as recorded {_num(m['as_recorded'])}, what-if {_num(m['what_if'])}")
+        if "update_norm" in w:
+            lines.append(f"  update norm: as recorded {_num(w['update_norm']['as_recorded'])}, what-if "
+                         f"{_num(w['update_norm']['what_if'])}; cosine between the updates {_num(w['update_cosine'])}")
+    return "\n".join(lines)
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.6g}"
