@@ -148,3 +148,23 @@ def test_a_resume_drops_and_pruning_removes_records(tmp_path):
     assert [record_step(p) for p in records(run)] == [1, 2, 3, 4]
     gone = prune_records(run, keep_last=2, keep={1})
     assert [record_step(p) for p in gone] == [2] and [record_step(p) for p in records(run)] == [1, 3, 4]
+
+
+def test_a_planted_outlier_reads_first_in_the_attribution(fast_overrides, capsys):
+    """One reply's reward made huge in the record: its advantage dominates, and the attribution puts that reply
+    first among the replies and its group first among the groups; the shares add up to the whole gradient."""
+    run = _run(fast_overrides, "outlier", *ONE_STEP, "train.steps=2", "checkpoint.every=1", "record.every=1")
+    tensors, meta = read_record(record_path(run, 2))
+    planted = 4
+    tensors["scores"][planted] = 50.0
+    write_record(run, 2, tensors, {k: v for k, v in meta.items() if k not in ("format", "step")})
+    assert main(["replay", str(run), "--step", "2", "--attribute"]) == 0
+    assert f"row {planted} (group" in capsys.readouterr().out.split("attribution of step 2")[1].splitlines()[1]
+    data = json.loads((run / "replays" / "step_2" / "attribution.json").read_text())
+    rows = sorted(data["rows"], key=lambda r: -r["share"])
+    assert rows[0]["row"] == planted
+    group = int(tensors["group_ids"][planted])
+    assert max(data["groups"], key=lambda g: g["share"])["group"] == group
+    assert sum(r["share"] for r in data["rows"]) == pytest.approx(1.0, abs=1e-5)
+    assert data["tokens"][str(planted)] and all(tensors["response_mask"][planted, p] for p, _ in
+                                                 data["tokens"][str(planted)])

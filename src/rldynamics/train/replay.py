@@ -161,7 +161,7 @@ def run_replay(cfg: Config, out: Path, step: int, tensors: dict, meta: dict, *, 
         if s.critic is not None:
             metrics.update(stages.critic_update(s, filtered.batch, prepared))
         if attribute:
-            write_attribution(s, out, step, batch, filtered, prepared)
+            write_attribution(s, out, step, batch, filtered, prepared, meta.get("pieces", {}))
         delta = None
         if step > cfg.critic.warmup_steps and len(filtered.batch) > 0:
             update = stages.actor_update(s, step, filtered.batch, prepared, record=False, guard=refusals(meta))
@@ -246,8 +246,9 @@ def compare_updates(base: Replayed, other: Replayed) -> dict:
     return out
 
 
-def write_attribution(s, out: Path, step: int, batch: RolloutBatch, filtered, prepared) -> None:
-    """Attribute the step's gradient (at the weights before it) and write `attribution.json`."""
+def write_attribution(s, out: Path, step: int, batch: RolloutBatch, filtered, prepared, pieces: dict) -> None:
+    """Attribute the step's gradient (at the weights before it), write `attribution.json` and say which replies and
+    tokens carried it."""
     from rldynamics.analysis.attribution import attribute
     from rldynamics.analysis.objective import policy_loss_settings
 
@@ -255,19 +256,38 @@ def write_attribution(s, out: Path, step: int, batch: RolloutBatch, filtered, pr
     result = attribute(s.model, filtered.batch, prepared.inputs, policy_loss_settings(s.cfg.algo),
                        temperature=s.cfg.train.temperature, micro_batch_size=s.cfg.train.micro_batch_size)
     kept = [i for i, g in enumerate(batch.group_ids.tolist()) if g in set(filtered.batch.group_ids.tolist())]
-    write_file(out / "attribution.json", json.dumps(attribution_json(result, step, kept)))
+    data = attribution_json(result, step, kept)
+    write_file(out / "attribution.json", json.dumps(data))
+    print(attribution_lines(data, batch, pieces))
 
 
 def attribution_json(result, step: int, kept: list[int], tokens_per_row: int = 10) -> dict:
-    """The attribution in the record's row numbering (`kept[i]` is the record row of the filtered batch's row i)."""
-    rows = [{"row": kept[i], "group": int(result.row_groups[i]), "share": float(result.row_share[i]),
+    """The attribution in the record's row numbering (`kept[i]` is the record row of the filtered batch's row i):
+    rows and groups with their share of the squared gradient norm, cosine with the gradient and norm; each row's
+    `tokens_per_row` tokens of largest |score| as [position, score]."""
+    rows = [{"row": kept[i], "group": int(result.row_group[i]), "share": float(result.row_share[i]),
              "cosine": _plain(result.row_cosine[i]), "norm": float(result.row_norm[i])} for i in range(len(kept))]
     groups = [{"group": int(g), "share": float(sh), "cosine": _plain(c), "norm": float(n)}
               for g, sh, c, n in zip(result.group_ids, result.group_share, result.group_cosine, result.group_norm,
                                      strict=True)]
-    tokens = {str(kept[i]): [[int(p), float(v)] for p, v in result.top_tokens(i, tokens_per_row)]
+    tokens = {str(kept[i]): [[int(p), float(result.token_scores[i, p])] for p in result.top_tokens(i, tokens_per_row)]
               for i in range(len(kept))}
-    return {"step": step, "grad_norm": float(result.grad_norm), "rows": rows, "groups": groups, "tokens": tokens}
+    return {"step": step, "grad_norm": float(result.grad_norm), "residual": _plain(result.residual), "rows": rows,
+            "groups": groups, "tokens": tokens}
+
+
+def attribution_lines(data: dict, batch: RolloutBatch, pieces: dict, replies: int = 3, tokens: int = 5) -> str:
+    """"These replies, these tokens": the replies of largest share with their heaviest tokens."""
+    top = sorted(data["rows"], key=lambda r: -r["share"])[:replies]
+    total = sum(r["share"] for r in top)
+    lines = [f"attribution of step {data['step']} (gradient norm {data['grad_norm']:.4g}): the top {len(top)} of "
+             f"{len(data['rows'])} replies carry {total:.0%} of the squared gradient norm"]
+    for r in top:
+        heavy = data["tokens"][str(r["row"])][:tokens]
+        words = ", ".join(f"{pieces.get(str(int(batch.input_ids[r['row'], p])), '?')!r} {v:+.3f}" for p, v in heavy)
+        lines.append(f"  row {r['row']} (group {r['group']}, reward {batch.scores[r['row']].item():.3g}): share "
+                     f"{r['share']:.1%}, cosine {_num(r['cosine'])}; tokens {words}")
+    return "\n".join(lines)
 
 
 def _plain(value) -> float | None:
