@@ -143,3 +143,21 @@ def test_activation_checkpointing_keeps_the_gradient(smollm2, sampled_rollout):
     for name in layers:
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-4, atol=1e-7)
     model.zero_grad(set_to_none=True)
+
+
+def test_a_recorded_step_replays_bit_identically_and_is_attributed(smollm2_dir, fast_overrides, tmp_path):
+    """The forensics path on the real model: a step recorded with its checkpoint before it replays to the same weights
+    (mixed precision where the CPU has fast bfloat16), and its gradient is attributed to its replies and tokens."""
+    import json
+
+    from rldynamics.train.replay import replay_command
+
+    run = train(make_config("math-smollm2", overrides=[
+        f"log.run_dir={tmp_path / 'runs'}", f"model.path={smollm2_dir}", *SHORT, "checkpoint.every=1",
+        "record.every=1", "log.name=replayed"]))
+    out = replay_command(run, 2, [], attribute=True)
+    summary = json.loads((out / "replay.json").read_text())
+    assert summary["weights_identical"] is True and summary["metrics_identical"] is True
+    data = json.loads((out / "attribution.json").read_text())
+    assert len(data["rows"]) == 4 and sum(r["share"] for r in data["rows"]) == pytest.approx(1.0, abs=1e-2)
+    assert data["grad_norm"] == pytest.approx(summary["metrics"]["actor/grad_norm"]["recorded"], rel=1e-2)
