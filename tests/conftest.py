@@ -48,6 +48,18 @@ FAST = [
 ]
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: tiny tensors gain nothing from threads, and oversubscribed threads stall on a
+    busy CPU."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory) -> str:
     """One model cache for the whole test session (the tiny model is built once)."""

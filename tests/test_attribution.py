@@ -30,12 +30,8 @@ REG = ["algo.entropy_coef=0.01", "algo.kl_coef=0.05", "algo.kl_type=low_var_kl"]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny tensors gain nothing from threads, and oversubscribed threads stall on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def single_thread(one_thread):
+    """Tiny tensors gain nothing from threads (`conftest.one_thread`)."""
 
 
 @pytest.fixture(scope="module")

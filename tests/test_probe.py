@@ -40,12 +40,8 @@ def sokoban_corpus() -> list[str]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny tensors gain nothing from threads, and oversubscribed threads stall on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def single_thread(one_thread):
+    """Tiny tensors gain nothing from threads (`conftest.one_thread`)."""
 
 
 @pytest.fixture(scope="module")
