@@ -82,6 +82,8 @@ def test_a_what_if_with_a_tenth_of_the_learning_rate_makes_a_tenth_of_the_update
     grad = what_if["metrics"]["actor/grad_norm"]
     assert grad["what_if"] == grad["as_recorded"]  # the same gradient, a smaller step
     assert summary["weights_identical"] is True
+    kept = _replayed(run, 2, "filter.strategy=top_k_abs", "filter.value=1")["what_if"]["kept_rows"]
+    assert kept == {"as_recorded": 6, "what_if": 3}  # 2 groups of 3; the what-if's filter keeps one group
 
 
 def test_a_refused_spike_is_refused_again_in_the_replay(fast_overrides):
