@@ -1,11 +1,14 @@
 """Figure helpers every plots module shares (and the sweep report): a Figure on an Agg canvas, PNG bytes that are
-the same for the same figure, value labels, axis scales that drop no value, notes, one colour per run.
+the same for the same figure, a figure embedded in an HTML report, value labels, axis scales that drop no value, notes,
+one colour per run.
 
 Figures are built with the object-oriented API on an Agg canvas (no pyplot state, no backend switching).
 """
 
 from __future__ import annotations
 
+import base64
+import html
 import io
 import math
 from pathlib import Path
@@ -20,6 +23,7 @@ from matplotlib.ticker import FixedFormatter, FixedLocator, FuncFormatter, LogLo
 from rldynamics.tracking.files import write_file
 
 DPI = 150
+REPORT_DPI = 110  # figures embedded in the HTML reports
 RUN_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 RUN_MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 
@@ -45,6 +49,15 @@ def png_bytes(fig: Figure, dpi: int = DPI) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, dpi=dpi, format="png", facecolor="white", metadata=PNG_METADATA)
     return buf.getvalue()
+
+
+def figure_html(fig: Figure | None, caption: str, dpi: int = REPORT_DPI) -> str:
+    """`<figure>` with `fig` embedded as a base64 PNG, for the self-contained HTML reports (empty for None)."""
+    if fig is None:
+        return ""
+    data = base64.b64encode(png_bytes(fig, dpi)).decode("ascii")
+    return (f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>")
 
 
 def literal_text(fig: Figure) -> None:

@@ -5,23 +5,24 @@ timeline (`plots/timeline.py`), a table of the events with the decoded samples o
 the glossary of the rules and signals (`plots/glossary.py`, the text of docs/health.md). Then the headline numbers
 (validation success at the start and the end, the best validation and its step, steps run, wall time, what
 computed the run), the post-run checks over the metrics (`plots/health.py`), the training curves, the gradient
-analysis (across-step views, then per analysis step its figures, with the bucket-metrics table folded), a few sample
-trajectories, the reward components, and the resolved config (folded). Figures are embedded as base64 PNG and the
-style sheet is inline, so the file can be mailed or opened offline; nothing external is loaded.
+analysis (across-step views, then per analysis step its figures, with the bucket-metrics table folded), the sample
+browser of the step records (`plots/browser.py`: every recorded step's prompts and replies token by token, shaded by
+advantage, entropy, sampler/trainer mismatch or attribution; a run without records gets a few decoded samples),
+the reward components, and the resolved config (folded). Figures are embedded as base64 PNG, the browser's script and
+data and the style sheet are inline, so the file can be mailed or opened offline; nothing external is loaded.
 """
 
 from __future__ import annotations
 
-import base64
 import html
 import math
 from datetime import datetime, timezone
 from pathlib import Path
 
-from matplotlib.figure import Figure
-
 from rldynamics.plots import glossary
 from rldynamics.plots.analysis import STEP_FIGURES, step_data
+from rldynamics.plots.browser import CSS as BROWSER_CSS
+from rldynamics.plots.browser import browser_section
 from rldynamics.plots.collapse import check_template_collapse, fig_mi_entropy, fig_regimes, mode_of
 from rldynamics.plots.curves import (
     fig_cosines,
@@ -42,7 +43,7 @@ from rldynamics.plots.data import (
     load_run,
     norm_is_zero,
 )
-from rldynamics.plots.figure import fmt, png_bytes
+from rldynamics.plots.figure import figure_html, fmt
 from rldynamics.plots.health import Flag, health_checks, summary_line
 from rldynamics.plots.reward_components import (
     check_reward_components,
@@ -59,7 +60,6 @@ from rldynamics.tracking.environment import PACKAGES, read_environment
 from rldynamics.tracking.files import write_file
 from rldynamics.tracking.run_dir import ROLLED_BACK, read_samples
 
-REPORT_DPI = 110
 STEP_FIGURE_TITLES = {
     "summary": "Summary: per-group RV, task and regulariser gradient vs RV",
     "plots": "Gradient norms per bucket",
@@ -95,16 +95,7 @@ td.text, th.text { text-align: left; max-width: 40em; } td.samples { text-align:
 .action { font-weight: bold; } .verdict { font-size: 1.1em; }
 .gloss { margin: 0.6em 0 1em; } .gloss dl { margin: 0.2em 0 0 1em; } .gloss dt { font-weight: bold; color: #444; }
 .gloss dd { margin: 0 0 0.3em 1.2em; }
-""" + "".join(f".act-{a} {{ color: {c}; }}\n" for a, c in ACTION_COLORS.items())
-
-
-def figure_html(fig: Figure | None, caption: str) -> str:
-    """`<figure>` with `fig` embedded as a base64 PNG (empty for None)."""
-    if fig is None:
-        return ""
-    data = base64.b64encode(png_bytes(fig, REPORT_DPI)).decode("ascii")
-    return (f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
-            f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+""" + "".join(f".act-{a} {{ color: {c}; }}\n" for a, c in ACTION_COLORS.items()) + BROWSER_CSS
 
 
 def _flag_html(flag: Flag) -> str:
@@ -369,13 +360,23 @@ def environment_line(run: RunData) -> str:
 
 
 def samples_section(run: RunData, per_step: int = 2) -> str:
+    """The sample browser of the run's step records (`plots/browser.py`); without records, a few training
+    trajectories as the model wrote them (`decoded_samples`)."""
+    browser = browser_section(run.path)
+    if browser is None:
+        return decoded_samples(run, per_step, '<h2 id="samples">Sample trajectories</h2>')
+    text, steps = browser
+    return text if steps else text + decoded_samples(run, per_step)  # no record readable: samples.jsonl's
+
+
+def decoded_samples(run: RunData, per_step: int = 2, heading: str = "") -> str:
     """A few training trajectories as the model wrote them, from the first and the last step with samples (a success
     first where there is one), folded."""
     samples = read_samples(run.path)
     if not samples:
         return ""
     steps = sorted({s["step"] for s in samples})
-    out = ['<h2 id="samples">Sample trajectories</h2>',
+    out = [heading,
            f'<p class="meta">Training rollouts of steps {steps[0]} and {steps[-1]} (samples.jsonl holds '
            f"log.samples_per_step of every step: {len(samples)} in all).</p>"]
     for step in dict.fromkeys((steps[0], steps[-1])):
