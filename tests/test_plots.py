@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -325,7 +326,9 @@ def test_report_renders_in_headless_chromium(tmp_path):
         pytest.skip("scripts/check_report.sh missing")
     run = make_run(tmp_path / "shown", steps=4, analysis=(), healthy=False)
     shot = tmp_path / "shot.png"
-    done = subprocess.run(["bash", str(script), str(run), str(shot)], capture_output=True, text=True, timeout=120)
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # the script's `python`: ours
+    done = subprocess.run(["bash", str(script), str(run), str(shot)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PATH": path})
     assert done.returncode == 0, done.stdout + done.stderr
     _assert_png(shot)
 

@@ -29,10 +29,17 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from rldynamics.plots.figure import figure_html, fmt, new_figure, note
-from rldynamics.tracking.step_records import RECORDS_DIR, RecordError, read_record, record_step, records
+from rldynamics.tracking.step_records import (
+    ATTRIBUTION_FILE,
+    RECORDS_DIR,
+    REPLAYS_DIR,
+    RecordError,
+    attribution_path,
+    read_record,
+    record_step,
+    records,
+)
 
-REPLAYS = "replays"  # `rldyn replay` writes replays/step_<N>/ (`train/replay.py`)
-ATTRIBUTION_FILE = "attribution.json"
 TOP_REPLIES = 5  # replies of largest |share| marked and listed per step
 
 
@@ -132,7 +139,7 @@ def step_view(run_dir: str | Path, path: Path, pieces: dict[int, str]) -> tuple[
 def read_attribution(run_dir: str | Path, step: int, rows: int) -> tuple[dict | None, str | None]:
     """`replays/step_<step>/attribution.json` when it exists (format: `train/replay.py` `attribution_json`), and a
     note when it cannot be used."""
-    path = Path(run_dir) / REPLAYS / f"step_{step}" / ATTRIBUTION_FILE
+    path = attribution_path(run_dir, step)
     if not path.is_file():
         return None, None
     try:
@@ -270,7 +277,7 @@ def _top_table(step: int, attribution: dict | None, scores: np.ndarray, ok: np.n
         f"<td>{fmt(_number(r.get('cosine')))}</td><td>{fmt(_number(r.get('norm')))}</td>"
         f"<td>{fmt(float(scores[r['row']]))}</td><td>{'yes' if ok[r['row']] else 'no'}</td></tr>"
         for rank, r in enumerate(top_replies(attribution), 1))
-    return (f'<p class="meta">Gradient attribution ({REPLAYS}/step_{step}/{ATTRIBUTION_FILE}; gradient norm '
+    return (f'<p class="meta">Gradient attribution ({REPLAYS_DIR}/step_{step}/{ATTRIBUTION_FILE}; gradient norm '
             f"{fmt(_number(attribution.get('grad_norm')))}): a reply's share is its part of the step's gradient "
             "along the update (the shares sum to 1; negative pulls against it). The replies of largest |share|:</p>"
             '<table><tr><th>rank</th><th>reply</th><th>group</th><th>share</th><th>cosine</th><th>norm</th>'

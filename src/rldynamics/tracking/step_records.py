@@ -57,6 +57,20 @@ class RecordError(ValueError):
     """A step record that cannot be used; the message names the file and what is wrong."""
 
 
+REPLAYS_DIR = "replays"  # `rldyn replay` writes replays/step_<N>[_<what-if>]/ (`train/replay.py`)
+ATTRIBUTION_FILE = "attribution.json"  # in a replay's directory: `train/replay.py` `attribution_json`
+
+
+def replay_dir(run_dir: str | Path, step: int, what_if: str = "") -> Path:
+    """Where the replay of `step` (as recorded, or the what-if named `what_if`) is written."""
+    return Path(run_dir) / REPLAYS_DIR / (f"step_{step}" + (f"_{what_if}" if what_if else ""))
+
+
+def attribution_path(run_dir: str | Path, step: int) -> Path:
+    """The attribution of `step`'s gradient, written by `rldyn replay --attribute`."""
+    return replay_dir(run_dir, step) / ATTRIBUTION_FILE
+
+
 def record_path(run_dir: str | Path, step: int) -> Path:
     """Where the record of `step` lives."""
     return Path(run_dir) / RECORDS_DIR / f"step_{step}.safetensors"

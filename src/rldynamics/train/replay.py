@@ -41,14 +41,13 @@ from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.tracking.console import StepConsole
 from rldynamics.tracking.files import remove, write_file
 from rldynamics.tracking.run_dir import read_metrics
-from rldynamics.tracking.step_records import read_record, record_path
+from rldynamics.tracking.step_records import ATTRIBUTION_FILE, REPLAYS_DIR, read_record, record_path, replay_dir
 from rldynamics.train import step as stages
 from rldynamics.train.checkpoint import checkpoint_step, checkpoints
 from rldynamics.train.diagnostics.records import weights_digest
 from rldynamics.train.lifecycle import opened
 from rldynamics.train.stages import filter_batch
 
-REPLAYS = "replays"
 ROLL_FORWARD = "roll_forward"
 QUIET = ["log.report=false", "val.before_train=false", "analysis.enabled=false", "health.enabled=false",
          "record.every=0", "record.steps=[]", "record.on_alarm=false", "collapse.enabled=false"]
@@ -71,14 +70,14 @@ def replay_command(run_dir: str | Path, step: int, overrides: list[str], attribu
     tensors, meta = read_record(record_path(run_dir, step))
     run_cfg = load_config(run_dir / "config.yaml")
     start = start_checkpoint(run_dir, run_cfg, step, meta)
-    out = run_dir / REPLAYS / f"step_{step}"
+    out = replay_dir(run_dir, step)
     as_recorded = run_replay(replay_config(run_cfg, start, step, meta, []), fresh(out), step, tensors, meta,
                              attribute=attribute)
     summary = {"step": step, "start": str(start) if start else "base model (step 0)", "threads": meta.get("threads"),
                **verdict(as_recorded, tensors, meta, read_row(run_dir, step))}
     write_file(out / "replay.json", json.dumps(summary, indent=1))
     if overrides:
-        out = run_dir / REPLAYS / f"step_{step}_{slug(overrides)}"
+        out = replay_dir(run_dir, step, slug(overrides))
         what_if = run_replay(replay_config(run_cfg, start, step, meta, overrides), fresh(out), step, tensors, meta,
                              attribute=False)
         summary["what_if"] = {"overrides": overrides, **compare_updates(as_recorded, what_if)}
@@ -102,7 +101,7 @@ def start_checkpoint(run_dir: Path, cfg: Config, step: int, meta: dict) -> Path 
     at = {checkpoint_step(p): p for p in checkpoints(run_dir)}
     if step - 1 in at:
         return at[step - 1]
-    scratch = run_dir / REPLAYS / ROLL_FORWARD
+    scratch = run_dir / REPLAYS_DIR / ROLL_FORWARD
     done = {checkpoint_step(p): p for p in checkpoints(scratch)} if scratch.is_dir() else {}
     if step - 1 in done:
         return done[step - 1]
@@ -257,7 +256,7 @@ def write_attribution(s, out: Path, step: int, batch: RolloutBatch, filtered, pr
                        temperature=s.cfg.train.temperature, micro_batch_size=s.cfg.train.micro_batch_size)
     kept = [i for i, g in enumerate(batch.group_ids.tolist()) if g in set(filtered.batch.group_ids.tolist())]
     data = attribution_json(result, step, kept)
-    write_file(out / "attribution.json", json.dumps(data))
+    write_file(out / ATTRIBUTION_FILE, json.dumps(data))
     print(attribution_lines(data, batch, pieces))
 
 
@@ -307,9 +306,9 @@ def summary_lines(summary: dict) -> str:
     for key, m in summary["metrics"].items():
         lines.append(f"  {key}: recorded {_num(m['recorded'])}, replayed {_num(m['replayed'])}")
     same = summary["weights_identical"]
-    lines.append("  weights after the step: " + ("bit-identical to the run's" if same else "not recorded" if same is None
-                                                  else "DIFFERENT from the run's (another machine, thread count or "
-                                                       "library version?)"))
+    words = ("bit-identical to the run's" if same else "not recorded" if same is None
+             else "DIFFERENT from the run's (another machine, thread count or library version?)")
+    lines.append(f"  weights after the step: {words}")
     if "what_if" in summary:
         w = summary["what_if"]
         lines.append(f"what-if {' '.join(w['overrides'])}:")
