@@ -170,3 +170,5 @@ def test_a_planted_outlier_reads_first_in_the_attribution(fast_overrides, capsys
     assert sum(r["share"] for r in data["rows"]) == pytest.approx(1.0, abs=1e-5)
     assert data["tokens"][str(planted)] and all(tensors["response_mask"][planted, p] for p, _ in
                                                  data["tokens"][str(planted)])
+    replay_command(run, 2, ["train.lr=1e-6"])  # a later replay without --attribute keeps the attribution
+    assert json.loads((run / "replays" / "step_2" / "attribution.json").read_text()) == data

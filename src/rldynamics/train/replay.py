@@ -71,7 +71,8 @@ def replay_command(run_dir: str | Path, step: int, overrides: list[str], attribu
     run_cfg = load_config(run_dir / "config.yaml")
     start = start_checkpoint(run_dir, run_cfg, step, meta)
     out = replay_dir(run_dir, step)
-    as_recorded = run_replay(replay_config(run_cfg, start, step, meta, []), fresh(out), step, tensors, meta,
+    keep = () if attribute else (ATTRIBUTION_FILE,)  # a replay without --attribute keeps an earlier attribution
+    as_recorded = run_replay(replay_config(run_cfg, start, step, meta, []), fresh(out, keep), step, tensors, meta,
                              attribute=attribute)
     summary = {"step": step, "start": str(start) if start else "base model (step 0)", "threads": meta.get("threads"),
                **verdict(as_recorded, tensors, meta, read_row(run_dir, step))}
@@ -86,10 +87,12 @@ def replay_command(run_dir: str | Path, step: int, overrides: list[str], attribu
     return out
 
 
-def fresh(out: Path) -> Path:
-    """`out` emptied: a replay is derived from the record and the checkpoint, and written again each time."""
-    if out.exists():
-        remove(out)
+def fresh(out: Path, keep: tuple[str, ...] = ()) -> Path:
+    """`out` emptied but for the files named in `keep`: a replay is derived from the record and the checkpoint, and
+    written again each time."""
+    for entry in sorted(out.iterdir()) if out.is_dir() else []:
+        if entry.name not in keep:
+            remove(entry)
     return out
 
 
