@@ -270,7 +270,8 @@ def check_resume_settings(cfg: Config, run_dir: Path) -> None:
     if differ:
         raise ConfigError(f"cannot resume {run_dir} with other settings: {'; '.join(differ)}. A resumed run keeps "
                           f"its config.yaml (only {resume_may_change()} may change); to go on with other settings "
-                          "start a new run from the weights: model.path=<checkpoint>/actor")
+                          "start a new run from the weights: model.path=<checkpoint>/actor (a LoRA run's: "
+                          "<checkpoint>/actor_merged, written with checkpoint.save_merged=true)")
 
 
 def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
