@@ -256,6 +256,18 @@ def test_activation_checkpointing_keeps_the_adapter_gradients(adapted):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
 
 
+def test_mixed_precision_computes_in_bfloat16_around_float32_adapters(adapted):
+    from rldynamics.models.precision import compute_in
+
+    model = compute_in(copy.deepcopy(adapted), "bfloat16")
+    batch = make_batch(adapted)[0]
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    assert logits.dtype == torch.bfloat16  # the forward (the peft wrapper's) runs under autocast
+    grads = torch.autograd.grad(logits.float().logsumexp(-1).mean(), params_of(model))
+    assert all(p.dtype == torch.float32 for p in params_of(model)) and all(g.dtype == torch.float32 for g in grads)
+    assert all(not p.requires_grad for n, p in model.named_parameters() if ".lora_" not in n)
+
+
 def test_shared_prefix_forward_goes_through_the_peft_wrapper(adapted):
     """The cache keyword is read from the transformers model under peft's `**kwargs` wrapper, so a group's prompt is
     forwarded once (and gives the log-probs of the unshared forward)."""
@@ -281,9 +293,23 @@ def test_adapter_dropout_acts_in_the_update_alone(adapted):
         return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
 
     whole = forward()
-    with lora.adapter_dropout(model):
+    rng = torch.get_rng_state()
+    with lora.adapter_dropout(model, seed=1):
         dropped = forward()
-    assert torch.equal(forward(), whole) and not torch.equal(dropped, whole)
+    with lora.adapter_dropout(model, seed=1):
+        again = forward()
+    assert torch.equal(torch.get_rng_state(), rng)  # the masks come from a forked, seeded stream
+    assert torch.equal(forward(), whole) and not torch.equal(dropped, whole) and torch.equal(again, dropped)
+    assert torch.equal(forward(), whole) and not model.training
+
+
+def test_a_step_with_adapter_dropout_replays_bit_identically(overrides):
+    from rldynamics.train.replay import replay_command
+
+    run = _train(overrides, "dropout", "model.lora.dropout=0.3", "train.steps=2", "checkpoint.every=1",
+                 "record.every=1", "val.every=0")
+    summary = json.loads((replay_command(run, 2, []) / "replay.json").read_text())
+    assert summary["weights_identical"] is True and summary["metrics_identical"] is True
 
 
 def test_a_tied_lm_head_is_not_adapted():

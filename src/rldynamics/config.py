@@ -71,7 +71,7 @@ class LoraConfig:
     dropout: float = _within(0.0, 0, high=1)
     """Dropout on the adapters' input, in the actor update's forwards only (rollouts, old and reference log-probs and
     the gradient analysis see the whole adapters): the update then no longer starts at ratio 1 against the old
-    log-probs, and every update draws its own masks. 0 = none (the default, as in RAGEN and verl)."""
+    log-probs; masks seeded by (seed, step). 0 = none (the default, as in RAGEN and verl)."""
     target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
     """Modules that get adapters: [all-linear] = every linear layer but the LM head (peft's choice per architecture:
     q/k/v/o_proj and gate/up/down_proj in Llama and Qwen; a tied LM head is never adapted), or module names such

@@ -15,8 +15,9 @@ Design choices:
   `PeftModel.from_pretrained(base, path)` loads it); `load_adapter` puts it back on the run's base model. The merged
   export (`merged_state_dict`) computes W + scale x B A into new tensors and never merges in place: merging and
   unmerging in place would leave the base weights changed by float rounding.
-- The adapters' dropout (`model.lora.dropout`) is on only inside `adapter_dropout`, which the actor update enters:
-  every model here stays in eval mode otherwise, so rollouts, log-prob passes and the analysis see whole adapters.
+- The adapters' dropout (`model.lora.dropout`) is on only inside `adapter_dropout`, which the actor update enters
+  with a seed of its step: every model here stays in eval mode otherwise, so rollouts, log-prob passes and the
+  analysis see whole adapters, and a resume or a replay of the step draws the same masks.
 - peft is optional (the `lora` extra) and imported only where adapters are used; `is_adapted` never imports it.
 """
 
@@ -122,16 +123,26 @@ def as_reference(model: torch.nn.Module):
 
 
 @contextmanager
-def adapter_dropout(model: torch.nn.Module) -> Iterator[None]:
-    """The adapters' dropout (`model.lora.dropout`) on inside the block, off again after; nothing without adapters."""
-    drops = [m for name, m in model.named_modules() if name.endswith(".lora_dropout")]  # one ModuleDict per layer
-    for m in drops:
-        m.train()
-    try:
+def adapter_dropout(model: torch.nn.Module, seed: int | None = None) -> Iterator[None]:
+    """The adapters' dropout (`model.lora.dropout` > 0) on inside the block and off again after. Its masks come from
+    the global RNG seeded with `seed` inside a fork, so the global streams are left as they were and a replay of the
+    step draws the same masks. Nothing happens without adapter dropout."""
+    drops = [m for name, m in model.named_modules() if name.endswith(".lora_dropout")  # one ModuleDict per layer
+             and any(isinstance(d, torch.nn.Dropout) and d.p > 0 for d in m.modules())]
+    if not drops:
         yield
-    finally:
+        return
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        if seed is not None:
+            torch.manual_seed(seed)
         for m in drops:
-            m.eval()
+            m.train()
+        try:
+            yield
+        finally:
+            for m in drops:
+                m.eval()
 
 
 @torch.no_grad()

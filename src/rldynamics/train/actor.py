@@ -86,7 +86,8 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
     for _ in range(train.ppo_epochs):
         order = torch.randperm(len(batch), generator=generator) if train.shuffle else torch.arange(len(batch))
         minis += micro_batches(order, train.mini_batch_size)
-    with adapter_dropout(model):  # `model.lora.dropout` acts in the update's forwards alone
+    seed = generator.initial_seed() if generator is not None else None
+    with adapter_dropout(model, seed):  # `model.lora.dropout` acts in the update's forwards alone, seeded by the step
         stats, steps = optimize(model, optimizer, batch, minis, loss_of, stats=STATS, token_stats=TOKEN_STATS,
                                 micro_batch_size=train.micro_batch_size, max_grad_norm=train.max_grad_norm,
                                 agg_mode=settings.agg, shared_prefix=train.shared_prefix, guard=guard,
