@@ -300,8 +300,8 @@ def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
         load_trainer_state(ckpt, model=model, optimizer=optimizer, critic=critic, critic_optimizer=critic_optimizer)
     environment = describe(start.step, threads, threads_from, _device_name(device),
                            base if cfg.model.path == "tiny" and dist.is_main() else None)
-    environment.update(precision.record(), malloc=malloc, trained_parameters=sum(p.numel() for p in
-                                                                                 lora.trainable(model)))
+    trained = sum(p.numel() for p in lora.trainable(model))  # with LoRA: the adapters' alone
+    environment.update(precision.record(), malloc=malloc, trained_parameters=trained)
     return Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=optimizer,
                    ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer, main=dist.is_main(),
                    environment=environment, engine=rollout_engine(cfg, base, model, precision.engine_dtype),
