@@ -46,14 +46,19 @@ def _lines(file: Path) -> list[dict]:
 
 
 def _without_timing(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("timing_s/")} for r in rows]
+    """The rows without timings, NaN (an undefined cosine) made comparable."""
+    return [{k: "nan" if v != v else v for k, v in r.items() if not k.startswith("timing_s/")} for r in rows]
 
 
 @pytest.mark.slow
-def test_killed_at_write_boundaries_then_resumed(fast_overrides):
-    straight = train(make_config(overrides=[*fast_overrides, *SETTINGS, "log.name=straight"]))
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_killed_at_write_boundaries_then_resumed(fast_overrides, lora):
+    if lora:
+        pytest.importorskip("peft")
+    settings = [*SETTINGS, *(["model.lora.rank=4", "checkpoint.save_merged=true"] if lora else [])]
+    straight = train(make_config(overrides=[*fast_overrides, *settings, "log.name=straight"]))
     run = straight.parent / "killed"
-    args = [*fast_overrides, *SETTINGS, "log.name=killed"]
+    args = [*fast_overrides, *settings, "log.name=killed"]
     for n, (point, step) in enumerate(KILLS):
         out = _rldyn_train(args + (["checkpoint.resume=latest"] if n else []), crash_at=f"{point}:{step}")
         assert out.returncode == -signal.SIGKILL, out.stderr
@@ -71,7 +76,9 @@ def test_killed_at_write_boundaries_then_resumed(fast_overrides):
         assert (run / f"analysis/step_{step}/groups.csv").read_bytes() == \
             (straight / f"analysis/step_{step}/groups.csv").read_bytes()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1", "step_2", "step_3"]
-    for part in ("actor/model.safetensors", "critic/value_head.safetensors"):
+    actor = ["actor/adapter_model.safetensors", "actor_merged/model.safetensors"] if lora else [
+        "actor/model.safetensors"]
+    for part in (*actor, "critic/value_head.safetensors"):
         a, b = (load_file(str(r / "checkpoints/step_3" / part)) for r in (straight, run))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

@@ -211,3 +211,19 @@ def test_every_target_is_a_config_key():
     for key, rule in RAGEN_KEYS.items():
         for target in filter(None, (t.split(" ")[0] for t in rule.target.split(", "))):
             assert target in known, (key, target)
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("lora.rank=8", {"model.lora.rank": 8}),
+    ("lora.alpha=32", {"model.lora.alpha": 32}),
+    ("lora.target_modules=all-linear", {"model.lora.target_modules": ["all-linear"]}),
+    ("actor_rollout_ref.model.lora_rank=16", {"model.lora.rank": 16}),
+    ("actor_rollout_ref.model.lora_alpha=16", {"model.lora.alpha": 16}),
+    ("actor_rollout_ref.model.target_modules=[q_proj,v_proj]", {"model.lora.target_modules": ["q_proj", "v_proj"]}),
+])
+def test_lora_keys_of_ragen_and_verl_translate(override, expected):
+    assert flat(parse_overrides([override])) == expected
+    lora = make_config(overrides=[override]).model.lora
+    assert all(getattr(lora, k.split(".")[-1]) == v for k, v in expected.items())
+    with pytest.raises(ConfigError, match="no rldynamics equivalent"):
+        parse_overrides(["lora.local_temp_dir=/tmp"])  # RAGEN's `lora` section: other keys refused by name

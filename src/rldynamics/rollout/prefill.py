@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from rldynamics.models.forward import caches_plainly, with_cache
+from rldynamics.models.lora import underlying
 
 
 @torch.no_grad()
@@ -34,7 +35,8 @@ def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Te
     attn = attention_mask[first, :-1]  # [U, W-1]
     positions = (attn.long().cumsum(-1) - 1).masked_fill(attn == 0, 0)  # [U, W-1] as generate numbers them
     cache = DynamicCache(config=model.config)
-    kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    takes_keep = "logits_to_keep" in inspect.signature(underlying(model).forward).parameters  # not the peft wrapper's
+    kwargs = {"logits_to_keep": 1} if takes_keep else {}
     model(input_ids=input_ids[first, :-1], attention_mask=attn, position_ids=positions, **with_cache(model, cache),
           use_cache=True, **kwargs)
     cache.batch_select_indices(inverse)

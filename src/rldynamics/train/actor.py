@@ -21,6 +21,7 @@ from rldynamics.algo.losses import weighted_total
 from rldynamics.analysis.objective import ActorInputs, actor_terms, policy_loss_settings
 from rldynamics.config import AlgoConfig, TrainConfig
 from rldynamics.models.forward import micro_batches
+from rldynamics.models.lora import adapter_dropout
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.train.update import Guard, StepTrace, optimize
 
@@ -85,10 +86,12 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
     for _ in range(train.ppo_epochs):
         order = torch.randperm(len(batch), generator=generator) if train.shuffle else torch.arange(len(batch))
         minis += micro_batches(order, train.mini_batch_size)
-    stats, steps = optimize(model, optimizer, batch, minis, loss_of, stats=STATS, token_stats=TOKEN_STATS,
-                            micro_batch_size=train.micro_batch_size, max_grad_norm=train.max_grad_norm,
-                            agg_mode=settings.agg, shared_prefix=train.shared_prefix, guard=guard,
-                            trace_groups=trace_groups)
+    seed = generator.initial_seed() if generator is not None else None
+    with adapter_dropout(model, seed):  # `model.lora.dropout` acts in the update's forwards alone, seeded by the step
+        stats, steps = optimize(model, optimizer, batch, minis, loss_of, stats=STATS, token_stats=TOKEN_STATS,
+                                micro_batch_size=train.micro_batch_size, max_grad_norm=train.max_grad_norm,
+                                agg_mode=settings.agg, shared_prefix=train.shared_prefix, guard=guard,
+                                trace_groups=trace_groups)
     out = {names.actor(k): v for k, v in stats.items()}
     out[names.ACTOR_LR] = optimizer.param_groups[0]["lr"]
     out[names.KL_COEF] = settings.kl_coef

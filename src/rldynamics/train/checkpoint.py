@@ -1,7 +1,9 @@
 """Checkpoints: safetensors weights loadable with `from_pretrained`, plus optimizer, RNG and trainer state.
 
 Layout of `checkpoints/step_<N>/`:
-    actor/             model + tokenizer (`AutoModelForCausalLM.from_pretrained(...)` works on it)
+    actor/             model + tokenizer (`AutoModelForCausalLM.from_pretrained(...)` works on it); with LoRA the
+                       adapter in peft's format + tokenizer (`PeftModel.from_pretrained(base, ...)` works on it)
+    actor_merged/      LoRA with `checkpoint.save_merged`: the base with the adapters merged in, a whole model
     critic/            value model (GAE only)
     optimizer.pt       actor (and critic) optimizer state dicts: tensors and plain containers only
     rng.pt             torch RNG state (`torch`; written by several ranks also `ranks`: every rank's, in order)
@@ -40,13 +42,15 @@ import torch
 from safetensors import SafetensorError
 
 from rldynamics import dist
+from rldynamics.models.lora import ADAPTER_CONFIG, is_adapted, save_merged
 from rldynamics.models.sharding import full_optimizer_state, full_state_dict, is_sharded, load_full_optimizer_state
 from rldynamics.models.tiny import save_tokenizer
 from rldynamics.tracking.files import remove, sha256_file, write_file
 
 MANIFEST = "manifest.json"
 FORMAT = "rldynamics-checkpoint/1"
-REQUIRED = ("trainer_state.json", "optimizer.pt", "rng.pt", "actor/config.json")
+REQUIRED = ("trainer_state.json", "optimizer.pt", "rng.pt")
+ACTOR_CONFIGS = ("actor/config.json", f"actor/{ADAPTER_CONFIG}")  # a whole model's, or a LoRA adapter's: one of them
 CRASH_ENV = "RLDYN_CRASH_AT"
 _STEP_DIR = re.compile(r"step_(\d+)")
 
@@ -70,10 +74,11 @@ def crash_point(point: str, step: int) -> None:
 
 
 def save_checkpoint(directory: Path, step: int, *, model, tokenizer, optimizer, critic=None, critic_optimizer=None,
-                    trainer_state: dict | None = None, keep_last: int = 0) -> Path | None:
+                    trainer_state: dict | None = None, keep_last: int = 0, merged: bool = False) -> Path | None:
     """Write `directory/step_<step>` atomically (manifest last, then a rename) and return its path; then keep
-    only the newest `keep_last` checkpoints (0 = keep all). Several ranks: every rank calls it (the states are
-    gathered collectively); rank 0 writes and returns the path, the others return None."""
+    only the newest `keep_last` checkpoints (0 = keep all); `merged`: a LoRA actor's merged export too
+    (`actor_merged/`). Several ranks: every rank calls it (the states are gathered collectively); rank 0 writes and
+    returns the path, the others return None."""
     weights = full_state_dict(model)
     optim = {"actor": full_optimizer_state(model, optimizer)}
     critic_weights = None
@@ -87,7 +92,7 @@ def save_checkpoint(directory: Path, step: int, *, model, tokenizer, optimizer, 
     tmp = directory / f".tmp_step_{step}_{os.getpid()}"
     try:
         _write_files(tmp, step, weights=weights, model=model, tokenizer=tokenizer, critic=critic,
-                     critic_weights=critic_weights, optim=optim, rng=rng, trainer_state=trainer_state)
+                     critic_weights=critic_weights, optim=optim, rng=rng, trainer_state=trainer_state, merged=merged)
     except (OSError, RuntimeError, SafetensorError) as e:  # torch and safetensors raise their own on a full disk
         _discard(tmp)
         raise CheckpointWriteError(_write_failure(final, e)) from None
@@ -102,13 +107,12 @@ def save_checkpoint(directory: Path, step: int, *, model, tokenizer, optimizer, 
 
 
 def _write_files(tmp: Path, step: int, *, weights, model, tokenizer, critic, critic_weights, optim, rng,
-                 trainer_state: dict | None) -> None:
+                 trainer_state: dict | None, merged: bool) -> None:
     """Every file of checkpoint `step` into a new directory `tmp` (whatever stood there is removed), manifest last."""
     if os.path.lexists(tmp):
         remove(tmp)
     tmp.mkdir(parents=True)  # never an existing directory or link: everything below is written into this new one
-    model.save_pretrained(tmp / "actor", safe_serialization=True, state_dict=weights)
-    save_tokenizer(tokenizer, tmp / "actor")
+    _write_actor(tmp, model, tokenizer, weights, merged)
     if critic is not None:
         critic.save_pretrained(tmp / "critic", state_dict=critic_weights)
     torch.save(optim, tmp / "optimizer.pt")
@@ -120,6 +124,18 @@ def _write_files(tmp: Path, step: int, *, weights, model, tokenizer, critic, cri
                 "files": {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
                           for p in files}}
     write_file(tmp / MANIFEST, json.dumps(manifest, indent=1))
+
+
+def _write_actor(tmp: Path, model, tokenizer, weights, merged: bool) -> None:
+    """`actor/`: the whole model, or a LoRA actor's adapter (peft's files, without the blank model card peft adds),
+    with the tokenizer; with `merged` (LoRA only) also `actor_merged/`, the merged whole model with the tokenizer."""
+    model.save_pretrained(tmp / "actor", safe_serialization=True, state_dict=weights)
+    if is_adapted(model):
+        (tmp / "actor" / "README.md").unlink(missing_ok=True)
+    save_tokenizer(tokenizer, tmp / "actor")
+    if merged and is_adapted(model):
+        save_merged(model, tmp / "actor_merged")
+        save_tokenizer(tokenizer, tmp / "actor_merged")
 
 
 def _write_failure(final: Path, error: Exception) -> str:
@@ -190,6 +206,9 @@ def verify_checkpoint(path: str | Path, needs_critic: bool = False) -> dict:
         if rel not in files:
             raise CheckpointError(f"{path / MANIFEST}: lists no {rel}; the checkpoint is incomplete"
                                   + (" (written by a run without a critic)" if rel.startswith("critic") else ""))
+    if not any(rel in files for rel in ACTOR_CONFIGS):
+        raise CheckpointError(f"{path / MANIFEST}: lists no {' or '.join(ACTOR_CONFIGS)} (a whole model or a LoRA "
+                              "adapter); the checkpoint is incomplete")
     if not any(rel.startswith("actor/") and rel.endswith(".safetensors") for rel in files):
         raise CheckpointError(f"{path / MANIFEST}: lists no actor weights (actor/*.safetensors)")
     for rel, (size, _) in files.items():

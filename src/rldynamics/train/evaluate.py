@@ -6,7 +6,8 @@ number that run logged at that step: success, pass@`val.group_size`, the weighte
 component (`val-reward/<name>/*`), response length and the env's own metrics.
 
 The settings: a checkpoint (`runs/<run>/checkpoints/step_N`) is evaluated under its run's config.yaml (same env,
-same validation), its actor as `model.path`, and its metrics are logged at step N; anything else (a model directory,
+same validation), its actor as `model.path` (a LoRA adapter on the base model of the run: `setup.run_config`), and
+its metrics are logged at step N; anything else (a model directory,
 a hub id in the local cache, a `.gguf` file, `tiny`) under a preset (default: the training default), at step 0.
 `--preset P` replaces the run's config by the preset; `key=value` overrides apply last. Nothing is trained: only the
 policy is loaded (no critic, no reference model, no optimizer).
@@ -72,13 +73,14 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0, checkpoint: Path | None 
     import torch
 
     from rldynamics import dist
+    from rldynamics.models import lora
     from rldynamics.models.loading import load_model_and_tokenizer
     from rldynamics.models.sharding import wrap
     from rldynamics.rollout.engines import rollout_engine
     from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
     from rldynamics.train import step as stages
     from rldynamics.train.checkpoint import verify_checkpoint
-    from rldynamics.train.setup import Session, base_model_path, prepare, resolve_device, start_compute
+    from rldynamics.train.setup import Session, base_model_path, prepare, resolve_device, run_config, start_compute
 
     check_no_links(run_dir)
     _check_new(run_dir)
@@ -89,7 +91,11 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0, checkpoint: Path | None 
     *_, precision = start_compute(cfg, device)
     torch.manual_seed(cfg.seed)
     path = base_model_path(cfg)
-    model, tokenizer = load_model_and_tokenizer(path, device=str(device), chat_template=cfg.model.chat_template)
+    adapter = checkpoint is not None and lora.is_adapter_dir(checkpoint / "actor")
+    base = base_model_path(run_config(checkpoint)) if adapter else path  # a LoRA adapter goes on its run's base
+    model, tokenizer = load_model_and_tokenizer(base, device=str(device), chat_template=cfg.model.chat_template)
+    if adapter:
+        model = lora.load_adapter(model, checkpoint / "actor", trainable=False)
     model = wrap(prepare(model, cfg, precision), cfg.model.shard)
     session = Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=None,
                       main=dist.is_main(), engine=rollout_engine(cfg, path, model, precision.engine_dtype))

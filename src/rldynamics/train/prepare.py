@@ -17,6 +17,7 @@ from rldynamics.algo.losses import aggregate, masked_mean
 from rldynamics.analysis.objective import ActorInputs
 from rldynamics.config import Config
 from rldynamics.models.forward import batch_logprobs, batch_values
+from rldynamics.models.lora import as_reference
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.train.sharded import row_pass
 from rldynamics.train.stages import advantages_and_returns, timed
@@ -55,7 +56,7 @@ def prepare_update(s: Session, batch: RolloutBatch, kept_ratio: float, *, old_pa
         entropy = aggregate(token_entropy, batch.response_mask, cfg.algo.loss_agg_mode).item()
         m[names.ENTROPY] = entropy
     if s.ref_model is not None and ref_pass:
-        with timed(m, "ref"):
+        with timed(m, "ref"), as_reference(s.ref_model):  # with LoRA: the actor with its adapters off
             inputs.ref_logprobs, = logprob_pass(cfg, s.ref_model, batch, with_entropy=False)  # [N, L]
         m[names.REF_LOG_PROB] = masked_mean(inputs.ref_logprobs, batch.response_mask).item()
     values = None

@@ -45,6 +45,7 @@ from rldynamics.config import (
     to_dict,
 )
 from rldynamics.memory import keep_freed_memory
+from rldynamics.models import lora
 from rldynamics.models.hardware import Bf16Speed, DtypeChoice, bf16_speed, choose_dtype, cpu_model
 from rldynamics.models.loading import load_model_and_tokenizer, load_value_model, resolve_model_path
 from rldynamics.models.precision import compute_in, enable_checkpointing
@@ -80,7 +81,8 @@ class Session:
     model: torch.nn.Module
     tokenizer: object
     optimizer: torch.optim.Optimizer
-    ref_model: torch.nn.Module | None = None
+    ref_model: torch.nn.Module | None = None  # the KL reference: the frozen base model, or with LoRA the actor itself
+    # (its adapters switched off where it is used: `models.lora.as_reference`)
     critic: torch.nn.Module | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
     console: StepConsole | None = None
@@ -184,6 +186,10 @@ def check_world(cfg: Config, ranks: int | None = None) -> None:
     ranks = dist.world() if ranks is None else ranks
     if ranks == 1:
         return
+    if cfg.model.lora.rank > 0:
+        raise ConfigError(f"model.lora.rank={cfg.model.lora.rank} on {ranks} ranks: LoRA adapters train in one process "
+                          "for now (FSDP2 with adapters is not implemented); run without torchrun or set "
+                          "model.lora.rank=0")
     if cfg.analysis.dump_gradients:
         raise ConfigError(f"analysis.dump_gradients=true writes whole gradients, which {ranks} ranks never gather; "
                           "set analysis.dump_gradients=false or run without torchrun")
@@ -232,6 +238,7 @@ def plan_start(cfg: Config, run_dir: Path) -> Start:
     built one env with the configured settings.)"""
     check_installed(cfg.log.wandb, cfg.log.tensorboard)
     engines.check_installed(cfg.rollout.engine)
+    lora.check_installed(cfg.model.lora.rank)
     resolve_device(cfg.model.device)
     check_no_links(run_dir)  # a link in place of a file the run writes is refused before any work
     RunLock(run_dir).check()  # a second process fails here, at once
@@ -263,7 +270,8 @@ def check_resume_settings(cfg: Config, run_dir: Path) -> None:
     if differ:
         raise ConfigError(f"cannot resume {run_dir} with other settings: {'; '.join(differ)}. A resumed run keeps "
                           f"its config.yaml (only {resume_may_change()} may change); to go on with other settings "
-                          "start a new run from the weights: model.path=<checkpoint>/actor")
+                          "start a new run from the weights: model.path=<checkpoint>/actor (a LoRA run's: "
+                          "<checkpoint>/actor_merged, written with checkpoint.save_merged=true)")
 
 
 def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
@@ -273,17 +281,16 @@ def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
     torch.manual_seed(cfg.seed)
     base = dist.on_main(run_base_path, cfg, start)  # the tiny model is built (and warm-started) once, by rank 0
     ckpt = start.checkpoint
-    model, tokenizer = load_model_and_tokenizer(str(ckpt / "actor") if ckpt else base, device=str(device),
-                                                chat_template=cfg.model.chat_template)
+    model, tokenizer = load_actor(cfg, base, ckpt, device)
+    if lora.is_adapted(model) and dist.is_main():
+        print(lora.count(model).words(), flush=True)
     actor_shapes = _shapes(model)
     model = wrap(prepare(model, cfg, precision), cfg.model.shard)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    optimizer = torch.optim.AdamW(lora.trainable(model), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     ref_model = None
     if cfg.algo.kl_coef > 0 or cfg.analysis.enabled:  # the probe measures the KL gradient even at coef 0
-        ref_model, _ = load_model_and_tokenizer(base, device=str(device))
-        if ckpt is not None:
-            check_reference(actor_shapes, ref_model, base, ckpt)
-        ref_model = wrap(prepare(ref_model.requires_grad_(False), cfg, precision), cfg.model.shard)
+        ref_model = model if lora.is_adapted(model) else load_reference(cfg, base, ckpt, actor_shapes, device,
+                                                                         precision)
     critic = critic_optimizer = None
     if cfg.algo.has_critic:
         critic = load_value_model(str(ckpt / "critic") if ckpt else base, device=str(device))
@@ -293,11 +300,37 @@ def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
         load_trainer_state(ckpt, model=model, optimizer=optimizer, critic=critic, critic_optimizer=critic_optimizer)
     environment = describe(start.step, threads, threads_from, _device_name(device),
                            base if cfg.model.path == "tiny" and dist.is_main() else None)
-    environment.update(precision.record(), malloc=malloc)
+    trained = sum(p.numel() for p in lora.trainable(model))  # with LoRA: the adapters' alone
+    environment.update(precision.record(), malloc=malloc, trained_parameters=trained)
     return Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=optimizer,
                    ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer, main=dist.is_main(),
                    environment=environment, engine=rollout_engine(cfg, base, model, precision.engine_dtype),
                    diagnostics=build_diagnostics(cfg, start.state))  # a resumed run's diagnostics go on
+
+
+def load_actor(cfg: Config, base: str, checkpoint: Path | None, device: torch.device) -> tuple[torch.nn.Module, object]:
+    """The actor a session starts from, and its tokenizer: a checkpoint's (its whole weights, or its LoRA adapter put
+    back on `base`, the base model of its run), else `base`, with fresh adapters when `model.lora.rank` > 0."""
+    actor = checkpoint / "actor" if checkpoint is not None else None
+    adapter = actor is not None and lora.is_adapter_dir(actor)
+    model, tokenizer = load_model_and_tokenizer(str(actor) if actor and not adapter else base, device=str(device),
+                                                chat_template=cfg.model.chat_template)
+    if adapter:
+        model = lora.load_adapter(model, actor)
+    elif actor is None and cfg.model.lora.rank > 0:
+        r = cfg.model.lora
+        model = lora.add_adapters(model, r.rank, r.alpha, r.dropout, r.target_modules)
+    return model, tokenizer
+
+
+def load_reference(cfg: Config, base: str, checkpoint: Path | None, actor_shapes: dict[str, tuple],
+                   device: torch.device, precision: Precision) -> torch.nn.Module:
+    """The KL reference of a full fine-tuning run: the base model loaded a second time, frozen, computing as the actor
+    does (checked against a checkpoint's actor: `check_reference`)."""
+    ref_model, _ = load_model_and_tokenizer(base, device=str(device))
+    if checkpoint is not None:
+        check_reference(actor_shapes, ref_model, base, checkpoint)
+    return wrap(prepare(ref_model.requires_grad_(False), cfg, precision), cfg.model.shard)
 
 
 def start_compute(cfg: Config, device: torch.device) -> tuple[int, str, str, Precision]:

@@ -133,7 +133,7 @@ def _save(s: Session, step: int, stopper: EarlyStopper) -> None:
     save_checkpoint(s.run_dir / "checkpoints", step, model=s.model, tokenizer=s.tokenizer, optimizer=s.optimizer,
                     critic=s.critic, critic_optimizer=s.critic_optimizer,
                     trainer_state={"early_stop": stopper.state_dict(), "diagnostics": diagnostic_states(s.diagnostics)},
-                    keep_last=s.cfg.checkpoint.keep_last)
+                    keep_last=s.cfg.checkpoint.keep_last, merged=s.cfg.checkpoint.save_merged)
 
 
 def train_step(s: Session, step: int, stopper: EarlyStopper) -> StepResult:

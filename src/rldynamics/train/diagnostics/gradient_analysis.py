@@ -11,6 +11,8 @@ what is written.
 - `analysis.reward_grad` also differentiates the task loss with each named reward component's own advantages
   (`train.stages.component_advantages`, scaled like the trained advantages by the filter's loss scaling) and
   logs `reward_grad/<bucket>/*` (analysis/reward_grad.py).
+- The gradients are over the trained parameters: every weight, or with LoRA the adapters' alone; their count is
+  `grad_analysis/parameters`.
 - Per analysis step, `analysis/step_<N>/` gets `groups.csv` (prefix, bucket, group_id, reward_std, the
   group's env seed and, with `analysis.per_group`, the group's own gradient norms `GROUP_NORM_COLUMNS`),
   `sketches.safetensors` (count-sketches of every bucket/component gradient, for offline cosines across buckets
@@ -36,6 +38,7 @@ from rldynamics.algo.rollout_corr import mismatch_metrics
 from rldynamics.analysis.objective import ActorInputs
 from rldynamics.analysis.probe import ProbeResult, ProbeSettings, gradient_probe
 from rldynamics.config import Config
+from rldynamics.models.lora import trainable
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.tracking.files import replacing, write_file
 from rldynamics.tracking.grad_dump import GradientDumper
@@ -114,7 +117,8 @@ def run_analysis(s, step: int, filtered: Filtered | None, prepared: Prepared | N
     `seed_step` and prepared here by the same stages), and write the artefacts of `step` (gradient dumps through
     `submit`); returns the metrics."""
     cfg = s.cfg
-    metrics: dict[str, float] = {_own("uses_training_batch"): float(not uses_separate_batch(cfg))}
+    metrics: dict[str, float] = {_own("uses_training_batch"): float(not uses_separate_batch(cfg)),
+                                 _own("parameters"): float(sum(p.numel() for p in trainable(s.model)))}
     passes: list[tuple[str, RolloutBatch, ActorInputs, dict[int, float], float]] = []
     if uses_separate_batch(cfg):
         passes, drawn = _separate_batch_passes(s, seed_step)
