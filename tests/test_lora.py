@@ -384,8 +384,7 @@ def test_lora_without_peft_is_one_line_before_any_work(overrides, tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "needs peft" in err and "pip install -e '.[lora]'" in err
     assert not (tmp_path / "runs" / "nopeft").exists()
-    with pytest.raises(ConfigError, match="one process"):
-        check_world(make_config(overrides=["model.lora.rank=4"]), 2)
+    check_world(make_config(overrides=["model.lora.rank=4"]), 2)  # several ranks take adapters (test_dist_lora.py)
 
 
 # ---- a real model ------------------------------------------------------------------------------------------------

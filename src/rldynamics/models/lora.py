@@ -32,8 +32,11 @@ from pathlib import Path
 
 import torch
 
+from rldynamics import dist
+
 ADAPTER_CONFIG = "adapter_config.json"  # peft's file: a directory holding it is an adapter, not a whole model
 INSTALL = "pip install -e '.[lora]' (or pip install peft)"
+PEFT_PREFIX = "base_model.model."  # a peft model's state dict names = this + its base model's names
 
 
 def check_installed(rank: int) -> None:
@@ -125,8 +128,9 @@ def as_reference(model: torch.nn.Module):
 @contextmanager
 def adapter_dropout(model: torch.nn.Module, seed: int | None = None) -> Iterator[None]:
     """The adapters' dropout (`model.lora.dropout` > 0) on inside the block and off again after. Its masks come from
-    the global RNG seeded with `seed` inside a fork, so the global streams are left as they were and a replay of the
-    step draws the same masks. Nothing happens without adapter dropout."""
+    the global RNG seeded with `seed` (+ the rank: on several ranks each draws its own masks for its own rows) inside
+    a fork, so the global streams are left as they were and a replay of the step draws the same masks. Nothing
+    happens without adapter dropout."""
     drops = [m for name, m in model.named_modules() if name.endswith(".lora_dropout")  # one ModuleDict per layer
              and any(isinstance(d, torch.nn.Dropout) and d.p > 0 for d in m.modules())]
     if not drops:
@@ -135,7 +139,7 @@ def adapter_dropout(model: torch.nn.Module, seed: int | None = None) -> Iterator
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
         if seed is not None:
-            torch.manual_seed(seed)
+            torch.manual_seed(seed + dist.rank())
         for m in drops:
             m.train()
         try:
@@ -146,25 +150,34 @@ def adapter_dropout(model: torch.nn.Module, seed: int | None = None) -> Iterator
 
 
 @torch.no_grad()
-def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def merged_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The base model's state dict (its own names) with every adapted weight replaced by W + scale x B A, computed into
-    new CPU tensors; `model`'s own weights are not touched. Loads into the bare base architecture."""
+    new CPU tensors; `model`'s own weights are not touched. Loads into the bare base architecture. `state`: the peft
+    model's whole state dict (its own names) to merge, e.g. gathered from ranks (`sharding.full_state_dict`); None:
+    the model's own."""
     peft = _peft()
-    base = model.get_base_model()
-    deltas = {f"{name}.weight": module.get_delta_weight(module.active_adapters[0])
-              for name, module in base.named_modules() if isinstance(module, peft.tuners.lora.LoraLayer)}
-    state = {}
-    for key, tensor in base.state_dict().items():
+    weights = {key.removeprefix(PEFT_PREFIX): tensor.detach().cpu()
+               for key, tensor in (model.state_dict() if state is None else state).items()}
+    deltas = {}
+    for name, module in model.get_base_model().named_modules():
+        if isinstance(module, peft.tuners.lora.LoraLayer):
+            adapter = module.active_adapters[0]
+            delta = weights[f"{name}.lora_B.{adapter}.weight"] @ weights[f"{name}.lora_A.{adapter}.weight"]  # [out, in]
+            deltas[f"{name}.weight"] = (delta.T if module.fan_in_fan_out else delta) * module.scaling[adapter]
+    merged = {}
+    for key, tensor in weights.items():
         if ".lora_" in key:
             continue
         key = key.replace(".base_layer.", ".")
-        state[key] = tensor.detach().cpu() + deltas[key].cpu() if key in deltas else tensor.detach().cpu()
-    return state
+        merged[key] = tensor + deltas[key] if key in deltas else tensor
+    return merged
 
 
-def save_merged(model: torch.nn.Module, directory: Path) -> None:
-    """Write the merged model (`merged_state_dict`) to `directory` with `save_pretrained` (config.json, safetensors)."""
-    model.get_base_model().save_pretrained(directory, state_dict=merged_state_dict(model), safe_serialization=True)
+def save_merged(model: torch.nn.Module, directory: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write the merged model (`merged_state_dict` of `model`, or of its gathered `state`) to `directory` with
+    `save_pretrained` (config.json, safetensors)."""
+    model.get_base_model().save_pretrained(directory, state_dict=merged_state_dict(model, state),
+                                           safe_serialization=True)
 
 
 @dataclass(frozen=True)

@@ -119,14 +119,14 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
 
 
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer state as one process keys it (parameter indices in `model.parameters()` order), complete:
+    """The optimizer state as one process keys it (indices of the optimizer's parameters, in its order), complete:
     gathered on rank 0 when sharded (collective; empty elsewhere)."""
     if not is_sharded(model):
         return optimizer.state_dict()
     state = get_optimizer_state_dict(model, optimizer, options=_FULL)
     if not state:
         return {}
-    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    index = {name: i for i, name in enumerate(_optimized_names(model, optimizer))}
     return {"state": {index[name]: value for name, value in state["state"].items()},
             "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in state["param_groups"]]}
 
@@ -139,11 +139,18 @@ def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
         return
     full = {}
     if state is not None:
-        names = [name for name, _ in model.named_parameters()]
+        names = _optimized_names(model, optimizer)
         full = {"state": {names[i]: value for i, value in state["state"].items()},
                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, full,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def _optimized_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of the parameters `optimizer` steps, in the order its state dict numbers them (its groups' order):
+    every parameter of a fully trained model, the adapters alone of a LoRA actor (its frozen base has no state)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
 def grad_spans(model: torch.nn.Module, params: list[torch.Tensor]) -> list[tuple[int, int]]:

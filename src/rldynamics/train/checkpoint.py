@@ -134,7 +134,7 @@ def _write_actor(tmp: Path, model, tokenizer, weights, merged: bool) -> None:
         (tmp / "actor" / "README.md").unlink(missing_ok=True)
     save_tokenizer(tokenizer, tmp / "actor")
     if merged and is_adapted(model):
-        save_merged(model, tmp / "actor_merged")
+        save_merged(model, tmp / "actor_merged", weights)
         save_tokenizer(tokenizer, tmp / "actor_merged")
 
 

@@ -186,10 +186,6 @@ def check_world(cfg: Config, ranks: int | None = None) -> None:
     ranks = dist.world() if ranks is None else ranks
     if ranks == 1:
         return
-    if cfg.model.lora.rank > 0:
-        raise ConfigError(f"model.lora.rank={cfg.model.lora.rank} on {ranks} ranks: LoRA adapters train in one process "
-                          "for now (FSDP2 with adapters is not implemented); run without torchrun or set "
-                          "model.lora.rank=0")
     if cfg.analysis.dump_gradients:
         raise ConfigError(f"analysis.dump_gradients=true writes whole gradients, which {ranks} ranks never gather; "
                           "set analysis.dump_gradients=false or run without torchrun")
