@@ -162,6 +162,34 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+@torch.no_grad()
+def merged_weights(model: torch.nn.Module, adapted_blocks: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The base model's parameters under its own names (a tied weight once), every adapted weight replaced by
+    W + scale x B A computed into a new tensor on its device; `model`'s own weights are not touched. What an engine
+    of the bare base architecture loads (`rollout.vllm_engine`).
+
+    `adapted_blocks`: only the parameters of the blocks that hold an adapted module (the module's parent: its
+    attention or MLP), the only ones the adapters change, whole, since an engine may fuse sibling projections
+    (q/k/v, gate/up) into one layer that must be loaded complete."""
+    peft = _peft()
+    base = model.get_base_model()
+    adapted = {name: module for name, module in base.named_modules() if isinstance(module, peft.tuners.lora.LoraLayer)}
+    blocks = tuple(f"{parent}." if parent else "" for parent in (name.rpartition(".")[0] for name in adapted))
+    weights = []
+    for key, p in base.named_parameters():
+        if ".lora_" in key:
+            continue
+        module, _, leaf = key.replace(".base_layer.", ".").rpartition(".")
+        if adapted_blocks and not f"{module}.".startswith(blocks):
+            continue
+        layer = adapted.get(module)
+        if layer is not None and leaf == "weight":
+            weights.append((f"{module}.weight", p.detach() + layer.get_delta_weight(layer.active_adapters[0])))
+        else:
+            weights.append((f"{module}.{leaf}", p.detach()))
+    return weights
+
+
 def save_merged(model: torch.nn.Module, directory: Path) -> None:
     """Write the merged model (`merged_state_dict`) to `directory` with `save_pretrained` (config.json, safetensors)."""
     model.get_base_model().save_pretrained(directory, state_dict=merged_state_dict(model), safe_serialization=True)
