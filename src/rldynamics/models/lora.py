@@ -14,7 +14,8 @@ Design choices:
 - A checkpoint's `actor/` holds the adapter in peft's own format (`adapter_config.json`, `adapter_model.safetensors`:
   `PeftModel.from_pretrained(base, path)` loads it); `load_adapter` puts it back on the run's base model. The merged
   export (`merged_state_dict`) computes W + scale x B A into new tensors and never merges in place: merging and
-  unmerging in place would leave the base weights changed by float rounding.
+  unmerging in place would leave the base weights changed by float rounding. The vLLM engine samples the same merged
+  weights (`merged_weights`, under the base's parameter names), synced after every optimizer step.
 - The adapters' dropout (`model.lora.dropout`) is on only inside `adapter_dropout`, which the actor update enters
   with a seed of its step: every model here stays in eval mode otherwise, so rollouts, log-prob passes and the
   analysis see whole adapters, and a resume or a replay of the step draws the same masks.
@@ -184,7 +185,8 @@ def merged_weights(model: torch.nn.Module, adapted_blocks: bool = False) -> list
             continue
         layer = adapted.get(module)
         if layer is not None and leaf == "weight":
-            weights.append((f"{module}.weight", p.detach() + layer.get_delta_weight(layer.active_adapters[0])))
+            delta = layer.get_delta_weight(layer.active_adapters[0])  # a new tensor: W is added into it
+            weights.append((f"{module}.weight", delta.add_(p.detach())))
         else:
             weights.append((f"{module}.{leaf}", p.detach()))
     return weights

@@ -20,6 +20,10 @@ Design choices:
   pointed at the new embedding again and its kernel weights rebuilt (the reload restores the head's old ones);
   then the prefix cache is reset (its blocks hold keys and values of the old weights). The trainer calls it
   after every optimizer step; the engine is built once per run (`rollout.engines.rollout_engine`).
+- LoRA adapters: the engine samples the merged weights (`models.lora.merged_weights`: W + scale x B A in new
+  tensors, the base's names), all of them at an adapted model's first sync, then only the blocks holding adapters
+  (layers sent nothing keep their weights; a block goes whole, since vLLM fuses q/k/v and gate/up). vLLM's own
+  LoRA (`enable_lora`) runs on the CPU build but generated 3.5x slower or more than merged weights (docs/vllm.md).
 - One process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the engine's model lives in the trainer's process, as in TRL's
   `vllm_mode="colocate"` and verl's hybrid engine. Under torchrun every rank builds its own engine (tensor parallel
   size 1, vLLM's `external_launcher` on the ranks' process group) and samples its own groups; vLLM makes its groups
