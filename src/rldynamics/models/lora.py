@@ -14,7 +14,8 @@ Design choices:
 - A checkpoint's `actor/` holds the adapter in peft's own format (`adapter_config.json`, `adapter_model.safetensors`:
   `PeftModel.from_pretrained(base, path)` loads it); `load_adapter` puts it back on the run's base model. The merged
   export (`merged_state_dict`) computes W + scale x B A into new tensors and never merges in place: merging and
-  unmerging in place would leave the base weights changed by float rounding.
+  unmerging in place would leave the base weights changed by float rounding. The vLLM engine samples the same merged
+  weights (`merged_weights`, under the base's parameter names), synced after every optimizer step.
 - The adapters' dropout (`model.lora.dropout`) is on only inside `adapter_dropout`, which the actor update enters
   with a seed of its step: every model here stays in eval mode otherwise, so rollouts, log-prob passes and the
   analysis see whole adapters, and a resume or a replay of the step draws the same masks.
@@ -171,6 +172,35 @@ def merged_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor] | N
         key = key.replace(".base_layer.", ".")
         merged[key] = tensor + deltas[key] if key in deltas else tensor
     return merged
+
+
+@torch.no_grad()
+def merged_weights(model: torch.nn.Module, adapted_blocks: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The base model's parameters under its own names (a tied weight once), every adapted weight replaced by
+    W + scale x B A computed into a new tensor on its device; `model`'s own weights are not touched. What an engine
+    of the bare base architecture loads (`rollout.vllm_engine`).
+
+    `adapted_blocks`: only the parameters of the blocks that hold an adapted module (the module's parent: its
+    attention or MLP), the only ones the adapters change, whole, since an engine may fuse sibling projections
+    (q/k/v, gate/up) into one layer that must be loaded complete."""
+    peft = _peft()
+    base = model.get_base_model()
+    adapted = {name: module for name, module in base.named_modules() if isinstance(module, peft.tuners.lora.LoraLayer)}
+    blocks = tuple(f"{parent}." if parent else "" for parent in (name.rpartition(".")[0] for name in adapted))
+    weights = []
+    for key, p in base.named_parameters():
+        if ".lora_" in key:
+            continue
+        module, _, leaf = key.replace(".base_layer.", ".").rpartition(".")
+        if adapted_blocks and not f"{module}.".startswith(blocks):
+            continue
+        layer = adapted.get(module)
+        if layer is not None and leaf == "weight":
+            delta = layer.get_delta_weight(layer.active_adapters[0])  # a new tensor: W is added into it
+            weights.append((f"{module}.weight", delta.add_(p.detach())))
+        else:
+            weights.append((f"{module}.{leaf}", p.detach()))
+    return weights
 
 
 def save_merged(model: torch.nn.Module, directory: Path, state: dict[str, torch.Tensor] | None = None) -> None:

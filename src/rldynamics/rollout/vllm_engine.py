@@ -20,6 +20,10 @@ Design choices:
   pointed at the new embedding again and its kernel weights rebuilt (the reload restores the head's old ones);
   then the prefix cache is reset (its blocks hold keys and values of the old weights). The trainer calls it
   after every optimizer step; the engine is built once per run (`rollout.engines.rollout_engine`).
+- LoRA adapters: the engine samples the merged weights (`models.lora.merged_weights`: W + scale x B A in new
+  tensors, the base's names), all of them at an adapted model's first sync, then only the blocks holding adapters
+  (layers sent nothing keep their weights; a block goes whole, since vLLM fuses q/k/v and gate/up). vLLM's own
+  LoRA (`enable_lora`) runs on the CPU build but generated 3.5x slower or more than merged weights (docs/vllm.md).
 - One process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the engine's model lives in the trainer's process, as in TRL's
   `vllm_mode="colocate"` and verl's hybrid engine. Under torchrun every rank builds its own engine (tensor parallel
   size 1, vLLM's `external_launcher` on the ranks' process group) and samples its own groups; vLLM makes its groups
@@ -38,11 +42,13 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import weakref
 
 import torch
 
 from rldynamics import dist
 from rldynamics.config import ConfigError
+from rldynamics.models import lora
 from rldynamics.models.sharding import gathered
 from rldynamics.rollout.engines import check_installed
 
@@ -59,6 +65,7 @@ class VllmEngine:
 
         self.sleeps = sleep and torch.cuda.is_available()  # vLLM has no sleep mode on CPU
         self.sleeping: set[str] = set()  # the parts now asleep: "weights", "kv_cache"
+        self.adapted: weakref.ref | None = None  # the LoRA model last synced: its next sync sends its adapted blocks
         set_num_threads = torch.set_num_threads
         try:
             self.llm = LLM(model=path, dtype=dtype, seed=seed, enforce_eager=True, enable_prefix_caching=True,
@@ -122,17 +129,24 @@ class VllmEngine:
 
     @torch.no_grad()
     def sync(self, model: torch.nn.Module) -> None:
-        """Load `model`'s parameters (an HF causal LM of the engine's architecture) into the engine, in place.
+        """Load `model`'s parameters (an HF causal LM of the engine's architecture) into the engine, in place; with
+        LoRA adapters, the merged weights of the adapted blocks (`lora.merged_weights`), the rest being the base's.
 
         Sharded (FSDP2): the full weights are gathered for the load, on every rank (a collective of all ranks)."""
         self._wake(("weights",))
-        # a tied head gets no weights of its own: vLLM warns that it "failed to load" them; _tie_head handles it
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        # layers sent no weights (a tied head; with adapters, all but the adapted blocks) keep their own, and vLLM
+        # warns that it "failed to load" them
+        for name in ("layerwise", "inplace"):
+            logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}").setLevel(logging.ERROR)
+        adapted = lora.is_adapted(model)
+        blocks = adapted and self.adapted is not None and self.adapted() is model  # the rest is already its base
         with gathered(model):
-            weights = [(name, p.detach()) for name, p in model.named_parameters()]  # full tensors, even if sharded
+            weights = (lora.merged_weights(model, adapted_blocks=blocks) if adapted  # base + adapters, new tensors
+                       else [(name, p.detach()) for name, p in model.named_parameters()])  # full, even if sharded
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
-        if getattr(model.config, "tie_word_embeddings", False):
+        if getattr(model.config, "tie_word_embeddings", False) and not blocks:
             self.llm.llm_engine.apply_model(_tie_head)  # the reload leaves the head on the old embedding tensor
+        self.adapted = weakref.ref(model) if adapted else None
         self._wake(("kv_cache",))
         self.llm.reset_prefix_cache()
 

@@ -98,7 +98,7 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0, checkpoint: Path | None 
         model = lora.load_adapter(model, checkpoint / "actor", trainable=False)
     model = wrap(prepare(model, cfg, precision), cfg.model.shard)
     session = Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=None,
-                      main=dist.is_main(), engine=rollout_engine(cfg, path, model, precision.engine_dtype))
+                      main=dist.is_main(), engine=rollout_engine(cfg, base, model, precision.engine_dtype))
     start = time.perf_counter()
     metrics = stages.validate(session).metrics
     metrics[names.timing("eval")] = time.perf_counter() - start
