@@ -75,7 +75,7 @@ def is_adapter_dir(path: str | Path) -> bool:
 def add_adapters(model: torch.nn.Module, rank: int, alpha: int, dropout: float,
                  target_modules: list[str]) -> torch.nn.Module:
     """`model` wrapped with fresh LoRA adapters (B = 0: the adapted model starts equal to the base; A drawn from the
-    global torch RNG), base weights frozen, in eval mode.
+    global torch RNG, then rank 0's on every rank under torchrun), base weights frozen, in eval mode.
 
     Raises ValueError when a target module names nothing in the model, or adapts a weight the model ties to another
     (a tied LM head: the adapter would change the output layer without the input embedding, and no merged export could
@@ -91,7 +91,22 @@ def add_adapters(model: torch.nn.Module, rank: int, alpha: int, dropout: float,
     if shared:
         raise ValueError(f"model.lora.target_modules={target_modules} adapts {shared[0]}, whose weight the model ties "
                          "to another module (a tied LM head); leave it out (all-linear does)")
+    _same_on_every_rank(trainable(adapted))
     return adapted.eval()
+
+
+def _same_on_every_rank(params: list[torch.nn.Parameter]) -> None:
+    """Under torchrun: every rank's fresh adapters set to rank 0's (each rank draws A from its own RNG; seeded alike
+    they agree, and this makes it so whatever a model's loading drew before)."""
+    if not dist.distributed():
+        return
+    import torch.distributed
+
+    device = dist.collective_device()
+    for p in params:
+        value = p.data.to(device)
+        torch.distributed.broadcast(value, src=0)
+        p.data.copy_(value)
 
 
 def _tied_parameters(model: torch.nn.Module) -> set[int]:
