@@ -25,9 +25,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rldynamics.train.diagnostics.records import RECORDS_OFF
+
 PRESET = "math-smollm2"
-SMALL = ["val.before_train=false", "val.every=0", "log.progress=false", "log.report=false", "record.every=0",
-         "record.on_alarm=false"]
+SMALL = ["val.before_train=false", "val.every=0", "log.progress=false", "log.report=false", *RECORDS_OFF]
 
 
 def peak_of(args: list[str]) -> int:

@@ -28,6 +28,7 @@ from rldynamics.tracking.console import StepConsole
 from rldynamics.train import step as stages
 from rldynamics.train.checkpoint import read_trainer_state
 from rldynamics.train.diagnostics.base import BEFORE_UPDATE, END, StepRecord
+from rldynamics.train.diagnostics.records import RECORDS_OFF
 from rldynamics.train.early_stop import EarlyStopper
 from rldynamics.train.lifecycle import opened
 from rldynamics.train.setup import Session, run_config
@@ -47,8 +48,7 @@ def probe_config(checkpoint: Path, overrides: list[str], validate: bool = False)
     base = run_config(checkpoint)
     mode = [f"checkpoint.resume={checkpoint}", f"train.steps={step}", "analysis.enabled=true", "analysis.every=1",
             "analysis.exit_after=true", f"val.before_train={str(validate).lower()}",
-            "health.enabled=false", "record.every=0", "record.steps=[]",
-            "record.on_alarm=false"]  # the health monitor and step records watch training; a probe trains nothing
+            "health.enabled=false", *RECORDS_OFF]  # the monitor and the records watch training; a probe trains nothing
     cfg = apply_overrides(base, PROBE_DEFAULTS + mode + overrides)
     changed = [f"{key}={new} (the run's: {old})" for key, old, new in config_diff(base, cfg)
                if key.startswith(RUN_MODEL_KEYS)]

@@ -44,13 +44,13 @@ from rldynamics.tracking.run_dir import read_metrics
 from rldynamics.tracking.step_records import ATTRIBUTION_FILE, REPLAYS_DIR, read_record, record_path, replay_dir
 from rldynamics.train import step as stages
 from rldynamics.train.checkpoint import checkpoint_step, checkpoints
-from rldynamics.train.diagnostics.records import weights_digest
+from rldynamics.train.diagnostics.records import RECORDS_OFF, kept_rows, weights_digest
 from rldynamics.train.lifecycle import opened
 from rldynamics.train.stages import filter_batch
 
 ROLL_FORWARD = "roll_forward"
 QUIET = ["log.report=false", "val.before_train=false", "analysis.enabled=false", "health.enabled=false",
-         "record.every=0", "record.steps=[]", "record.on_alarm=false", "collapse.enabled=false"]
+         "collapse.enabled=false", *RECORDS_OFF]
 COMPARED = (names.PG_LOSS, names.ACTOR_GRAD_NORM, names.KL_LOSS, names.PG_CLIPFRAC)  # the recorded update's losses
 
 
@@ -129,8 +129,7 @@ def roll_forward(cfg: Config, origin: Path | None, last: int, scratch: Path) -> 
         remove(scratch)
     keys = [f"checkpoint.resume={origin}"] if origin else []
     keys += [f"train.steps={last}", "checkpoint.every=0", "checkpoint.save_last=true", "checkpoint.keep_last=1",
-             "log.report=false", "val.before_train=false", "val.every=0", "record.every=0", "record.steps=[]",
-             "record.on_alarm=false"]
+             "log.report=false", "val.before_train=false", "val.every=0", *RECORDS_OFF]
     train(apply_overrides(cfg, keys), scratch)
     found = {checkpoint_step(p): p for p in checkpoints(scratch)}
     if last not in found:
@@ -170,8 +169,7 @@ def run_replay(cfg: Config, out: Path, step: int, tensors: dict, meta: dict, *, 
             metrics.update(update.metrics)
             delta = flat_weights(s.model) - before
         s.log(step, metrics)
-        kept = [i for i, g in enumerate(batch.group_ids.tolist()) if g in set(filtered.batch.group_ids.tolist())]
-        return Replayed(metrics, weights_digest(s.model), delta, kept)
+        return Replayed(metrics, weights_digest(s.model), delta, kept_rows(batch, filtered.batch))
 
 
 def set_learning_rates(s) -> None:
@@ -257,8 +255,7 @@ def write_attribution(s, out: Path, step: int, batch: RolloutBatch, filtered, pr
     s.console.phase("attribution")
     result = attribute(s.model, filtered.batch, prepared.inputs, policy_loss_settings(s.cfg.algo),
                        temperature=s.cfg.train.temperature, micro_batch_size=s.cfg.train.micro_batch_size)
-    kept = [i for i, g in enumerate(batch.group_ids.tolist()) if g in set(filtered.batch.group_ids.tolist())]
-    data = attribution_json(result, step, kept)
+    data = attribution_json(result, step, kept_rows(batch, filtered.batch))
     write_file(out / ATTRIBUTION_FILE, json.dumps(data))
     print(attribution_lines(data, batch, pieces))
 

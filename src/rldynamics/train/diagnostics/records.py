@@ -24,6 +24,8 @@ from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.tracking.step_records import prune_records, write_record
 from rldynamics.train.diagnostics.base import END, Diagnostic, DiagnosticResult, Needs, StepRecord
 
+RECORDS_OFF = ["record.every=0", "record.steps=[]", "record.on_alarm=false"]  # overrides of a job that records nothing
+
 
 class StepRecorder(Diagnostic):
     """Writes `records/step_<N>.safetensors` on the scheduled, chosen and alarmed steps; keeps no state."""
