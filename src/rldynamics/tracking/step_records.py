@@ -174,8 +174,3 @@ def prune_records(run_dir: str | Path, keep_last: int, keep: set[int] = frozense
         remove(p)
     return gone
 
-
-def bytes_per_step(run_dir: str | Path) -> float | None:
-    """The mean size in bytes of a run's records (None without any)."""
-    found = records(run_dir)
-    return sum(p.stat().st_size for p in found) / len(found) if found else None
