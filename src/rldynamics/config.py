@@ -213,6 +213,10 @@ class RolloutConfig:
     vllm_dtype: str = _one_of("auto", "auto", "float32", "bfloat16")
     """vllm: the engine's weights and compute dtype, auto | float32 | bfloat16 (auto: model.dtype's rule; the trainer
     keeps model.dtype)."""
+    sync_every: int = _within(1, 1)
+    """vllm: give the engine the trainer's weights after every N-th step (1 = every step, on-policy, verl's way); N > 1
+    samples from weights up to N - 1 steps old (an off-policy setting: the sampler/trainer mismatch that algo.tis_cap
+    and algo.mis correct, docs/failure-modes.md). Validation always samples the current weights."""
     vllm_kv_cache_gib: float = _within(1.0, 0, inclusive=False)
     """vllm: memory reserved for the engine's KV cache (GiB, CPU or GPU); bounds the tokens held at once."""
     vllm_sleep: bool = True
@@ -234,6 +238,10 @@ class ValConfig:
     """Sampling temperature of validation rollouts."""
     seed_base: int = _within(123, 0)
     """First validation env seed (RAGEN's)."""
+    held_out: float = _within(0.0, 0, high=0.9)
+    """Share of the env's problems kept for validation alone, split by content (the text of the first observation;
+    docs/environments.md): training never sees a validation problem, and val-env/<env>/success_se counts distinct
+    problems. 0 = split by seed only (RAGEN); for envs with few problems (1-digit additions: 81) set e.g. 0.25."""
 
 
 @dataclass

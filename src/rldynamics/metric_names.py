@@ -92,6 +92,8 @@ def env_metric(env: str, metric: str, validation: bool = False) -> str:
 
 
 SUCCESS = "success"  # the env metric every env logs: the share of successful trajectories
+PROBLEMS = "problems"  # validation: distinct problems (first observations) among its trajectories
+SUCCESS_SE = "success_se"  # validation: standard error of success, clustered by problem
 
 
 def val_success(env: str) -> str:

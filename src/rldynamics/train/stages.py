@@ -1,7 +1,9 @@
 """The stages of a training step that sit between rollout and update, each a function of plain inputs.
 
 - `train_seeds` / `val_seeds`: which env seeds a rollout uses (RAGEN's seeding: step s uses
-  seed_base + env_groups*(s-1) + g; validation always the same puzzles).
+  seed_base + env_groups*(s-1) + g; validation always the same puzzles); `env_seeds` moves them to training's or
+  validation's side of `val.held_out` (envs/split.py); `problem_metrics`: validation's distinct problems and its
+  success's standard error clustered by problem.
 - `filter_batch`: score groups, keep whole groups (rldynamics.algo.filter); returns a `Filtered`: the kept batch
   with the values later stages decide on (group reward stds, their mean, the kept ratio) and its metrics.
 - `advantages_and_returns` / `component_advantages`: the estimator of `algo.adv_estimator` (`ESTIMATORS`, one
@@ -23,7 +25,8 @@ from rldynamics import metric_names as names
 from rldynamics.algo.advantages import gae_advantages, grpo_advantages, reinforce_pp_advantages, rloo_advantages
 from rldynamics.algo.filter import filter_metrics, group_scores, group_stats, kept_ratio, mean_or_zero, select_groups
 from rldynamics.algo.losses import masked_mean
-from rldynamics.config import AlgoConfig, FilterConfig
+from rldynamics.config import AlgoConfig, Config, FilterConfig
+from rldynamics.envs.split import env_first_observation, problem_key, side_seeds
 from rldynamics.rollout.batch import RolloutBatch
 
 
@@ -35,6 +38,36 @@ def train_seeds(seed_base: int, env_groups: int, step: int) -> list[int]:
 def val_seeds(seed_base: int, env_groups: int) -> list[int]:
     """The fixed validation puzzles."""
     return [seed_base + g for g in range(env_groups)]
+
+
+def env_seeds(cfg: Config, seeds: list[int], validation: bool = False) -> list[int]:
+    """`seeds` moved to training's (or validation's) side of `val.held_out`: unchanged when it is 0."""
+    if cfg.val.held_out <= 0:
+        return list(seeds)
+    return side_seeds(env_first_observation(cfg.env.name, cfg.env.options()), seeds, cfg.val.held_out, validation)
+
+
+def problem_metrics(batch: RolloutBatch, cfg: Config, prefix: str) -> dict[str, float]:
+    """`<prefix>/problems` (distinct first observations) and `<prefix>/success_se`: the standard error of the mean
+    success with trajectories clustered by problem (a problem drawn k times counts once, not k times):
+    sqrt(P / (P - 1) * sum_p (sum_{i in p} (y_i - mean))^2) / N over P problems and N trajectories."""
+    if not batch.env_metrics:
+        return {}
+    first = env_first_observation(cfg.env.name, cfg.env.options())
+    keys = [problem_key(first(seed)) for seed in batch.seeds]
+    return {f"{prefix}/{names.PROBLEMS}": float(len(set(keys))),
+            f"{prefix}/{names.SUCCESS_SE}": clustered_se([m[names.SUCCESS] for m in batch.env_metrics], keys)}
+
+
+def clustered_se(values: list[float], clusters: list[str]) -> float:
+    """Standard error of mean(values) with the values grouped in `clusters` (CR1: the P / (P - 1) correction);
+    0 for a single cluster."""
+    n, mean = len(values), sum(values) / len(values)
+    sums: dict[str, float] = {}
+    for v, c in zip(values, clusters, strict=True):
+        sums[c] = sums.get(c, 0.0) + v - mean
+    p = len(sums)
+    return 0.0 if p < 2 else (p / (p - 1) * sum(d * d for d in sums.values())) ** 0.5 / n
 
 
 def step_seed(seed: int, step: int, stream: int = 0) -> int:

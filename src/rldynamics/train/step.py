@@ -39,7 +39,9 @@ from rldynamics.train.stages import (
     Filtered,
     Validation,
     data_metrics,
+    env_seeds,
     filter_batch,
+    problem_metrics,
     step_seed,
     train_seeds,
     val_seeds,
@@ -71,7 +73,7 @@ def roll_out(s: Session, step: int, seed_step: int) -> Rollout:
     s.console.phase("rollout")
     start = time.perf_counter()
     batch = rollout_groups(cfg, s.model, s.tokenizer,
-                           train_seeds(cfg.train.seed_base, cfg.train.env_groups, seed_step),
+                           env_seeds(cfg, train_seeds(cfg.train.seed_base, cfg.train.env_groups, seed_step)),
                            cfg.train.group_size, cfg.train.temperature, sampling_seed(s, seed_step),
                            engine=s.engine)
     metrics = {names.timing("gen"): time.perf_counter() - start}
@@ -215,7 +217,8 @@ def validate(s: Session) -> Validation:
     prefix = names.env_prefix(cfg.env.name, validation=True)
     with torch.random.fork_rng(devices=[]):
         try:
-            batch = rollout_groups(cfg, s.model, s.tokenizer, val_seeds(cfg.val.seed_base, cfg.val.env_groups),
+            batch = rollout_groups(cfg, s.model, s.tokenizer,
+                                   env_seeds(cfg, val_seeds(cfg.val.seed_base, cfg.val.env_groups), validation=True),
                                    cfg.val.group_size, cfg.val.temperature, step_seed(cfg.seed, 0, stream=2),
                                    engine=s.engine)
         except NonFiniteLogits:
@@ -223,6 +226,7 @@ def validate(s: Session) -> Validation:
     metrics = env_metric_summary(batch, prefix, cfg.val.group_size)
     metrics.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids,
                                             names.VAL_REWARD))
+    metrics.update(problem_metrics(batch, cfg, prefix))
     metrics[names.VAL_TIME] = time.perf_counter() - start
     success = sum(m[names.SUCCESS] for m in batch.env_metrics) / len(batch) if batch.env_metrics else None
     return Validation(success, metrics, trajectories=len(batch))

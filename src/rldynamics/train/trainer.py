@@ -176,7 +176,7 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> StepResult:
     if not all_finite(s.model, s.critic):  # an optimizer step overflowed: nothing left to train or save
         record.add({names.actor(NON_FINITE_PARAMETERS): 1.0})
         return _end(s, due, stopper, record, NON_FINITE_PARAMETERS)
-    if s.engine is not None:
+    if s.engine is not None and (step % cfg.rollout.sync_every == 0 or _validation_due(cfg, step)):
         record.add(stages.sync_engine(s))
     return _end(s, due, stopper, record, None)
 

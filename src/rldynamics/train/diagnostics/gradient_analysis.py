@@ -46,7 +46,7 @@ from rldynamics.train.checkpoint import crash_point
 from rldynamics.train.diagnostics.base import BEFORE_UPDATE, Diagnostic, DiagnosticResult, Needs, StepRecord
 from rldynamics.train.prepare import Prepared, prepare_update
 from rldynamics.train.sharded import rollout_groups
-from rldynamics.train.stages import Filtered, component_advantages, filter_batch, step_seed, train_seeds
+from rldynamics.train.stages import Filtered, component_advantages, env_seeds, filter_batch, step_seed, train_seeds
 
 EXITED = "exited_after_gradient_analysis"  # the stop reason of `analysis.exit_after`
 
@@ -205,7 +205,7 @@ def _separate_batch_passes(s, k: int) -> tuple[list, dict[str, float]]:
     size = cfg.analysis.group_size or cfg.train.group_size
     with torch.random.fork_rng(devices=[]):
         raw = rollout_groups(cfg, s.model, s.tokenizer,
-                             train_seeds(cfg.train.seed_base + ANALYSIS_SEED_OFFSET, groups, k), size,
+                             env_seeds(cfg, train_seeds(cfg.train.seed_base + ANALYSIS_SEED_OFFSET, groups, k)), size,
                              cfg.train.temperature, step_seed(cfg.seed, k, stream=3), engine=s.engine)
     filtered = filter_batch(raw, cfg.filter, prefix=names.GRAD_ANALYSIS)
     metrics = {_own("source_env_groups"): float(groups), _own("source_group_size"): float(size),
