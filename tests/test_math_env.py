@@ -412,6 +412,17 @@ def test_reasoning_gym_source():
         make_config("math-tiny", overrides=["env.math.source=reasoning_gym:no_such_set"])
 
 
+def test_reasoning_gym_options():
+    pytest.importorskip("reasoning_gym")
+    env = make_env("math", source="reasoning_gym:chain_sum", gym_config={"min_terms": 2, "max_terms": 2,
+                                                                        "max_digits": 1})
+    for seed in range(20):
+        terms = re.findall(r"\d+", env.reset(seed))
+        assert len(terms) == 2 and all(len(t) == 1 for t in terms)  # two one-digit terms, as asked
+    with pytest.raises(ConfigError, match=r"chain_sum does not take env.math.gym_config \{'bogus': 2\}"):
+        make_config("math-tiny", overrides=["env.math.source=reasoning_gym:chain_sum", "env.math.gym_config={bogus: 2}"])
+
+
 @pytest.mark.parametrize(("reply", "answer"), [
     ("So 8 + 4 = 12.", "12"), ("The total is 1,234 apples", "1234"), ("from 5 down to -3.5", "-3.5"),
     ("no number here", None), ("First 3, then \\boxed{7}, then 9", "7"),  # a box wins

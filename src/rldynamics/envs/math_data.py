@@ -191,15 +191,18 @@ def _text(value: object, where: str) -> str:
 
 
 @lru_cache(maxsize=4096)
-def reasoning_gym_problem(dataset: str, seed: int) -> Problem:
-    """Problem `seed` of reasoning-gym's generator `dataset` (e.g. basic_arithmetic, chain_sum, gsm_symbolic)."""
+def reasoning_gym_problem(dataset: str, seed: int, options: tuple = ()) -> Problem:
+    """Problem `seed` of reasoning-gym's generator `dataset` (e.g. basic_arithmetic, chain_sum, gsm_symbolic), with
+    the generator's config `options` as (name, value) pairs (chain_sum: min_terms, max_digits, ...)."""
     try:
         import reasoning_gym
     except ImportError as e:
         raise ValueError(f"env.math.source={REASONING_GYM}{dataset} needs reasoning-gym: "
                          "pip install 'rldynamics[reasoning-gym]'") from e
     try:
-        entry = reasoning_gym.create_dataset(dataset, seed=seed, size=1)[0]
+        entry = reasoning_gym.create_dataset(dataset, seed=seed, size=1, **dict(options))[0]
+    except TypeError as e:
+        raise ValueError(f"reasoning-gym's {dataset} does not take env.math.gym_config {dict(options)} ({e})") from e
     except (ValueError, KeyError) as e:
         raise ValueError(f"reasoning-gym has no dataset {dataset!r} ({e}); e.g. basic_arithmetic, chain_sum, "
                          "gsm_symbolic") from e
