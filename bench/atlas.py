@@ -1,0 +1,153 @@
+"""The pathology atlas on SmolLM2-135M-Instruct (docs/failure-modes.md): runs that each produce one known failure, a
+healthy control, and the table of what the health monitor saw in them.
+
+    python bench/atlas.py run [NAME ...] [--out runs/atlas]    # the scenarios (all by default), one after another
+    python bench/atlas.py table [--out runs/atlas]             # the table, from the run directories alone
+    python bench/atlas.py figures [--out runs/atlas] [--to docs/figures/atlas]   # each run's health timeline
+
+Every scenario is `rldyn train --preset math-smollm2` with the collapse diagnostics on (first turn only: the task has
+one) and its own overrides (`SCENARIOS`); the control is the preset itself. `run` starts each one as its own
+`rldyn train` process into OUT/<name> and skips a run whose last step is done; an interrupted one resumes from its
+latest checkpoint (`checkpoint.resume=latest`), so the atlas can be run a piece at a time. One thread per run
+(`model.threads=1`): two runs fit this 2-core CPU side by side (`run NAME` in two shells).
+
+`table` reads OUT/<name>/metrics.jsonl and events.jsonl and prints, per run: the start (validation success at step 0,
+the policy before any update, at the training temperature), training success at its worst and last steps, validation success first and last (with the standard error over
+distinct problems), the step success fell (the first step t >= 2 at which training success, and the step after
+it, are both more than 0.1 below the start), every rule that fired with its first step and action, the lead time
+(the step success fell minus the first step any rule fired: positive = warned before), and how the run ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+PRESET = "math-smollm2"
+COMMON = ["model.threads=1", "collapse.enabled=true", "collapse.multi_turn_enabled=false"]
+SHORT = ["train.steps=15", "val.every=5", "checkpoint.every=1", "checkpoint.keep_last=4"]
+HOT = "train.lr=1e-3"  # 100 x the preset's learning rate
+SCENARIOS: dict[str, list[str]] = {
+    # the preset as shipped (30 steps, validation every 10): the false alarms of every rule are counted here
+    "control": [],
+    # the update blows up: nothing acts (the spike rule only warns)
+    "blowup": [*SHORT, HOT, "health.grad_spike=warn"],
+    # the same, and the first rule that fires on it stops the run
+    "blowup_stop": [*SHORT, HOT, "health.truncation=stop", "health.repetition=stop", "health.policy_drift=stop",
+                    "health.entropy_collapse=stop"],
+    # no entropy bonus (the preset has none), 10 x the learning rate, sampling at temperature 0.7
+    "entropy_collapse": [*SHORT, "train.lr=1e-4", "train.temperature=0.7"],
+    # the length component outweighs correctness 8 to 1 and asks for 200 characters (a worked reply is ~60)
+    "reward_hacking": [*SHORT, "train.lr=3e-5", "env.reward_weights.correctness=0.1", "env.reward_weights.format=0.1",
+                       "env.reward_weights.length=0.8", "env.math.length_target=200"],
+    # a reward that does not depend on the question (format only): one fixed reply scores as well as any
+    "template_collapse": [*SHORT, "train.lr=3e-5", "env.reward_weights.correctness=0", "env.reward_weights.format=1",
+                          "env.reward_weights.length=0"],
+    # the vLLM engine samples weights up to 3 steps old, uncorrected, then with truncated importance sampling
+    "stale_sampler": [*SHORT, "train.lr=3e-5", "rollout.engine=vllm", "rollout.sync_every=4"],
+    "stale_sampler_tis": [*SHORT, "train.lr=3e-5", "rollout.engine=vllm", "rollout.sync_every=4", "algo.tis_cap=2"],
+}
+FALL = 0.1  # how far below its start training success must be, two steps in a row, to have fallen
+
+
+def run(names: list[str], out: Path) -> None:
+    for name in names:
+        rows = _rows(out / name / "metrics.jsonl")
+        steps = next((int(a.split("=")[1]) for a in SCENARIOS[name] if a.startswith("train.steps=")), 30)
+        if rows and (rows[-1].get("step", 0) >= steps or any(k.startswith("early_stopped/") for k in rows[-1])):
+            print(f"{name}: done", flush=True)
+            continue
+        resume = ["checkpoint.resume=latest"] if (out / name / "checkpoints").is_dir() else []
+        cmd = ["rldyn", "train", "--preset", PRESET, f"log.run_dir={out}", f"log.name={name}", *COMMON,
+               *SCENARIOS[name], *resume]
+        print(" ".join(cmd), flush=True)
+        subprocess.run(cmd, check=False)
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def summarize(run_dir: Path) -> dict:
+    """One run's row of the atlas table (see the module docstring)."""
+    rows = _rows(run_dir / "metrics.jsonl")
+    events = _rows(run_dir / "events.jsonl")
+    train = {r["step"]: r["train/math/success"] for r in rows if "train/math/success" in r}
+    val = [(r["step"], r["val-env/math/success"], r.get("val-env/math/success_se")) for r in rows
+           if "val-env/math/success" in r]
+    steps = sorted(train)
+    start = val[0][1] if val and val[0][0] == 0 else train[steps[0]] if steps else 0.0  # the policy before any update
+    fell = next((s for s, t in zip(steps, steps[1:]) if s >= 2 and train[s] < start - FALL and train[t] < start - FALL),
+                None)
+    fired: dict[str, tuple[int, str]] = {}
+    for e in events:
+        if e.get("rule") not in (None, "rollback") and e["rule"] not in fired:
+            fired[e["rule"]] = (e["step"], e.get("action", ""))
+    first = min((s for s, _ in fired.values()), default=None)
+    stopped = [k.split("/", 1)[1] for r in rows for k in r if k.startswith("early_stopped/")]
+    return {"run": run_dir.name, "steps": steps[-1] if steps else 0, "train_start": start,
+            "train_last": train[steps[-1]] if steps else None, "train_min": min(train.values()) if train else None,
+            "val": val, "fell": fell, "fired": fired, "lead": None if fell is None or first is None else fell - first,
+            "ended": f"stopped: {stopped[0]}" if stopped else "ran to the end",
+            "entropy": [r.get("actor/entropy") for r in rows if "actor/entropy" in r],
+            "mi": [(r["step"], r["collapse_first_turn_sample/mi_estimate"]) for r in rows
+                   if "collapse_first_turn_sample/mi_estimate" in r]}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def table(out: Path) -> str:
+    lines = ["| run | steps | success: start / training min / training last (%) | validation first -> last (%, ± SE) | "
+             "success fell at | rules fired (first step, action) | lead (steps) | ended |",
+             "|---|---:|---|---|---:|---|---:|---|"]
+    for name in SCENARIOS:
+        if not (out / name / "metrics.jsonl").is_file():
+            continue
+        s = summarize(out / name)
+        v = s["val"]
+        val = "-" if not v else f"{_pct(v[0][1])} -> {_pct(v[-1][1])} (± {_pct(v[-1][2])}, step {v[-1][0]})"
+        fired = ", ".join(f"{rule} ({step}, {action})" for rule, (step, action) in
+                          sorted(s["fired"].items(), key=lambda kv: kv[1][0])) or "none"
+        lines.append(f"| {name} | {s['steps']} | {_pct(s['train_start'])} / {_pct(s['train_min'])} / "
+                     f"{_pct(s['train_last'])} | {val} | {s['fell'] or '-'} | {fired} | "
+                     f"{'-' if s['lead'] is None else s['lead']} | {s['ended']} |")
+    return "\n".join(lines)
+
+
+def figures(out: Path, to: Path) -> None:
+    from rldynamics.plots.data import load_run
+    from rldynamics.plots.timeline import write_timeline
+
+    for name in SCENARIOS:
+        if (out / name / "metrics.jsonl").is_file():
+            for path in write_timeline(load_run(out / name), to / name, dpi=50):
+                print(path.rename(to / f"{name}.png"))
+                path.parent.rmdir()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("command", choices=("run", "table", "figures"))
+    p.add_argument("names", nargs="*", help=f"scenarios to run (default all): {', '.join(SCENARIOS)}")
+    p.add_argument("--out", type=Path, default=Path("runs/atlas"))
+    p.add_argument("--to", type=Path, default=Path("docs/figures/atlas"))
+    a = p.parse_args(argv)
+    unknown = [n for n in a.names if n not in SCENARIOS]
+    if unknown:
+        p.error(f"unknown scenario {', '.join(unknown)}; the scenarios: {', '.join(SCENARIOS)}")
+    if a.command == "run":
+        run(a.names or list(SCENARIOS), a.out)
+    elif a.command == "table":
+        print(table(a.out))
+    else:
+        figures(a.out, a.to)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
