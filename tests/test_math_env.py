@@ -446,3 +446,23 @@ def test_last_number_fallback_grades_prose_and_is_linear():
     assert time.perf_counter() - start < 1.0
     with pytest.raises(ValueError, match="answer_fallback"):
         MathEnv(answer_fallback="first")
+
+
+def test_a_wrong_reply_gets_another_attempt_and_the_last_one_is_graded():
+    env = make_env("math", num_ops=1, max_number=9, operators="+", word_problems=False,
+                   answer_fallback="last_number", attempts=2)
+    question = env.reset(3)
+    gold = env.problem.answer
+    first = env.step("The answer is 100.")
+    assert not first.done and first.observation == f"100 is not correct. Try again.\n{question}"
+    assert first.reward == {"correctness": 0.0, "format": 0.0, "length": 0.0} and not env.success()
+    last = env.step(f"The answer is {gold}.")
+    assert last.done and last.reward["correctness"] == 1.0 and last.reward["length"] > 0 and env.success()
+    env.reset(3)
+    assert env.step("no idea").observation.startswith("No answer is not correct.")
+    wrong = env.step("still 100")
+    assert wrong.done and wrong.reward["correctness"] == 0 and wrong.reward["length"] > 0  # graded, and over
+    env.reset(3)
+    assert env.step(f"{gold}").done  # right the first time: one turn
+    with pytest.raises(ConfigError, match=r"env.math.attempts=2 needs env.max_turns >= 2"):
+        make_config("math-retry-smollm2", overrides=["env.max_turns=1"])

@@ -945,6 +945,9 @@ def _validate_env(env: EnvConfig) -> None:
         instance = ENVS[env.name](**env.options())
     except (ValueError, TypeError) as e:
         raise ConfigError(f"bad value in env.{env.name}: {e}") from e
+    if getattr(instance, "attempts", 1) > env.max_turns:
+        raise ConfigError(f"env.{env.name}.attempts={instance.attempts} needs env.max_turns >= {instance.attempts} (one "
+                          f"turn per attempt), got env.max_turns={env.max_turns}")
     names = _check_reward_funcs(instance, env)
     unknown = sorted(set(env.reward_weights) - set(names))
     if unknown:

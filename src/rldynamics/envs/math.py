@@ -22,6 +22,10 @@ Design choices:
 - Each answer check has a deadline (`verify_timeout`) and the checks of one rollout share `verify_budget`
   seconds (`rollout_scope`, held by the rollout; `answer_check` says how). A check with no verdict counts as
   wrong and shows in `metrics()` as `verify_timeout`, which the rollout logs per step.
+- Several attempts (`attempts`, with `env.max_turns` at least as large): a wrong reply gets the feedback "<its answer>
+  is not correct. Try again." with the question, and the episode goes on; it ends at a correct reply or at the last
+  attempt. The episode is graded by its last reply (earlier, wrong replies score 0 on every component), and success
+  is a correct answer within the attempts: RAGEN's multi-turn setting on a task a small pretrained model can do.
 - Components, as the rldynamic study defines them (docs/reference/peer_systems.md §A.1):
   `correctness` 1 if math-verify finds the answer equal to the gold answer (rldynamic compared strings),
   else 0; `format` = 0.25 per whole word "first" / "second" / "third" in the lower-cased reply, + 0.25
@@ -37,7 +41,7 @@ import re
 from dataclasses import dataclass, field
 
 from rldynamics.envs.answer_check import CHECKER, check_budget
-from rldynamics.envs.base import StepResult
+from rldynamics.envs.base import StepResult, int_at_least
 from rldynamics.envs.math_data import (
     OPERATORS,
     ORDINALS,
@@ -94,6 +98,9 @@ class MathConfig:
     answer_fallback: str = "none"
     """A reply with neither a box nor an `<answer>`: none = no answer (rldynamic) | last_number = its last number
     (lm-eval's flexible extract for GSM8K; for small models that reason in prose)."""
+    attempts: int = 1
+    """Replies per problem: after a wrong one the env says so and asks again (set env.max_turns >= attempts); the
+    last reply is graded."""
     verify_budget: float = 60.0
     """Seconds of answer checking per rollout (a step's or a validation's replies, per rank); past it, answers that
     need math-verify count as wrong. Checks without a verdict: <stage>/math/verify_timeout."""
@@ -176,7 +183,8 @@ class MathEnv:
                  answer_key: str = "answer", gym_config: dict[str, int] | None = None,
                  holdout: int = 0, num_ops: int = 2, max_number: int = 20, operators: str = "+-*",
                  word_problems: bool = True, length_unit: str = "chars", length_target: int = 800,
-                 verify_timeout: float = 5.0, answer_fallback: str = "none", verify_budget: float = 60.0) -> None:
+                 verify_timeout: float = 5.0, answer_fallback: str = "none", verify_budget: float = 60.0,
+                 attempts: int = 1) -> None:
         if answer_fallback not in ANSWER_FALLBACKS:
             raise ValueError(f"answer_fallback must be one of {', '.join(ANSWER_FALLBACKS)}, got {answer_fallback!r}")
         _check_options(num_ops, max_number, operators, length_unit, length_target, verify_timeout, verify_budget,
@@ -195,6 +203,7 @@ class MathEnv:
         self.operators, self.word_problems = operators, word_problems
         self.length_unit, self.length_target, self.verify_timeout = length_unit, length_target, verify_timeout
         self.verify_budget, self.answer_fallback = verify_budget, answer_fallback
+        self.attempts, self.attempt = int_at_least("attempts", attempts), 0
         self.problem: Problem | None = None
         self.correct = self.unchecked = False
 
@@ -204,6 +213,7 @@ class MathEnv:
     def reset(self, seed: int) -> str:
         self.problem = self._problem(seed)
         self.correct = self.unchecked = False
+        self.attempt = 0
         return self.problem.question
 
     def rollout_scope(self):
@@ -223,11 +233,16 @@ class MathEnv:
         answer = extract_answer(reply, self.answer_fallback)
         equal = None if answer is None else CHECKER.equal(self.problem.answer, answer, self.verify_timeout)
         self.correct, self.unchecked = bool(equal), answer is not None and equal is None
+        self.attempt += 1
+        info = {"success": float(self.correct), "action_is_valid": float(answer is not None),
+                "action_is_effective": 1.0, "verify_timeout": float(self.unchecked)}
+        if not self.correct and self.attempt < self.attempts:  # graded by a later reply: this one scores 0
+            said = "No answer" if answer is None else f"{answer}"
+            return StepResult(observation=f"{said} is not correct. Try again.\n{self.problem.question}",
+                              reward=dict.fromkeys(self.reward_names, 0.0), done=False, info=info)
         by_tokens = self.length_unit == "tokens" and num_tokens is not None
         reward = {"correctness": float(self.correct), "format": format_score(reply),
                   "length": length_score(num_tokens if by_tokens else len(reply), self.length_target)}
-        info = {"success": float(self.correct), "action_is_valid": float(answer is not None),
-                "action_is_effective": 1.0, "verify_timeout": float(self.unchecked)}
         return StepResult(observation="", reward=reward, done=True, info=info)
 
     def success(self) -> bool:
