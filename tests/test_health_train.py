@@ -164,3 +164,19 @@ def test_under_torchrun_a_rollback_rule_stops_the_run(fast_overrides, tmp_path):
     assert rows[-1]["early_stopped/health_entropy_collapse"] == 1.0
     assert not (run / "rolled_back").exists()
     assert [e["action"] for e in _events(run) if e["rule"] == "entropy_collapse"] == ["stop"]
+
+
+def test_the_validation_rules_start_from_the_validation_before_training(fast_overrides):
+    """`no_learning` compares each validation with the one before step 1 (not with the first one during training):
+    its threshold is that start plus 2 binomial standard errors of the difference."""
+    run = train(make_config(PRESET, overrides=[*fast_overrides, *VARIED, "log.name=start", "val.env_groups=32",
+                                               "train.steps=2", "val.every=1", "health.no_learning_after=0.5",
+                                               "model.warm_start_episodes=512", "model.warm_start_epochs=2"]))
+    val = {r["step"]: r["val-env/math/success"] for r in read_metrics(run) if "val-env/math/success" in r}
+    assert sorted(val) == [0, 1, 2]
+    fired = [e for e in _events(run) if e["rule"] == "no_learning"]
+    assert val[0] != val[1]  # a start that the first validation during training could not stand in for
+    se = [(p * (1 - p) / 32) ** 0.5 for p in (val[0], val[1])]
+    limit = val[0] + 2 * (se[0] ** 2 + se[1] ** 2) ** 0.5  # at step 1 (progress 0.5)
+    assert val[1] <= limit and fired and fired[0]["step"] == 1  # (6.2 % before, 0 % at step 1 when written)
+    assert fired[0]["threshold"] == pytest.approx(limit, abs=1e-5)

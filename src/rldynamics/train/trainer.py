@@ -70,9 +70,13 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> Path | None:
     """Validation before training, then the steps after `start`, each logged before its checkpoint is saved;
     returns the checkpoint a health rollback goes back to (None when the run ended)."""
     cfg = s.cfg
-    before = stages.validate(s).metrics if cfg.val.before_train and start == 0 else {}
-    if before:
+    before = {}
+    if cfg.val.before_train and start == 0:
+        validation = stages.validate(s)
+        before = validation.metrics
         s.log(start, before)
+        for d in s.diagnostics:
+            d.before_training(validation)
     with StepConsole(cfg.train.steps, cfg.env.name, enabled=cfg.log.progress and s.main) as console:
         s.console = console
         console.advance(start, before)  # the `step 0` line: the validation before training

@@ -135,6 +135,10 @@ class Diagnostic:
         """During the actor update, before each optimizer step: True refuses the step (default: never)."""
         return False
 
+    def before_training(self, validation) -> None:
+        """The validation before the first step of a run started from scratch (`val.before_train`; a
+        `train.stages.Validation`), given once before step 1 (default: ignored)."""
+
     def state_dict(self) -> dict:
         """What a resumed run needs to go on as if never stopped (JSON-serialisable; {} for none)."""
         return {}

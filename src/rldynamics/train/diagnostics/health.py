@@ -30,7 +30,7 @@ from rldynamics import dist
 from rldynamics import metric_names as names
 from rldynamics.algo.losses import aggregate
 from rldynamics.algo.rollout_corr import k3_kl
-from rldynamics.analysis.health_rules import RULES, Alarm, GradSpike, Signals
+from rldynamics.analysis.health_rules import RULES, Alarm, FallingValidation, GradSpike, NoLearning, Signals
 from rldynamics.analysis.health_signals import component_shares, repetition_rate, reply_lengths, token_covariance
 from rldynamics.config import Config
 from rldynamics.train.checkpoint import checkpoint_step, checkpoints
@@ -64,6 +64,13 @@ class Health(Diagnostic):
         """Refuse an optimizer step whose gradient norm is a spike (`health.grad_spike=skip`)."""
         spike: GradSpike = self.rules[GradSpike.name]
         return self.action(GradSpike.name) == "skip" and spike.is_spike(trace.grad_norm)
+
+    def before_training(self, validation) -> None:
+        """The validation rules start from the validation before training (their best and their first value)."""
+        if validation.success is not None:
+            x = Signals(step=0, val_success=validation.success, val_count=validation.trajectories)
+            for name in (FallingValidation.name, NoLearning.name):
+                self.rules[name].check(x)
 
     def run(self, s, record: StepRecord) -> DiagnosticResult:
         x = signals(self.cfg, record)
