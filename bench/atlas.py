@@ -3,6 +3,7 @@ healthy control, and the table of what the health monitor saw in them.
 
     python bench/atlas.py run [NAME ...] [--out runs/atlas]    # the scenarios (all by default), one after another
     python bench/atlas.py table [--out runs/atlas]             # the table, from the run directories alone
+    python bench/atlas.py claims [--out runs/atlas] --sweep DIR [--sweep DIR]   # RAGEN-2's two claims
     python bench/atlas.py figures [--out runs/atlas] [--to docs/figures/atlas]   # each run's health timeline
 
 Every scenario is `rldyn train --preset math-smollm2` with the collapse diagnostics on (first turn only: the task has
@@ -12,16 +13,19 @@ latest checkpoint (`checkpoint.resume=latest`), so the atlas can be run a piece 
 (`model.threads=1`): two runs fit this 2-core CPU side by side (`run NAME` in two shells).
 
 `table` reads OUT/<name>/metrics.jsonl and events.jsonl and prints, per run: the start (validation success at step 0,
-the policy before any update, at the training temperature), training success at its worst and last steps, validation success first and last (with the standard error over
-distinct problems), the step success fell (the first step t >= 2 at which training success, and the step after
-it, are both more than 0.1 below the start), every rule that fired with its first step and action, the lead time
-(the step success fell minus the first step any rule fired: positive = warned before), and how the run ended.
+the policy before any update, at the training temperature), training success at its worst and last steps,
+validation success first and last (with the standard error over distinct problems), the step success fell (the
+first step t >= 2 at which training success, and the step after it, are both more than 0.1 below the start), every
+rule that fired with its first step and action, the lead time (the step success fell minus the first step any rule
+fired: positive = warned before), and how the run ended.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -80,8 +84,8 @@ def summarize(run_dir: Path) -> dict:
            if "val-env/math/success" in r]
     steps = sorted(train)
     start = val[0][1] if val and val[0][0] == 0 else train[steps[0]] if steps else 0.0  # the policy before any update
-    fell = next((s for s, t in zip(steps, steps[1:]) if s >= 2 and train[s] < start - FALL and train[t] < start - FALL),
-                None)
+    low = [s for s in steps if train[s] < start - FALL]
+    fell = next((s for s, t in zip(steps, steps[1:], strict=False) if s >= 2 and s in low and t in low), None)
     fired: dict[str, tuple[int, str]] = {}
     for e in events:
         if e.get("rule") not in (None, "rollback") and e["rule"] not in fired:
@@ -119,6 +123,53 @@ def table(out: Path) -> str:
     return "\n".join(lines)
 
 
+def claims(out: Path, sweeps: list[Path]) -> str:
+    """RAGEN-2's two claims on these runs: the filter (the sweeps' top-p 0.9 against no filter, over their seeds) and
+    whether the final MI tracks final success better than the entropy (over every finished single-turn run here)."""
+    import numpy as np
+
+    from rldynamics.plots.collapse import ENTROPY, MI, final_value, spearman, spearman_interval
+    from rldynamics.plots.data import load_run
+    from rldynamics.sweep.summary import run_result
+
+    lines = []
+    finals: dict[str, list[float]] = {}
+    dirs = [d for sweep in sweeps for d in sorted(sweep.glob("*/seed*")) if (d / "metrics.jsonl").is_file()]
+    results = [run_result(d) for d in dirs]
+    for r in results:
+        if math.isfinite(r.final):
+            finals.setdefault(r.label, []).append(r.final)
+    for label, xs in finals.items():
+        se = statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else math.nan
+        lines.append(f"{label}: final validation {100 * statistics.mean(xs):.1f} ± {100 * se:.1f} % "
+                     f"(mean ± SE over {len(xs)} seeds: {', '.join(f'{100 * x:.1f}' for x in xs)})")
+    if len(finals) == 2 and all(len(xs) > 1 for xs in finals.values()):
+        (a, xa), (b, xb) = finals.items()
+        diff = statistics.mean(xa) - statistics.mean(xb)
+        se = (statistics.variance(xa) / len(xa) + statistics.variance(xb) / len(xb)) ** 0.5
+        lines.append(f"{a} - {b}: {100 * diff:+.1f} points, SE of the difference {100 * se:.1f} ({diff / se:+.2f} SE)")
+    runs = [(name, load_run(out / name)) for name in SCENARIOS if (out / name / "metrics.jsonl").is_file()]
+    runs += [(f"{d.parent.name}/{d.name}", load_run(d)) for d in dirs]
+    table = []
+    for name, run in runs:
+        val = [r for r in run.rows if any(k.startswith("val-env/") and k.endswith("/success") for k in r)]
+        success = next((v for k, v in val[-1].items() if k.startswith("val-env/") and k.endswith("/success")),
+                       math.nan) if val else math.nan
+        entropy = [r["actor/entropy"] for r in run.rows if "actor/entropy" in r]
+        table.append((name, success, final_value(run, MI), final_value(run, ENTROPY),
+                      entropy[-1] if entropy else math.nan))
+    ok = np.array([t[1:] for t in table if all(math.isfinite(v) for v in t[1:])])
+    lines.append(f"\nSpearman over {len(ok)} runs of the final validation success with (95 % bootstrap interval):")
+    for i, what in ((1, "final MI (first turn)"), (2, "final H(Z|X)"), (3, "final policy entropy (actor/entropy)")):
+        if len(ok) >= 3:
+            lo, hi = spearman_interval(ok[:, 0], ok[:, i], 2000)
+            lines.append(f"  {what}: {spearman(ok[:, 0], ok[:, i]):+.2f} [{lo:+.2f}, {hi:+.2f}]")
+    lines.append("\n| run | final validation % | final MI | final H(Z\\|X) | final actor/entropy |")
+    lines.append("|---|---:|---:|---:|---:|")
+    lines += [f"| {n} | {_pct(v)} | {mi:.3f} | {h:.3f} | {e:.3f} |" for n, v, mi, h, e in table]
+    return "\n".join(lines)
+
+
 def figures(out: Path, to: Path) -> None:
     from rldynamics.plots.data import load_run
     from rldynamics.plots.timeline import write_timeline
@@ -132,10 +183,12 @@ def figures(out: Path, to: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("command", choices=("run", "table", "figures"))
+    p.add_argument("command", choices=("run", "table", "claims", "figures"))
     p.add_argument("names", nargs="*", help=f"scenarios to run (default all): {', '.join(SCENARIOS)}")
     p.add_argument("--out", type=Path, default=Path("runs/atlas"))
     p.add_argument("--to", type=Path, default=Path("docs/figures/atlas"))
+    p.add_argument("--sweep", type=Path, action="append", default=[],
+                   help="claims: a `rldyn sweep top_p --values 0.9,nofilter` output directory (repeatable)")
     a = p.parse_args(argv)
     unknown = [n for n in a.names if n not in SCENARIOS]
     if unknown:
@@ -144,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         run(a.names or list(SCENARIOS), a.out)
     elif a.command == "table":
         print(table(a.out))
+    elif a.command == "claims":
+        print(claims(a.out, a.sweep))
     else:
         figures(a.out, a.to)
     return 0
