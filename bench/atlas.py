@@ -123,6 +123,42 @@ def table(out: Path) -> str:
     return "\n".join(lines)
 
 
+MARGINS = {  # the signal each rule reads, as logged: (column, metric, reduce over the run's steps)
+    "entropy / start": ("actor/entropy", "min_ratio"),  # entropy_collapse: below 0.1 x the mean of the first 5
+    "truncated": ("response_length/clip_ratio", "max"),  # truncation: above 0.5
+    "repeating": ("health/repetition_rate", "max"),  # repetition: above 0.3
+    "zero-variance groups": ("health/zero_variance_share", "max"),  # reward_variance_collapse: 0.9, 5 steps
+    "PPO KL": ("actor/ppo_kl", "max"),  # policy_drift: above 0.1
+    "clipped": ("actor/pg_clipfrac", "max"),  # policy_drift: above 0.3
+    "sampler KL (k3)": ("rollout/corr/k3_kl", "max"),  # mismatch: above 0.01
+    "MI / first": ("collapse_first_turn_sample/mi_estimate", "min_ratio_first"),  # template_collapse: below 0.5
+    "length share": ("health/reward_share/length", "max"),  # reward_component: above 0.95 or below -0.1
+}
+
+
+def margins(out: Path) -> str:
+    """Per run, the extreme of each rule's signal over its steps: how close the healthy control came to each
+    threshold, and how far past it the failing runs went."""
+    lines = ["| run | " + " | ".join(MARGINS) + " |", "|---|" + "---:|" * len(MARGINS)]
+    for name in SCENARIOS:
+        rows = _rows(out / name / "metrics.jsonl")
+        if not rows:
+            continue
+        cells = []
+        for key, how in MARGINS.values():
+            xs = [r[key] for r in rows if key in r and r.get("step", 0) >= 1 and math.isfinite(r[key])]
+            if not xs:
+                cells.append("-")
+            elif how == "max":
+                cells.append(f"{max(xs):.3g}")
+            elif how == "min_ratio":
+                cells.append(f"{min(xs) / statistics.mean(xs[:5]):.3g}")
+            else:
+                cells.append(f"{min(xs) / xs[0]:.3g}" if xs[0] > 0 else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def claims(out: Path, sweeps: list[Path]) -> str:
     """RAGEN-2's two claims on these runs: the filter (the sweeps' top-p 0.9 against no filter, over their seeds) and
     whether the final MI tracks final success better than the entropy (over every finished single-turn run here)."""
@@ -196,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "run":
         run(a.names or list(SCENARIOS), a.out)
     elif a.command == "table":
-        print(table(a.out))
+        print(table(a.out) + "\n\n" + margins(a.out))
     elif a.command == "claims":
         print(claims(a.out, a.sweep))
     else:

@@ -14,6 +14,7 @@ from rldynamics.envs.split import env_first_observation, on_validation_side, pro
 from rldynamics.tracking.run_dir import read_metrics
 from rldynamics.train.stages import clustered_se, env_seeds, train_seeds, val_seeds
 from rldynamics.train.trainer import train
+from rldynamics.train.warmstart import demo_seeds, warm_start_key
 
 
 def _keys(first, seeds):
@@ -77,3 +78,13 @@ def test_a_run_with_held_out_problems_logs_their_count_and_standard_error(fast_o
     row = read_metrics(run)[0]
     assert row[names.env_metric("sokoban", names.PROBLEMS, validation=True)] == len(val_keys)
     assert row[names.env_metric("sokoban", names.SUCCESS_SE, validation=True)] >= 0
+
+
+def test_the_tiny_models_warm_start_never_demonstrates_a_validation_problem():
+    cfg = make_config("countdown-tiny")
+    first = env_first_observation(cfg.env.name, cfg.env.options())
+    val_keys = _keys(first, env_seeds(cfg, val_seeds(cfg.val.seed_base, cfg.val.env_groups), validation=True))
+    assert val_keys and not _keys(first, demo_seeds(cfg)) & val_keys
+    plain = make_config("countdown-tiny", overrides=["val.held_out=0"])
+    assert _keys(first, demo_seeds(plain)) & val_keys  # without the split the demonstrations include them
+    assert warm_start_key("base", cfg) != warm_start_key("base", plain)  # and the two are cached apart

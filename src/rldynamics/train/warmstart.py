@@ -38,6 +38,7 @@ from rldynamics.models.tiny import save_tokenizer
 from rldynamics.rollout.agent import rollout, state_message, system_message
 from rldynamics.rollout.chat import ChatPrompts
 from rldynamics.tracking.console import Lines, progress_bar
+from rldynamics.train.stages import env_seeds
 
 DEMO_SEED_BASE = 5_000_000  # disjoint from RAGEN's train (10000+) and validation (123+) seeds
 PACKAGED = Path(__file__).resolve().parent.parent / "models" / "warm"  # <base>-warm-<key>.safetensors
@@ -105,6 +106,8 @@ def warm_start_key(base_path: str, cfg: Config) -> str:
     m = cfg.model
     inputs = [Path(base_path).name, m.warm_start_episodes, m.warm_start_turns, m.warm_start_noise,
               m.warm_start_epochs, m.warm_start_lr, m.warm_start_seed, _env_key(cfg)]
+    if cfg.val.held_out > 0:  # the demonstrations avoid the held-out problems (keys from before stay valid)
+        inputs.append({"held_out": cfg.val.held_out})
     blob = json.dumps(inputs, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -154,10 +157,15 @@ def packaged_weights(name: str) -> Path:
     return PACKAGED / f"{name}.safetensors"
 
 
+def demo_seeds(cfg: Config) -> list[int]:
+    """The env seeds of the warm start's demonstrations: on training's side of `val.held_out`."""
+    return env_seeds(cfg, [DEMO_SEED_BASE + i for i in range(cfg.model.warm_start_episodes)])
+
+
 def supervised_warm_start(model, tokenizer, cfg: Config, batch_size: int = 32, log=print) -> list[float]:
     """Fit `model` to noisy solver demonstrations (token-mean NLL of the response tokens); returns losses."""
     rng = random.Random(cfg.model.warm_start_seed)
-    seeds = [DEMO_SEED_BASE + i for i in range(cfg.model.warm_start_episodes)]
+    seeds = demo_seeds(cfg)
     env = dataclasses.replace(cfg.env, max_turns=cfg.model.warm_start_turns)
     start = time.perf_counter()
     log(f"warm start: playing {len(seeds)} solver episodes")
