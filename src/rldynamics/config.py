@@ -488,7 +488,8 @@ class HealthConfig:
     """Standard errors of the difference (the best of several validations is biased upward: math-tiny's healthy
     run dipped 2.6 below its best at step 100 and set a new best at 150)."""
     no_learning: str = _action("warn")
-    """Past no_learning_after of the run, validation success not 2 standard errors above its first value."""
+    """Past no_learning_after of the run, validation success not 2 standard errors above its first value (the
+    validation before training, when there is one)."""
     no_learning_after: float = _within(0.5, 0, high=1)
     """Share of train.steps after which a flat validation is flagged."""
 

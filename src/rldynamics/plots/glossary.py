@@ -183,8 +183,8 @@ RULES: dict[str, Entry] = {
               "(`filter.strategy=top_p`, `filter.metric=reward_std`, `filter.value` below 1); `docs/collapse.md` "
               "has the metrics."),
     "falling_validation": Entry(
-        fires="Validation success is more than 2 standard errors (binomial, of the best and of this validation) "
-              "below the run's best.",
+        fires="Validation success is more than `health.falling_validation_se` (3) standard errors (binomial, of the "
+              "best and of this validation) below the run's best, the validation before training included.",
         means="The policy got worse on fixed held-out prompts: training now hurts. The best checkpoint is the one "
               "to keep.",
         causes="Entropy collapse, drift, reward hacking or overfitting to the training prompts; whichever other "
@@ -193,7 +193,7 @@ RULES: dict[str, Entry] = {
               "first."),
     "no_learning": Entry(
         fires="Past `health.no_learning_after` of `train.steps`, validation success is not 2 standard errors above "
-              "its first value.",
+              "its first value (the validation before training, when there is one).",
         means="Half the run (by default) has gone without a measurable gain on the validation prompts.",
         causes="No reward signal (`reward_variance_collapse` from the start: all groups fail or all succeed); a "
                "setup bug (`first_step`); a learning rate far too low or too high; a filter that keeps almost "
