@@ -31,14 +31,16 @@ import sys
 from pathlib import Path
 
 PRESET = "math-smollm2"
-COMMON = ["model.threads=1", "collapse.enabled=true", "collapse.multi_turn_enabled=false"]
+COMMON = ["model.threads=1", "collapse.enabled=true", "collapse.multi_turn_enabled=false",
+          "collapse.micro_batch_size=16"]  # 128 rows per cross-scoring forward peak at several GB of logits
 SHORT = ["train.steps=15", "val.every=5", "checkpoint.every=1", "checkpoint.keep_last=4"]
 HOT = "train.lr=1e-3"  # 100 x the preset's learning rate
 SCENARIOS: dict[str, list[str]] = {
     # the preset as shipped (30 steps, validation every 10): the false alarms of every rule are counted here
     "control": [],
-    # the update blows up: nothing acts (the spike rule only warns)
-    "blowup": [*SHORT, HOT, "health.grad_spike=warn"],
+    # the update blows up: nothing acts (the spike rule only warns); 25 steps, so that RAGEN's reward-variance early
+    # stop (a 10-step baseline, then 10 steps below a tenth of it) can fire
+    "blowup": [*SHORT, HOT, "health.grad_spike=warn", "train.steps=25"],
     # the same, and the first rule that fires on it stops the run
     "blowup_stop": [*SHORT, HOT, "health.truncation=stop", "health.repetition=stop", "health.policy_drift=stop",
                     "health.entropy_collapse=stop"],
@@ -60,8 +62,8 @@ FALL = 0.1  # how far below its start training success must be, two steps in a r
 def run(names: list[str], out: Path) -> None:
     for name in names:
         rows = _rows(out / name / "metrics.jsonl")
-        steps = next((int(a.split("=")[1]) for a in SCENARIOS[name] if a.startswith("train.steps=")), 30)
-        if rows and (rows[-1].get("step", 0) >= steps or any(k.startswith("early_stopped/") for k in rows[-1])):
+        steps = [int(a.split("=")[1]) for a in SCENARIOS[name] if a.startswith("train.steps=")] or [30]
+        if rows and (rows[-1].get("step", 0) >= steps[-1] or any(k.startswith("early_stopped/") for k in rows[-1])):
             print(f"{name}: done", flush=True)
             continue
         resume = ["checkpoint.resume=latest"] if (out / name / "checkpoints").is_dir() else []
