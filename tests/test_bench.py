@@ -8,6 +8,7 @@ compute dtype, checkpointing, the probe's chunks), and docs/multi-device.md's me
 """
 
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -202,3 +203,39 @@ def test_vs_trl_report_prints_the_baseline_against_ours(vs_trl, capsys):
     row = vs_trl.report("tiny", "8 x 8", "float32", 256, got)
     assert (row["baseline s/step"], row["baseline/ours"], row["TRL s/step"]) == ("3.000", "1.50", "nan")
     assert "baseline 3.000 s/step  baseline/ours 1.50  by phase: update_actor 2.000s" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def atlas():
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("atlas")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_atlas_dates_the_fall_and_the_lead_from_the_logged_rows(atlas, tmp_path):
+    """Start = the validation before training (40 %); success fell at the first step >= 2 with it and the next step
+    both below 30 %: step 4 (step 2's 25 % is followed by 35 %); the first rule fired at step 2: lead +2."""
+    run = tmp_path / "runs" / "blowup"
+    run.mkdir(parents=True)
+    success = {1: 0.5, 2: 0.25, 3: 0.35, 4: 0.1, 5: 0.0}
+    rows = [{"step": 0, "val-env/math/success": 0.4, "val-env/math/success_se": 0.05}]
+    rows += [{"step": s, "train/math/success": v, "actor/entropy": 1.0 / s} for s, v in success.items()]
+    rows[-1].update({"val-env/math/success": 0.1, "val-env/math/success_se": 0.03, "early_stopped/x": 1.0})
+    _write_rows(run / "metrics.jsonl", rows)
+    _write_rows(run / "events.jsonl", [{"step": 2, "rule": "truncation", "action": "warn"},
+                                       {"step": 4, "rule": "truncation", "action": "warn"},
+                                       {"step": 4, "rule": "entropy_collapse", "action": "stop"}])
+    s = atlas.summarize(run)
+    assert s["train_start"] == 0.4 and s["fell"] == 4 and s["lead"] == 2
+    assert s["fired"] == {"truncation": (2, "warn"), "entropy_collapse": (4, "stop")}
+    assert s["ended"] == "stopped: x" and s["val"][-1] == (5, 0.1, 0.03)
+    line = atlas.table(tmp_path / "runs").splitlines()[-1]
+    assert line.startswith("| blowup | 5 | 40.0 / 0.0 / 0.0 | 40.0 -> 10.0 (± 3.0, step 5) | 4 |")
+    margins = atlas.margins(tmp_path / "runs").splitlines()[-1]
+    assert margins.startswith("| blowup | 0.438 |")  # entropy 1/s: min 0.2 over the first five's mean 0.457

@@ -420,7 +420,8 @@ def test_reasoning_gym_options():
         terms = re.findall(r"\d+", env.reset(seed))
         assert len(terms) == 2 and all(len(t) == 1 for t in terms)  # two one-digit terms, as asked
     with pytest.raises(ConfigError, match=r"chain_sum does not take env.math.gym_config \{'bogus': 2\}"):
-        make_config("math-tiny", overrides=["env.math.source=reasoning_gym:chain_sum", "env.math.gym_config={bogus: 2}"])
+        make_config("math-tiny", overrides=["env.math.source=reasoning_gym:chain_sum",
+                                            "env.math.gym_config={bogus: 2}"])
 
 
 @pytest.mark.parametrize(("reply", "answer"), [
