@@ -214,7 +214,7 @@ def figures(out: Path, to: Path) -> None:
 
     for name in SCENARIOS:
         if (out / name / "metrics.jsonl").is_file():
-            for path in write_timeline(load_run(out / name), to / name, dpi=50):
+            for path in write_timeline(load_run(out / name), to / name, dpi=60):
                 print(path.rename(to / f"{name}.png"))
                 path.parent.rmdir()
 
