@@ -51,7 +51,7 @@ SCENARIOS: dict[str, list[str]] = {
                        "env.reward_weights.length=0.8", "env.math.length_target=200"],
     # a reward that does not depend on the question (format only): one fixed reply scores as well as any
     "template_collapse": [*SHORT, "train.lr=3e-5", "env.reward_weights.correctness=0", "env.reward_weights.format=1",
-                          "env.reward_weights.length=0"],
+                          "env.reward_weights.length=0", "train.steps=10"],
     # the vLLM engine samples weights up to 3 steps old, uncorrected, then with truncated importance sampling
     "stale_sampler": [*SHORT, "train.lr=3e-5", "rollout.engine=vllm", "rollout.sync_every=4"],
     "stale_sampler_tis": [*SHORT, "train.lr=3e-5", "rollout.engine=vllm", "rollout.sync_every=4", "algo.tis_cap=2"],
