@@ -192,7 +192,8 @@ def claims(out: Path, sweeps: list[Path]) -> str:
     for name, run in runs:
         val = [r for r in run.rows if any(k.startswith("val-env/") and k.endswith("/success") for k in r)]
         success = next((v for k, v in val[-1].items() if k.startswith("val-env/") and k.endswith("/success")),
-                       math.nan) if val else math.nan
+                       math.nan) if val and val[-1]["step"] > 0 else math.nan  # a run never validated after training
+        # (stopped before its first validation, or still running) has no final success
         entropy = [r["actor/entropy"] for r in run.rows if "actor/entropy" in r]
         table.append((name, success, final_value(run, MI), final_value(run, ENTROPY),
                       entropy[-1] if entropy else math.nan))
