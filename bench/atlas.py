@@ -197,7 +197,8 @@ def claims(out: Path, sweeps: list[Path]) -> str:
         entropy = [r["actor/entropy"] for r in run.rows if "actor/entropy" in r]
         table.append((name, success, final_value(run, MI), final_value(run, ENTROPY),
                       entropy[-1] if entropy else math.nan))
-    ok = np.array([t[1:] for t in table if all(math.isfinite(v) for v in t[1:])])
+    # a run identical to another (the no-filter twin of a top-p run that kept every group) counts once
+    ok = np.array(sorted({t[1:] for t in table if all(math.isfinite(v) for v in t[1:])}))
     lines.append(f"\nSpearman over {len(ok)} runs of the final validation success with (95 % bootstrap interval):")
     for i, what in ((1, "final MI (first turn)"), (2, "final H(Z|X)"), (3, "final policy entropy (actor/entropy)")):
         if len(ok) >= 3:
