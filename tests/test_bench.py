@@ -25,13 +25,18 @@ from rldynamics.train.warmstart import tiny_corpus
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-@pytest.fixture(scope="module")
-def vs_trl():
+def _imported(name: str):
+    """The bench script `name` imported as a module, with bench/ on the path while the fixture lives."""
     sys.path.insert(0, str(BENCH))
     try:
-        yield importlib.import_module("vs_trl")
+        yield importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def vs_trl():
+    yield from _imported("vs_trl")
 
 
 @pytest.fixture(scope="module")
@@ -207,11 +212,7 @@ def test_vs_trl_report_prints_the_baseline_against_ours(vs_trl, capsys):
 
 @pytest.fixture(scope="module")
 def atlas():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("atlas")
-    finally:
-        sys.path.remove(str(BENCH))
+    yield from _imported("atlas")
 
 
 def _write_rows(path, rows):
