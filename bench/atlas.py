@@ -23,12 +23,13 @@ fired: positive = warned before), and how the run ended.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from rldynamics.tracking.run_dir import read_events, read_metrics
 
 PRESET = "math-smollm2"
 COMMON = ["model.threads=1", "collapse.enabled=true", "collapse.multi_turn_enabled=false",
@@ -61,7 +62,7 @@ FALL = 0.1  # how far below its start training success must be, two steps in a r
 
 def run(names: list[str], out: Path) -> None:
     for name in names:
-        rows = _rows(out / name / "metrics.jsonl")
+        rows = _metrics(out / name)
         steps = [int(a.split("=")[1]) for a in SCENARIOS[name] if a.startswith("train.steps=")] or [30]
         if rows and (rows[-1].get("step", 0) >= steps[-1] or any(k.startswith("early_stopped/") for k in rows[-1])):
             print(f"{name}: done", flush=True)
@@ -73,14 +74,15 @@ def run(names: list[str], out: Path) -> None:
         subprocess.run(cmd, check=False)
 
 
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+def _metrics(run_dir: Path) -> list[dict]:
+    """The run's metrics rows; none for a run not started yet."""
+    return read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
 
 
 def summarize(run_dir: Path) -> dict:
     """One run's row of the atlas table (see the module docstring)."""
-    rows = _rows(run_dir / "metrics.jsonl")
-    events = _rows(run_dir / "events.jsonl")
+    rows = read_metrics(run_dir)
+    events = read_events(run_dir)
     train = {r["step"]: r["train/math/success"] for r in rows if "train/math/success" in r}
     val = [(r["step"], r["val-env/math/success"], r.get("val-env/math/success_se")) for r in rows
            if "val-env/math/success" in r]
@@ -143,7 +145,7 @@ def margins(out: Path) -> str:
     threshold, and how far past it the failing runs went."""
     lines = ["| run | " + " | ".join(MARGINS) + " |", "|---|" + "---:|" * len(MARGINS)]
     for name in SCENARIOS:
-        rows = _rows(out / name / "metrics.jsonl")
+        rows = _metrics(out / name)
         if not rows:
             continue
         cells = []

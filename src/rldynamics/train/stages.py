@@ -42,8 +42,6 @@ def val_seeds(seed_base: int, env_groups: int) -> list[int]:
 
 def env_seeds(cfg: Config, seeds: list[int], validation: bool = False) -> list[int]:
     """`seeds` moved to training's (or validation's) side of `val.held_out`: unchanged when it is 0."""
-    if cfg.val.held_out <= 0:
-        return list(seeds)
     return side_seeds(env_first_observation(cfg.env.name, cfg.env.options()), seeds, cfg.val.held_out, validation)
 
 
