@@ -1,7 +1,7 @@
 """`rldyn replay RUN --step N`: recompute a recorded step's update from the checkpoint before it, and check it.
 
-The replay loads the weights, optimizer and critic of the step before N (`checkpoints/step_<N-1>`; the base model
-for N = 1) and the record of step N (`records/step_<N>.safetensors`, `tracking/step_records.py`), and composes the
+The replay loads the weights, optimizer and critic of the step before N (`checkpoints/step_<N-1>`, or the state
+kept beside the record, `records/step_<N>.before/`; the base model for N = 1) and the record of step N (`records/step_<N>.safetensors`, `tracking/step_records.py`), and composes the
 stages of a training step on the recorded rollout instead of a new one:
 
     recorded rollout -> filter -> prepare (the passes the step ran) -> critic update -> actor update
@@ -41,7 +41,14 @@ from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.tracking.console import StepConsole
 from rldynamics.tracking.files import remove, write_file
 from rldynamics.tracking.run_dir import read_metrics
-from rldynamics.tracking.step_records import ATTRIBUTION_FILE, REPLAYS_DIR, read_record, record_path, replay_dir
+from rldynamics.tracking.step_records import (
+    ATTRIBUTION_FILE,
+    REPLAYS_DIR,
+    read_record,
+    record_path,
+    replay_dir,
+    state_before_path,
+)
 from rldynamics.train import step as stages
 from rldynamics.train.checkpoint import checkpoint_step, checkpoints
 from rldynamics.train.diagnostics.records import RECORDS_OFF, kept_rows, weights_digest
@@ -104,6 +111,8 @@ def start_checkpoint(run_dir: Path, cfg: Config, step: int, meta: dict) -> Path 
     at = {checkpoint_step(p): p for p in checkpoints(run_dir)}
     if step - 1 in at:
         return at[step - 1]
+    if meta.get("state_before") and state_before_path(run_dir, step).is_dir():
+        return state_before_path(run_dir, step)  # kept beside the record
     scratch = run_dir / REPLAYS_DIR / ROLL_FORWARD
     done = {checkpoint_step(p): p for p in checkpoints(scratch)} if scratch.is_dir() else {}
     if step - 1 in done:
