@@ -1,8 +1,9 @@
 """`rldyn replay RUN --step N`: recompute a recorded step's update from the checkpoint before it, and check it.
 
 The replay loads the weights, optimizer and critic of the step before N (`checkpoints/step_<N-1>`, or the state
-kept beside the record, `records/step_<N>.before/`; the base model for N = 1) and the record of step N (`records/step_<N>.safetensors`, `tracking/step_records.py`), and composes the
-stages of a training step on the recorded rollout instead of a new one:
+kept beside the record, `records/step_<N>.before/`; the base model for N = 1) and the record of step N
+(`records/step_<N>.safetensors`, `tracking/step_records.py`), and composes the stages of a training step on the
+recorded rollout instead of a new one:
 
     recorded rollout -> filter -> prepare (the passes the step ran) -> critic update -> actor update
 
