@@ -61,7 +61,8 @@ def test_a_recorded_step_replays_to_bit_identical_weights(fast_overrides, update
 
 
 def test_a_step_without_a_checkpoint_before_it_is_reached_by_rolling_forward(fast_overrides):
-    run = _run(fast_overrides, "roll", *ONE_STEP, "train.steps=3", "record.steps=[3]", "record.every=0")
+    run = _run(fast_overrides, "roll", *ONE_STEP, "train.steps=3", "record.steps=[3]", "record.every=0",
+               "record.state_before_mb=0")  # no state kept beside the record
     assert not (run / "checkpoints" / "step_2").exists()
     summary = _replayed(run, 3)
     assert "roll_forward" in summary["start"]
