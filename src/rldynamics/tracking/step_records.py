@@ -32,7 +32,11 @@ and the sampler put zeros too). A step's record is therefore about the size of i
 `passes` (which no-grad passes the step ran: `old_logprobs`, `ref_logprobs`), `update` (per optimizer step: grad
 norm, clipped, skipped, refused by a guard; the step's `actor/*` losses), `weights_after` (SHA-256 of the actor's
 weights after the step, `weights_digest`), `threads` (torch's CPU threads), `pieces` (token id -> its text decoded
-alone, for every id in the record: what the sample browser shows token by token).
+alone, for every id in the record: what the sample browser shows token by token), `state_before` (whether
+`records/step_<N>.before/` holds the state the step started from).
+
+`records/step_<N>.before/` (optional): the weights, optimizer, critic, RNG and trainer state before step N, in the
+checkpoint format of `train/checkpoint.py` (a checkpoint of step N - 1), so that `rldyn replay` starts from it.
 """
 
 from __future__ import annotations
@@ -74,6 +78,11 @@ def attribution_path(run_dir: str | Path, step: int) -> Path:
 def record_path(run_dir: str | Path, step: int) -> Path:
     """Where the record of `step` lives."""
     return Path(run_dir) / RECORDS_DIR / f"step_{step}.safetensors"
+
+
+def state_before_path(run_dir: str | Path, step: int) -> Path:
+    """Where the state before `step` is kept beside its record (a checkpoint of step - 1, `record.state_before_mb`)."""
+    return Path(run_dir) / RECORDS_DIR / f"step_{step}.before"
 
 
 def write_record(run_dir: str | Path, step: int, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> Path:
@@ -172,5 +181,8 @@ def prune_records(run_dir: str | Path, keep_last: int, keep: set[int] = frozense
     gone = [p for p in found[:-keep_last] if record_step(p) not in keep]
     for p in gone:
         remove(p)
+        state = state_before_path(run_dir, record_step(p))
+        if state.exists():
+            remove(state)
     return gone
 

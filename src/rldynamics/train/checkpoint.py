@@ -30,12 +30,14 @@ sent to each rank in its shards; each rank takes its own RNG state back when the
 
 from __future__ import annotations
 
+import copy as copy_module
 import json
 import os
 import re
 import shutil
 import signal
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -73,54 +75,120 @@ def crash_point(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+@dataclass
+class TrainingState:
+    """What a checkpoint saves of a session, gathered on rank 0: the actor's and critic's weights (None: the model's
+    own state dict, complete in one process), the optimizer states, every rank's RNG state and the trainer state."""
+
+    step: int
+    weights: dict[str, torch.Tensor] | None
+    optim: dict
+    critic_weights: dict[str, torch.Tensor] | None
+    rng: list[torch.Tensor]
+    trainer_state: dict
+
+
+def capture_state(step: int, *, model, optimizer, critic=None, critic_optimizer=None,
+                  trainer_state: dict | None = None, copy: bool = False) -> TrainingState:
+    """The state `save_checkpoint` writes (collective when sharded). `copy` (one process only): every tensor copied,
+    so the state stays as it is while training goes on (a snapshot in memory; tied weights stay tied)."""
+    weights = full_state_dict(model)
+    optim = {"actor": full_optimizer_state(model, optimizer)}
+    critic_weights = full_state_dict(critic) if critic is not None else None
+    if critic is not None:
+        optim["critic"] = full_optimizer_state(critic, critic_optimizer)
+    state = TrainingState(step, weights, optim, critic_weights, dist.gather(torch.get_rng_state()),
+                          dict(trainer_state or {}))
+    if not copy:
+        return state
+    if dist.distributed():
+        raise ValueError("an in-memory copy of the training state is made in one process only")
+    return TrainingState(step, _copied(model.state_dict()), copy_module.deepcopy(optim),
+                         _copied(critic.state_dict()) if critic is not None else None,
+                         [r.clone() for r in state.rng], copy_module.deepcopy(state.trainer_state))
+
+
+def state_bytes(*modules: torch.nn.Module | None) -> int:
+    """About what `capture_state(copy=True)` holds: each module's weights plus two float32 AdamW moments of each
+    trainable parameter."""
+    total = 0
+    for module in (m for m in modules if m is not None):
+        total += sum(t.numel() * t.element_size() for t in _unique(module.state_dict()).values())
+        total += sum(8 * p.numel() for p in module.parameters() if p.requires_grad)
+    return total
+
+
+def _unique(tensors: dict[str, torch.Tensor]) -> dict[tuple, torch.Tensor]:
+    """The distinct tensors of a state dict, keyed by what they point to (tied weights once)."""
+    return {(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()): t
+            for t in tensors.values()}
+
+
+def _copied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of a state dict in which the tensors that shared memory share it again (a tied embedding)."""
+    copies: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for name, t in tensors.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        out[name] = copies.setdefault(key, t.detach().clone())
+    return out
+
+
 def save_checkpoint(directory: Path, step: int, *, model, tokenizer, optimizer, critic=None, critic_optimizer=None,
                     trainer_state: dict | None = None, keep_last: int = 0, merged: bool = False) -> Path | None:
     """Write `directory/step_<step>` atomically (manifest last, then a rename) and return its path; then keep
     only the newest `keep_last` checkpoints (0 = keep all); `merged`: a LoRA actor's merged export too
     (`actor_merged/`). Several ranks: every rank calls it (the states are gathered collectively); rank 0 writes and
     returns the path, the others return None."""
-    weights = full_state_dict(model)
-    optim = {"actor": full_optimizer_state(model, optimizer)}
-    critic_weights = None
-    if critic is not None:
-        critic_weights = full_state_dict(critic)
-        optim["critic"] = full_optimizer_state(critic, critic_optimizer)
-    rng = dist.gather(torch.get_rng_state())
+    state = capture_state(step, model=model, optimizer=optimizer, critic=critic, critic_optimizer=critic_optimizer,
+                          trainer_state=trainer_state)
     if not dist.is_main():
         return None
-    final = directory / f"step_{step}"
-    tmp = directory / f".tmp_step_{step}_{os.getpid()}"
-    try:
-        _write_files(tmp, step, weights=weights, model=model, tokenizer=tokenizer, critic=critic,
-                     critic_weights=critic_weights, optim=optim, rng=rng, trainer_state=trainer_state, merged=merged)
-    except (OSError, RuntimeError, SafetensorError) as e:  # torch and safetensors raise their own on a full disk
-        _discard(tmp)
-        raise CheckpointWriteError(_write_failure(final, e)) from None
-    crash_point("checkpoint_manifest", step)
-    if os.path.lexists(final):
-        _remove(final)
-    tmp.rename(final)
+    final = write_state(directory / f"step_{step}", state, model=model, tokenizer=tokenizer, critic=critic,
+                        merged=merged, crash_points=True)
     if keep_last > 0:
         for old in checkpoints(directory.parent)[:-keep_last]:
             _remove(old)
     return final
 
 
-def _write_files(tmp: Path, step: int, *, weights, model, tokenizer, critic, critic_weights, optim, rng,
-                 trainer_state: dict | None, merged: bool) -> None:
-    """Every file of checkpoint `step` into a new directory `tmp` (whatever stood there is removed), manifest last."""
+def write_state(final: Path, state: TrainingState, *, model, tokenizer, critic=None, merged: bool = False,
+                crash_points: bool = False) -> Path:
+    """Write `state` as a checkpoint directory `final` (the checkpoint format; model and critic give the configs),
+    atomically: into a temporary sibling, manifest last, then renamed into place. Returns `final`."""
+    tmp = final.with_name(f".tmp_{final.name}_{os.getpid()}")
+    try:
+        _write_files(tmp, state, model=model, tokenizer=tokenizer, critic=critic, merged=merged,
+                     crash_points=crash_points)
+    except (OSError, RuntimeError, SafetensorError) as e:  # torch and safetensors raise their own on a full disk
+        _discard(tmp)
+        raise CheckpointWriteError(_write_failure(final, e)) from None
+    if crash_points:
+        crash_point("checkpoint_manifest", state.step)
+    if os.path.lexists(final):
+        _remove(final)
+    tmp.rename(final)
+    return final
+
+
+def _write_files(tmp: Path, state: TrainingState, *, model, tokenizer, critic, merged: bool,
+                 crash_points: bool) -> None:
+    """Every file of checkpoint `state.step` into a new directory `tmp` (whatever stood there is removed), manifest
+    last."""
     if os.path.lexists(tmp):
         remove(tmp)
     tmp.mkdir(parents=True)  # never an existing directory or link: everything below is written into this new one
-    _write_actor(tmp, model, tokenizer, weights, merged)
+    _write_actor(tmp, model, tokenizer, state.weights, merged)
     if critic is not None:
-        critic.save_pretrained(tmp / "critic", state_dict=critic_weights)
-    torch.save(optim, tmp / "optimizer.pt")
+        critic.save_pretrained(tmp / "critic", state_dict=state.critic_weights)
+    torch.save(state.optim, tmp / "optimizer.pt")
+    rng = state.rng
     torch.save({"torch": rng[0], **({"ranks": rng} if len(rng) > 1 else {})}, tmp / "rng.pt")
-    write_file(tmp / "trainer_state.json", json.dumps({"step": step, **(trainer_state or {})}, indent=2))
-    crash_point("checkpoint_files", step)
+    write_file(tmp / "trainer_state.json", json.dumps({"step": state.step, **state.trainer_state}, indent=2))
+    if crash_points:
+        crash_point("checkpoint_files", state.step)
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {"format": FORMAT, "step": step,
+    manifest = {"format": FORMAT, "step": state.step,
                 "files": {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
                           for p in files}}
     write_file(tmp / MANIFEST, json.dumps(manifest, indent=1))

@@ -192,6 +192,7 @@ def _end(s: Session, due: list, stopper: EarlyStopper, record: StepRecord, stop:
         record.add(val.metrics)
         if val.success is not None:
             stop = stopper.after_validation(val.success)
+    record.early_stop = stopper.state_dict()
     ended = stages.run_point(s, due, END, record)
     targets = [r.rollback_to for r in record.results.values() if r.rollback_to is not None]
     back = min(targets, key=checkpoint_step) if targets else None

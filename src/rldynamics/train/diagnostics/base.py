@@ -62,6 +62,7 @@ class StepRecord:
     prepared: Prepared | None = None  # the update's inputs (None: the filter kept nothing)
     update: ActorUpdate | None = None  # the actor update (None before it, or without one)
     validation: Validation | None = None  # the step's validation (None: not due, or the step stopped)
+    early_stop: dict | None = None  # the early stopper's state at END (what a checkpoint of the step saves)
     results: dict[str, DiagnosticResult] = field(default_factory=dict)  # diagnostic name -> its result this step
     parts: list[dict[str, float]] = field(default_factory=list)
 
