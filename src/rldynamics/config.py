@@ -508,6 +508,11 @@ class RecordConfig:
     keep_last: int = _within(0, 0)
     """Keep only the newest N records, deleting older ones after each write (0 = keep all); those of record.steps
     are always kept."""
+    state_before_mb: float = _within(256.0, 0)
+    """Keep, beside each record, the state its step started from (weights, optimizer, critic, RNG:
+    records/step_<N>.before/), so `rldyn replay` starts there instead of training the run again, when that state
+    is at most this many MiB (about 12 bytes per trained parameter); 0 = never. The run keeps it in memory from
+    step to step and writes it only with a record. One process only."""
 
 
 @dataclass
