@@ -85,7 +85,8 @@ class ModelConfig:
     dtype: str = _one_of("auto", "auto", "float32", "bfloat16")
     """Compute dtype: auto | float32 | bfloat16 (mixed precision: weights, gradients and AdamW state stay float32,
     forward and backward run in bfloat16, as verl does). auto = bfloat16 where the device computes it fast (a CUDA GPU
-    with bfloat16, a CPU with AMX or AVX512-BF16, measured once), else float32; float32 for the tiny model."""
+    with bfloat16, a CPU with AMX or AVX512-BF16, measured once), else float32; float32 for the tiny model and
+    its checkpoints."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in backward instead of keeping them (less memory, one more
     forward; verl's enable_gradient_checkpointing). Gradients are the same."""

@@ -247,6 +247,20 @@ def save_tokenizer(tokenizer, directory: str | Path) -> None:
         shutil.copyfile(TOKENIZER_CODE, Path(directory) / TOKENIZER_CODE.name)
 
 
+def is_tiny_model(path: str | Path) -> bool:
+    """Whether `path` is the embedded tiny model: `tiny`, or a directory saved from it (the built model, its warm
+    start, a checkpoint's actor or LoRA adapter), known by the tokenizer class its tokenizer config names
+    (`TINY_AUTO_MAP`, which `save_tokenizer` writes into each)."""
+    if str(path) == "tiny":
+        return True
+    try:
+        config = json.loads((Path(path).expanduser() / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    return isinstance(auto_map, dict) and auto_map.get("AutoTokenizer") == TINY_AUTO_MAP["AutoTokenizer"]
+
+
 def _publish(tmp: Path, final: Path) -> None:
     """Rename ``tmp`` to ``final`` atomically; if a concurrent builder got there first, keep theirs."""
     try:

@@ -9,8 +9,9 @@ The settings: a checkpoint (`runs/<run>/checkpoints/step_N`) is evaluated under 
 same validation), its actor as `model.path` (a LoRA adapter on the base model of the run: `setup.run_config`), and
 its metrics are logged at step N; anything else (a model directory,
 a hub id in the local cache, a `.gguf` file, `tiny`) under a preset (default: the training default), at step 0.
-`--preset P` replaces the run's config by the preset; `key=value` overrides apply last. Nothing is trained: only the
-policy is loaded (no critic, no reference model, no optimizer).
+`--preset P` replaces the run's config by the preset; `key=value` overrides apply last, except those that would make
+a checkpoint's model another one (`CHECKPOINT_MODEL_KEYS`: evaluating the base under the checkpoint's name), which are
+refused. Nothing is trained: only the policy is loaded (no critic, no reference model, no optimizer).
 
 The run directory (`<log.run_dir>/eval_<run or model>_<step>` unless `log.name` is set) holds config.yaml and
 metrics.jsonl (one row); an existing run is never written into.
@@ -18,12 +19,24 @@ metrics.jsonl (one row); an existing run is never written into.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
 
 from rldynamics import metric_names as names
-from rldynamics.config import Config, ConfigError, apply_overrides, load_config, make_config, save_config
+from rldynamics.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    config_diff,
+    load_config,
+    make_config,
+    save_config,
+)
+
+CHECKPOINT_MODEL_KEYS = ("model.path", "tiny.", "model.warm_start_")  # what a checkpoint's evaluated model is
+LABELS = {"response_length": "response_length (tokens per turn)", names.PROBLEMS: "distinct problems"}
 
 
 def is_checkpoint(target: str | Path) -> bool:
@@ -49,7 +62,10 @@ def eval_config(target: str, preset: str | None, overrides: list[str], default_p
         model = str(checkpoint / "actor")
     else:
         base, model = make_config(preset or default_preset), target
-    cfg = apply_overrides(base, [f"model.path={model}", "log.name=null", *overrides])
+    own = apply_overrides(base, [f"model.path={model}", "log.name=null"])
+    cfg = apply_overrides(own, overrides)
+    if is_checkpoint(target):
+        cfg = _same_model(target, own, cfg)
     if cfg.checkpoint.resume and cfg.checkpoint.resume != base.checkpoint.resume:
         raise ConfigError("checkpoint.resume has no meaning for an evaluation; give the checkpoint as the argument "
                           "(rldyn eval runs/<run>/checkpoints/step_<N>)")
@@ -126,6 +142,22 @@ def _checkpoint_step(checkpoint: Path) -> int:
     return step
 
 
+def _same_model(target: str, own: Config, cfg: Config) -> Config:
+    """`cfg`, refused when an override changes what the checkpoint's model is (`CHECKPOINT_MODEL_KEYS`): another model
+    would be evaluated under the checkpoint's name. The checkpoint's actor given again is no change."""
+    if Path(cfg.model.path).expanduser().resolve() == Path(own.model.path):
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=own.model.path))
+    changed = [(key, value) for key, _, value in config_diff(own, cfg) if key.startswith(CHECKPOINT_MODEL_KEYS)]
+    if not changed:
+        return cfg
+    key, value = changed[0]
+    if key == "model.path":
+        raise ConfigError(f"model.path={value} contradicts the checkpoint {target}, whose actor is the model "
+                          f"evaluated; drop model.path, or evaluate that model itself: rldyn eval {value}")
+    raise ConfigError(f"{key}={value} does not apply to the checkpoint {target}: its actor is evaluated as saved "
+                      f"(the tiny model's build and warm start made its run's base model); drop {key}")
+
+
 def _check_target(target: str) -> None:
     """A run directory, or a checkpoint path that does not exist, named as what it is (not as a model to load)."""
     path = Path(target)
@@ -149,9 +181,9 @@ def metrics_table(metrics: dict[str, float], env: str) -> str:
     head = names.env_prefix(env, validation=True) + "/"
     first = (names.SUCCESS, *sorted(k[len(head):] for k in metrics if k.startswith(head + "pass@")), "reward",
              "response_length")
-    rows = [(name + (" (tokens per turn)" if name == "response_length" else ""), metrics[head + name])
-            for name in first if head + name in metrics]
-    rows += [(k[len(head):], v) for k, v in metrics.items() if k.startswith(head) and k[len(head):] not in first]
+    rows = [(LABELS.get(name, name), metrics[head + name]) for name in first if head + name in metrics]
+    rows += [(LABELS.get(k[len(head):], k[len(head):]), v) for k, v in metrics.items()
+             if k.startswith(head) and k[len(head):] not in first]
     rows += [(f"reward component {k.split('/')[1]} ({k.split('/')[2]})", v) for k, v in metrics.items()
              if k.startswith(f"{names.VAL_REWARD}/") and k.split("/")[2] in ("mean", "std")]
     width = max(len(name) for name, _ in rows)

@@ -50,7 +50,7 @@ from rldynamics.models.hardware import Bf16Speed, DtypeChoice, bf16_speed, choos
 from rldynamics.models.loading import load_model_and_tokenizer, load_value_model, resolve_model_path
 from rldynamics.models.precision import compute_in, enable_checkpointing
 from rldynamics.models.sharding import wrap
-from rldynamics.models.tiny import ensure_tiny_model
+from rldynamics.models.tiny import ensure_tiny_model, is_tiny_model
 from rldynamics.rollout import engines
 from rldynamics.rollout.engines import RolloutEngine, rollout_engine
 from rldynamics.start_notes import warm_starts
@@ -377,7 +377,7 @@ class Precision:
 def choose_precision(cfg: Config, device: torch.device) -> Precision:
     """Resolve `model.dtype` (and `rollout.vllm_dtype`) on `device` (`models.hardware.choose_dtype`)."""
     engine = cfg.rollout.vllm_dtype if cfg.rollout.engine == "vllm" else None
-    tiny = cfg.model.path == "tiny"
+    tiny = is_tiny_model(cfg.model.path)  # `tiny`, or a checkpoint of it (`rldyn eval`): float32 in both
     explicit = "bfloat16" in (cfg.model.dtype, engine)
     speed = bf16_speed(device, measure=explicit or not tiny, measure_slow=explicit)  # tiny + auto: float32 anyway
     return Precision(model=choose_dtype("model.dtype", cfg.model.dtype, speed, tiny=tiny),
