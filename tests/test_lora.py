@@ -339,6 +339,21 @@ def test_a_tied_lm_head_is_not_adapted():
         lora.add_adapters(model, 2, 4, 0.0, ["lm_head"])
 
 
+def test_a_rank_above_the_narrowest_adapted_layer_is_refused():
+    """A rank above min(in, out) of an adapted layer adds parameters and no expressiveness there: refused in one line
+    naming the rank, the width and the module, before any adapter is allocated."""
+    from rldynamics.models.tiny import build_tiny_model, build_tiny_tokenizer
+
+    model = build_tiny_model(build_tiny_tokenizer(sokoban_corpus()), hidden_size=32, num_layers=1,
+                             intermediate_size=64)  # k_proj and v_proj: 32 -> 16
+    with pytest.raises(ValueError, match=r"model.lora.rank=100000 .* 16 .*model.layers.0.self_attn.k_proj") as error:
+        lora.add_adapters(model, 100000, 16, 0.0, ["all-linear"])
+    assert len(str(error.value).splitlines()) == 1 and not lora.is_adapted(model)
+    with pytest.raises(ValueError, match="rank=33 .* 32 .*q_proj"):
+        lora.add_adapters(model, 33, 16, 0.0, ["q_proj"])
+    assert lora.count(lora.add_adapters(model, 16, 16, 0.0, ["all-linear"])).rank == 16
+
+
 # ---- commands on adapter checkpoints -----------------------------------------------------------------------------
 
 

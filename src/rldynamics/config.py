@@ -65,13 +65,14 @@ class LoraConfig:
 
     rank: int = _within(0, 0)
     """Adapter rank r; 0 = off (full fine-tuning). > 0: only the adapters train (float32, with their AdamW state),
-    and the KL reference is the base itself with the adapters switched off. Needs peft: pip install -e '.[lora]'."""
+    and the KL reference is the base itself with the adapters switched off; at most the width of the narrowest adapted
+    layer (min of its inputs and outputs, checked when the model loads). Needs peft: pip install -e '.[lora]'."""
     alpha: int = _within(16, 1)
     """Scale of the adapters' update: alpha / rank x B A (RAGEN's and verl's default 16)."""
     dropout: float = _within(0.0, 0, high=1)
     """Dropout on the adapters' input, in the actor update's forwards only (rollouts, old and reference log-probs and
     the gradient analysis see the whole adapters): the update then no longer starts at ratio 1 against the old
-    log-probs; masks seeded by (seed, step). 0 = none (the default, as in RAGEN and verl)."""
+    log-probs; masks seeded by (seed, step). In [0, 1); 0 = none (the default, as in RAGEN and verl)."""
     target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
     """Modules that get adapters: [all-linear] = every linear layer but the LM head (peft's choice per architecture:
     q/k/v/o_proj and gate/up/down_proj in Llama and Qwen; a tied LM head is never adapted), or module names such
@@ -180,7 +181,7 @@ class TrainConfig:
     env_groups: int = _within(16, 1)
     """Groups per rollout; the envs of a group share one initial state."""
     group_size: int = _within(8, 1)
-    """Trajectories per group."""
+    """Trajectories per group (grpo and rloo need >= 2: their baseline is the group's other replies)."""
     seed_base: int = _within(10000, 0)
     """Step s uses env seeds seed_base + env_groups*(s-1) + g (RAGEN's train seeds)."""
     lr: float = _within(2e-4, 0)
@@ -254,7 +255,7 @@ class AlgoConfig:
     policy_loss: str = _one_of("ppo", "ppo", "cispo")
     """ppo (dual-clip when clip_c is set) | cispo."""
     clip_low: float = _within(0.2, 0, high=1)
-    """Lower clip range (ppo): ratio >= 1 - clip_low."""
+    """Lower clip range (ppo): ratio >= 1 - clip_low, in [0, 1)."""
     clip_high: float = _within(0.28, 0)
     """Upper clip range: ratio <= 1 + clip_high (clip-higher); cispo: the IS weight's cap."""
     cispo_clip_low: float | None = _within(None, 0, high=1)
@@ -921,6 +922,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"{skipping[0]}=skip: only {' and '.join(SKIPPABLE)} can skip (their trouble is found "
                           "before the optimizer step is taken); choose record, warn, rollback or stop")
     _validate_lora(cfg)
+    _validate_algo(cfg)
     bad_steps = [n for n in cfg.record.steps if n < 1]
     if bad_steps:
         raise ConfigError(f"record.steps={cfg.record.steps} holds {bad_steps[0]}: steps are numbered from 1")
@@ -939,6 +941,26 @@ def _validate_lora(cfg: Config) -> None:
     if cfg.checkpoint.save_merged and lora.rank == 0:
         raise ConfigError("checkpoint.save_merged=true needs model.lora.rank > 0 (a full fine-tuning checkpoint's "
                           "actor/ is a whole model already)")
+    if lora.dropout >= 1:
+        raise ConfigError(f"model.lora.dropout={lora.dropout} drops every adapter input, so every gradient is 0; "
+                          "give a value in [0, 1)")
+
+
+GROUP_RELATIVE = ("grpo", "rloo")  # estimators whose baseline is the other replies to the same prompt
+
+
+def _validate_algo(cfg: Config) -> None:
+    """Settings the estimator and the policy loss cannot honour: a group-relative baseline over one reply, a lower
+    clip that leaves the ratio no lower bound."""
+    estimator = cfg.algo.adv_estimator
+    for key in ("train.group_size", "analysis.group_size"):
+        if estimator in GROUP_RELATIVE and _get(cfg, key) == 1:
+            raise ConfigError(f"{key}=1 with algo.adv_estimator={estimator}: a group-relative baseline needs >= 2 "
+                              f"replies per prompt; set {key} >= 2, or algo.adv_estimator=reinforce_pp or gae "
+                              "(baselines without groups)")
+    if cfg.algo.clip_low >= 1:
+        raise ConfigError(f"algo.clip_low={cfg.algo.clip_low} leaves PPO's ratio no lower bound (1 - clip_low); "
+                          "give a value in [0, 1) (algo.clip_high bounds the ratio from above)")
 
 
 def _validate_env(env: EnvConfig) -> None:
