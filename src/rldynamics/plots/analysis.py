@@ -124,7 +124,8 @@ def _error_bars(ax, x: np.ndarray, values: np.ndarray, ci: tuple[np.ndarray, np.
     low, high = ci
     ok = np.isfinite(values) & np.isfinite(low) & np.isfinite(high)
     if ok.any():
-        ax.errorbar(x[ok], values[ok], yerr=[values[ok] - low[ok], high[ok] - values[ok]], fmt="none", ecolor=color,
+        err = np.vstack([values[ok] - low[ok], high[ok] - values[ok]])  # [2, n]
+        ax.errorbar(x[ok], values[ok], yerr=err, fmt="none", ecolor=color,
                     elinewidth=1.0, capsize=3, zorder=4)
     return np.concatenate([low[ok], high[ok]])
 
@@ -277,7 +278,8 @@ def fig_reward_std(sd: StepData) -> Figure:
     ok = np.isfinite(mean) & np.isfinite(lo) & np.isfinite(hi)
     if ok.any():
         x = np.arange(len(mean))[ok]
-        ax.errorbar(x, mean[ok], yerr=[mean[ok] - lo[ok], hi[ok] - mean[ok]], fmt="none", ecolor="k", capsize=4)
+        err = np.vstack([mean[ok] - lo[ok], hi[ok] - mean[ok]])  # [2, n]
+        ax.errorbar(x, mean[ok], yerr=err, fmt="none", ecolor="k", capsize=4)
     spread = np.concatenate([mean, lo, hi])
     if np.isfinite(spread).any() and (spread[np.isfinite(spread)] != 0).any():  # scale from the whiskers too
         ax.set_yscale("linear")
@@ -373,7 +375,7 @@ def _rv_panel(ax, sd: StepData) -> None:
     mean, lo, hi = sd.values("reward_std_mean"), sd.values("reward_std_min"), sd.values("reward_std_max")
     rest = [i for i in range(len(sd.buckets)) if i not in have and np.isfinite(mean[i])]
     if rest:
-        err = [whisker(mean[rest] - lo[rest]), whisker(hi[rest] - mean[rest])]
+        err = np.vstack([whisker(mean[rest] - lo[rest]), whisker(hi[rest] - mean[rest])])  # [2, n]
         ax.errorbar(x[rest], mean[rest], yerr=err, fmt="o", color="k", capsize=4,
                     label="mean (min–max); no groups.csv rows")
         ax.legend(fontsize=7)
@@ -644,7 +646,8 @@ def _rv_ranges(ax, sd: StepData, color: str, offset: float, slots: list[str]) ->
     rv, lo, hi = sd.values("reward_std_mean"), sd.values("reward_std_min"), sd.values("reward_std_max")
     x = np.array([slots.index(b) for b in sd.buckets], dtype=float) + offset
     ok = np.isfinite(rv)
-    ax.errorbar(x[ok], rv[ok], yerr=[np.nan_to_num(rv[ok] - lo[ok]), np.nan_to_num(hi[ok] - rv[ok])], fmt="o",
+    err = np.vstack([np.nan_to_num(rv[ok] - lo[ok]), np.nan_to_num(hi[ok] - rv[ok])])  # [2, n]
+    ax.errorbar(x[ok], rv[ok], yerr=err, fmt="o",
                 color=color, capsize=3, ms=4)
     ax.set_ylim(bottom=0.0)
 

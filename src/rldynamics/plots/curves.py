@@ -252,7 +252,8 @@ def fig_reg_share(run: RunData, steps: list[int] | None = None) -> Figure | None
         ok = pos & np.isfinite(low) & np.isfinite(high)
         if ok.any():
             lo = np.where(low[ok] > 0, low[ok], y[ok] / 2)  # a whisker to 0 cannot be drawn on a log axis
-            ax.errorbar(x[ok], y[ok], yerr=[y[ok] - lo, high[ok] - y[ok]], fmt="none", ecolor=style["color"],
+            err = np.vstack([y[ok] - lo, high[ok] - y[ok]])  # [2, n]
+            ax.errorbar(x[ok], y[ok], yerr=err, fmt="none", ecolor=style["color"],
                         capsize=2, lw=0.8)
         drawn.append(y[pos])
     if not drawn:
