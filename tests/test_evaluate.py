@@ -108,23 +108,24 @@ def test_ctrl_c_during_eval_is_one_line_and_writes_nothing(fast_overrides, tmp_p
 
 
 DEFAULT_MODEL_RUN = [  # the default's env and warm start (shipped with the package), a short run
-    "train.steps=2", "train.env_groups=2", "train.group_size=2", "train.mini_batch_size=2", "train.micro_batch_size=1",
-    "val.env_groups=32", "val.every=2", "val.before_train=false", "log.progress=false", "log.samples_per_step=1",
-    "log.report=false", "analysis.enabled=false",
+    "train.steps=2", "train.env_groups=2", "train.group_size=2", "train.mini_batch_size=2",
+    "train.micro_batch_size=1", "val.env_groups=32", "val.every=2", "val.before_train=false",
+    "log.progress=false", "log.samples_per_step=1", "log.report=false", "analysis.enabled=false",
 ]
 
 
-def test_eval_of_a_tiny_checkpoint_computes_as_its_run_where_bfloat16_is_fast(fast_overrides, tmp_path, capsys,
-                                                                              monkeypatch):
-    """`model.dtype=auto` knows the tiny model in its checkpoints too: on a device fast in bfloat16 the run computes
-    in float32, and so does the eval of its checkpoint, which reproduces the run's validation exactly."""
+def test_eval_of_a_tiny_checkpoint_computes_as_its_run_where_bfloat16_is_fast(
+        fast_overrides, tmp_path, capsys, monkeypatch):
+    """`model.dtype=auto` knows the tiny model in its checkpoints too: on a device fast in bfloat16
+    the run computes in float32, and so does the eval of its checkpoint, which reproduces the run's
+    validation exactly."""
     from rldynamics.models.hardware import Bf16Speed
     from rldynamics.train import setup
 
     fast = Bf16Speed("cpu", "AMX", fast=True, factor=2.5)
     monkeypatch.setattr(setup, "bf16_speed", lambda *a, **k: fast)
-    settings = [o for o in fast_overrides if o.startswith("log.run_dir=")] + DEFAULT_MODEL_RUN  # packaged warm start
-    assert main(["train", *settings, "log.name=run"]) == 0
+    run_dir = [o for o in fast_overrides if o.startswith("log.run_dir=")]
+    assert main(["train", *run_dir, *DEFAULT_MODEL_RUN, "log.name=run"]) == 0
     run = tmp_path / "runs" / "run"
     logged = read_metrics(run)[-1]
     capsys.readouterr()
@@ -137,8 +138,8 @@ def test_eval_of_a_tiny_checkpoint_computes_as_its_run_where_bfloat16_is_fast(fa
 
 
 def _fake_checkpoint(root, adapter: bool):
-    """A run directory with config.yaml and a checkpoint whose actor is a whole model or a LoRA adapter (only what
-    `rldyn eval` reads before loading anything)."""
+    """A run directory with config.yaml and a checkpoint whose actor is a whole model or a LoRA
+    adapter (only what `rldyn eval` reads before loading anything)."""
     from rldynamics.config import make_config, save_config
 
     run = root / "runs" / "r"
@@ -146,14 +147,15 @@ def _fake_checkpoint(root, adapter: bool):
     (checkpoint / "actor").mkdir(parents=True)
     (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 12}))
     (checkpoint / "actor" / ("adapter_config.json" if adapter else "config.json")).write_text("{}")
-    save_config(make_config(overrides=["model.lora.rank=4"] if adapter else []), run / "config.yaml")
+    lora = ["model.lora.rank=4"] if adapter else []
+    save_config(make_config(overrides=lora), run / "config.yaml")
     return checkpoint
 
 
 @pytest.mark.parametrize("adapter", [False, True])
 def test_eval_of_a_checkpoint_refuses_another_model_path(tmp_path, capsys, adapter):
-    """`model.path=tiny` on a checkpoint would evaluate the base model under the checkpoint's name: refused in one
-    line; the checkpoint's own actor given again is fine."""
+    """`model.path=tiny` on a checkpoint would evaluate the base model under the checkpoint's name:
+    refused in one line; the checkpoint's own actor given again is fine."""
     from rldynamics.config import ConfigError
     from rldynamics.train.evaluate import eval_config
 
@@ -163,7 +165,8 @@ def test_eval_of_a_checkpoint_refuses_another_model_path(tmp_path, capsys, adapt
     assert "model.path=tiny" in err and str(checkpoint) in err and "rldyn eval tiny" in err
     with pytest.raises(ConfigError, match="tiny.hidden_size"):
         eval_config(str(checkpoint), None, ["tiny.hidden_size=32"], "sokoban-tiny")
-    cfg, step = eval_config(str(checkpoint), None, [f"model.path={checkpoint / 'actor'}"], "sokoban-tiny")
+    actor = f"model.path={checkpoint / 'actor'}"
+    cfg, step = eval_config(str(checkpoint), None, [actor], "sokoban-tiny")
     assert step == 12 and cfg.model.path == str(checkpoint.resolve() / "actor")
 
 
@@ -179,5 +182,6 @@ def test_eval_of_a_file_says_it_is_not_a_model(tmp_path, capsys):
 def test_the_eval_table_says_the_problems_are_distinct():
     from rldynamics.train.evaluate import metrics_table
 
-    table = metrics_table({"val-env/countdown/success": 0.5, "val-env/countdown/problems": 502.0}, "countdown")
+    metrics = {"val-env/countdown/success": 0.5, "val-env/countdown/problems": 502.0}
+    table = metrics_table(metrics, "countdown")
     assert "distinct problems" in table and "502" in table

@@ -340,13 +340,14 @@ def test_a_tied_lm_head_is_not_adapted():
 
 
 def test_a_rank_above_the_narrowest_adapted_layer_is_refused():
-    """A rank above min(in, out) of an adapted layer adds parameters and no expressiveness there: refused in one line
-    naming the rank, the width and the module, before any adapter is allocated."""
+    """A rank above min(in, out) of an adapted layer adds parameters and no expressiveness there:
+    refused in one line naming the rank, the width and the module, before any adapter exists."""
     from rldynamics.models.tiny import build_tiny_model, build_tiny_tokenizer
 
     model = build_tiny_model(build_tiny_tokenizer(sokoban_corpus()), hidden_size=32, num_layers=1,
                              intermediate_size=64)  # k_proj and v_proj: 32 -> 16
-    with pytest.raises(ValueError, match=r"model.lora.rank=100000 .* 16 .*model.layers.0.self_attn.k_proj") as error:
+    named = r"model.lora.rank=100000 .* 16 .*model.layers.0.self_attn.k_proj"
+    with pytest.raises(ValueError, match=named) as error:
         lora.add_adapters(model, 100000, 16, 0.0, ["all-linear"])
     assert len(str(error.value).splitlines()) == 1 and not lora.is_adapted(model)
     with pytest.raises(ValueError, match="rank=33 .* 32 .*q_proj"):

@@ -38,7 +38,7 @@ def test_settings_that_never_update_the_actor_are_named():
     line = actor_never_updates(make_config("sokoban-tiny-ppo", None, ["train.steps=2"]))
     assert line.startswith("critic.warmup_steps=20 >= train.steps=2")
     assert "filter.value=0" in actor_never_updates(make_config("sokoban-tiny", None, ["filter.value=0"]))
-    kept_nothing = make_config("sokoban-tiny-ppo", None, ["filter.include_zero=false"])  # train.group_size=1
+    kept_nothing = make_config("sokoban-tiny-ppo", None, ["filter.include_zero=false"])  # size 1
     assert "include_zero" in actor_never_updates(kept_nothing)
     for fine in (["train.steps=21"], ["train.steps=0"]):
         assert actor_never_updates(make_config("sokoban-tiny-ppo", None, fine)) is None

@@ -52,40 +52,49 @@ def test_the_default_warm_start_ships_with_the_package(tmp_path, monkeypatch, ca
     assert shipped and all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in shipped.values())
 
 
+
 def test_settings_the_demonstrations_do_not_read_leave_the_key_alone():
-    """A demonstration plays model.warm_start_turns turns whatever env.max_turns is, and a one-turn one shows no reward
-    (the reward reaches the prompt only between turns): neither changes the key then; with several demonstrated
-    turns the weights are in the prompts and do."""
+    """A demonstration plays model.warm_start_turns turns whatever env.max_turns is, and a one-turn
+    one shows no reward (the reward reaches the prompt only between turns): neither changes the key
+    then; with several demonstrated turns the weights are in the prompts and do."""
     base = "/a/tiny/0123abcd"
     key = warm_start_key(base, make_config())
-    for same in (["env.reward_weights.box=2"], ["env.max_turns=3"], ["env.reward_weights.solved=0.5"]):
-        assert warm_start_key(base, make_config(overrides=same)) == key, same
-    assert warm_start_key(base, make_config(overrides=["env.max_new_tokens=30"])) != key  # in the system prompt
+    same = (["env.reward_weights.box=2"], ["env.max_turns=3"], ["env.reward_weights.solved=0.5"])
+    for overrides in same:
+        assert warm_start_key(base, make_config(overrides=overrides)) == key, overrides
+    longer = make_config(overrides=["env.max_new_tokens=30"])  # in the system prompt
+    assert warm_start_key(base, longer) != key
     two = ["model.warm_start_turns=2"]
-    assert (warm_start_key(base, make_config(overrides=[*two, "env.reward_weights.box=2"]))
-            != warm_start_key(base, make_config(overrides=two)))
+    weighted = make_config(overrides=[*two, "env.reward_weights.box=2"])
+    assert warm_start_key(base, weighted) != warm_start_key(base, make_config(overrides=two))
 
 
 def test_a_reward_weight_reuses_the_cached_warm_start(fast_overrides, monkeypatch):
-    """Changing a reward weight finds the warm start in the cache (nothing is trained again); changing an input of
-    the warm start does not."""
+    """Changing a reward weight finds the warm start in the cache (nothing is trained again);
+    changing an input of the warm start does not."""
     from rldynamics.train import warmstart
     from rldynamics.train.setup import base_model_path
 
     fits = []
     real = warmstart.supervised_warm_start
-    monkeypatch.setattr(warmstart, "supervised_warm_start", lambda *a, **k: fits.append(1) or real(*a, **k))
-    first = base_model_path(make_config(overrides=[*fast_overrides, "model.warm_start_seed=7"]))
-    assert base_model_path(make_config(overrides=[*fast_overrides, "model.warm_start_seed=7",
-                                                  "env.reward_weights.box=3", "env.max_turns=4"])) == first
-    assert len(fits) <= 1  # the first call trained it (unless an earlier test did), the second found it
+    monkeypatch.setattr(warmstart, "supervised_warm_start",
+                        lambda *a, **k: fits.append(1) or real(*a, **k))
+
+    def warm(*overrides: str) -> str:
+        return base_model_path(make_config(overrides=[*fast_overrides, *overrides]))
+
+    first = warm("model.warm_start_seed=7")
+    reweighted = warm("model.warm_start_seed=7", "env.reward_weights.box=3", "env.max_turns=4")
+    assert reweighted == first
+    assert len(fits) <= 1  # the first call trained it (unless an earlier test did); not the second
     fits.clear()
-    assert base_model_path(make_config(overrides=[*fast_overrides, "model.warm_start_seed=8"])) != first
+    assert warm("model.warm_start_seed=8") != first
     assert fits == [1]
 
 
 def test_reward_weights_leave_one_turn_demonstrations_unchanged():
-    """The claim behind the key: the demonstrated tokens of one-turn episodes do not depend on the reward weights."""
+    """The claim behind the key: the demonstrated tokens of one-turn episodes do not depend on the
+    reward weights."""
     import random
 
     from rldynamics.models.tiny import build_tiny_tokenizer
@@ -96,8 +105,9 @@ def test_reward_weights_leave_one_turn_demonstrations_unchanged():
     for weights in ([], ["env.reward_weights.box=5", "env.reward_weights.solved=0.1"]):
         env = make_config(overrides=["env.max_turns=1", *weights]).env
         tokenizer = build_tiny_tokenizer(tiny_corpus(env, num_seeds=10))
-        batches.append(rollout(None, tokenizer, list(range(5_000_000, 5_000_032)), 1, env,
-                               respond=solver_policy(tokenizer, env, 0.4, random.Random(0))))
+        respond = solver_policy(tokenizer, env, 0.4, random.Random(0))
+        seeds = list(range(5_000_000, 5_000_032))
+        batches.append(rollout(None, tokenizer, seeds, 1, env, respond=respond))
     assert torch.equal(batches[0].input_ids, batches[1].input_ids)
     assert torch.equal(batches[0].response_mask, batches[1].response_mask)
-    assert not torch.equal(batches[0].scores, batches[1].scores)  # the weights did change the rewards
+    assert not torch.equal(batches[0].scores, batches[1].scores)  # the weights changed the rewards

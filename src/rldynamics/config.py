@@ -65,14 +65,16 @@ class LoraConfig:
 
     rank: int = _within(0, 0)
     """Adapter rank r; 0 = off (full fine-tuning). > 0: only the adapters train (float32, with their AdamW state),
-    and the KL reference is the base itself with the adapters switched off; at most the width of the narrowest adapted
-    layer (min of its inputs and outputs, checked when the model loads). Needs peft: pip install -e '.[lora]'."""
+    and the KL reference is the base itself with the adapters switched off. Needs peft: pip install -e '.[lora]'.
+    At most the width of the narrowest adapted layer (the smaller of its inputs and outputs; checked
+    when the model loads)."""
     alpha: int = _within(16, 1)
     """Scale of the adapters' update: alpha / rank x B A (RAGEN's and verl's default 16)."""
     dropout: float = _within(0.0, 0, high=1)
     """Dropout on the adapters' input, in the actor update's forwards only (rollouts, old and reference log-probs and
     the gradient analysis see the whole adapters): the update then no longer starts at ratio 1 against the old
-    log-probs; masks seeded by (seed, step). In [0, 1); 0 = none (the default, as in RAGEN and verl)."""
+    log-probs; masks seeded by (seed, step). 0 = none (the default, as in RAGEN and verl); below 1
+    (1 drops every input)."""
     target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
     """Modules that get adapters: [all-linear] = every linear layer but the LM head (peft's choice per architecture:
     q/k/v/o_proj and gate/up/down_proj in Llama and Qwen; a tied LM head is never adapted), or module names such
@@ -86,8 +88,8 @@ class ModelConfig:
     dtype: str = _one_of("auto", "auto", "float32", "bfloat16")
     """Compute dtype: auto | float32 | bfloat16 (mixed precision: weights, gradients and AdamW state stay float32,
     forward and backward run in bfloat16, as verl does). auto = bfloat16 where the device computes it fast (a CUDA GPU
-    with bfloat16, a CPU with AMX or AVX512-BF16, measured once), else float32; float32 for the tiny model and
-    its checkpoints."""
+    with bfloat16, a CPU with AMX or AVX512-BF16, measured once), else float32; float32 for the
+    tiny model and its checkpoints."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in backward instead of keeping them (less memory, one more
     forward; verl's enable_gradient_checkpointing). Gradients are the same."""
@@ -181,7 +183,8 @@ class TrainConfig:
     env_groups: int = _within(16, 1)
     """Groups per rollout; the envs of a group share one initial state."""
     group_size: int = _within(8, 1)
-    """Trajectories per group (grpo and rloo need >= 2: their baseline is the group's other replies)."""
+    """Trajectories per group (grpo and rloo need >= 2: their baseline is the group's other
+    replies)."""
     seed_base: int = _within(10000, 0)
     """Step s uses env seeds seed_base + env_groups*(s-1) + g (RAGEN's train seeds)."""
     lr: float = _within(2e-4, 0)
@@ -942,25 +945,25 @@ def _validate_lora(cfg: Config) -> None:
         raise ConfigError("checkpoint.save_merged=true needs model.lora.rank > 0 (a full fine-tuning checkpoint's "
                           "actor/ is a whole model already)")
     if lora.dropout >= 1:
-        raise ConfigError(f"model.lora.dropout={lora.dropout} drops every adapter input, so every gradient is 0; "
-                          "give a value in [0, 1)")
+        raise ConfigError(f"model.lora.dropout={lora.dropout} drops every adapter input, so every "
+                          "gradient is 0; give a value in [0, 1)")
 
 
-GROUP_RELATIVE = ("grpo", "rloo")  # estimators whose baseline is the other replies to the same prompt
+GROUP_RELATIVE = ("grpo", "rloo")  # their baseline: the other replies to the same prompt
 
 
 def _validate_algo(cfg: Config) -> None:
-    """Settings the estimator and the policy loss cannot honour: a group-relative baseline over one reply, a lower
-    clip that leaves the ratio no lower bound."""
+    """Settings the estimator and the policy loss cannot honour: a group-relative baseline over one
+    reply, a lower clip that leaves the ratio no lower bound."""
     estimator = cfg.algo.adv_estimator
     for key in ("train.group_size", "analysis.group_size"):
         if estimator in GROUP_RELATIVE and _get(cfg, key) == 1:
-            raise ConfigError(f"{key}=1 with algo.adv_estimator={estimator}: a group-relative baseline needs >= 2 "
-                              f"replies per prompt; set {key} >= 2, or algo.adv_estimator=reinforce_pp or gae "
-                              "(baselines without groups)")
+            raise ConfigError(f"{key}=1 with algo.adv_estimator={estimator}: a group-relative "
+                              f"baseline needs >= 2 replies per prompt; set {key} >= 2, or "
+                              "algo.adv_estimator=reinforce_pp or gae (baselines without groups)")
     if cfg.algo.clip_low >= 1:
-        raise ConfigError(f"algo.clip_low={cfg.algo.clip_low} leaves PPO's ratio no lower bound (1 - clip_low); "
-                          "give a value in [0, 1) (algo.clip_high bounds the ratio from above)")
+        raise ConfigError(f"algo.clip_low={cfg.algo.clip_low} leaves PPO's ratio no lower bound "
+                          "(1 - clip_low); give a value in [0, 1) (algo.clip_high bounds it above)")
 
 
 def _validate_env(env: EnvConfig) -> None:

@@ -10,8 +10,10 @@ The rule (`choose_dtype`):
 
 - `float32` / `bfloat16` asked explicitly: that dtype; an explicit bfloat16 on a device where it is slow still
   runs, with a one-line warning giving the measured factor.
-- `auto`: float32 for the embedded tiny model and the checkpoints saved from it (`models.tiny.is_tiny_model`;
-  64-wide matrices: bfloat16 saves nothing there, and the tiny presets' numbers then reproduce on every machine); otherwise bfloat16 where the device is fast in it, else float32.
+- `auto`: float32 for the embedded tiny model and the checkpoints saved from it
+  (`models.tiny.is_tiny_model`; 64-wide matrices: bfloat16 saves nothing there, and the tiny
+  presets' numbers then reproduce on every machine); otherwise bfloat16 where the device is fast
+  in it, else float32.
 
 On a CPU with native bfloat16 instructions the factor (bfloat16 matmul rate / float32 rate, one thread, a
 SmolLM2-sized product) is measured once and cached under `$RLDYN_CACHE/hardware/` per CPU model and torch version;

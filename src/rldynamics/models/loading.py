@@ -202,9 +202,9 @@ def _check_source(path: str) -> None:
                          "(runs/<run>/checkpoints/step_<N>), or use the merged model a LoRA run writes with "
                          "checkpoint.save_merged=true (<checkpoint>/actor_merged)")
     if local.is_file():
-        raise ValueError(f"model {path!r} is a file, not a model directory, a checkpoint or a .gguf file; give a "
-                         "directory saved with save_pretrained, runs/<run>/checkpoints/step_<N> (rldyn eval) or a "
-                         ".gguf file")
+        raise ValueError(f"model {path!r} is a file, not a model directory, a checkpoint or a "
+                         ".gguf file; give a directory saved with save_pretrained, "
+                         "runs/<run>/checkpoints/step_<N> (rldyn eval) or a .gguf file")
     if local.exists():
         return
     if _looks_local(path):

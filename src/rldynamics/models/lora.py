@@ -77,9 +77,10 @@ def add_adapters(model: torch.nn.Module, rank: int, alpha: int, dropout: float,
     """`model` wrapped with fresh LoRA adapters (B = 0: the adapted model starts equal to the base; A drawn from the
     global torch RNG, then rank 0's on every rank under torchrun), base weights frozen, in eval mode.
 
-    Raises ValueError when `rank` is above the width of an adapted layer (`check_rank`), a target module names nothing
-    in the model, or adapts a weight the model ties to another (a tied LM head: the adapter would change the output
-    layer without the input embedding, and no merged export could keep the tie)."""
+    Raises ValueError when `rank` is above the width of an adapted layer (`check_rank`), a target
+    module names nothing in the model, or adapts a weight the model ties to another (a tied LM head:
+    the adapter would change the output layer without the input embedding, and no merged export
+    could keep the tie)."""
     peft = _peft()
     check_rank(model, rank, target_modules)
     targets = target_modules[0] if target_modules == ["all-linear"] else list(target_modules)
@@ -97,27 +98,31 @@ def add_adapters(model: torch.nn.Module, rank: int, alpha: int, dropout: float,
 
 
 def check_rank(model: torch.nn.Module, rank: int, target_modules: list[str]) -> None:
-    """ValueError naming the rank, the width and the module when `rank` is above min(inputs, outputs) of a layer the
-    targets adapt: B A has rank at most that there, so the excess only costs memory and time. Checked before any
-    adapter is allocated."""
-    layers = [(name, min(module.weight.shape)) for name, module in _targeted(model, target_modules)]
+    """ValueError naming the rank, the width and the module when `rank` is above min(inputs,
+    outputs) of a layer the targets adapt: B A has rank at most that there, so the excess only costs
+    memory and time. Checked before any adapter is allocated."""
+    layers = [(name, min(m.weight.shape)) for name, m in _targeted(model, target_modules)]
     name, width = min(layers, key=lambda layer: layer[1], default=("", rank))
     if rank > width:
-        raise ValueError(f"model.lora.rank={rank} is above the width of the narrowest adapted layer, {width} "
-                         f"({name}): an adapter's update has rank at most {width} there; set model.lora.rank <= "
-                         f"{width} or leave {name.rpartition('.')[2]} out of model.lora.target_modules")
+        raise ValueError(f"model.lora.rank={rank} is above the width of the narrowest adapted "
+                         f"layer, {width} ({name}): an adapter's update has rank at most {width} "
+                         f"there; set model.lora.rank <= {width} or leave "
+                         f"{name.rpartition('.')[2]} out of model.lora.target_modules")
 
 
-def _targeted(model: torch.nn.Module, target_modules: list[str]) -> list[tuple[str, torch.nn.Module]]:
-    """The layers peft adapts: all-linear, every linear layer but the output layer; else those whose name is a target
-    or ends with `.<target>`."""
+def _targeted(model: torch.nn.Module, targets: list[str]) -> list[tuple[str, torch.nn.Module]]:
+    """The layers peft adapts: all-linear, every linear layer but the output layer; else those
+    whose name is a target or ends with `.<target>`."""
     from transformers.pytorch_utils import Conv1D
 
-    if target_modules == ["all-linear"]:
+    modules = list(model.named_modules())
+    if targets == ["all-linear"]:
         head = model.get_output_embeddings()
-        return [(n, m) for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head]
-    return [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
-            and m.weight.dim() == 2 and any(n == t or n.endswith(f".{t}") for t in target_modules)]
+        return [(n, m) for n, m in modules
+                if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head]
+    return [(n, m) for n, m in modules
+            if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
+            and any(n == t or n.endswith(f".{t}") for t in targets)]
 
 
 def _same_on_every_rank(params: list[torch.nn.Parameter]) -> None:

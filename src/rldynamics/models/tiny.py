@@ -248,17 +248,19 @@ def save_tokenizer(tokenizer, directory: str | Path) -> None:
 
 
 def is_tiny_model(path: str | Path) -> bool:
-    """Whether `path` is the embedded tiny model: `tiny`, or a directory saved from it (the built model, its warm
-    start, a checkpoint's actor or LoRA adapter), known by the tokenizer class its tokenizer config names
-    (`TINY_AUTO_MAP`, which `save_tokenizer` writes into each)."""
+    """Whether `path` is the embedded tiny model: `tiny`, or a directory saved from it (the built
+    model, its warm start, a checkpoint's actor or LoRA adapter), known by the tokenizer class its
+    tokenizer config names (`TINY_AUTO_MAP`, which `save_tokenizer` writes into each)."""
     if str(path) == "tiny":
         return True
+    file = Path(path).expanduser() / "tokenizer_config.json"
     try:
-        config = json.loads((Path(path).expanduser() / "tokenizer_config.json").read_text(encoding="utf-8"))
+        config = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     auto_map = config.get("auto_map") if isinstance(config, dict) else None
-    return isinstance(auto_map, dict) and auto_map.get("AutoTokenizer") == TINY_AUTO_MAP["AutoTokenizer"]
+    tokenizer = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
+    return tokenizer == TINY_AUTO_MAP["AutoTokenizer"]
 
 
 def _publish(tmp: Path, final: Path) -> None:

@@ -9,9 +9,10 @@ The settings: a checkpoint (`runs/<run>/checkpoints/step_N`) is evaluated under 
 same validation), its actor as `model.path` (a LoRA adapter on the base model of the run: `setup.run_config`), and
 its metrics are logged at step N; anything else (a model directory,
 a hub id in the local cache, a `.gguf` file, `tiny`) under a preset (default: the training default), at step 0.
-`--preset P` replaces the run's config by the preset; `key=value` overrides apply last, except those that would make
-a checkpoint's model another one (`CHECKPOINT_MODEL_KEYS`: evaluating the base under the checkpoint's name), which are
-refused. Nothing is trained: only the policy is loaded (no critic, no reference model, no optimizer).
+`--preset P` replaces the run's config by the preset; `key=value` overrides apply last, except
+those that would make a checkpoint's model another one (`CHECKPOINT_MODEL_KEYS`: the base would be
+evaluated under the checkpoint's name), which are refused. Nothing is trained: only the policy is
+loaded (no critic, no reference model, no optimizer).
 
 The run directory (`<log.run_dir>/eval_<run or model>_<step>` unless `log.name` is set) holds config.yaml and
 metrics.jsonl (one row); an existing run is never written into.
@@ -35,8 +36,9 @@ from rldynamics.config import (
     save_config,
 )
 
-CHECKPOINT_MODEL_KEYS = ("model.path", "tiny.", "model.warm_start_")  # what a checkpoint's evaluated model is
-LABELS = {"response_length": "response_length (tokens per turn)", names.PROBLEMS: "distinct problems"}
+CHECKPOINT_MODEL_KEYS = ("model.path", "tiny.", "model.warm_start_")  # what a checkpoint's model is
+LABELS = {"response_length": "response_length (tokens per turn)",
+          names.PROBLEMS: "distinct problems"}  # names in the eval table
 
 
 def is_checkpoint(target: str | Path) -> bool:
@@ -143,19 +145,23 @@ def _checkpoint_step(checkpoint: Path) -> int:
 
 
 def _same_model(target: str, own: Config, cfg: Config) -> Config:
-    """`cfg`, refused when an override changes what the checkpoint's model is (`CHECKPOINT_MODEL_KEYS`): another model
-    would be evaluated under the checkpoint's name. The checkpoint's actor given again is no change."""
+    """`cfg`, refused when an override changes what the checkpoint's model is
+    (`CHECKPOINT_MODEL_KEYS`): another model would be evaluated under the checkpoint's name. The
+    checkpoint's actor given again is no change."""
     if Path(cfg.model.path).expanduser().resolve() == Path(own.model.path):
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=own.model.path))
-    changed = [(key, value) for key, _, value in config_diff(own, cfg) if key.startswith(CHECKPOINT_MODEL_KEYS)]
+    changed = [(key, value) for key, _, value in config_diff(own, cfg)
+               if key.startswith(CHECKPOINT_MODEL_KEYS)]
     if not changed:
         return cfg
     key, value = changed[0]
     if key == "model.path":
-        raise ConfigError(f"model.path={value} contradicts the checkpoint {target}, whose actor is the model "
-                          f"evaluated; drop model.path, or evaluate that model itself: rldyn eval {value}")
-    raise ConfigError(f"{key}={value} does not apply to the checkpoint {target}: its actor is evaluated as saved "
-                      f"(the tiny model's build and warm start made its run's base model); drop {key}")
+        raise ConfigError(f"model.path={value} contradicts the checkpoint {target}, whose actor is "
+                          "the model evaluated; drop model.path, or evaluate that model itself: "
+                          f"rldyn eval {value}")
+    raise ConfigError(f"{key}={value} does not apply to the checkpoint {target}: its actor is "
+                      "evaluated as saved (the tiny model's build and warm start made its run's "
+                      f"base model); drop {key}")
 
 
 def _check_target(target: str) -> None:
@@ -181,7 +187,8 @@ def metrics_table(metrics: dict[str, float], env: str) -> str:
     head = names.env_prefix(env, validation=True) + "/"
     first = (names.SUCCESS, *sorted(k[len(head):] for k in metrics if k.startswith(head + "pass@")), "reward",
              "response_length")
-    rows = [(LABELS.get(name, name), metrics[head + name]) for name in first if head + name in metrics]
+    rows = [(LABELS.get(name, name), metrics[head + name])
+            for name in first if head + name in metrics]
     rows += [(LABELS.get(k[len(head):], k[len(head):]), v) for k, v in metrics.items()
              if k.startswith(head) and k[len(head):] not in first]
     rows += [(f"reward component {k.split('/')[1]} ({k.split('/')[2]})", v) for k, v in metrics.items()

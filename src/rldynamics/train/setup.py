@@ -377,7 +377,7 @@ class Precision:
 def choose_precision(cfg: Config, device: torch.device) -> Precision:
     """Resolve `model.dtype` (and `rollout.vllm_dtype`) on `device` (`models.hardware.choose_dtype`)."""
     engine = cfg.rollout.vllm_dtype if cfg.rollout.engine == "vllm" else None
-    tiny = is_tiny_model(cfg.model.path)  # `tiny`, or a checkpoint of it (`rldyn eval`): float32 in both
+    tiny = is_tiny_model(cfg.model.path)  # `tiny`, or a checkpoint of it (`rldyn eval`)
     explicit = "bfloat16" in (cfg.model.dtype, engine)
     speed = bf16_speed(device, measure=explicit or not tiny, measure_slow=explicit)  # tiny + auto: float32 anyway
     return Precision(model=choose_dtype("model.dtype", cfg.model.dtype, speed, tiny=tiny),

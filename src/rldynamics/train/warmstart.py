@@ -7,8 +7,8 @@ loop as RL rollouts (`rollout(..., respond=...)`), so prompts and token layout a
 single-turn episodes by default (`model.warm_start_turns=1`): a from-scratch transformer needs many
 state -> action examples before it reads the board at all, and single-state sequences give ~5x more
 examples per CPU second than full episodes. The result is saved with `save_pretrained` and cached under a
-key of every input that changes the demonstrated tokens (not the reward weights of one-turn demonstrations, nor
-`env.max_turns`: `_env_key`), then loaded like any model.
+key of every input that changes the demonstrated tokens (not the reward weights of one-turn
+demonstrations, nor `env.max_turns`: `_env_key`), then loaded like any model.
 
 The default's warm start ships with the package (`PACKAGED`: the weights `scripts/package_warm_start.py` computed,
 about 0.6 MB), so a first `rldyn train` does not spend minutes on it, and every machine starts the default from the
@@ -114,11 +114,12 @@ def warm_start_key(base_path: str, cfg: Config) -> str:
 
 
 def _env_key(cfg: Config) -> dict:
-    """The env settings in the warm-start key: those the demonstrated tokens depend on. Reward functions never change
-    them; a demonstration plays `model.warm_start_turns` turns whatever `env.max_turns` is; the reward reaches the
-    prompt only between turns (`Reward: x`), so the reward weights count only with several demonstrated turns. A
-    setting that does not count takes its default, and a data set split at its default (`train`) is left out, so the
-    keys of warm starts cached before stay valid."""
+    """The env settings in the warm-start key: those the demonstrated tokens depend on. Reward
+    functions never change them; a demonstration plays `model.warm_start_turns` turns whatever
+    `env.max_turns` is; the reward reaches the prompt only between turns (`Reward: x`), so the
+    reward weights count only with several demonstrated turns. A setting that does not count takes
+    its default, and a data set split at its default (`train`) is left out, so the keys of warm
+    starts cached before stay valid."""
     env = to_dict(cfg)["env"]
     env.pop("reward_funcs", None)
     env["max_turns"] = EnvConfig.max_turns
