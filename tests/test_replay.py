@@ -173,3 +173,101 @@ def test_a_planted_outlier_reads_first_in_the_attribution(fast_overrides, capsys
                                                  data["tokens"][str(planted)])
     replay_command(run, 2, ["train.lr=1e-6"])  # a later replay without --attribute keeps the attribution
     assert json.loads((run / "replays" / "step_2" / "attribution.json").read_text()) == data
+
+
+def _last_line(capsys) -> str:
+    err = capsys.readouterr()
+    return (err.out + err.err).strip().splitlines()[-1]
+
+
+def _without_run(path) -> None:
+    """Rewrite the record at `path` as one written before records named their run."""
+    tensors, meta = read_record(path)
+    dropped = ("format", "step", "run")
+    write_record(path.parent.parent, record_step(path), tensors, {k: v for k, v in meta.items() if k not in dropped})
+
+
+def test_a_record_of_another_run_is_refused_naming_both(fast_overrides, capsys):
+    """A seed-1 twin's record (same shapes) is refused by the run identity; a record of a run with another group
+    size written without one by the shape of the rollout; the run's own record without one still replays."""
+    keys = [*ONE_STEP, "train.steps=2", "checkpoint.every=1", "record.every=1"]
+    run = _run(fast_overrides, "mine", *keys)
+    twin = _run(fast_overrides, "twin", *keys, "seed=1")
+    (run / "records" / "step_2.safetensors").write_bytes(record_path(twin, 2).read_bytes())
+    assert main(["replay", str(run), "--step", "2"]) == 2
+    line = _last_line(capsys)
+    assert "another run" in line and "'twin'" in line and "'mine'" in line
+    assert not (run / "replays").exists()
+    wide = _run(fast_overrides, "wide", *keys, "train.group_size=4")
+    (run / "records" / "step_2.safetensors").write_bytes(record_path(wide, 2).read_bytes())
+    _without_run(record_path(run, 2))
+    assert main(["replay", str(run), "--step", "2"]) == 2
+    line = _last_line(capsys)
+    assert "8 trajectories" in line and "6 (train.env_groups 2 x train.group_size 3)" in line
+    (run / "records" / "step_2.safetensors").write_bytes(record_path(twin, 2).read_bytes())
+    _without_run(record_path(run, 2))
+    assert main(["replay", str(run), "--step", "2"]) == 2
+    assert "sampling seed" in _last_line(capsys)
+    own = _run(fast_overrides, "own", *keys)
+    _without_run(record_path(own, 2))
+    assert _replayed(own, 2)["weights_identical"] is True
+
+
+def test_a_what_if_that_cannot_apply_is_refused_before_any_work(fast_overrides, capsys):
+    run = _run(fast_overrides, "refused", *ONE_STEP, "train.steps=2", "record.every=1")
+    for item in ("train.group_size=4", "train.env_groups=3", "model.lora.rank=4", "env.max_new_tokens=10",
+                 "seed=1", "train.temperature=0.5", "val.every=5"):
+        assert main(["replay", str(run), "--step", "2", item]) == 2, item
+        line = _last_line(capsys)
+        assert f"what-if {item}" in line and "train.lr" in line and "filter." in line, line
+    assert main(["replay", str(run), "--step", "2", "algo.adv_estimator=gae"]) == 2
+    assert "cannot add a critic the run did not train" in _last_line(capsys)
+    assert not (run / "replays").exists()  # nothing rolled forward, nothing replayed
+
+
+def test_an_interrupted_replay_keeps_the_earlier_results(fast_overrides, capsys, monkeypatch):
+    from rldynamics.train import replay
+
+    run = _run(fast_overrides, "ctrlc", *ONE_STEP, "train.steps=2", "checkpoint.every=1", "record.every=1")
+    replay_command(run, 2, [], attribute=True)
+    out = run / "replays" / "step_2"
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert "attribution.json" in before and "replay.json" in before
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(replay.stages, "actor_update", interrupted)
+    capsys.readouterr()
+    assert main(["replay", str(run), "--step", "2"]) == 130
+    line = _last_line(capsys)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert "nothing was written" not in line and "complete" in line
+    assert [p.name for p in (run / "replays").iterdir()] == ["step_2"]  # no partial directory left
+
+
+@pytest.mark.parametrize("update", [ONE_STEP, SEVERAL], ids=["one_step", "several_steps"])
+def test_the_attribution_says_how_its_gradient_relates_to_the_recorded_norm(fast_overrides, capsys, update):
+    run = _run(fast_overrides, "norms", *update, "train.steps=2", "checkpoint.every=1", "record.every=1")
+    capsys.readouterr()
+    assert main(["replay", str(run), "--step", "2", "--attribute"]) == 0
+    text = capsys.readouterr().out
+    attributed = json.loads((run / "replays" / "step_2" / "attribution.json").read_text())["grad_norm"]
+    _, meta = read_record(record_path(run, 2))
+    steps = meta["update"]["steps"]
+    if update is ONE_STEP:
+        assert len(steps) == 1 and attributed == pytest.approx(steps[0]["grad_norm"], rel=1e-5)
+        assert "one optimizer step over the whole batch" in text and "float32 rounding" in text
+    else:
+        assert len(steps) == 6  # 2 epochs x 3 mini-batches of 2 of the 6 replies
+        assert "6 optimizer steps (2 epochs x 3 mini-batches of at most 2 replies)" in text
+        assert "mean of their pre-clip norms" in text
+
+
+def test_a_replay_with_attribute_rewrites_the_runs_report(fast_overrides):
+    run = _run(fast_overrides, "report", *ONE_STEP, "train.steps=2", "checkpoint.every=1", "record.every=1",
+               "log.report=true")
+    marker = "Gradient attribution (replays/step_2/attribution.json"
+    assert marker not in (run / "report.html").read_text()
+    replay_command(run, 2, [], attribute=True)
+    assert marker in (run / "report.html").read_text()

@@ -143,22 +143,36 @@ examples:
 def _add_replay(sub) -> None:
     replay = sub.add_parser(
         "replay", help="recompute a recorded step from the checkpoint before it; what-ifs; gradient attribution",
-        description="Load the state before step N (checkpoints/step_<N-1>, or the run rolled forward to N-1 when "
-                    "it has no checkpoint there) and the step's record (records/step_<N>.safetensors: written for "
-                    "record.every, record.steps and health alarms), recompute the step's update on the recorded "
-                    "rollout and check it against the run: loss, gradient norm and the weights after it (bit-"
-                    "identical on the same machine and thread count). key=value overrides replay the step changed "
-                    "(a what-if) and compare the two updates. --attribute writes each trajectory's, group's and "
-                    "token's share of the step's gradient (attribution.json; shown by the report's sample "
-                    "browser). Output: RUN/replays/step_<N>[_<what-if>]/ (docs/forensics.md).",
+        description="Load the state before step N (checkpoints/step_<N-1>, the state kept beside "
+                    "the record, or the run rolled forward to N-1) and the step's record "
+                    "(records/step_<N>.safetensors: written for record.every, record.steps and "
+                    "health alarms), recompute the step's update on the recorded rollout and "
+                    "check it against the run: loss, gradient norm and the weights after it "
+                    "(bit-identical on the same machine and thread count). A record of another "
+                    "run is refused. key=value overrides replay the step changed (a what-if) and "
+                    "compare the two updates: the losses and their coefficients (algo.*), "
+                    "learning rates, clipping and mini-batches (train.lr, train.weight_decay, "
+                    "train.max_grad_norm, train.mini_batch_size, train.ppo_epochs, critic.*) and "
+                    "the filter (filter.*); the rollout (env.*, rollout.*, seed, "
+                    "train.group_size, train.env_groups, ...) and the model (model.*) are what "
+                    "the run recorded and saved, and overrides of them are refused. --attribute "
+                    "writes each trajectory's, group's and token's share of the step's gradient "
+                    "(attribution.json), says how its norm relates to the recorded "
+                    "actor/grad_norm and writes the run's report.html again (its sample browser "
+                    "shows them). Output: RUN/replays/step_<N>[_<what-if>]/, renamed into place "
+                    "once complete: a Ctrl-C leaves the earlier replay as it was "
+                    "(docs/forensics.md).",
         epilog=REPLAY_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     replay.add_argument("run_dir", help="runs/<run>")
     replay.add_argument("--step", type=int, required=True, help="the recorded step (ls RUN/records)")
     replay.add_argument("--attribute", action="store_true",
-                        help="attribute the step's gradient to its trajectories, groups and tokens")
-    replay.add_argument("overrides", nargs="*", metavar="key=value", help="what-if overrides for step N, e.g. "
-                        "train.lr=1e-6 algo.clip_high=0.1")
+                        help="attribute the step's gradient to its trajectories, groups and tokens "
+                             "(and write the run's report.html again)")
+    replay.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="what-if overrides for step N, e.g. train.lr=1e-6 algo.clip_high=0.1 "
+                             "(losses, learning rates, clipping, mini-batches, filter; not the "
+                             "rollout or the model)")
 
 
 def _add_eval(sub) -> None:
@@ -547,6 +561,9 @@ INTERRUPTED = {  # what a Ctrl-C leaves, per command (any other: nothing)
     "eval": "nothing was written (the run directory is written only at the end)",
     "plot": "figures already written are complete; run it again for the rest",
     "report": "no report was written (the page is written at the end)",
+    "replay": "replays/ holds complete replays only: a replay directory is replaced once its "
+              "replay is complete, so the one interrupted was discarded and its earlier "
+              "results are kept (a roll-forward cut short is done again by the next replay)",
 }
 
 

@@ -33,7 +33,8 @@ and the sampler put zeros too). A step's record is therefore about the size of i
 norm, clipped, skipped, refused by a guard; the step's `actor/*` losses), `weights_after` (SHA-256 of the actor's
 weights after the step, `weights_digest`), `threads` (torch's CPU threads), `pieces` (token id -> its text decoded
 alone, for every id in the record: what the sample browser shows token by token), `state_before` (whether
-`records/step_<N>.before/` holds the state the step started from).
+`records/step_<N>.before/` holds the state the step started from), `run` (the run that wrote it:
+`id`, its directory's `run_id`, and `name`; absent from records written before records named it).
 
 `records/step_<N>.before/` (optional): the weights, optimizer, critic, RNG and trainer state before step N, in the
 checkpoint format of `train/checkpoint.py` (a checkpoint of step N - 1), so that `rldyn replay` starts from it.
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,16 @@ class RecordError(ValueError):
 
 REPLAYS_DIR = "replays"  # `rldyn replay` writes replays/step_<N>[_<what-if>]/ (`train/replay.py`)
 ATTRIBUTION_FILE = "attribution.json"  # in a replay's directory: `train/replay.py` `attribution_json`
+RUN_ID_FILE = "run_id"  # the run directory's id: written with its first record, kept across resumes
+
+
+def run_identity(run_dir: str | Path, create: bool = False) -> str | None:
+    """The id of the run in `run_dir` (`RUN_ID_FILE`, a random hex string), written first when
+    `create` and the run has none; None for a run without one."""
+    path = Path(run_dir) / RUN_ID_FILE
+    if create and not path.is_file():
+        write_file(path, uuid.uuid4().hex + "\n")
+    return path.read_text().strip() if path.is_file() else None
 
 
 def replay_dir(run_dir: str | Path, step: int, what_if: str = "") -> Path:

@@ -16,20 +16,35 @@ N-1 by training those steps again (`replays/roll_forward/`, a run directory of i
 every step is seeded by (seed, step), so this repeats the run exactly where a resume does (the HF engine; not across
 a health rollback, whose steps drew other samples).
 
-What-ifs: KEY=VALUE overrides (a learning rate, a clip range, a filter, a KL coefficient) apply to step N only; the
-replay then runs the step twice from the same start, as recorded and as changed, and compares the two updates
-(norms, the cosine between them, losses). With `--attribute` it also attributes the step's gradient to its
-trajectories, groups and tokens (`analysis/attribution.py`) before the update, into `attribution.json`.
+A record is replayed only in the run that wrote it (`check_record`): one naming another run
+(`meta["run"]`, the run directory's `run_id`) is refused, and so is one whose rollout has another
+shape (train.env_groups x train.group_size rows) or another sampling seed than the run draws at
+that step (what is left to check in a record written before records named their run).
 
-Output: `<run>/replays/step_<N>[_<what-if>]/` (a run directory: config.yaml, metrics.jsonl with the replayed row,
-replay.json, attribution.json).
+What-ifs: KEY=VALUE overrides of what the update does with the recorded rollout (`WHAT_IFS`:
+losses and their coefficients, clip ranges, learning rates, mini-batches, the filter) apply to
+step N only; the replay then runs the step twice from the same start, as recorded and as changed,
+and compares the two updates (norms, the cosine between them, losses). Overrides of the rollout,
+the model or anything else a replay does not use are refused before any work (`check_what_if`).
+With `--attribute` it also attributes the step's gradient to its trajectories, groups and tokens
+(`analysis/attribution.py`) before the update, into `attribution.json`, says how that gradient
+relates to the recorded `actor/grad_norm` (`norm_note`), and writes the run's report.html again
+where the run has one.
+
+Output: `<run>/replays/step_<N>[_<what-if>]/` (a run directory: config.yaml, metrics.jsonl with
+the replayed row, replay.json, attribution.json), each written into a temporary sibling and
+renamed into place once complete (`staged`): an interrupted replay leaves the earlier one as it
+was.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +52,14 @@ import numpy as np
 import torch
 
 from rldynamics import metric_names as names
-from rldynamics.config import Config, ConfigError, apply_overrides, load_config
+from rldynamics.config import (
+    Config,
+    ConfigError,
+    TrainConfig,
+    apply_overrides,
+    config_diff,
+    load_config,
+)
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.tracking.console import StepConsole
 from rldynamics.tracking.files import remove, write_file
@@ -45,21 +67,36 @@ from rldynamics.tracking.run_dir import read_metrics
 from rldynamics.tracking.step_records import (
     ATTRIBUTION_FILE,
     REPLAYS_DIR,
+    RecordError,
     read_record,
     record_path,
     replay_dir,
+    run_identity,
     state_before_path,
 )
 from rldynamics.train import step as stages
 from rldynamics.train.checkpoint import checkpoint_step, checkpoints
 from rldynamics.train.diagnostics.records import RECORDS_OFF, kept_rows, weights_digest
 from rldynamics.train.lifecycle import opened
-from rldynamics.train.stages import filter_batch
+from rldynamics.train.stages import filter_batch, step_seed
 
 ROLL_FORWARD = "roll_forward"
 QUIET = ["log.report=false", "val.before_train=false", "analysis.enabled=false", "health.enabled=false",
          "collapse.enabled=false", *RECORDS_OFF]
 COMPARED = (names.PG_LOSS, names.ACTOR_GRAD_NORM, names.KL_LOSS, names.PG_CLIPFRAC)  # the recorded update's losses
+# what a what-if may change (an entry ending in "." covers a section)
+WHAT_IFS = ("algo.", "critic.", "filter.", "train.lr", "train.weight_decay", "train.max_grad_norm",
+            "train.mini_batch_size", "train.micro_batch_size", "train.ppo_epochs", "train.shuffle",
+            "train.shared_prefix", "model.threads")
+CAN_CHANGE = ("a replay can change the losses and their coefficients (algo.*: clip ranges, KL "
+              "and entropy coefficients, loss aggregation, advantages), the learning rates and "
+              "optimizer steps (train.lr, train.weight_decay, train.max_grad_norm, "
+              "train.mini_batch_size, train.ppo_epochs, critic.*) and the filter (filter.*)")
+# what the recorded rollout fixed
+ROLLOUT_KEYS = ("env.", "rollout.", "seed", "train.env_groups", "train.group_size",
+                "train.seed_base", "train.temperature", "train.row_seeded_sampling", "val.held_out")
+# relative gap between two passes' gradient norms that rounding alone explains, per compute dtype
+ROUNDING = {"float32": 1e-4, "bfloat16": 5e-2}
 
 
 @dataclass
@@ -73,34 +110,119 @@ class Replayed:
 
 
 def replay_command(run_dir: str | Path, step: int, overrides: list[str], attribute: bool = False) -> Path:
-    """Replay step `step` of `run_dir` (with what-if `overrides`); returns the replay's directory."""
+    """Replay step `step` of `run_dir` (with what-if `overrides`); returns the replay's directory
+    (the what-if's when there are overrides)."""
     run_dir = Path(run_dir).resolve()
-    tensors, meta = read_record(record_path(run_dir, step))
+    path = record_path(run_dir, step)
+    tensors, meta = read_record(path)
     run_cfg = load_config(run_dir / "config.yaml")
+    check_record(run_dir, run_cfg, tensors, meta, path)
+    check_what_if(run_cfg, overrides)
     start = start_checkpoint(run_dir, run_cfg, step, meta)
     out = replay_dir(run_dir, step)
-    keep = () if attribute else (ATTRIBUTION_FILE,)  # a replay without --attribute keeps an earlier attribution
-    as_recorded = run_replay(replay_config(run_cfg, start, step, meta, []), fresh(out, keep), step, tensors, meta,
-                             attribute=attribute)
-    summary = {"step": step, "start": str(start) if start else "base model (step 0)", "threads": meta.get("threads"),
-               **verdict(as_recorded, tensors, meta, read_row(run_dir, step))}
-    write_file(out / "replay.json", json.dumps(summary, indent=1))
+    keep = () if attribute else (ATTRIBUTION_FILE,)  # without --attribute: keep an earlier one
+    with staged(out, keep) as tmp:
+        cfg = replay_config(run_cfg, start, step, meta, [])
+        as_recorded = run_replay(cfg, tmp, step, tensors, meta, attribute=attribute)
+        summary = {"step": step, "start": str(start) if start else "base model (step 0)",
+                   "threads": meta.get("threads"),
+                   **verdict(as_recorded, tensors, meta, read_row(run_dir, step))}
+        write_file(tmp / "replay.json", json.dumps(summary, indent=1))
     if overrides:
         out = replay_dir(run_dir, step, slug(overrides))
-        what_if = run_replay(replay_config(run_cfg, start, step, meta, overrides), fresh(out), step, tensors, meta,
-                             attribute=False)
-        summary["what_if"] = {"overrides": overrides, **compare_updates(as_recorded, what_if)}
-        write_file(out / "replay.json", json.dumps(summary, indent=1))
+        with staged(out) as tmp:
+            cfg = replay_config(run_cfg, start, step, meta, overrides)
+            what_if = run_replay(cfg, tmp, step, tensors, meta, attribute=False)
+            summary["what_if"] = {"overrides": overrides, **compare_updates(as_recorded, what_if)}
+            write_file(tmp / "replay.json", json.dumps(summary, indent=1))
     print(summary_lines(summary))
+    if attribute:
+        refresh_report(run_dir)
     return out
 
 
-def fresh(out: Path, keep: tuple[str, ...] = ()) -> Path:
-    """`out` emptied but for the files named in `keep`: a replay is derived from the record and the checkpoint, and
-    written again each time."""
-    for entry in sorted(out.iterdir()) if out.is_dir() else []:
-        if entry.name not in keep:
-            remove(entry)
+def check_record(run_dir: Path, cfg: Config, tensors: dict, meta: dict, path: Path) -> None:
+    """Raise RecordError, in one line naming both runs, unless the record at `path` is one of
+    `run_dir`'s: the same run id where both have one, the rollout's shape and its sampling seed."""
+    theirs, ours, name = meta.get("run") or {}, run_identity(run_dir), run_dir.name
+    other = f"{path}: a record of another run"
+    if theirs.get("id") and ours and theirs["id"] != ours:
+        raise RecordError(f"{other}: written by run {theirs.get('name')!r} "
+                          f"(run_id {theirs['id']}), while {run_dir} is run {name!r} "
+                          f"(run_id {ours}); replay a record in the run directory that wrote it")
+    rows, groups, size = len(tensors["scores"]), cfg.train.env_groups, cfg.train.group_size
+    if rows != groups * size:
+        raise RecordError(f"{other}: it holds {rows} trajectories, while the rollout of run "
+                          f"{name!r} has {groups * size} (train.env_groups {groups} x "
+                          f"train.group_size {size})")
+    if "sampling_seed" in meta and "seed_step" in meta:
+        stream = stages.ATTEMPT_STREAM * meta.get("attempt", 0)
+        drawn = step_seed(cfg.seed, meta["seed_step"], stream=stream)
+        if meta["sampling_seed"] != drawn:
+            raise RecordError(f"{other}: its sampling seed {meta['sampling_seed']} is not the one "
+                              f"run {name!r} (seed={cfg.seed}) draws at step {meta['seed_step']}, "
+                              f"{drawn}")
+
+
+def check_what_if(cfg: Config, overrides: list[str]) -> None:
+    """Raise ConfigError, in one line naming the key, for a what-if override a replay cannot
+    apply: one that adds a critic, or changes a key outside `WHAT_IFS` (the recorded rollout, the
+    saved model, anything a replay does not use)."""
+    changed = apply_overrides(cfg, overrides, "what-if overrides")
+    if changed.algo.has_critic and not cfg.algo.has_critic:
+        raise ConfigError(f"what-if algo.adv_estimator={changed.algo.adv_estimator} needs a critic "
+                          "(a value model): a replay cannot add a critic the run did not train; "
+                          f"{CAN_CHANGE}")
+    for key, _, value in config_diff(cfg, changed):
+        if not _covered(key, WHAT_IFS):
+            raise ConfigError(f"what-if {key}={value}: {_why_fixed(key)}; {CAN_CHANGE}")
+
+
+def _covered(key: str, keys: tuple[str, ...]) -> bool:
+    """Whether `key` is one of `keys` or in a section of them (an entry ending in ".")."""
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in keys)
+
+
+def _why_fixed(key: str) -> str:
+    """Why a replay cannot change `key`."""
+    if _covered(key, ROLLOUT_KEYS):
+        return "the rollout is recorded (its replies, rewards and shape): a replay cannot change it"
+    if _covered(key, ("model.", "tiny.")):
+        return "a replay starts from the run's saved weights: the model is what they hold"
+    return "it has no effect on one replayed update"
+
+
+@contextmanager
+def staged(out: Path, keep: tuple[str, ...] = ()) -> Iterator[Path]:
+    """Yields a temporary sibling of `out` to write a replay into; publishes it as `out`
+    (`publish`) when the block ends without an error and removes it otherwise, so `out` only ever
+    holds a complete replay."""
+    tmp = out.with_name(f".{out.name}.partial")
+    if tmp.exists():
+        remove(tmp)  # left by a killed replay
+    try:
+        yield tmp
+    except BaseException:
+        if tmp.exists():
+            remove(tmp)
+        raise
+    publish(tmp, out, keep)
+
+
+def publish(tmp: Path, out: Path, keep: tuple[str, ...] = ()) -> Path:
+    """Put the finished replay `tmp` in place of `out` by renames, with the files of `keep` that
+    the old `out` holds and `tmp` does not; returns `out`."""
+    for name in keep:
+        if (out / name).is_file() and not (tmp / name).exists():
+            write_file(tmp / name, (out / name).read_bytes())
+    old = out.with_name(f".{out.name}.old")
+    if old.exists():
+        remove(old)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old.exists():
+        remove(old)
     return out
 
 
@@ -172,7 +294,7 @@ def run_replay(cfg: Config, out: Path, step: int, tensors: dict, meta: dict, *, 
         if s.critic is not None:
             metrics.update(stages.critic_update(s, filtered.batch, prepared))
         if attribute:
-            write_attribution(s, out, step, batch, filtered, prepared, meta.get("pieces", {}))
+            write_attribution(s, out, step, batch, filtered, prepared, meta)
         delta = None
         if step > cfg.critic.warmup_steps and len(filtered.batch) > 0:
             update = stages.actor_update(s, step, filtered.batch, prepared, record=False, guard=refusals(meta))
@@ -256,9 +378,10 @@ def compare_updates(base: Replayed, other: Replayed) -> dict:
     return out
 
 
-def write_attribution(s, out: Path, step: int, batch: RolloutBatch, filtered, prepared, pieces: dict) -> None:
-    """Attribute the step's gradient (at the weights before it), write `attribution.json` and say which replies and
-    tokens carried it."""
+def write_attribution(s, out: Path, step: int, batch: RolloutBatch, filtered, prepared,
+                      meta: dict) -> None:
+    """Attribute the step's gradient (at the weights before it), write `attribution.json`, say
+    which replies and tokens carried it and how its norm relates to the recorded one."""
     from rldynamics.analysis.attribution import attribute
     from rldynamics.analysis.objective import policy_loss_settings
 
@@ -267,7 +390,58 @@ def write_attribution(s, out: Path, step: int, batch: RolloutBatch, filtered, pr
                        temperature=s.cfg.train.temperature, micro_batch_size=s.cfg.train.micro_batch_size)
     data = attribution_json(result, step, kept_rows(batch, filtered.batch))
     write_file(out / ATTRIBUTION_FILE, json.dumps(data))
-    print(attribution_lines(data, batch, pieces))
+    print(attribution_lines(data, batch, meta.get("pieces", {})))
+    steps = meta.get("update", {}).get("steps", [])
+    if steps:
+        norms = [t["grad_norm"] for t in steps]
+        dtype = getattr(s.model, "rldyn_compute_dtype", "float32")
+        print(norm_note(data["grad_norm"], norms, len(filtered.batch), s.cfg.train, dtype))
+
+
+def norm_note(norm: float, recorded: list[float], rows: int, train: TrainConfig, dtype: str) -> str:
+    """One line on how the attribution's gradient norm `norm` (the whole batch of `rows` replies, at
+    the weights before the step) relates to the step's optimizer steps, whose pre-clip norms were
+    `recorded`: with one step over the whole batch, whether the two agree to `dtype` rounding; with
+    several, why they differ."""
+    if len(recorded) == 1:
+        return _one_step_note(norm, recorded[0], dtype)
+    size = min(train.mini_batch_size, rows)
+    minis = math.ceil(rows / size)
+    first = "the whole batch" if size == rows else f"{size} of the {rows} replies"
+    epochs = f"{train.ppo_epochs} epoch" + ("s" if train.ppo_epochs > 1 else "")
+    batches = f"{minis} mini-batch" + ("es" if minis > 1 else "")
+    return (f"  the attribution's gradient is that of the whole filtered batch ({rows} replies) at "
+            f"the weights before the step; the step took {len(recorded)} optimizer steps "
+            f"({epochs} x {batches} of at most {size} replies), each on its own mini-batch at the "
+            f"weights the one before left, and actor/grad_norm is the mean of their pre-clip norms "
+            f"(the first, {recorded[0]:.6g}, is at the same weights over {first})")
+
+
+def _one_step_note(norm: float, recorded: float, dtype: str) -> str:
+    """`norm_note` for a step of one optimizer step over the whole batch: the attribution's norm
+    against the recorded one, and whether `dtype` rounding explains their gap."""
+    gap = abs(norm - recorded) / recorded if recorded else abs(norm)
+    agree = (f"agree to {gap:.1e} relative ({dtype} rounding)"
+             if gap <= ROUNDING.get(dtype, ROUNDING["float32"])
+             else f"differ by {gap:.1e} relative, more than {dtype} rounding explains")
+    return (f"  the step took one optimizer step over the whole batch, at these weights: its "
+            f"gradient is the attribution's, and the norms ({norm:.6g}; recorded {recorded:.6g}) "
+            f"{agree}")
+
+
+def refresh_report(run_dir: Path) -> None:
+    """Write the run's report.html again (its sample browser shows the new attribution) where the
+    run has one; a report that cannot be written is a warning, never an error of the replay."""
+    if not (run_dir / "report.html").is_file():
+        return
+    from rldynamics.plots.cli import report_command
+
+    try:
+        report_command(run_dir)
+    except Exception as e:  # noqa: BLE001 (the replay is published; the report is a view of it)
+        print(f"warning: the report of {run_dir} could not be written again "
+              f"({e.__class__.__name__}); the replay is complete: retry with "
+              f"`rldyn report {run_dir}`")
 
 
 def attribution_json(result, step: int, kept: list[int], tokens_per_row: int = 10) -> dict:

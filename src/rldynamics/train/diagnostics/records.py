@@ -28,7 +28,12 @@ from rldynamics import metric_names as names
 from rldynamics.config import Config
 from rldynamics.models.sharding import full_state_dict
 from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.tracking.step_records import prune_records, state_before_path, write_record
+from rldynamics.tracking.step_records import (
+    prune_records,
+    run_identity,
+    state_before_path,
+    write_record,
+)
 from rldynamics.train.checkpoint import (
     TrainingState,
     capture_state,
@@ -139,7 +144,8 @@ def record_contents(s, record: StepRecord) -> tuple[dict[str, np.ndarray], dict]
     meta = {"seed_step": record.seed_step, "attempt": s.attempt, "env_seeds": list(batch.seeds),
             "reward_names": list(batch.reward_names), "reward_weights": list(batch.reward_weights),
             "env_metrics": batch.env_metrics, "threads": torch.get_num_threads(),
-            "sampling_seed": record.sampling_seed, "pieces": token_pieces(s.tokenizer, batch)}
+            "sampling_seed": record.sampling_seed, "pieces": token_pieces(s.tokenizer, batch),
+            "run": {"id": run_identity(s.run_dir, create=True), "name": s.run_dir.name}}
     filtered = record.filtered
     kept = kept_rows(batch, filtered.batch) if filtered is not None else []
     tensors["kept_rows"] = np.asarray(kept, dtype=np.int64)
