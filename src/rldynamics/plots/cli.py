@@ -16,7 +16,7 @@ from rldynamics.plots.collapse import fig_runs_mi_success, mode_of, write_collap
 from rldynamics.plots.curves import write_curves
 from rldynamics.plots.data import RunData, analysis_steps, load_run
 from rldynamics.plots.figure import save_png
-from rldynamics.plots.report import write_report
+from rldynamics.plots.report import result_lines, write_report
 from rldynamics.plots.reward_components import write_reward_component_figures
 from rldynamics.plots.timeline import write_timeline
 
@@ -37,7 +37,7 @@ def _load(cmd: str, run_dir: str | Path) -> RunData:
 
 def plot_command(run_dir: str | Path | Sequence[str | Path], steps: Sequence[int] | None = None,
                  list_steps: bool = False, out: str | Path | None = None, paper: bool = False,
-                 paper_steps: Sequence[int] | None = None) -> int:
+                 paper_steps: Sequence[int] | None = None, list_files: bool = True) -> int:
     """`rldyn plot`: the health timeline, per-step gradient-analysis figures + training curves, or (`paper`) the
     multi-step grid.
 
@@ -48,6 +48,7 @@ def plot_command(run_dir: str | Path | Sequence[str | Path], steps: Sequence[int
         out: output directory (default `<first run dir>/plots`).
         paper: write `paper_grid.png` (rows = steps; every run that analysed a step is overlaid in its row).
         paper_steps: the grid's steps (default: every analysis step of the given runs).
+        list_files: name every file written (else only their number and folder).
     """
     dirs = [run_dir] if isinstance(run_dir, (str, Path)) else list(run_dir)
     if not dirs:
@@ -67,10 +68,10 @@ def plot_command(run_dir: str | Path | Sequence[str | Path], steps: Sequence[int
         return 0
     if paper:
         return _paper(runs, list(paper_steps or steps or []), out_dir)
-    return _per_step(runs[0], list(steps) if steps else None, out_dir)
+    return _per_step(runs[0], list(steps) if steps else None, out_dir, list_files)
 
 
-def _per_step(run: RunData, steps: list[int] | None, out_dir: Path) -> int:
+def _per_step(run: RunData, steps: list[int] | None, out_dir: Path, list_files: bool = True) -> int:
     available = analysis_steps(run)
     if steps is not None:
         unknown = [s for s in steps if s not in available]
@@ -93,7 +94,7 @@ def _per_step(run: RunData, steps: list[int] | None, out_dir: Path) -> int:
                                  else "No known metrics to plot either."))
     print(f"wrote {len(written)} file(s) to {out_dir}" + (f" for analysis step(s) {', '.join(map(str, chosen))}"
                                                            if chosen else ""))
-    for p in written:
+    for p in written if list_files else []:
         print(f"  {p.name}")
     return 0
 
@@ -124,11 +125,13 @@ def _paper(runs: list[RunData], steps: list[int], out_dir: Path) -> int:
     return 0
 
 
-def report_command(run_dir: str | Path, out: str | Path | None = None) -> int:
-    """`rldyn report`: write the one-page HTML report (default `RUN_DIR/report.html`)."""
+def report_command(run_dir: str | Path, out: str | Path | None = None, result: bool = False) -> int:
+    """`rldyn report`: write the one-page HTML report (default `RUN_DIR/report.html`); `result`: end with the run's
+    result (validation start -> end, the health verdict, the report's path) instead of the path alone."""
     try:
-        path = write_report(_load("report", run_dir), out)
+        run = _load("report", run_dir)
+        path = write_report(run, out)
     except (OSError, ValueError) as e:
         return _err("report", str(e))
-    print(f"wrote {path}")
+    print("\n".join(result_lines(run, path)) if result else f"wrote {path}")
     return 0

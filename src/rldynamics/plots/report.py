@@ -19,6 +19,7 @@ import math
 from datetime import datetime, timezone
 from pathlib import Path
 
+from rldynamics import metric_names as naming
 from rldynamics.plots import glossary
 from rldynamics.plots.analysis import STEP_FIGURES, step_data
 from rldynamics.plots.browser import CSS as BROWSER_CSS
@@ -39,6 +40,7 @@ from rldynamics.plots.data import (
     as_float,
     bucket_label,
     bucket_metric_names,
+    env_names,
     headline,
     load_run,
     norm_is_zero,
@@ -426,6 +428,35 @@ def build_report(run_dir: str | Path | RunData) -> str:
     title = html.escape(f"rldynamics report — {run.name}")
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
             f"<style>{CSS}</style></head><body>{''.join(parts)}</body></html>\n")
+
+
+def result_lines(run: RunData, report: Path | None = None) -> list[str]:
+    """What the console says when a run ends: validation at the start and the end with their standard errors, the
+    health verdict, where the report is."""
+    h = headline(run)
+    lines = []
+    if h.val:
+        (s0, v0), (s1, v1), (sb, vb) = h.val
+        se = _val_se(run)
+        best = f"; best {vb:.1%} at step {sb}" if sb not in (s0, s1) else ""
+        lines.append(f"result: validation success {v0:.1%}{se.get(s0, '')} at step {s0} -> {v1:.1%}"
+                     f"{se.get(s1, '')} at step {s1} ({100 * (v1 - v0):+.1f} points{best})")
+    else:
+        lines.append("result: no validation logged (val.every=0 and val.before_train=false)")
+    if h.stopped:
+        lines.append(f"stopped: {h.stopped}")
+    lines.append(f"health: {verdict(run).text}")
+    if report is not None:
+        lines.append(f"report: {report}")
+    return lines
+
+
+def _val_se(run: RunData) -> dict[int, str]:
+    """` ± x.x %` by step, where the validation logged its standard error (clustered by problem)."""
+    envs = env_names(run)
+    key = naming.env_metric(envs[0], naming.SUCCESS_SE, validation=True) if envs else None
+    return {r["step"]: f" ± {float(r[key]):.1%}" for r in run.rows
+            if key in r and isinstance(r[key], (int, float)) and math.isfinite(r[key])}
 
 
 def write_report(run_dir: str | Path | RunData, out: str | Path | None = None) -> Path:

@@ -14,16 +14,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from rldynamics import metric_names as names
 
-SUMMARY_KEYS = (
-    ("reward", names.SCORE_MEAN),
-    ("success", names.env_metric("{env}", names.SUCCESS)),
-    ("val", names.val_success("{env}")),
-    ("kept", names.FILTER_KEPT_RATIO),
-    ("pg", names.PG_LOSS),
-    ("H", names.ENTROPY),
-    ("|g|", names.ACTOR_GRAD_NORM),
-    ("s", names.STEP_TIME),
+SUMMARY_KEYS = (  # (label on the step line, metric key, what it means: printed once as the legend)
+    ("reward", names.SCORE_MEAN, "mean trained reward"),
+    ("success", names.env_metric("{env}", names.SUCCESS), "training success"),
+    ("val", names.val_success("{env}"), "validation success"),
+    ("kept", names.FILTER_KEPT_RATIO, "share of groups the filter kept"),
+    ("pg", names.PG_LOSS, "policy-gradient loss"),
+    ("H", names.ENTROPY, "entropy per token"),
+    ("|g|", names.ACTOR_GRAD_NORM, "actor gradient norm before clipping"),
+    ("s", names.STEP_TIME, "seconds for the step"),
 )
+LEGEND = "step lines: " + ", ".join(f"{label} = {meaning}" for label, _, meaning in SUMMARY_KEYS)
 
 
 def make_console() -> Console:
@@ -86,6 +87,8 @@ class StepConsole:
 
     def __enter__(self) -> StepConsole:
         self.progress.start()
+        if not self.probe:
+            self.print(f"[dim]{LEGEND}")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -121,7 +124,7 @@ class StepConsole:
 def summary_line(step: int, metrics: dict[str, float], env: str) -> str:
     """`step 3 | reward -0.41 | success 0.12 | ...` for the keys present in `metrics`."""
     parts = [f"step {step}"]
-    for label, key in SUMMARY_KEYS:
+    for label, key, _ in SUMMARY_KEYS:
         key = key.format(env=env)
         if key in metrics:
             parts.append(f"{label} {metrics[key]:.3g}")

@@ -60,8 +60,9 @@ class RunLock:
     `fcntl.flock` on `<run>/.lock`: the kernel releases it when the holder exits, however it exits, so a
     lock left by a killed process is stale by construction and is taken over (the previous holder's pid,
     host and start time, still in the file, are reported in `stale`). A second process fails at once with
-    `RunInUse` naming the holder. The file is kept (emptied) on release: removing it would let two
-    processes lock two different files of the same name. A link in place of the lock file is refused
+    `RunInUse` naming the holder. A clean release removes the file while still holding it; a process that locked
+    the file just before it was removed finds the path no longer names its file and locks the new one, so two
+    processes never hold two files of the same name. A link in place of the lock file is refused
     (`files.LinkRefused`), as every write of a run directory refuses one: truncating it would empty its target.
     """
 
@@ -79,6 +80,9 @@ class RunLock:
     def __enter__(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = self._take(open_file(self.path, os.O_RDWR | os.O_CREAT))
+        while not _names(self.path, fd):  # removed by the holder that released it: lock the file there now
+            os.close(fd)
+            fd = self._take(open_file(self.path, os.O_RDWR | os.O_CREAT))
         previous = os.read(fd, 4096)
         self.stale = _describe(previous) if previous.strip() else None
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -102,8 +106,20 @@ class RunLock:
     def __exit__(self, *exc) -> None:
         if self._fd is not None:
             os.ftruncate(self._fd, 0)
+            if _names(self.path, self._fd):
+                self.path.unlink()  # while held: see the class's docstring
             os.close(self._fd)  # closing releases the lock
             self._fd = None
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether `path` is (still) the file open as `fd`."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    here = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino)
 
 
 def check_no_links(run_dir: str | Path) -> None:
