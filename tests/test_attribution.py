@@ -6,6 +6,7 @@ pass is read-only."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -228,6 +229,15 @@ def test_refuses_several_processes_and_transformers_checkpointing(model, batch, 
         run(checkpointed, batch, inputs, settings)
     monkeypatch.setattr(dist, "distributed", lambda: True)
     with pytest.raises(RuntimeError, match="one process"):
+        run(model, batch, inputs, settings)
+
+
+def test_warns_of_no_deprecation(model, batch):
+    """An attribution reads no deprecated transformers attribute (a FutureWarning is an error)."""
+    settings, _ = settings_of(REG)
+    inputs = make_inputs(model, batch, old=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
         run(model, batch, inputs, settings)
 
 

@@ -119,7 +119,7 @@ def attribute(model, batch: RolloutBatch, inputs: ActorInputs, settings: PolicyL
                            "or replicated update never gathers")
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    if getattr(model, "is_gradient_checkpointing", False):
+    if transformers_checkpointing(model):
         raise ValueError("transformers' gradient_checkpointing_enable makes the embeddings' outputs require grad, "
                          "which forward-mode AD refuses; checkpoint with models.precision.enable_checkpointing "
                          "(model.gradient_checkpointing=true) instead")
@@ -141,6 +141,13 @@ def attribute(model, batch: RolloutBatch, inputs: ActorInputs, settings: PolicyL
         row_group=batch.group_ids.clone(), group_ids=rows.group_ids, group_share=rows.group_dot / sq,
         group_cosine=_cosine(rows.group_dot, rows.group_sq, sq), group_norm=rows.group_sq.sqrt(),
         token_scores=torch.where(mask, scores, 0.0).float(), response_mask=mask)
+
+
+def transformers_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether transformers' `gradient_checkpointing_enable` is on in `model`: the flag it sets on
+    its modules, read from the modules themselves, not through a model property that a wrapper or
+    another transformers version may lack or deprecate."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def _cosine(dots: torch.Tensor, squares: torch.Tensor, grad_sq: float) -> torch.Tensor:
