@@ -183,13 +183,14 @@ def _last_line(capsys) -> str:
 def _without_run(path) -> None:
     """Rewrite the record at `path` as one written before records named their run."""
     tensors, meta = read_record(path)
-    dropped = ("format", "step", "run")
-    write_record(path.parent.parent, record_step(path), tensors, {k: v for k, v in meta.items() if k not in dropped})
+    kept = {k: v for k, v in meta.items() if k not in ("format", "step", "run")}
+    write_record(path.parent.parent, record_step(path), tensors, kept)
 
 
 def test_a_record_of_another_run_is_refused_naming_both(fast_overrides, capsys):
-    """A seed-1 twin's record (same shapes) is refused by the run identity; a record of a run with another group
-    size written without one by the shape of the rollout; the run's own record without one still replays."""
+    """A seed-1 twin's record (same shapes) is refused by the run identity; one written without it,
+    by its sampling seed; a record of a run with another group size written without it, by the shape
+    of the rollout; the run's own record without it still replays."""
     keys = [*ONE_STEP, "train.steps=2", "checkpoint.every=1", "record.every=1"]
     run = _run(fast_overrides, "mine", *keys)
     twin = _run(fast_overrides, "twin", *keys, "seed=1")
@@ -215,8 +216,8 @@ def test_a_record_of_another_run_is_refused_naming_both(fast_overrides, capsys):
 
 def test_a_what_if_that_cannot_apply_is_refused_before_any_work(fast_overrides, capsys):
     run = _run(fast_overrides, "refused", *ONE_STEP, "train.steps=2", "record.every=1")
-    for item in ("train.group_size=4", "train.env_groups=3", "model.lora.rank=4", "env.max_new_tokens=10",
-                 "seed=1", "train.temperature=0.5", "val.every=5"):
+    for item in ("train.group_size=4", "train.env_groups=3", "model.lora.rank=4",
+                 "env.max_new_tokens=10", "seed=1", "train.temperature=0.5", "val.every=5"):
         assert main(["replay", str(run), "--step", "2", item]) == 2, item
         line = _last_line(capsys)
         assert f"what-if {item}" in line and "train.lr" in line and "filter." in line, line
@@ -228,7 +229,8 @@ def test_a_what_if_that_cannot_apply_is_refused_before_any_work(fast_overrides, 
 def test_an_interrupted_replay_keeps_the_earlier_results(fast_overrides, capsys, monkeypatch):
     from rldynamics.train import replay
 
-    run = _run(fast_overrides, "ctrlc", *ONE_STEP, "train.steps=2", "checkpoint.every=1", "record.every=1")
+    run = _run(fast_overrides, "ctrlc", *ONE_STEP, "train.steps=2", "checkpoint.every=1",
+               "record.every=1")
     replay_command(run, 2, [], attribute=True)
     out = run / "replays" / "step_2"
     before = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -247,12 +249,15 @@ def test_an_interrupted_replay_keeps_the_earlier_results(fast_overrides, capsys,
 
 
 @pytest.mark.parametrize("update", [ONE_STEP, SEVERAL], ids=["one_step", "several_steps"])
-def test_the_attribution_says_how_its_gradient_relates_to_the_recorded_norm(fast_overrides, capsys, update):
-    run = _run(fast_overrides, "norms", *update, "train.steps=2", "checkpoint.every=1", "record.every=1")
+def test_the_attribution_says_how_its_gradient_relates_to_the_recorded_norm(fast_overrides, capsys,
+                                                                            update):
+    run = _run(fast_overrides, "norms", *update, "train.steps=2", "checkpoint.every=1",
+               "record.every=1")
     capsys.readouterr()
     assert main(["replay", str(run), "--step", "2", "--attribute"]) == 0
     text = capsys.readouterr().out
-    attributed = json.loads((run / "replays" / "step_2" / "attribution.json").read_text())["grad_norm"]
+    attribution = run / "replays" / "step_2" / "attribution.json"
+    attributed = json.loads(attribution.read_text())["grad_norm"]
     _, meta = read_record(record_path(run, 2))
     steps = meta["update"]["steps"]
     if update is ONE_STEP:
@@ -265,8 +270,8 @@ def test_the_attribution_says_how_its_gradient_relates_to_the_recorded_norm(fast
 
 
 def test_a_replay_with_attribute_rewrites_the_runs_report(fast_overrides):
-    run = _run(fast_overrides, "report", *ONE_STEP, "train.steps=2", "checkpoint.every=1", "record.every=1",
-               "log.report=true")
+    run = _run(fast_overrides, "report", *ONE_STEP, "train.steps=2", "checkpoint.every=1",
+               "record.every=1", "log.report=true")
     marker = "Gradient attribution (replays/step_2/attribution.json"
     assert marker not in (run / "report.html").read_text()
     replay_command(run, 2, [], attribute=True)

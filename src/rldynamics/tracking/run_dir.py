@@ -10,7 +10,7 @@ Layout:
     events.jsonl               one row per health alarm and action (`train/diagnostics/health.py`)
     analysis/step_<N>/         gradient-analysis tables and sketches
     records/step_<N>.safetensors  step records (`tracking/step_records.py`): what step N trained on
-    run_id                     the run's id, written with its first record (`rldyn replay` checks it)
+    run_id                     the run's id, written with its first record (a replay checks it)
     rolled_back/attempt_<k>/   what the steps undone by the k-th rollback wrote (the same files, analysis/ too)
     checkpoints/step_<N>/      model weights (safetensors) + trainer state
     plots/, report.html        written by `rldyn plot` / `rldyn report`
