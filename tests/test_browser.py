@@ -238,3 +238,26 @@ def test_the_page_builds_the_spans_of_the_shown_step_in_headless_chromium(run, t
     assert done.returncode == 0 and shot.is_file(), done.stderr[-2000:]
     image = imread(str(shot))
     assert image.shape[0] > 100 and float(image[..., :3].std()) > 0.01
+
+
+def test_every_figure_states_its_size(run):
+    page = build_report(run)
+    images = re.findall(r"<img [^>]*>", page)
+    assert images and all(re.search(r'width="\d+" height="\d+"', img) for img in images)
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium not installed")
+def test_a_link_to_the_samples_lands_on_them_in_headless_chromium(run, tmp_path):
+    """The page is scrolled to the section once it is built. (Headless chromium's --screenshot of any scrolled page,
+    a plain one included, comes out blank: the position is read from the page itself.)"""
+    probe = ("<script>window.addEventListener('load', () => setTimeout(() => document.body.setAttribute("
+             "'data-probe', scrollY + ',' + Math.round(document.getElementById('samples').getBoundingClientRect()"
+             ".top)), 200));</script></body>")
+    page = run / "probe.html"
+    page.write_text(build_report(run).replace("</body>", probe), encoding="utf-8")
+    done = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                           f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,900",
+                           "--virtual-time-budget=5000", "--dump-dom", f"file://{page}#samples"],
+                          capture_output=True, text=True, timeout=120)
+    scrolled, top = map(int, re.search(r'data-probe="(-?\d+),(-?\d+)"', done.stdout).groups())
+    assert scrolled > 0 and abs(top) <= 1

@@ -55,8 +55,12 @@ def figure_html(fig: Figure | None, caption: str, dpi: int = REPORT_DPI) -> str:
     """`<figure>` with `fig` embedded as a base64 PNG, for the self-contained HTML reports (empty for None)."""
     if fig is None:
         return ""
-    data = base64.b64encode(png_bytes(fig, dpi)).decode("ascii")
-    return (f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
+    png = png_bytes(fig, dpi)
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")  # the IHDR chunk
+    data = base64.b64encode(png).decode("ascii")
+    # its size stated: the page's layout is final before the images decode, so a link to a section lands there
+    return (f'<figure><img alt="{html.escape(caption)}" width="{width}" height="{height}" '
+            f'src="data:image/png;base64,{data}">'
             f"<figcaption>{html.escape(caption)}</figcaption></figure>")
 
 
