@@ -214,6 +214,15 @@ def test_a_record_of_another_run_is_refused_naming_both(fast_overrides, capsys):
     assert _replayed(own, 2)["weights_identical"] is True
 
 
+def test_a_resumed_run_keeps_its_run_id(fast_overrides):
+    keys = [*ONE_STEP, "checkpoint.every=1", "record.every=1"]
+    run = _run(fast_overrides, "kept", *keys, "train.steps=2")
+    _run(fast_overrides, "kept", *keys, "train.steps=3", "checkpoint.resume=latest")
+    ids = {read_record(p)[1]["run"]["id"] for p in records(run)}
+    assert len(records(run)) == 3 and ids == {(run / "run_id").read_text().strip()}
+    assert _replayed(run, 3)["weights_identical"] is True
+
+
 def test_a_what_if_that_cannot_apply_is_refused_before_any_work(fast_overrides, capsys):
     run = _run(fast_overrides, "refused", *ONE_STEP, "train.steps=2", "record.every=1")
     for item in ("train.group_size=4", "train.env_groups=3", "model.lora.rank=4",
