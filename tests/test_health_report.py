@@ -14,6 +14,7 @@ from rldynamics import metric_names as names
 from rldynamics.plots import glossary
 from rldynamics.plots.cli import plot_command, report_command
 from rldynamics.plots.data import load_run
+from rldynamics.plots.health import health_checks
 from rldynamics.plots.report import build_report
 from rldynamics.plots.timeline import ACTION_COLORS, TIMELINE_FILE, fig_health_timeline, verdict
 from rldynamics.tracking.run_dir import EVENTS_FILE, ROLLED_BACK, RunWriter, read_events
@@ -114,6 +115,41 @@ def test_verdict_names_the_rollback_and_its_rule_the_skips_and_the_warnings(sick
     assert "optimizer steps refused at 1 step (grad_spike)" in v.text and "1 warning (entropy_collapse)" in v.text
 
 
+def slow_run(path: Path, events: list[dict]) -> Path:
+    """The default run's validations with the given events (a `no_learning` warning, a clear)."""
+    writer = RunWriter(path)
+    curve = ((0, 0.152), (20, 0.158), (40, 0.168), (60, 0.197), (80, 0.223), (100, 0.246))
+    for step, success in curve:
+        writer.log(step, {names.val_success("sokoban"): success, names.SCORE_MEAN: 0.01 * step})
+    for event in events:
+        writer.log_event(event)
+    writer.close()
+    return path
+
+
+WARNED = {"step": 60, "rule": "no_learning", "action": "warn", "value": 0.197, "threshold": 0.199,
+          "since": 1,
+          "message": "validation 19.7 % is not 2 standard errors above its start (15.2 %)"}
+CLEARED = {"step": 80, "rule": "no_learning", "action": "clear", "since": 1,
+           "message": "no_learning no longer fires (it did from step 60)"}
+
+
+def test_verdict_says_when_a_warning_cleared(tmp_path):
+    run = load_run(slow_run(tmp_path / "cleared", [WARNED, CLEARED]))
+    v = verdict(run)
+    assert (v.level, v.text) == ("warning", "1 warning (no_learning, cleared at step 80).")
+    fig = fig_health_timeline(run)  # a clear is no alarm line
+    colours = {line.get_color() for ax in fig.axes for line in ax.get_lines()}
+    assert ACTION_COLORS["warn"] in colours and ACTION_COLORS["clear"] not in colours
+    assert all(t.get_text() == "no_learning" for t in fig.axes[0].texts)
+    table = build_report(run.path)
+    table = table[table.index('<table class="events">'):]
+    assert "act-clear" in table and "no_learning no longer fires (it did from step 60)" in table
+    again = dict(WARNED, step=90)
+    run = load_run(slow_run(tmp_path / "again", [WARNED, CLEARED, again]))
+    assert verdict(run).text == "2 warnings (no_learning)."  # firing again at the end: not cleared
+
+
 def test_report_leads_with_health_verdict_timeline_events_samples_and_glossary(sick):
     page = build_report(sick)
     body = page[page.index("<body>"):]
@@ -176,6 +212,28 @@ def test_the_timeline_never_fails_the_report(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("the health timeline could not be drawn (ValueError: odd input)") == 2
     assert "1 rollback" in (path / "report.html").read_text()
+
+
+def zero_variance_rows() -> list[dict]:
+    """Ten steps on which 55 % of the 8 groups had equal rewards."""
+    row = {names.FILTER_ZERO_COUNT: 4.4, names.FILTER_KEPT_COUNT: 8.0, names.FILTER_KEPT_RATIO: 1.0}
+    return [{"step": s, **row} for s in range(1, 11)]
+
+
+@pytest.mark.parametrize(("algo", "says"), [
+    ({"adv_estimator": "grpo", "entropy_coef": 0.0, "kl_coef": 0.0}, "contribute no gradient"),
+    ({"adv_estimator": "grpo", "entropy_coef": 0.001, "kl_coef": 0.0}, "algo.entropy_coef=0.001"),
+    ({"adv_estimator": "rloo", "entropy_coef": 0.0, "kl_coef": 0.05}, "algo.kl_coef=0.05"),
+])
+def test_the_zero_variance_advice_follows_the_runs_regularisers(algo, says):
+    config = {"algo": algo, "train": {"env_groups": 8}}
+    flags = health_checks(zero_variance_rows(), config)
+    [flag] = [f for f in flags if f.check == "zero_variance_groups"]
+    assert flag.title == "55% of groups have zero reward variance (last 10 steps)"
+    assert says in flag.detail
+    on = algo["entropy_coef"] or algo["kl_coef"]
+    assert ("dominate" in flag.detail) == bool(on)
+    assert ("contribute no gradient" in flag.detail) == (not on)
 
 
 # ---------------------------------------------------------------- the glossary: one source, docs/health.md holds it

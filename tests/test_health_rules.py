@@ -64,6 +64,7 @@ SE2 = dataclasses.replace(CFG, falling_validation_se=2.0)  # the hand numbers be
 ONE_STEP = dataclasses.replace(CFG, component_steps=1)  # a component rule that fires on one step
 KL4 = dataclasses.replace(CFG, first_step_kl=1e-4)  # the float32 first-step bound
 MAD_ONLY = dataclasses.replace(CFG, grad_spike_factor=1.0)  # the spike bound by median + k MAD alone
+NL2 = dataclasses.replace(CFG, no_learning_se=2.0)  # no-learning hand numbers at 2 standard errors
 
 
 def test_defaults_the_hand_numbers_below_assume():
@@ -73,7 +74,7 @@ def test_defaults_the_hand_numbers_below_assume():
     assert (CFG.drift_kl, CFG.drift_clipfrac, CFG.kl_acceleration_min, CFG.mismatch_kl) == (0.1, 0.3, 0.05, 0.01)
     assert (CFG.length_surge_ratio, CFG.truncation_rate, CFG.repetition_rate) == (2.0, 0.5, 0.3)
     assert (CFG.component_takeover, CFG.component_against, CFG.template_mi_drop) == (0.95, -0.1, 0.5)
-    assert CFG.no_learning_after == 0.5
+    assert (CFG.no_learning_after, CFG.no_learning_se) == (0.5, 1.0)
 
 
 # --- NonFinite: any skipped optimizer step (> 0) ---
@@ -221,6 +222,27 @@ def test_entropy_collapse_missing_entropy_changes_nothing():
     assert history(rule) == before
     feed(rule, [Signals(step=4 + i, entropy=1.0) for i in range(3)])  # 5 known entropies: the baseline is full
     check_alarm(rule.check(Signals(step=7, entropy=0.05)), "entropy_collapse", 0.05, 0.1, 7)
+
+
+@pytest.mark.parametrize("damage", [{"non_finite_skips": 1}, {"refused": 1}, {"ppo_kl": 0.5},
+                                    {"clipfrac": 0.5}])
+def test_entropy_collapse_start_leaves_out_the_steps_after_a_damaged_update(damage):
+    # step 2's update was marked (a non-finite or refused optimizer step, or the policy_drift
+    # condition): the entropies of the later steps carry its damage, so the start is steps 1 and 2
+    # (measured before the update)
+    rule = EntropyCollapse(CFG)
+    assert rule.check(Signals(step=1, entropy=1.0)) is None
+    assert rule.check(Signals(step=2, entropy=0.8, **damage)) is None
+    check_alarm(rule.check(Signals(step=3, entropy=0.05)), "entropy_collapse", 0.05, 0.1 * 0.9, 3)
+    assert history(rule)["start"] == [1.0, 0.8]
+    assert rule.check(Signals(step=4, entropy=0.5)) is None  # judged against the same start
+
+
+def test_entropy_collapse_start_is_not_closed_by_a_healthy_update():
+    rule = EntropyCollapse(CFG)
+    at_the_limits = dict(entropy=1.0, ppo_kl=0.1, clipfrac=0.3, refused=0)
+    feed(rule, [Signals(step=s, **at_the_limits) for s in range(1, 6)])
+    assert history(rule)["start"] == [1.0] * 5  # at the drift limits, not above: not a blow-up
 
 
 # --- RewardVarianceCollapse: share >= limit on each of the last `zero_variance_steps` steps ---
@@ -381,8 +403,10 @@ def test_reward_component_against():
 
 # --- FallingValidation: success < best - 2 hypot(SE_best, SE_now), SE = sqrt(p (1 - p) / n) ---
 
-def val(step, success, count=100, progress=0.0):
-    return Signals(step=step, val_success=success, val_count=count, progress=progress)
+def val(step, success, count=100, progress=0.0, se=None):
+    """A validation of `count` trajectories; `se`: its problem-clustered SE (None: not logged)."""
+    clustered = {} if se is None else {"val_se": se}
+    return Signals(step=step, val_success=success, val_count=count, progress=progress, **clustered)
 
 
 def test_falling_validation_fires_two_standard_errors_below_the_best():
@@ -446,10 +470,11 @@ def test_reward_component_needs_the_same_finding_on_consecutive_steps():
     assert feed(rule, [Signals(step=s + 1, component_shares=m) for s, m in enumerate(mixed)]) == [None] * 5
 
 
-# --- NoLearning: at progress >= no_learning_after, success <= first + 2 hypot(SE_first, SE_now) ---
+# --- NoLearning: at progress >= no_learning_after, success <= first + k hypot(SE_first, SE_now),
+# k = 2 here ---
 
 def test_no_learning_fires_past_the_share_of_the_run():
-    rule = NoLearning(CFG)
+    rule = NoLearning(NL2)
     assert rule.check(val(1, 0.5, progress=0.1)) is None  # the first value
     assert rule.check(val(4, 0.5, progress=0.4)) is None  # too early
     # SE_first = sqrt(0.25 / 100) = 0.05, SE_now = sqrt(0.24 / 100) -> limit 0.5 + 2 sqrt(0.0049) = 0.64
@@ -459,7 +484,7 @@ def test_no_learning_fires_past_the_share_of_the_run():
 
 
 def test_no_learning_progress_boundary():
-    rule = NoLearning(CFG)
+    rule = NoLearning(NL2)
     rule.check(val(1, 0.5, progress=0.1))
     assert rule.check(val(4, 0.5, progress=0.5 - 1e-9)) is None
     # the code checks from progress == no_learning_after on (step/steps reached the share)
@@ -469,7 +494,7 @@ def test_no_learning_progress_boundary():
 def test_no_learning_value_boundary():
     # first 0.1 of 100: SE 0.03; now 0.2 of 100: SE 0.04 -> limit 0.1 + 2 x 0.05 = 0.2 (d(now - limit)/d now = 0.88)
     # (the float arithmetic lands on 0.2 exactly too: 0.1 + 2 x hypot(0.03, 0.04) == 0.2)
-    rule = NoLearning(CFG)
+    rule = NoLearning(NL2)
     rule.check(val(1, 0.1))
     assert rule.check(val(2, 0.2 + 1e-9, progress=0.9)) is None  # "2 standard errors above": > limit
     check_alarm(rule.check(val(2, 0.2, progress=0.9)), "no_learning", 0.2, 0.2, 1)  # at the limit: not above
@@ -477,11 +502,58 @@ def test_no_learning_value_boundary():
 
 
 def test_no_learning_short_run_and_missing():
-    rule = NoLearning(CFG)
+    rule = NoLearning(NL2)
     assert rule.check(val(9, 0.0, progress=0.9)) is None  # the first validation, however late
     before = history(rule)
     assert rule.check(Signals(step=10, progress=1.0)) is None
-    assert history(rule) == before == {"first": [0.0, 100]}
+    assert history(rule) == before == {"first": [0.0, 100], "first_se": None}
+
+
+# --- the validation rules with the problem-clustered standard error (val-env/<env>/success_se) ---
+
+def test_falling_validation_uses_the_problem_clustered_standard_errors():
+    # 100 trajectories of 25 problems drawn 4 times: clustered SEs (0.06, 0.08) above the binomial
+    rule = FallingValidation(SE2)
+    rule.check(val(1, 0.8, se=0.06))
+    # limit 0.8 - 2 x hypot(0.06, 0.08) = 0.8 - 2 x 0.1 = 0.6
+    # (binomial: 0.8 - 2 x hypot(0.04, 0.0488) = 0.674)
+    assert rule.check(val(2, 0.61, se=0.08)) is None
+    check_alarm(rule.check(val(3, 0.59, se=0.08)), "falling_validation", 0.59, 0.6, 2)
+    assert history(rule)["best_se"] == 0.06
+
+
+def test_no_learning_uses_the_problem_clustered_standard_errors():
+    rule = NoLearning(CFG)
+    rule.check(val(0, 0.5, se=0.03))  # binomial: 0.05
+    # limit 0.5 + 1 x hypot(0.03, 0.04) = 0.55
+    # (binomial: 0.5 + hypot(0.05, sqrt(0.56 x 0.44 / 100)) = 0.5705)
+    assert rule.check(val(6, 0.56, se=0.04, progress=0.6)) is None
+    check_alarm(rule.check(val(7, 0.54, se=0.04, progress=0.7)), "no_learning", 0.54, 0.55, 1)
+    rule = NoLearning(CFG)
+    rule.check(val(0, 0.5))  # a validation without it: binomial, 0.05
+    # limit 0.5 + hypot(0.05, 0.04) = 0.5640
+    check_alarm(rule.check(val(6, 0.56, se=0.04, progress=0.6)), "no_learning", 0.56,
+                0.5 + math.hypot(0.05, 0.04), 1)
+
+
+# the default run's validations (docs/training.md: 512 puzzles, one sample each: clustered SE
+# sqrt(p q / 511))
+DEFAULT_RUN = [(0, 0.152), (20, 0.158), (40, 0.168), (60, 0.197), (80, 0.223), (100, 0.246)]
+FLAT_RUN = [(0, 0.152), (20, 0.150), (40, 0.160), (60, 0.160), (80, 0.149), (100, 0.158)]
+
+
+def run_val(step: int, success: float) -> Signals:
+    se = math.sqrt(success * (1 - success) / 511)
+    return val(step, success, count=512, progress=step / 100, se=se)
+
+
+def test_no_learning_lets_the_default_runs_slow_learning_pass_and_flags_a_flat_run():
+    # step 60: 19.7 % against 15.2 % is 1.9 standard errors of the difference: learning, judged at 1
+    rule = NoLearning(CFG)
+    assert [rule.check(run_val(s, p)) for s, p in DEFAULT_RUN] == [None] * 6
+    flat = NoLearning(CFG)
+    fired = [a for a in (flat.check(run_val(s, p)) for s, p in FLAT_RUN) if a is not None]
+    assert [a.value for a in fired] == [0.160, 0.149, 0.158]  # from step 60 (past half the run) on
 
 
 # --- TemplateCollapse: MI < drop x its first value while entropy >= 0.8 x its first ---
@@ -572,6 +644,19 @@ def test_only_skippable_rules_may_skip(name):
         assert getattr(make_config(overrides=[f"{key}={action}"]).health, name) == action
 
 
+@pytest.mark.parametrize("value", ["5", "0.5", "-1.5"])
+def test_component_against_outside_its_share_range_is_refused(value):
+    with pytest.raises(ConfigError) as e:
+        make_config(overrides=[f"health.component_against={value}"])
+    assert str(e.value) == f"health.component_against must be >= -1 and <= 0, got {float(value)}"
+
+
+@pytest.mark.parametrize("value", [-1.0, -0.1, 0.0])
+def test_component_against_inside_its_share_range_is_accepted(value):
+    cfg = make_config(overrides=[f"health.component_against={value}"])
+    assert cfg.health.component_against == value
+
+
 # --- the tensor signals ---
 
 def test_token_covariance_equals_a_loop_over_masked_tokens():
@@ -590,6 +675,17 @@ def test_token_covariance_equals_a_loop_over_masked_tokens():
     noisy = torch.where(mask.bool(), logprobs, torch.full_like(logprobs, 1e6))
     assert token_covariance(noisy, advantages, mask) == pytest.approx(want, rel=1e-5, abs=1e-7)
     assert token_covariance(logprobs, advantages, torch.zeros(3, 7)) == 0.0
+
+
+@pytest.mark.parametrize("pad", [float("nan"), float("-inf"), float("inf")])
+def test_token_covariance_ignores_non_finite_values_in_padded_positions(pad):
+    logprobs = torch.tensor([[-0.1, -2.0, pad, pad], [-0.2, -3.0, -1.0, pad]])  # [2, 4]
+    advantages = torch.tensor([[1.0, -1.0, pad, 0.0], [1.0, -1.0, 0.5, pad]])
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]])
+    picked = [(-0.1, 1.0), (-2.0, -1.0), (-0.2, 1.0), (-3.0, -1.0), (-1.0, 0.5)]
+    mean_lp, mean_adv = sum(p[0] for p in picked) / 5, sum(p[1] for p in picked) / 5
+    want = sum((lp - mean_lp) * (a - mean_adv) for lp, a in picked) / 5
+    assert token_covariance(logprobs, advantages, mask) == pytest.approx(want, rel=1e-6)
 
 
 def test_token_covariance_sign():

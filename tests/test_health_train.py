@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rldynamics import metric_names as names
 from rldynamics.config import make_config
 from rldynamics.tracking.run_dir import read_metrics
 from rldynamics.train.trainer import train
@@ -168,15 +169,17 @@ def test_under_torchrun_a_rollback_rule_stops_the_run(fast_overrides, tmp_path):
 
 def test_the_validation_rules_start_from_the_validation_before_training(fast_overrides):
     """`no_learning` compares each validation with the one before step 1 (not with the first one during training):
-    its threshold is that start plus 2 binomial standard errors of the difference."""
+    its threshold is that start plus 1 standard error of the difference, each validation's clustered
+    by problem (`val-env/<env>/success_se`, logged with the validation)."""
     run = train(make_config(PRESET, overrides=[*fast_overrides, *VARIED, "log.name=start", "val.env_groups=32",
                                                "train.steps=2", "val.every=1", "health.no_learning_after=0.5",
                                                "model.warm_start_episodes=512", "model.warm_start_epochs=2"]))
-    val = {r["step"]: r["val-env/math/success"] for r in read_metrics(run) if "val-env/math/success" in r}
+    success = names.val_success("math")
+    se_key = names.env_metric("math", names.SUCCESS_SE, validation=True)
+    val = {r["step"]: (r[success], r[se_key]) for r in read_metrics(run) if success in r}
     assert sorted(val) == [0, 1, 2]
     fired = [e for e in _events(run) if e["rule"] == "no_learning"]
-    assert val[0] != val[1]  # a start that the first validation during training could not stand in for
-    se = [(p * (1 - p) / 32) ** 0.5 for p in (val[0], val[1])]
-    limit = val[0] + 2 * (se[0] ** 2 + se[1] ** 2) ** 0.5  # at step 1 (progress 0.5)
-    assert val[1] <= limit and fired and fired[0]["step"] == 1  # (6.2 % before, 0 % at step 1 when written)
+    assert val[0][0] != val[1][0]  # a start the first validation in training could not stand in for
+    limit = val[0][0] + (val[0][1] ** 2 + val[1][1] ** 2) ** 0.5  # at step 1 (progress 0.5)
+    assert val[1][0] <= limit and fired and fired[0]["step"] == 1  # (6.2 % before, 0 % at step 1)
     assert fired[0]["threshold"] == pytest.approx(limit, abs=1e-5)

@@ -5,6 +5,7 @@ bit-identical, the traced update is the applied one, tracing is read-only, and t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import doctest
 import json
 import math
@@ -165,6 +166,26 @@ def test_a_refused_step_is_as_if_its_mini_batch_were_left_out(model, data):
     two, _, opt2 = run(model, data, [*whole, "train.ppo_epochs=2"])
     assert [s.skipped for s in result.steps] == [False, True, False]
     assert same_weights(three, two) and same_tensors(opt3.state_dict(), opt2.state_dict())
+
+
+def test_a_mini_batch_of_equal_reward_groups_is_marked_without_a_reward_signal(model, data):
+    """Under GRPO and RLOO a group whose rewards are all equal has advantages 0 (up to rounding):
+    a mini-batch of such groups alone has no reward signal (`StepTrace.signal` False, its norm left
+    out of the spike history)."""
+    batch, inputs, stds = data
+    scores = batch.scores.clone()  # groups of rows 0-1, 2-4, 5-6, 7-9, 10-11
+    scores[:7], scores[10:] = 0.3, -0.7  # the first three groups and the last: equal rewards
+    equal = (dataclasses.replace(batch, scores=scores), inputs, stds)
+    seen: list[bool] = []
+    for estimator in ("grpo", "rloo"):
+        _, result, _ = run(model, equal, ["train.shuffle=false", f"algo.adv_estimator={estimator}"],
+                           guard=lambda t: seen.append(t.signal) or False)
+        # rows 0-3, 4-7, 8-11; two epochs
+        assert [t.signal for t in result.steps] == [False, True, True] * 2
+    assert seen == [False, True, True] * 4  # the guard sees it
+    for estimator in ("gae", "reinforce_pp"):  # a critic's or the batch's advantages: not 0
+        _, result, _ = run(model, equal, ["train.shuffle=false", f"algo.adv_estimator={estimator}"])
+        assert all(t.signal for t in result.steps)
 
 
 def test_a_non_finite_norm_is_skipped_without_asking_the_guard(model, data):

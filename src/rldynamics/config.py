@@ -294,6 +294,12 @@ class AlgoConfig:
         """Whether the run learns a value model (a critic): GAE does; GRPO, RLOO and REINFORCE++ are critic-free."""
         return self.adv_estimator == "gae"
 
+    @property
+    def group_relative(self) -> bool:
+        """Whether a group whose rewards are all equal gets advantages 0: GRPO and RLOO (their
+        baseline is the group); GAE's critic and REINFORCE++'s batch whitening give it others."""
+        return self.adv_estimator in ("grpo", "rloo")
+
 
 @dataclass
 class CriticConfig:
@@ -479,8 +485,9 @@ class HealthConfig:
     component_against (moving against the total)."""
     component_takeover: float = _within(0.95, 0, high=1)
     """Variance share that counts as taking over."""
-    component_against: float = -0.1
-    """Variance share below which a component moves against the total."""
+    component_against: float = _within(-0.1, -1, high=0)
+    """Variance share below which a component moves against the total, in [-1, 0] (a share below 0
+    moves against the total; the shares sum to 1)."""
     component_steps: int = _within(5, 1)
     """Consecutive steps a component must take over (or move against) the total."""
     template_collapse: str = _action("record")
@@ -490,13 +497,18 @@ class HealthConfig:
     falling_validation: str = _action("warn")
     """Validation success more than falling_validation_se standard errors below the run's best."""
     falling_validation_se: float = _within(3.0, 0, inclusive=False)
-    """Standard errors of the difference (the best of several validations is biased upward: math-tiny's healthy
-    run dipped 2.6 below its best at step 100 and set a new best at 150)."""
+    """Standard errors of the difference, each clustered by problem (val-env/<env>/success_se;
+    binomial when not logged). The best of several validations is biased upward: math-tiny's healthy
+    run dipped 2.6 below its best at step 100 and set a new best at 150."""
     no_learning: str = _action("warn")
-    """Past no_learning_after of the run, validation success not 2 standard errors above its first value (the
-    validation before training, when there is one)."""
+    """Past no_learning_after of the run, validation success not no_learning_se standard errors of
+    the difference above its first value (the validation before training, when there is one)."""
     no_learning_after: float = _within(0.5, 0, high=1)
     """Share of train.steps after which a flat validation is flagged."""
+    no_learning_se: float = _within(1.0, 0, inclusive=False)
+    """Standard errors of the difference (each clustered by problem) the validation must rise above
+    its start: the default run's was 1.9 at step 60 of 100 (15.2 % -> 19.7 %, 24.6 % at the end),
+    which 2 flagged."""
 
 
 @dataclass

@@ -187,6 +187,24 @@ def grpo_advantages(
     return _broadcast(adv, response_mask)  # [N, T]
 
 
+def equal_reward_rows(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """``[N]`` bool: the rows of a group of two or more whose scores are all exactly equal. GRPO and
+    RLOO give them advantage 0, up to the rounding of the group mean (GRPO's division by the std +
+    eps can make that rounding a few hundredths): no reward signal.
+
+    >>> scores, groups = torch.tensor([0.1, 0.1, 1.0, 0.0, 0.5]), torch.tensor([3, 3, 5, 5, 9])
+    >>> equal_reward_rows(scores, groups).tolist()
+    [True, True, False, False, False]
+    """
+    _, inverse = torch.unique(group_ids, return_inverse=True)  # [N]
+    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    s = scores.float()  # [N]
+    high = s.new_full((num_groups,), -torch.inf).scatter_reduce(0, inverse, s, "amax")  # [G]
+    low = s.new_full((num_groups,), torch.inf).scatter_reduce(0, inverse, s, "amin")  # [G]
+    count = s.new_zeros(num_groups).index_add(0, inverse, torch.ones_like(s))  # [G]
+    return ((high == low) & (count >= 2))[inverse]  # [N]
+
+
 def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """REINFORCE leave-one-out (https://arxiv.org/abs/2402.14740): ``A_i = s_i - mean_{j≠i} s_j``.
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from rldynamics.config import HealthConfig
 
+CLEAR = "clear"  # the action of the events.jsonl row written when a warning's rule stops firing
+
 
 @dataclass
 class Signals:
@@ -27,7 +29,9 @@ class Signals:
     first_step: bool = False  # the first step of a run started from scratch
     entropy: float | None = None  # the rollout policy's entropy of the sampled tokens (aggregated like the loss)
     zero_variance_share: float | None = None  # groups whose rewards are all equal / all groups (before the filter)
-    grad_norms: tuple[float, ...] = ()  # pre-clip gradient norm of each optimizer step of the actor update
+    # pre-clip gradient norm of each optimizer step with a reward signal (some advantage not 0; a
+    # step of equal-reward groups alone under GRPO / RLOO has a norm ~0 and is left out)
+    grad_norms: tuple[float, ...] = ()
     first_ppo_kl: float | None = None  # PPO KL of the update's first optimizer step (0 on the rollout policy)
     ppo_kl: float | None = None  # the update's mean PPO KL (policy drift within the step)
     clipfrac: float | None = None  # the update's mean clipped share of tokens (low + high)
@@ -41,7 +45,9 @@ class Signals:
     mi: float | None = None  # template collapse: the first-turn MI estimate, when measured this step
     val_success: float | None = None  # validation success of this step, when validated
     val_count: int = 0  # trajectories of that validation
+    val_se: float | None = None  # its SE clustered by problem (val-env/<env>/success_se), if logged
     non_finite_skips: int = 0  # optimizer steps skipped for a non-finite gradient
+    refused: int = 0  # optimizer steps the guard refused (a gradient spike)
 
 
 @dataclass(frozen=True)
@@ -84,19 +90,30 @@ class Rule:
 
 
 class EntropyCollapse(Rule):
-    """The entropy fell below `ratio` x its mean over the run's first steps."""
+    """The entropy fell below `ratio` x its mean over the run's first steps: the first
+    `baseline_steps`, up to the first step whose update was damaged (a non-finite or refused
+    optimizer step, or the policy_drift condition). A step's entropy is measured before its update,
+    so the later ones carry that damage."""
 
     name = "entropy_collapse"
 
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
         self.start: list[float] = []
+        self.start_closed = False  # a damaged update ended the start early
+
+    def damaged(self, x: Signals) -> bool:
+        """Whether the step's update was damaged: a non-finite or refused optimizer step, drift."""
+        drift = (x.ppo_kl is not None and x.ppo_kl > self.cfg.drift_kl) or (
+            x.clipfrac is not None and x.clipfrac > self.cfg.drift_clipfrac)
+        return bool(x.non_finite_skips or x.refused or drift)
 
     def check(self, x: Signals) -> Alarm | None:
         if x.entropy is None:
             return None
-        if len(self.start) < self.cfg.baseline_steps:
+        if len(self.start) < self.cfg.baseline_steps and not self.start_closed:
             self.start.append(x.entropy)
+            self.start_closed = self.damaged(x)
             return None
         base = sum(self.start) / len(self.start)
         limit = self.cfg.entropy_collapse_ratio * base
@@ -127,12 +144,16 @@ class RewardVarianceCollapse(Rule):
 
 
 class GradSpike(Rule):
-    """An optimizer step's pre-clip gradient norm far above the recent ones: above both median + k x MAD and
-    `grad_spike_factor` x the median of the last `window` accepted non-zero norms (the MAD at least 5 % of the
-    median). RL gradient norms are heavy-tailed (they scale with the batch's reward variance): on the default
-    preset a healthy step reached 4.7 x the running median. `is_spike` is also the update's guard."""
+    """An optimizer step's pre-clip gradient norm far above the recent ones: above both median + k x
+    MAD and `grad_spike_factor` x the median of the last `window` accepted non-zero norms (the MAD
+    at least `mad_floor` of the median). RL gradient norms are heavy-tailed (they scale with the
+    batch's reward variance): on the default preset a healthy step reached 4.7 x the running median.
+    `is_spike` is also the update's guard. The norms of optimizer steps without a reward signal (all
+    advantages 0) are not in `Signals.grad_norms`: they are ~0 and would make every real step a
+    spike."""
 
     name = "grad_spike"
+    mad_floor = 0.05  # the MAD counts as at least this share of the median
 
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
@@ -144,7 +165,8 @@ class GradSpike(Rule):
             return None
         median = statistics.median(self.norms)
         mad = statistics.median(abs(n - median) for n in self.norms)
-        return max(median + self.cfg.grad_spike_k * max(mad, 0.05 * median), self.cfg.grad_spike_factor * median)
+        return max(median + self.cfg.grad_spike_k * max(mad, self.mad_floor * median),
+                   self.cfg.grad_spike_factor * median)
 
     def is_spike(self, norm: float) -> bool:
         limit = self.limit()
@@ -157,8 +179,11 @@ class GradSpike(Rule):
         self.norms = (self.norms + accepted)[-self.cfg.grad_spike_window:]  # a zero norm: no reward variance
         if not spikes:
             return None
-        return self.alarm(x, max(spikes), limit, f"gradient norm {max(spikes):.3g} > {limit:.3g} (the recent median "
-                          f"x {self.cfg.grad_spike_factor:g}, and + {self.cfg.grad_spike_k:g} MAD)")
+        count = f"{len(spikes)} optimizer step{'s' if len(spikes) > 1 else ''}"
+        return self.alarm(x, max(spikes), limit,
+                          f"gradient norm {max(spikes):.3g} > {limit:.3g} (the recent median x "
+                          f"{self.cfg.grad_spike_factor:g}, and + {self.cfg.grad_spike_k:g} MAD) "
+                          f"at {count}")
 
 
 class PolicyDrift(Rule):
@@ -176,10 +201,12 @@ class PolicyDrift(Rule):
 
 
 class KlAcceleration(Rule):
-    """The KL to the reference grows faster each step (positive first and second differences for 3 steps) and is
-    above `kl_acceleration_min`: the policy runs away from the reference."""
+    """The KL to the reference grows faster each step (positive first and second differences over
+    the last `steps` steps) and is above `kl_acceleration_min`: the policy runs away from the
+    reference."""
 
     name = "kl_acceleration"
+    steps = 5  # KL values whose differences must all grow
 
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
@@ -188,16 +215,18 @@ class KlAcceleration(Rule):
     def check(self, x: Signals) -> Alarm | None:
         if x.kl_ref is None:
             return None
-        self.recent = (self.recent + [(x.step, x.kl_ref)])[-5:]
-        if len(self.recent) < 5 or x.kl_ref <= self.cfg.kl_acceleration_min:
+        self.recent = (self.recent + [(x.step, x.kl_ref)])[-self.steps:]
+        if len(self.recent) < self.steps or x.kl_ref <= self.cfg.kl_acceleration_min:
             return None
         kl = [v for _, v in self.recent]
-        first = [b - a for a, b in zip(kl, kl[1:], strict=False)]  # 4 differences
-        second = [b - a for a, b in zip(first, first[1:], strict=False)]  # 3
+        first = [b - a for a, b in zip(kl, kl[1:], strict=False)]  # steps - 1 differences
+        second = [b - a for a, b in zip(first, first[1:], strict=False)]  # steps - 2
         if min(first) <= 0 or min(second) <= 0:
             return None
         return self.alarm(x, x.kl_ref, self.cfg.kl_acceleration_min,
-                          f"KL to the reference {x.kl_ref:.3g}, accelerating over 5 steps", since=self.recent[0][0])
+                          f"KL to the reference {x.kl_ref:.3g}, accelerating over {self.steps} "
+                          "steps",
+                          since=self.recent[0][0])
 
 
 class Mismatch(Rule):
@@ -246,9 +275,14 @@ class Truncation(Rule):
 
 
 class Repetition(Rule):
-    """Too many replies repeat their own n-grams (degenerate or looping text)."""
+    """Too many replies repeat their own n-grams (degenerate or looping text): at least `share` of a
+    reply's `ngram`-grams repeat an earlier one (`health_signals.repetition_rate`; replies of
+    `min_tokens` or more)."""
 
     name = "repetition"
+    ngram = 4
+    share = 0.5
+    min_tokens = 2 * ngram  # shorter replies are not judged
 
     def check(self, x: Signals) -> Alarm | None:
         if x.repetition is None or x.repetition <= self.cfg.repetition_rate:
@@ -300,14 +334,22 @@ def _binomial_se(p: float, n: int) -> float:
     return math.sqrt(max(p * (1 - p), 1e-12) / max(n, 1))
 
 
+def validation_se(success: float, count: int, clustered: float | None) -> float:
+    """The standard error of a validation's success: clustered by problem when logged (a problem
+    drawn k times counts once), else binomial over its trajectories."""
+    return _binomial_se(success, count) if clustered is None else clustered
+
+
 class FallingValidation(Rule):
-    """Validation success fell more than 2 standard errors below the run's best."""
+    """Validation success fell more than `falling_validation_se` standard errors of the difference
+    below the run's best (each validation's SE clustered by problem, binomial when not logged)."""
 
     name = "falling_validation"
 
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
         self.best: tuple[int, float, int] | None = None  # (step, success, trajectories)
+        self.best_se: float | None = None  # its clustered standard error, when logged
 
     def sees(self, x: Signals) -> bool:
         return x.val_success is not None
@@ -316,10 +358,11 @@ class FallingValidation(Rule):
         if x.val_success is None:
             return None
         if self.best is None or x.val_success > self.best[1]:
-            self.best = (x.step, x.val_success, x.val_count)
+            self.best, self.best_se = (x.step, x.val_success, x.val_count), x.val_se
             return None
         step, best, n = self.best
-        se = math.hypot(_binomial_se(best, n), _binomial_se(x.val_success, x.val_count))
+        now = validation_se(x.val_success, x.val_count, x.val_se)
+        se = math.hypot(validation_se(best, n, self.best_se), now)
         limit = best - self.cfg.falling_validation_se * se
         if x.val_success >= limit:
             return None
@@ -328,13 +371,17 @@ class FallingValidation(Rule):
 
 
 class NoLearning(Rule):
-    """Past `no_learning_after` of the run, validation is not 2 standard errors above its first value."""
+    """Past `no_learning_after` of the run, validation is not `no_learning_se` standard errors of
+    the difference above its first value (each validation's SE clustered by problem, binomial when
+    not logged). One standard error, not two: a run that learns slowly is not flagged as one that
+    learns nothing."""
 
     name = "no_learning"
 
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
         self.first: tuple[float, int] | None = None
+        self.first_se: float | None = None  # its clustered standard error, when logged
 
     def sees(self, x: Signals) -> bool:
         return x.val_success is not None
@@ -343,14 +390,18 @@ class NoLearning(Rule):
         if x.val_success is None:
             return None
         if self.first is None:
-            self.first = (x.val_success, x.val_count)
+            self.first, self.first_se = (x.val_success, x.val_count), x.val_se
             return None
         start, n = self.first
-        limit = start + 2 * math.hypot(_binomial_se(start, n), _binomial_se(x.val_success, x.val_count))
+        now = validation_se(x.val_success, x.val_count, x.val_se)
+        se = math.hypot(validation_se(start, n, self.first_se), now)
+        k = self.cfg.no_learning_se
+        limit = start + k * se
         if x.progress < self.cfg.no_learning_after or x.val_success > limit:
             return None
-        return self.alarm(x, x.val_success, limit, f"validation {x.val_success:.1%} is not 2 standard errors above "
-                          f"its start ({start:.1%})", since=1)
+        return self.alarm(x, x.val_success, limit,
+                          f"validation {x.val_success:.1%} is not {k:g} standard error"
+                          f"{'' if k == 1 else 's'} above its start ({start:.1%})", since=1)
 
 
 class TemplateCollapse(Rule):
@@ -358,6 +409,7 @@ class TemplateCollapse(Rule):
     replies that no longer depend on the input (RAGEN-2's template collapse)."""
 
     name = "template_collapse"
+    entropy_held = 0.8  # the entropy holds while at least this share of its first value
 
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
@@ -374,7 +426,8 @@ class TemplateCollapse(Rule):
             self.first_mi, self.first_entropy = x.mi, x.entropy
             return None
         limit = self.cfg.template_mi_drop * self.first_mi
-        if self.first_mi <= 0 or x.mi >= limit or x.entropy < 0.8 * self.first_entropy:
+        held = x.entropy >= self.entropy_held * self.first_entropy
+        if self.first_mi <= 0 or x.mi >= limit or not held:
             return None
         return self.alarm(x, x.mi, limit, f"MI {x.mi:.3g} < {self.cfg.template_mi_drop:g} x its first value "
                           f"({self.first_mi:.3g}) while the entropy held ({x.entropy:.3g})")
@@ -385,13 +438,15 @@ class FirstStep(Rule):
     ratio 1), and with the trainer's own model as the sampler the mismatch is ~0."""
 
     name = "first_step"
+    ppo_kl_limit = 1e-3  # |PPO KL| of the first optimizer step on the rollout policy
 
     def check(self, x: Signals) -> Alarm | None:
         if not x.first_step:
             return None
-        if x.first_ppo_kl is not None and abs(x.first_ppo_kl) > 1e-3:
-            return self.alarm(x, x.first_ppo_kl, 1e-3, f"first step: PPO KL {x.first_ppo_kl:.3g} on the rollout "
-                              "policy (expected ~0: dropout on, or old log-probs from another model?)")
+        if x.first_ppo_kl is not None and abs(x.first_ppo_kl) > self.ppo_kl_limit:
+            return self.alarm(x, x.first_ppo_kl, self.ppo_kl_limit,
+                              f"first step: PPO KL {x.first_ppo_kl:.3g} on the rollout policy "
+                              "(expected ~0: dropout on, or old log-probs from another model?)")
         limit = self.cfg.first_step_kl
         if x.sampler_is_trainer and x.mismatch_kl is not None and x.mismatch_kl > limit:
             return self.alarm(x, x.mismatch_kl, limit, f"first step: sampler/trainer KL {x.mismatch_kl:.3g} with the "

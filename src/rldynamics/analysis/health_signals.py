@@ -21,11 +21,15 @@ from rldynamics.analysis.cross_scoring import turn_spans
 def token_covariance(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> float:
     """Covariance over the masked tokens of the sampled token's log-prob and its advantage.
 
-    logprobs, advantages, mask: [N, L] (mask 1 on response tokens). 0.0 without tokens."""
+    logprobs, advantages, mask: [N, L] (mask 1 on response tokens; whatever the other positions
+    hold, NaN or -inf padding included, is left out). 0.0 without tokens."""
     weights = mask.float()  # [N, L]
     count = weights.sum()
     if count == 0:
         return 0.0
+    keep = mask.bool()  # [N, L]
+    logprobs = torch.where(keep, logprobs, torch.zeros_like(logprobs))  # [N, L] (0 x NaN is NaN)
+    advantages = torch.where(keep, advantages, torch.zeros_like(advantages))  # [N, L]
     lp_mean = (logprobs * weights).sum() / count  # []
     adv_mean = (advantages * weights).sum() / count  # []
     return float(((logprobs - lp_mean) * (advantages - adv_mean) * weights).sum() / count)

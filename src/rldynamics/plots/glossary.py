@@ -46,9 +46,11 @@ RULES: dict[str, Entry] = {
         tries="Look at `rollout/corr/*` and the step's samples; rerun a few steps with `model.dtype=float32` to see "
               "whether precision is the cause; lower `train.lr`."),
     "first_step": Entry(
-        fires="On the first step of a run started from scratch: the first optimizer step's PPO KL (`actor/ppo_kl`) "
-              "is above 1e-3, or, with the HF engine (the trainer's own model samples), the sampler/trainer KL is "
-              "above 1e-4. Both must be ~0 there.",
+        fires="On the first step of a run started from scratch: the first optimizer step's PPO KL "
+              "(`actor/ppo_kl`) is above 1e-3 in absolute value, or, with the HF engine (the "
+              "trainer's own model samples), the sampler/trainer KL is above "
+              "`health.first_step_kl` (5e-3). Both must be ~0 there (bfloat16 rounding alone gives "
+              "a sampler/trainer KL of the order of 1e-3).",
         means="The old log-probs and the trainer's log-probs are not computed the same way: a setup bug, not a "
               "training problem. Every later number of the run inherits it.",
         causes="Dropout left on in one of the passes; old log-probs taken from another model, dtype or prompt "
@@ -56,10 +58,15 @@ RULES: dict[str, Entry] = {
         tries="Compare the per-token log-probs of one sample from both passes; make the dtype, the template and the "
               "model mode (eval, no dropout) the same; do not trust the run's curves until this is fixed."),
     "grad_spike": Entry(
-        fires="An optimizer step's pre-clip gradient norm is above median + `health.grad_spike_k` MAD of the last "
-              "`health.grad_spike_window` accepted norms (the MAD at least 5 % of the median), once "
-              "`health.baseline_steps` norms are known. With the default action `skip` the update refuses that "
-              "optimizer step before it is taken: the weights and the AdamW state stay as they were.",
+        fires="An optimizer step's pre-clip gradient norm is above both `health.grad_spike_factor` "
+              "(10) x the median and the median + `health.grad_spike_k` (10) MAD of the last "
+              "`health.grad_spike_window` accepted norms (the MAD at least 5 % of the median), "
+              "once `health.baseline_steps` norms are known. Optimizer steps without a reward "
+              "signal (a mini-batch of groups with equal rewards under GRPO or RLOO: all "
+              "advantages 0, a norm ~0) are neither judged nor part of that history. With the "
+              "default action `skip` the update refuses the spiking optimizer step before it is "
+              "taken: the weights and the AdamW state stay as they were; the console says how many "
+              "were refused on every step that refused one.",
         means="One mini-batch pushed much harder than the recent ones. Clipping bounds the step's size but not its "
               "direction, which that batch then dominates; repeated or growing spikes precede divergence.",
         causes="A few tokens with extreme importance ratios (off-policy tokens: Liu, Li et al. 2025, \"When Speed "
@@ -69,8 +76,13 @@ RULES: dict[str, Entry] = {
               "read the step's samples; lower `train.lr` or `train.max_grad_norm`; with a mismatch, TIS or MIS "
               "(see `mismatch`)."),
     "entropy_collapse": Entry(
-        fires="The rollout policy's entropy (`actor/entropy`) is below `health.entropy_collapse_ratio` x its mean "
-              "over the run's first `health.baseline_steps` steps.",
+        fires="The rollout policy's entropy (`actor/entropy`) is below "
+              "`health.entropy_collapse_ratio` x its start: its mean over the run's first "
+              "`health.baseline_steps` steps, up to the first step whose update was damaged (a "
+              "non-finite or refused optimizer step, or the `policy_drift` condition: the PPO KL "
+              "above `health.drift_kl` or the clipped share above `health.drift_clipfrac`). A "
+              "step's entropy is measured before its update, so the later ones already carry the "
+              "damage and stay out of the start.",
         means="The policy has become nearly deterministic: it stops exploring, its groups get equal rewards, and "
               "its performance stops improving. Cui et al. 2025 (\"The Entropy Mechanism of Reinforcement Learning "
               "for Reasoning Language Models\") find performance traded against entropy, R = -a exp(H) + b: once "
@@ -87,10 +99,11 @@ RULES: dict[str, Entry] = {
     "reward_variance_collapse": Entry(
         fires="At least `health.zero_variance_share` of the groups had equal rewards (`health/zero_variance_share`, "
               "before the filter) on each of the last `health.zero_variance_steps` steps.",
-        means="A group whose replies all score the same has group-relative advantages of 0: no task gradient. The "
-              "update then comes from the few groups left and from the regularisers. RAGEN-2 ties this "
-              "reward-variance collapse to a task gradient too weak against the regularisers (see "
-              "`template_collapse`).",
+        means="A group whose replies all score the same has group-relative advantages of 0: no "
+              "task gradient. The update then comes from the few groups left, and from the "
+              "regularisers when their coefficients are on (`algo.entropy_coef`, `algo.kl_coef`). "
+              "RAGEN-2 ties this reward-variance collapse to a task gradient too weak against the "
+              "regularisers (see `template_collapse`).",
         causes="Prompts too easy (all succeed) or too hard (all fail) for the current policy; entropy collapse "
                "(the same reply, the same reward); a sparse binary reward; a reward function that always returns "
                "the same value.",
@@ -108,9 +121,9 @@ RULES: dict[str, Entry] = {
                "`mismatch`).",
         tries="Lower `train.lr`; fewer `train.ppo_epochs` or a larger `train.mini_batch_size`; check `mismatch`."),
     "kl_acceleration": Entry(
-        fires="With the KL term on (`algo.kl_coef` > 0): the KL to the reference (`actor/kl_loss`) is above "
-              "`health.kl_acceleration_min` and grew faster at each of the last 5 steps (positive first and second "
-              "differences).",
+        fires="With the KL term on (`algo.kl_coef` > 0): the KL to the reference (`actor/kl_loss`) "
+              "is above `health.kl_acceleration_min` and grew faster over each of the last 5 steps "
+              "(positive first and second differences).",
         means="The policy is running away from the reference model at a growing rate, a common prelude to reward "
               "hacking or to text drifting away from language.",
         causes="A reward the policy has found a way to exploit; a KL coefficient too small for the learning rate; "
@@ -152,8 +165,9 @@ RULES: dict[str, Entry] = {
               "out of the loss; not in this trainer) or soft overlong punishment (a length penalty near the "
               "limit)."),
     "repetition": Entry(
-        fires="More than `health.repetition_rate` of the replies (of 8 tokens or more) repeat at least half of their "
-              "own 4-grams (`health/repetition_rate`; slime logs a like share as `repetition_frac`).",
+        fires="More than `health.repetition_rate` of the replies (of 8 tokens or more) repeat at "
+              "least 50 % of their own 4-grams (`health/repetition_rate`; slime logs a like share "
+              "as `repetition_frac`).",
         means="Degenerate text: loops, the same phrase again and again, \"!!!!\". Such replies rarely earn a reward "
               "and often hit the length limit.",
         causes="Entropy collapse; a sampler that is off from the trainer (see `mismatch`); too low a sampling "
@@ -161,9 +175,10 @@ RULES: dict[str, Entry] = {
         tries="Read the samples; check `mismatch` and `entropy_collapse`; a higher `train.temperature`; a lower "
               "`train.lr`; a repetition penalty as a reward component."),
     "reward_component": Entry(
-        fires="One weighted reward component carries at least `health.component_takeover` of the trained reward's "
-              "variance (`health/reward_share/<component>`), or a component's share is below "
-              "`health.component_against` (it moves against the total).",
+        fires="One weighted reward component carries at least `health.component_takeover` of the "
+              "trained reward's variance (`health/reward_share/<component>`), or a component's "
+              "share is below `health.component_against` (it moves against the total), the same "
+              "finding on each of the last `health.component_steps` steps.",
         means="The advantages are driven by that one component: the policy learns it, not the mix. When the "
               "correctness component takes over because the others saturated, that is fine; when a format or "
               "length component does, the task is not being learned. A negative share fights the total.",
@@ -183,8 +198,11 @@ RULES: dict[str, Entry] = {
               "(`filter.strategy=top_p`, `filter.metric=reward_std`, `filter.value` below 1); `docs/collapse.md` "
               "has the metrics."),
     "falling_validation": Entry(
-        fires="Validation success is more than `health.falling_validation_se` (3) standard errors (binomial, of the "
-              "best and of this validation) below the run's best, the validation before training included.",
+        fires="Validation success is more than `health.falling_validation_se` (3) standard errors "
+              "of the difference below the run's best, the validation before training included; "
+              "each validation's standard error is clustered by problem "
+              "(`val-env/<env>/success_se`: a problem drawn several times counts once), binomial "
+              "when a validation did not log it.",
         means="The policy got worse on fixed held-out prompts: training now hurts. The best checkpoint is the one "
               "to keep.",
         causes="Entropy collapse, drift, reward hacking or overfitting to the training prompts; whichever other "
@@ -192,9 +210,15 @@ RULES: dict[str, Entry] = {
         tries="Keep the best checkpoint (`checkpoint.every`); lower `train.lr`; address the rule that fired "
               "first."),
     "no_learning": Entry(
-        fires="Past `health.no_learning_after` of `train.steps`, validation success is not 2 standard errors above "
-              "its first value (the validation before training, when there is one).",
-        means="Half the run (by default) has gone without a measurable gain on the validation prompts.",
+        fires="Past `health.no_learning_after` of `train.steps`, validation success is not "
+              "`health.no_learning_se` (1) standard error of the difference above its first value "
+              "(the validation before training, when there is one); each standard error clustered "
+              "by problem, as for `falling_validation`.",
+        means="Half the run (by default) has gone without a measurable gain on the validation "
+              "prompts. The bar is one standard error, not two, so that slow learning is not "
+              "mistaken for none: the default run was 1.9 standard errors above its start at step "
+              "60 of 100 (15.2 % -> 19.7 %) and ended at 24.6 %. The rule is checked at every "
+              "validation: a warning that stops firing says so (its clear).",
         causes="No reward signal (`reward_variance_collapse` from the start: all groups fail or all succeed); a "
                "setup bug (`first_step`); a learning rate far too low or too high; a filter that keeps almost "
                "nothing (`rollout/filter_kept_ratio`).",

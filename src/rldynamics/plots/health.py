@@ -15,7 +15,9 @@ thumb, stated in the flag text, not hard truths:
   with normalised advantages, so "std / |mean|" would flag every run; the median magnitude is the robust scale
   and the absolute floor ignores wiggles of a loss that stays near 0;
 - zero-variance groups: mean share of groups with zero reward std over the last steps > 50 %, or the mean
-  in-group reward std ≈ 0 / fallen below 10 % of its first steps' level (warning);
+  in-group reward std ≈ 0 / fallen below 10 % of its first steps' level (warning); what those groups
+  do to the update depends on the run's `algo` settings (its config.yaml): with an entropy or KL
+  coefficient on, the regularisers' gradient alone; with both 0, no gradient at all;
 - early stops (`early_stopped/*`) and skipped optimizer steps (`actor/skipped_steps` > 0);
 - gradient-analysis components whose gradient is exactly zero (`grad_norm/<bucket>/zero_grad/<component>` = 1,
   a note): their cosines are undefined and logged as NaN, which this note explains instead of leaving a gap.
@@ -156,8 +158,12 @@ def check_loss_swings(rows: list[dict[str, Any]], key: str = names.PG_LOSS, rati
 
 
 def check_zero_variance(rows: list[dict[str, Any]], num_groups: int | None = None, last: int = 10,
-                        max_fraction: float = 0.5, std_eps: float = 1e-3, collapse_ratio: float = 0.1) -> list[Flag]:
-    """Share of groups with zero reward std (`rollout/filter_zero_count` / groups) and in-group std collapse."""
+                        max_fraction: float = 0.5, std_eps: float = 1e-3,
+                        collapse_ratio: float = 0.1, *, algo: dict[str, Any] | None = None,
+                        ) -> list[Flag]:
+    """Share of groups with zero reward std (`rollout/filter_zero_count` / groups) and in-group std
+    collapse; `algo`: the run's `algo` settings (its config.yaml), which say what those groups do to
+    the update."""
     flags = []
     fractions = []
     for r in rows:
@@ -169,8 +175,7 @@ def check_zero_variance(rows: list[dict[str, Any]], num_groups: int | None = Non
     if recent.size and recent.mean() > max_fraction:
         flags.append(Flag("zero_variance_groups", "warning",
                           f"{recent.mean():.0%} of groups have zero reward variance (last {recent.size} steps)",
-                          "Groups whose samples all get the same reward give no task gradient (GRPO advantage 0); "
-                          "the regularisers then dominate the update. Raise temperature/group size or filter groups.",
+                          _zero_variance_advice(algo),
                           {"mean share (last steps)": f"{recent.mean():.1%}", "last step share": f"{recent[-1]:.1%}",
                            "groups per step": num_groups or "from filter_kept_count / filter_kept_ratio"}))
     _, std = series(rows, names.IN_GROUP_REWARD_STD)
@@ -188,6 +193,28 @@ def check_zero_variance(rows: list[dict[str, Any]], num_groups: int | None = Non
                               f"Below {collapse_ratio:.0%} of the first steps' level: reward-variance collapse "
                               "(RAGEN's early-stop rule).", numbers))
     return flags
+
+
+REGULARISERS = ("entropy_coef", "kl_coef")  # the `algo` coefficients of the non-task loss terms
+
+
+def _zero_variance_advice(algo: dict[str, Any] | None) -> str:
+    """What equal-reward groups do to the update, by the run's regulariser coefficients (unknown:
+    both cases)."""
+    head = ("Groups whose samples all get the same reward give no task gradient (group-relative "
+            "advantages 0, as in GRPO and RLOO); ")
+    tail = (" Raise the temperature or the group size, or filter those groups out "
+            "(filter.include_zero=false).")
+    if not isinstance(algo, dict) or any(k not in algo for k in REGULARISERS):
+        return head + ("they add only the regularisers' gradient (entropy, KL) where their "
+                       "coefficients are on." + tail)
+    on = [f"algo.{k}={_g(v)}" for k in REGULARISERS
+          if isinstance(v := algo.get(k), (int, float)) and v != 0]
+    if on:
+        return head + (f"they add only the regularisers' gradient ({', '.join(on)}), which can "
+                       "then dominate the update." + tail)
+    return head + ("with the entropy and KL coefficients both 0, those groups contribute no "
+                   "gradient: the update comes from the other groups alone." + tail)
 
 
 def _groups_of_row(row: dict[str, Any]) -> float:
@@ -282,13 +309,22 @@ def check_zero_gradients(rows: list[dict[str, Any]], prefix: str = names.GRAD_NO
 
 def health_checks(rows: list[dict[str, Any]], config: dict[str, Any] | None = None) -> list[Flag]:
     """Every check over the metrics rows, sorted by severity (errors first)."""
-    train = (config or {}).get("train")
-    groups = train.get("env_groups") if isinstance(train, dict) else None
+    train, algo = (config or {}).get("train"), (config or {}).get("algo")
     flags = [*check_grad_norm(rows), *check_clipfrac(rows), *check_reward_trend(rows),
              *check_val_falling(rows, val_success_key(rows, config)), *check_loss_swings(rows),
-             *check_zero_variance(rows, num_groups=groups if isinstance(groups, int) and groups > 0 else None),
+             *check_zero_variance(rows, _groups_of(train), algo=_section(algo)),
              *check_early_stop(rows), *check_skipped_steps(rows), *check_zero_gradients(rows)]
     return sorted(flags, key=lambda f: SEVERITIES.index(f.severity))
+
+
+def _groups_of(train: Any) -> int | None:
+    """`train.env_groups` of a config.yaml's `train` section (None unless a positive int)."""
+    groups = train.get("env_groups") if isinstance(train, dict) else None
+    return groups if isinstance(groups, int) and groups > 0 else None
+
+
+def _section(section: Any) -> dict[str, Any] | None:
+    return section if isinstance(section, dict) else None
 
 
 def summary_line(flags: list[Flag]) -> str:

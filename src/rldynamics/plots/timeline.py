@@ -6,8 +6,10 @@
   (record grey, warn orange, skip blue, rollback purple, stop red), labelled with its rule at the top; a rollback is
   a shaded span from the checkpoint it went back to to the step it left, and the alarms of the steps it undid
   (`rolled_back/attempt_<k>/`) are dotted lines. A run without events gets its curves and the note "no alarms".
-- `verdict`: one sentence, worst first: stopped by a rule, rollbacks (with the rule that asked for each), skipped
-  optimizer steps, warnings; else "no alarms above record".
+- `verdict`: one sentence, worst first: stopped by a rule, rollbacks (with the rule that asked for
+  each), skipped optimizer steps, warnings (with the step a warning cleared at, when its rule
+  stopped firing: the `clear` rows of events.jsonl); else "no alarms above record". A clear is no
+  alarm: the timeline draws no line for it.
 
 `timeline_or_none` draws the figure and turns any failure on odd input into one warning line on stderr, so the
 figure never fails `rldyn plot` or `rldyn report`.
@@ -26,12 +28,14 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from rldynamics import metric_names as names
+from rldynamics.analysis.health_rules import CLEAR
 from rldynamics.plots.curves import logged_panels, plot_series
 from rldynamics.plots.data import HealthEvent, RunData, as_float, env_names, series
 from rldynamics.plots.figure import DPI, auto_scale, new_figure, note, save_png
 
 TIMELINE_FILE = "health_timeline.png"
-ACTION_COLORS = {"record": "#9e9e9e", "warn": "#ef6c00", "skip": "#1565c0", "rollback": "#7b1fa2", "stop": "#c62828"}
+ACTION_COLORS = {"record": "#9e9e9e", "warn": "#ef6c00", "skip": "#1565c0", "rollback": "#7b1fa2",
+                 "stop": "#c62828", CLEAR: "#2e7d32"}  # a clear: no line; its colour is the table's
 UNKNOWN_COLOR = "#000000"  # an action this version does not know
 CURVE_COLORS = ["#263238", "#00897b", "#8d6e63", "#546e7a"]  # curves in colours no action uses
 SEVERITY = ("stop", "rollback", "skip", "warn", "record")  # worst first
@@ -58,8 +62,17 @@ def timeline_panels(run: RunData) -> list[tuple[str, list[tuple[str, str]]]]:
 
 
 def alarms(run: RunData) -> list[HealthEvent]:
-    """The events that are not rollbacks."""
-    return [e for e in run.events if not e.is_rollback]
+    """The events that are neither rollbacks nor clears (a warning's rule stopped firing)."""
+    return [e for e in run.events if not e.is_rollback and e.action != CLEAR]
+
+
+def cleared_at(run: RunData, rule: str) -> int | None:
+    """The step `rule`'s last warning cleared at: its rule stopped firing after its last alarm (else
+    None)."""
+    own = [e for e in run.events if e.rule == rule and e.undone is None]
+    last = max((e.step for e in own if e.action != CLEAR), default=None)
+    clears = [e.step for e in own if e.action == CLEAR and (last is None or e.step > last)]
+    return max(clears) if clears else None
 
 
 def rollbacks(run: RunData) -> list[HealthEvent]:
@@ -186,6 +199,16 @@ def _rules(events: list[HealthEvent]) -> str:
     return ", ".join(dict.fromkeys(e.rule for e in events))
 
 
+def _warned(run: RunData, warns: list[HealthEvent]) -> str:
+    """The rules that warned, each cleared one with its step: `no_learning, cleared at step 80;
+    truncation`."""
+    said = []
+    for rule in dict.fromkeys(e.rule for e in warns):
+        step = cleared_at(run, rule)
+        said.append(rule if step is None else f"{rule}, cleared at step {step}")
+    return ("; " if any(", cleared" in s for s in said) else ", ").join(said)
+
+
 def skipped_steps(run: RunData) -> list[int]:
     """Steps whose optimizer steps a rule refused: the steps of its skip events, and every step where a rule with
     a skip event logged `health/<rule>` = 1 (an event marks only the first step of a streak)."""
@@ -221,7 +244,7 @@ def verdict(run: RunData) -> Verdict:
         level = "warning" if level == "ok" else level
     warns = [e for e in found if e.action == "warn"]
     if warns:
-        parts.append(f"{_plural(len(warns), 'warning')} ({_rules(warns)})")
+        parts.append(f"{_plural(len(warns), 'warning')} ({_warned(run, warns)})")
         level = "warning" if level == "ok" else level
     records = [e for e in found if e.action == "record"]
     recorded = f"{_plural(len(records), 'alarm')} recorded ({_rules(records)})" if records else ""

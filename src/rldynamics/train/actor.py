@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rldynamics import metric_names as names
+from rldynamics.algo.advantages import equal_reward_rows
 from rldynamics.algo.losses import weighted_total
 from rldynamics.analysis.objective import ActorInputs, actor_terms, policy_loss_settings
 from rldynamics.config import AlgoConfig, TrainConfig
@@ -67,7 +68,8 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
     KL coefficient in use. `actor/clip_hit_rate`: the share of optimizer steps whose gradient was clipped.
 
     `guard` and `trace_groups` go to `train.update.optimize` (a refused step counts in `actor/skipped_steps`);
-    `trace_groups` adds the per-group metrics of `group_metrics`.
+    `trace_groups` adds the per-group metrics of `group_metrics`. Each step's trace says whether its
+    mini-batch had a reward signal (`reward_signal_rows`).
     """
     settings = policy_loss_settings(algo)
     weights = settings.coefs
@@ -91,7 +93,8 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
         stats, steps = optimize(model, optimizer, batch, minis, loss_of, stats=STATS, token_stats=TOKEN_STATS,
                                 micro_batch_size=train.micro_batch_size, max_grad_norm=train.max_grad_norm,
                                 agg_mode=settings.agg, shared_prefix=train.shared_prefix, guard=guard,
-                                trace_groups=trace_groups)
+                                trace_groups=trace_groups,
+                                signal_rows=reward_signal_rows(batch, algo))
     out = {names.actor(k): v for k, v in stats.items()}
     out[names.ACTOR_LR] = optimizer.param_groups[0]["lr"]
     out[names.KL_COEF] = settings.kl_coef
@@ -102,6 +105,13 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
                        clipfrac_high=stats["pg_clipfrac"], clipfrac_low=stats["pg_clipfrac_lower"],
                        kl_loss=stats["kl_loss"] if inputs.ref_logprobs is not None else None, logprobs=own,
                        token_entropy=own_entropy, steps=steps)
+
+
+def reward_signal_rows(batch: RolloutBatch, algo: AlgoConfig) -> torch.Tensor | None:
+    """[N] bool: the rows whose advantages carry a reward signal, under GRPO and RLOO those of
+    groups whose rewards differ (`equal_reward_rows`); None for the other estimators (every row
+    has one)."""
+    return ~equal_reward_rows(batch.scores, batch.group_ids) if algo.group_relative else None
 
 
 def group_metrics(steps: list[StepTrace], max_grad_norm: float) -> dict[str, float]:

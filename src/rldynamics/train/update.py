@@ -9,8 +9,9 @@
   (clip fractions, `ppo_kl`, `vpred_mean`) by the micro-batch's share of the mini-batch's response tokens.
 - The gradient is clipped to `max_grad_norm` (the pre-clip norm is the `grad_norm` statistic); a non-finite norm
   skips the optimizer step and counts it in `skipped_steps`.
-- Every optimizer step is recorded as a `StepTrace` (pre-clip norm, clipping, skip, its own statistics). A `guard`
-  sees each step's trace before `optimizer.step()` and may refuse the step: the parameters and the optimizer state
+- Every optimizer step is recorded as a `StepTrace` (pre-clip norm, clipping, skip, its own
+  statistics, whether its mini-batch had a reward signal: `signal_rows`). A `guard` sees each step's
+  trace before `optimizer.step()` and may refuse the step: the parameters and the optimizer state
   are then left exactly as they were, and the step counts in `skipped_steps` like a non-finite one.
 - `trace_groups`: the trace also holds per-parameter-group (`parameter_group`) squared norms of the pre-clip
   gradient, of the weights before the step and of the change the optimizer applied (read from a copy of the
@@ -59,6 +60,9 @@ class StepTrace:
     group_update_sq: dict[str, float]  # squared norm of the change the optimizer applied, per group (0 when skipped)
     group_weight_sq: dict[str, float]  # squared norm of the group's weights before the step
     stats: dict[str, float]  # this step's own share-weighted statistics (the keys `optimize` averages)
+    # some row of the mini-batch has a reward signal (False: its advantages are all 0, so its
+    # gradient is rounding noise or regularisers alone; `optimize`'s `signal_rows`)
+    signal: bool = True
 
 
 Guard = Callable[[StepTrace], bool]  # True: refuse this optimizer step
@@ -121,7 +125,8 @@ class _Groups:
 def optimize(model, optimizer, batch: RolloutBatch, minis: list[torch.Tensor], loss_of: LossFn, *,
              stats: tuple[str, ...], token_stats: tuple[str, ...] = (), micro_batch_size: int, max_grad_norm: float,
              agg_mode: str, sort_by_length: bool = True, shared_prefix: bool = False, guard: Guard | None = None,
-             trace_groups: bool = False) -> tuple[dict[str, float], list[StepTrace]]:
+             trace_groups: bool = False, signal_rows: torch.Tensor | None = None,
+             ) -> tuple[dict[str, float], list[StepTrace]]:
     """One optimizer step per mini-batch of `minis` (row indices of `batch`); returns the step statistics and the
     trace of every step.
 
@@ -137,6 +142,9 @@ def optimize(model, optimizer, batch: RolloutBatch, minis: list[torch.Tensor], l
             gradient and of the weights, and, for each step taken, a copy of this rank's trainable parameters
             (one extra model's worth of memory in the parameters' dtype, held during `optimizer.step()`) and a
             norm of each parameter's change. False: the group dicts are empty and nothing is copied.
+        signal_rows: [N] bool, the rows of `batch` whose advantages carry a reward signal; a
+            mini-batch with none is traced with `signal` False (the guard sees it). None: every row
+            has one.
     Returns:
         The mean over optimizer steps of each statistic (share-weighted over a step's micro-batches) and of
         `grad_norm`, `skipped_steps` (a count: non-finite norms and steps the guard refused) and `num_updates`;
@@ -150,7 +158,8 @@ def optimize(model, optimizer, batch: RolloutBatch, minis: list[torch.Tensor], l
                            micro_batch_size, shared_prefix) if sort_by_length else torch.arange(len(mini)))  # [m]
         values = _accumulate(model, optimizer, batch, mini, order, loss_of, stats, token_stats, micro_batch_size,
                              agg_mode)
-        traces.append(_step(model, optimizer, params, values, max_grad_norm, guard, groups))
+        signal = signal_rows is None or bool(signal_rows[mini].any())
+        traces.append(_step(model, optimizer, params, values, max_grad_norm, guard, groups, signal))
     return _mean_stats(traces), traces
 
 
@@ -190,14 +199,15 @@ def _accumulate(model, optimizer, batch: RolloutBatch, mini: torch.Tensor, order
 
 
 def _step(model, optimizer, params: list[torch.Tensor], values: dict[str, float], max_grad_norm: float,
-          guard: Guard | None, groups: _Groups | None) -> StepTrace:
+          guard: Guard | None, groups: _Groups | None, signal: bool = True) -> StepTrace:
     """Measure and clip the accumulated gradient, ask the guard, and step (skipped when the norm is not finite or
     the guard refuses); the gradients are zeroed either way."""
     grad_sq = groups.squares([_norm(p.grad, p) for p in params]) if groups else {}
     weight_sq = groups.squares([_norm(p) for p in params]) if groups else {}
     grad_norm = clip_gradients(params, max_grad_norm)
     trace = StepTrace(grad_norm=grad_norm, clipped=grad_norm > max_grad_norm, skipped=False, group_grad_sq=grad_sq,
-                      group_update_sq={}, group_weight_sq=weight_sq, stats={**values, "grad_norm": grad_norm})
+                      group_update_sq={}, group_weight_sq=weight_sq,
+                      stats={**values, "grad_norm": grad_norm}, signal=signal)
     trace.skipped = not math.isfinite(grad_norm) or (guard is not None and not dist.all_true(not guard(trace)))
     if trace.skipped:
         trace.group_update_sq = dict.fromkeys(groups.names, 0.0) if groups else {}

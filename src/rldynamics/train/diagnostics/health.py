@@ -6,11 +6,13 @@ every rule of `analysis/health_rules.py`. For each rule it logs `health/<rule>` 
 else 0); when a rule starts firing it writes one line to `events.jsonl` and acts as configured:
 
 - record: the metric and the event line only;
-- warn: also one console line;
-- skip (`health.grad_spike`): the rule is the actor update's guard, refusing a spiking optimizer step before it
-  is taken (the weights and optimizer state stay as they were); the event says so;
-- rollback: the run goes back to its last checkpoint saved before the trouble began and goes on with new
-  sampling seeds (`train/trainer.py`; at most `health.max_rollbacks`, then it stops);
+- warn: also one console line; when the rule stops firing, a `clear` line and one console line more;
+- skip (`health.grad_spike`): the rule is the actor update's guard, refusing a spiking optimizer
+  step before it is taken (the weights and optimizer state stay as they were); the event says so,
+  and every step that refused optimizer steps prints how many;
+- rollback: the run goes back to its last checkpoint saved before the trouble began and goes on with
+  new sampling seeds (`train/trainer.py`; at most `health.max_rollbacks`); where it cannot, it stops
+  and says why;
 - stop: an early stop with `health_<rule>` as its reason (sweeps count it as a failed regime).
 
 Signals no other trainer logs, also logged here: `actor/entropy_cov` (the token covariance of the sampled token's
@@ -30,7 +32,17 @@ from rldynamics import dist
 from rldynamics import metric_names as names
 from rldynamics.algo.losses import aggregate
 from rldynamics.algo.rollout_corr import k3_kl
-from rldynamics.analysis.health_rules import RULES, Alarm, FallingValidation, GradSpike, NoLearning, Signals
+from rldynamics.analysis.health_rules import (
+    CLEAR,
+    RULES,
+    Alarm,
+    FallingValidation,
+    GradSpike,
+    NoLearning,
+    NonFinite,
+    Repetition,
+    Signals,
+)
 from rldynamics.analysis.health_signals import component_shares, repetition_rate, reply_lengths, token_covariance
 from rldynamics.config import Config
 from rldynamics.train.checkpoint import checkpoint_step, checkpoints
@@ -47,6 +59,7 @@ class Health(Diagnostic):
         super().__init__(cfg)
         self.rules = {name: rule(cfg.health) for name, rule in RULES.items()}
         self.last_entropy: float | None = None
+        self.fired_at: dict[str, int] = {}  # rule -> the step its latest streak started firing
 
     @staticmethod
     def enabled(cfg: Config) -> bool:
@@ -61,14 +74,17 @@ class Health(Diagnostic):
         return Needs(old_logprobs=self.cfg.health.entropy_after_update, update_logprobs=True)
 
     def guard(self, trace) -> bool:
-        """Refuse an optimizer step whose gradient norm is a spike (`health.grad_spike=skip`)."""
+        """Refuse an optimizer step whose gradient norm is a spike (`health.grad_spike=skip`); a
+        step without a reward signal (its advantages all 0) is not judged."""
         spike: GradSpike = self.rules[GradSpike.name]
-        return self.action(GradSpike.name) == "skip" and spike.is_spike(trace.grad_norm)
+        skip = self.action(GradSpike.name) == "skip"
+        return skip and trace.signal and spike.is_spike(trace.grad_norm)
 
     def before_training(self, validation) -> None:
         """The validation rules start from the validation before training (their best and their first value)."""
         if validation.success is not None:
-            x = Signals(step=0, val_success=validation.success, val_count=validation.trajectories)
+            x = Signals(step=0)
+            _validation_signals(x, self.cfg, validation)
             for name in (FallingValidation.name, NoLearning.name):
                 self.rules[name].check(x)
 
@@ -80,32 +96,59 @@ class Health(Diagnostic):
             alarm = rule.check(x)
             metrics[names.health(name)] = float(alarm is not None)
             new = alarm is not None and rule.streak_start is None
+            if alarm is None and rule.sees(x) and rule.streak_start is not None:
+                self.cleared(s, record.step, name)
             if alarm is not None or rule.sees(x):  # a step without the rule's signal leaves its streak as it was
                 rule.streak_start = None if alarm is None else (rule.streak_start or alarm.since)
             if alarm is not None:
-                self.act(s, record.step, alarm, new, result)
+                self.act(s, x, alarm, new, result)
             if new:
                 result.alarms.append(name)
         return result
 
-    def act(self, s, step: int, alarm: Alarm, new: bool, result: DiagnosticResult) -> None:
-        """Carry out the rule's action (the event line and the console line only when its trouble is new)."""
-        action = self.action(alarm.rule)
+    def act(self, s, x: Signals, alarm: Alarm, new: bool, result: DiagnosticResult) -> None:
+        """Carry out the rule's action: the event line when its trouble is new (or it ends or rolls
+        back the run), the console line then too, and on every step that refused optimizer steps."""
+        action, why = self.resolve(s, alarm, result)
+        if new:
+            self.fired_at[alarm.rule] = x.step
+        quiet = not new and action in ("record", "warn", "skip")
+        if s.main and not quiet:
+            message = f"{alarm.message}; {why}" if why else alarm.message
+            s.writer.log_event({"step": x.step, "rule": alarm.rule, "action": action,
+                                "value": alarm.value, "threshold": alarm.threshold,
+                                "since": alarm.since, "message": message})
+        if s.console is None or action == "record" or (quiet and action != "skip"):
+            return
+        done = _refused(alarm.rule, x) if action == "skip" else why
+        said = f"{alarm.message} ({alarm.rule}: {self.action(alarm.rule)})"
+        s.console.print(f"[yellow]health at step {x.step}: {said}" + (f"; {done}" if done else ""))
+
+    def resolve(self, s, alarm: Alarm, result: DiagnosticResult) -> tuple[str, str]:
+        """The action carried out, and why it is not the configured one (a rollback that cannot
+        happen stops the run); sets the result's rollback target or stop reason."""
+        action, why = self.action(alarm.rule), ""
         if action == "rollback":
-            target = rollback_target(s, alarm.since)
-            if target is None:  # none left, or no checkpoint before the trouble
+            target, why = rollback_target(s, alarm.since)
+            if target is None:
                 action = "stop"
             elif result.rollback_to is None or checkpoint_step(target) < checkpoint_step(result.rollback_to):
                 result.rollback_to = target  # the earliest of the rules' targets
         if action == "stop":
             result.stop = result.stop or f"health_{alarm.rule}"
-        if not new and action in ("record", "warn", "skip"):
+        return action, why
+
+    def cleared(self, s, step: int, rule: str) -> None:
+        """A warning whose rule stopped firing: a `clear` event line and a console line."""
+        if self.action(rule) != "warn":
             return
+        since = self.rules[rule].streak_start
+        message = f"{rule} no longer fires (it did from step {self.fired_at.get(rule, since)})"
         if s.main:
-            s.writer.log_event({"step": step, "rule": alarm.rule, "action": action, "value": alarm.value,
-                                "threshold": alarm.threshold, "since": alarm.since, "message": alarm.message})
-        if action != "record" and s.console is not None:
-            s.console.print(f"[yellow]health at step {step}: {alarm.message} ({alarm.rule}: {action})")
+            s.writer.log_event({"step": step, "rule": rule, "action": CLEAR, "since": since,
+                                "message": message})
+        if s.console is not None:
+            s.console.print(f"[green]health at step {step}: {message}")
 
     def signal_metrics(self, s, record: StepRecord, x: Signals) -> dict[str, float]:
         """The signals no other trainer logs, as metrics."""
@@ -130,22 +173,38 @@ class Health(Diagnostic):
 
     def state_dict(self) -> dict:
         return {"rules": {name: rule.state_dict() for name, rule in self.rules.items()},
-                "last_entropy": self.last_entropy}
+                "last_entropy": self.last_entropy, "fired_at": dict(self.fired_at)}
 
     def load_state_dict(self, state: dict) -> None:
         for name, saved in state.get("rules", {}).items():
             if name in self.rules:
                 self.rules[name].load_state_dict(saved)
         self.last_entropy = state.get("last_entropy")
+        self.fired_at = dict(state.get("fired_at", {}))
 
 
-def rollback_target(s, since: int) -> Path | None:
-    """The last checkpoint of the run saved before step `since`, while rollbacks are left (None otherwise; under
-    torchrun always None: reopening the run on every rank is not supported yet, so a rollback rule stops there)."""
-    if s.attempt >= s.cfg.health.max_rollbacks or dist.distributed():
-        return None
+def rollback_target(s, since: int) -> tuple[Path | None, str]:
+    """The last checkpoint of the run saved before step `since`, while rollbacks are left, and "";
+    else None and why the run stops instead (under torchrun always: reopening the run on every rank
+    is not supported yet)."""
+    allowed = s.cfg.health.max_rollbacks
+    if allowed == 0:
+        return None, "no rollbacks allowed (health.max_rollbacks=0); stopping"
+    if s.attempt >= allowed:
+        return None, f"no rollbacks left (health.max_rollbacks={allowed}, all used); stopping"
+    if dist.distributed():
+        return None, "cannot roll back under torchrun (not supported yet); stopping"
     before = [p for p in checkpoints(s.run_dir) if checkpoint_step(p) < since]
-    return before[-1] if before else None
+    if not before:
+        return None, f"cannot roll back: no checkpoint before step {since}; stopping"
+    return before[-1], ""
+
+
+def _refused(rule: str, x: Signals) -> str:
+    """`2 optimizer steps refused` (a spike) or `... skipped` (a non-finite gradient)."""
+    non_finite = rule == NonFinite.name
+    count, done = (x.non_finite_skips, "skipped") if non_finite else (x.refused, "refused")
+    return f"{count} optimizer step{'' if count == 1 else 's'} {done}"
 
 
 def signals(cfg: Config, record: StepRecord) -> Signals:
@@ -158,7 +217,8 @@ def signals(cfg: Config, record: StepRecord) -> Signals:
         if lengths:
             x.reply_mean = sum(lengths) / len(lengths)
             x.truncation = sum(n >= cfg.env.max_new_tokens for n in lengths) / len(lengths)
-        x.repetition = repetition_rate(batch.input_ids, batch.response_mask)
+        x.repetition = repetition_rate(batch.input_ids, batch.response_mask, Repetition.ngram,
+                                       Repetition.share)
         x.component_shares = component_shares(batch.reward_components, batch.reward_weights, batch.reward_names)
     if record.filtered is not None and record.filtered.group_std:
         stds = list(record.filtered.group_std.values())
@@ -170,8 +230,19 @@ def signals(cfg: Config, record: StepRecord) -> Signals:
     collapse = record.results.get("collapse")
     x.mi = getattr(collapse, "mi", None)
     if record.validation is not None and record.validation.success is not None:
-        x.val_success, x.val_count = record.validation.success, record.validation.trajectories
+        _validation_signals(x, cfg, record.validation)
     return x
+
+
+def _validation_signals(x: Signals, cfg: Config, validation) -> None:
+    """Success, trajectories and the success's standard error clustered by problem
+    (`stages.problem_metrics`), when logged over two problems or more (None: the rules take the
+    binomial one)."""
+    x.val_success, x.val_count = validation.success, validation.trajectories
+    env = cfg.env.name
+    se = validation.metrics.get(names.env_metric(env, names.SUCCESS_SE, validation=True))
+    problems = validation.metrics.get(names.env_metric(env, names.PROBLEMS, validation=True), 0)
+    x.val_se = se if se is not None and problems >= 2 else None
 
 
 def _update_signals(x: Signals, record: StepRecord) -> None:
@@ -180,8 +251,9 @@ def _update_signals(x: Signals, record: StepRecord) -> None:
         return
     if x.entropy is None:
         x.entropy = update.entropy
-    x.grad_norms = tuple(t.grad_norm for t in update.steps)
+    x.grad_norms = tuple(t.grad_norm for t in update.steps if t.signal)
     x.non_finite_skips = sum(not math.isfinite(t.grad_norm) for t in update.steps)
+    x.refused = sum(t.skipped and math.isfinite(t.grad_norm) for t in update.steps)
     x.first_ppo_kl = update.steps[0].stats.get("ppo_kl") if update.steps else None
     x.ppo_kl, x.clipfrac, x.kl_ref = update.ppo_kl, update.clipfrac_high + update.clipfrac_low, update.kl_loss
 
