@@ -197,9 +197,11 @@ def staged(out: Path, keep: tuple[str, ...] = ()) -> Iterator[Path]:
     """Yields a temporary sibling of `out` to write a replay into; publishes it as `out`
     (`publish`) when the block ends without an error and removes it otherwise, so `out` only ever
     holds a complete replay."""
-    tmp = out.with_name(f".{out.name}.partial")
+    tmp, old = out.with_name(f".{out.name}.partial"), out.with_name(f".{out.name}.old")
     if tmp.exists():
         remove(tmp)  # left by a killed replay
+    if old.exists() and not out.exists():
+        os.replace(old, out)  # a replay killed between `publish`'s renames
     try:
         yield tmp
     except BaseException:
