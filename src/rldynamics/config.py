@@ -425,7 +425,7 @@ class HealthConfig:
     old-log-prob pass on every step): actor/entropy_change_same_batch, the realised change actor/entropy_cov
     predicts."""
     max_rollbacks: int = _within(2, 0)
-    """Rollbacks a run may make; a rollback rule firing after that stops the run."""
+    """Rollbacks a run may make; a rollback rule firing after that stops the run (and says why)."""
     baseline_steps: int = _within(5, 1)
     """Steps that give a rule its start value (entropy, reply length) or history (gradient norms)."""
     non_finite: str = _action("record")
@@ -436,16 +436,18 @@ class HealthConfig:
     """Sampler/trainer KL the HF engine may show at the first step (bfloat16 rounding alone gave 1.2e-3 on
     SmolLM2 on an H200; float32 gives ~1e-7)."""
     grad_spike: str = _action("skip")
-    """A pre-clip gradient norm above grad_spike_factor x the median of the recent ones and above the median +
-    grad_spike_k MAD."""
+    """A pre-clip gradient norm above grad_spike_factor x the median of the recent ones and above
+    the median + grad_spike_k MAD (optimizer steps without a reward signal, all advantages 0, are
+    not judged); skip refuses the step and the console counts every refusal."""
     grad_spike_factor: float = _within(10.0, 1)
     """Times the recent median that make a spike (a healthy default run reached 4.7)."""
     grad_spike_k: float = _within(10.0, 0, inclusive=False)
     """MADs above the median that make a spike."""
     grad_spike_window: int = _within(20, 1)
-    """Accepted optimizer steps whose norms form the median and MAD."""
+    """Accepted optimizer steps (with a reward signal) whose norms form the median and MAD."""
     entropy_collapse: str = _action("warn")
-    """The entropy below entropy_collapse_ratio x its start."""
+    """The entropy below entropy_collapse_ratio x its start (the first baseline_steps steps, up to
+    the first update that was non-finite, refused or drifted)."""
     entropy_collapse_ratio: float = _within(0.1, 0, high=1)
     """Fraction of the start entropy below which the entropy has collapsed."""
     reward_variance_collapse: str = _action("warn")
