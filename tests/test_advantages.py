@@ -205,6 +205,17 @@ def test_rloo_hand_case():
     torch.testing.assert_close(out, torch.tensor([[-1.5, 0.0], [0.0, 0.0], [0.0, 1.5], [0.0, 0.0]]))
 
 
+@pytest.mark.parametrize("value", [-0.7, 0.1, 1 / 3])
+def test_a_group_of_equal_rewards_gets_exactly_zero_advantage(value):
+    """Summing 8 x -0.7 in float32 rounds; GRPO divided that rounding by std + eps and gave every row -0.056."""
+    scores = torch.tensor([value] * 8 + [0.0, 1.0], dtype=torch.float32)
+    group_ids = torch.tensor([2] * 8 + [5, 5])
+    mask = torch.ones(10, 2)
+    for fn in (grpo_advantages, rloo_advantages, lambda *a: grpo_advantages(*a, norm_by_std=False)):
+        out = fn(scores, group_ids, mask)
+        assert torch.equal(out[:8], torch.zeros(8, 2)) and out[8:].abs().min() > 0.4
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.floats(-5, 5)), min_size=1, max_size=12))
 def test_group_estimators_match_loop(rows):
