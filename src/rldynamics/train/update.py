@@ -61,7 +61,7 @@ class StepTrace:
     group_weight_sq: dict[str, float]  # squared norm of the group's weights before the step
     stats: dict[str, float]  # this step's own share-weighted statistics (the keys `optimize` averages)
     # some row of the mini-batch has a reward signal (False: its advantages are all 0, so its
-    # gradient is rounding noise or regularisers alone; `optimize`'s `signal_rows`)
+    # gradient is the regularisers' alone; `optimize`'s `signal_rows`)
     signal: bool = True
 
 
