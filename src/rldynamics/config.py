@@ -848,6 +848,8 @@ def _shown(value: Any) -> str:
 
 def _convert(value: Any, hint: Any, key: str, source: str, current: Any = None) -> Any:
     """The value of field `key` (type `hint`) that the raw `value` spells; ConfigError naming the key if none."""
+    if hint is Any:
+        return _free_value(value, key)
     args = typing.get_args(hint)
     if type(None) in args:  # X | None: the YAML null spellings (and an empty value) mean None
         if value is None or (isinstance(value, str) and value.strip() in _NULL):
@@ -865,6 +867,23 @@ def _convert(value: Any, hint: Any, key: str, source: str, current: Any = None) 
         value = str(value).lower() if isinstance(value, bool) else str(value)
     _check_text(value, f"value of {key}")
     return _convert_scalar(value, hint, key, source)
+
+
+def _free_value(value: Any, key: str) -> Any:
+    """A value of any type (`dict[str, Any]`: keyword arguments passed on to a library): each
+    typed text read as YAML (`false` a bool, `8x8` a string, `[SFFF, FHFH]` a list), lists and
+    mappings item by item."""
+    if isinstance(value, dict):
+        return {str(k): _free_value(v, f"{key}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_free_value(v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if not isinstance(value, str):
+        return value
+    _check_text(value, f"value of {key}")
+    try:
+        return yaml.safe_load(value) if value.strip() else value
+    except yaml.YAMLError:
+        return value  # not YAML: the text as typed
 
 
 def _convert_scalar(raw: str, hint: Any, key: str, source: str) -> Any:

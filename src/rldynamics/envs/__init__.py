@@ -21,12 +21,15 @@ from rldynamics.envs.bandit import BanditEnv
 from rldynamics.envs.base import Env, StepResult
 from rldynamics.envs.countdown import CountdownEnv
 from rldynamics.envs.frozenlake import FrozenLakeEnv
+from rldynamics.envs.gym import GymEnv
 from rldynamics.envs.math import MathEnv
+from rldynamics.envs.openenv import OpenEnvEnv
 from rldynamics.envs.prompts import PromptsEnv
 from rldynamics.envs.sokoban import SokobanEnv
 
 ENVS: dict[str, type] = {"sokoban": SokobanEnv, "frozenlake": FrozenLakeEnv, "countdown": CountdownEnv,
-                         "bandit": BanditEnv, "math": MathEnv, "prompts": PromptsEnv}
+                         "bandit": BanditEnv, "math": MathEnv, "prompts": PromptsEnv,
+                         "gym": GymEnv, "openenv": OpenEnvEnv}
 
 
 def make_env(name: str, **kwargs: object) -> Env:
@@ -38,5 +41,5 @@ def make_env(name: str, **kwargs: object) -> Env:
     return ENVS[name](**kwargs)
 
 
-__all__ = ["ENVS", "BanditEnv", "CountdownEnv", "Env", "FrozenLakeEnv", "MathEnv", "PromptsEnv", "SokobanEnv",
-           "StepResult", "make_env"]
+__all__ = ["ENVS", "BanditEnv", "CountdownEnv", "Env", "FrozenLakeEnv", "GymEnv", "MathEnv",
+           "OpenEnvEnv", "PromptsEnv", "SokobanEnv", "StepResult", "make_env"]

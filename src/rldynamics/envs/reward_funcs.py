@@ -66,19 +66,28 @@ _WARNED: set[str] = set()  # specs whose first failure was printed (once per pro
 
 
 def _import(spec: str) -> Callable:
+    return load_function(spec)
+
+
+def load_function(spec: str, key: str = "env.reward_funcs entry") -> Callable:
+    """The function `spec` names (`module:function` or `path/file.py:function`), imported once
+    per process; ValueError naming `key` and `spec` when it cannot be used (reward functions and
+    the Gymnasium adapter's `render`)."""
     if spec in _LOADED:
         return _LOADED[spec]
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"env.reward_funcs entry {spec!r} is not of the form module:function or path/file.py:function")
+        raise ValueError(f"{key} {spec!r} is not of the form module:function or "
+                         "path/file.py:function")
     try:
         module = _module(module_name)
     except Exception as e:  # noqa: BLE001 (the user's module may raise anything while importing)
-        raise ValueError(f"env.reward_funcs entry {spec!r}: cannot import {module_name!r} ({e.__class__.__name__}: "
-                         f"{_first_line(e)}); put its directory on PYTHONPATH or give path/to/file.py:function") from e
+        raise ValueError(f"{key} {spec!r}: cannot import {module_name!r} "
+                         f"({e.__class__.__name__}: {_first_line(e)}); put its directory on "
+                         "PYTHONPATH or give path/to/file.py:function") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"env.reward_funcs entry {spec!r}: {module_name!r} has no function {attr!r}")
+        raise ValueError(f"{key} {spec!r}: {module_name!r} has no function {attr!r}")
     _LOADED[spec] = fn
     return fn
 
