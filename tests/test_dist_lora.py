@@ -63,7 +63,10 @@ def _close_rows(a: list[dict], b: list[dict]) -> None:
     assert a[0].keys() == b[0].keys()
     for x, y in zip(a, b, strict=True):
         for key, value in x.items():
-            assert y[key] == pytest.approx(value, rel=1e-3, abs=1e-6, nan_ok=True), (x["step"], key)
+            # a cosine's rounding is absolute (a near-orthogonal pair's cosine of -0.027 moved by 3e-5 between
+            # the reduction orders of one process and two ranks)
+            near = dict(abs=1e-4) if "/cos" in key else dict(rel=1e-3, abs=1e-6)
+            assert y[key] == pytest.approx(value, nan_ok=True, **near), (x["step"], key)
 
 
 def _launch(root, cache: str, *overrides: str) -> None:
