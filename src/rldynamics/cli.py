@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_plot(sub)
     _add_report(sub)
+    _add_doctor(sub)
     _add_sweep(sub)
     _add_envs(sub)
     return parser
@@ -217,6 +218,37 @@ def _add_report(sub) -> None:
                             description="Write RUN_DIR/report.html with figures embedded and health checks.")
     report.add_argument("run_dir", metavar="RUN_DIR")
     report.add_argument("--out", default=None, help="output file (default: RUN_DIR/report.html)")
+
+
+DOCTOR_EPILOG = """\
+examples:
+  rldyn doctor runs/cd                        # an rldynamics run: the alarms its own monitor wrote
+  rldyn doctor out/checkpoint-500/trainer_state.json    # a TRL run's logged metrics
+  rldyn doctor out/runs/Nov28_10-00-00_host   # TensorBoard event files (transformers' or ours)
+  rldyn doctor history.csv --out diag         # a W&B history export (CSV or JSONL, a _step column)
+  rldyn doctor trainer_state.json health.entropy_collapse_ratio=0.2 health.zero_variance_steps=3
+
+Writes events.jsonl and health_report.html into --out (default PATH/doctor/, or doctor/ beside a
+file) and prints the verdict and one line naming the rules the logs cannot feed
+(docs/integrations.md).
+"""
+
+
+def _add_doctor(sub) -> None:
+    doctor = sub.add_parser(
+        "doctor", help="the health rules and report over a finished run's logs (ours, TRL, W&B)",
+        description="Run the health monitor's rules over the logs of a finished run: an "
+                    "rldynamics run directory, TRL's trainer_state.json, a W&B / TensorBoard "
+                    "export (CSV, JSONL, event files). Each source's metric names map to the "
+                    "monitor's signals by one table; rules whose signals the logs lack cannot "
+                    "fire, and are named.",
+        epilog=DOCTOR_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    doctor.add_argument("path", metavar="PATH",
+                        help="run directory, trainer_state.json, CSV / JSONL / TensorBoard export")
+    doctor.add_argument("overrides", nargs="*", metavar="health.key=value",
+                        help="health settings (default: the run's own, else the defaults)")
+    doctor.add_argument("--out", default=None, help="output directory (default: PATH/doctor/)")
 
 
 def _add_sweep(sub) -> None:
@@ -464,6 +496,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     return report_command(args.run_dir, args.out)
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from rldynamics.integrations.doctor import doctor
+
+    code, lines = _one_line_errors("doctor", print,
+                                   lambda: doctor(args.path, args.out, args.overrides))
+    if not code:
+        print("\n".join(lines))
+    return code
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from rldynamics.sweep.command import summarize_command, sweep_command
 
@@ -544,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 0
     commands = {"train": cmd_train, "probe": cmd_probe, "replay": cmd_replay, "eval": cmd_eval, "sweep": cmd_sweep, "plot": cmd_plot,
-                "report": cmd_report, "envs": cmd_envs}
+                "report": cmd_report, "doctor": cmd_doctor, "envs": cmd_envs}
     try:
         return commands[args.command](args)
     except KeyboardInterrupt:

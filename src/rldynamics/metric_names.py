@@ -36,6 +36,7 @@ REWARD_STATS = "reward_stats"  # rldynamic's per-step reward statistics (`rollou
 COLLAPSE = "collapse"  # the collapse diagnostics' coverage counts (collapse/first_turn_num_total, ...)
 COLLAPSE_FIRST_TURN = "collapse_first_turn_sample"  # their metrics on (first prompt, first reply) pairs
 COLLAPSE_TRAJECTORY = "collapse_trajectory_sample"  # ... on trajectory-uniform (prompt, reply) pairs
+FIRST_TURN_MI = f"{COLLAPSE_FIRST_TURN}/mi_estimate"  # the first-turn MI estimate (template collapse)
 
 TERM_COMPONENT = {"pg": "task", "entropy": "entropy", "kl": "kl"}  # a loss term of the code -> RAGEN's name in keys
 TERM_LOSS = {"pg": "policy", "entropy": "entropy", "kl": "kl"}  # the same in `loss/<name>` keys
@@ -43,6 +44,9 @@ TERM_LOSS = {"pg": "policy", "entropy": "entropy", "kl": "kl"}  # the same in `l
 ENTROPY = "actor/entropy"  # the rollout policy's entropy (the old-log-prob pass)
 PG_LOSS = "actor/pg_loss"  # the actor update's metrics (`train/actor.py`, `train/update.py`): `actor/<stat>`
 PG_CLIPFRAC = "actor/pg_clipfrac"
+PG_CLIPFRAC_LOWER = "actor/pg_clipfrac_lower"  # the share of tokens held by the dual-clip bound
+PPO_KL = "actor/ppo_kl"  # the update's mean PPO KL to the rollout policy
+NUM_UPDATES = "actor/num_updates"  # optimizer steps of the update
 KL_LOSS = "actor/kl_loss"
 ACTOR_GRAD_NORM = "actor/grad_norm"  # pre-clip
 SKIPPED_STEPS = "actor/skipped_steps"  # optimizer steps skipped for a non-finite gradient
@@ -208,6 +212,7 @@ def response_length(stat: str) -> str:
 
 
 SCORE_MEAN = score("mean")
+REPLY_MEAN = response_length("reply_mean")  # sampled tokens per reply of the whole rollout
 RESPONSE_LENGTH_MEAN = response_length("mean")
 RESPONSE_CLIP_RATIO = response_length("clip_ratio")  # replies that reached env.max_new_tokens / all replies
 RETURNS_MEAN = critic("returns/mean")  # with a critic: GAE returns and values over response tokens

@@ -65,6 +65,9 @@ class Rule:
     """A rule: `check` a step's signals against the rule's thresholds and its history."""
 
     name = ""
+    # the `Signals` fields the rule reads: it can fire only where each group has one of its fields (logs of
+    # another trainer may lack them: `rldyn doctor` names the rules that cannot run)
+    needs: tuple[tuple[str, ...], ...] = ()
 
     def __init__(self, cfg: HealthConfig):
         self.cfg = cfg
@@ -96,6 +99,7 @@ class EntropyCollapse(Rule):
     so the later ones carry that damage."""
 
     name = "entropy_collapse"
+    needs = (("entropy",),)
 
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
@@ -127,6 +131,7 @@ class RewardVarianceCollapse(Rule):
     """At least `share` of the groups had equal rewards on each of the last `steps` steps: little to learn from."""
 
     name = "reward_variance_collapse"
+    needs = (("zero_variance_share",),)
 
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
@@ -153,6 +158,7 @@ class GradSpike(Rule):
     spike."""
 
     name = "grad_spike"
+    needs = (("grad_norms",),)
     mad_floor = 0.05  # the MAD counts as at least this share of the median
 
     def __init__(self, cfg: HealthConfig):
@@ -190,6 +196,7 @@ class PolicyDrift(Rule):
     """The update moved the policy far from the rollout policy: PPO KL or the clipped share above its limit."""
 
     name = "policy_drift"
+    needs = (("ppo_kl", "clipfrac"),)
 
     def check(self, x: Signals) -> Alarm | None:
         if x.ppo_kl is not None and x.ppo_kl > self.cfg.drift_kl:
@@ -206,6 +213,7 @@ class KlAcceleration(Rule):
     reference."""
 
     name = "kl_acceleration"
+    needs = (("kl_ref",),)
     steps = 5  # KL values whose differences must all grow
 
     def __init__(self, cfg: HealthConfig):
@@ -233,6 +241,7 @@ class Mismatch(Rule):
     """The sampler's and the trainer's log-probs disagree: KL above `mismatch_kl`."""
 
     name = "mismatch"
+    needs = (("mismatch_kl",),)
 
     def check(self, x: Signals) -> Alarm | None:
         if x.mismatch_kl is None or x.mismatch_kl <= self.cfg.mismatch_kl:
@@ -245,6 +254,7 @@ class LengthSurge(Rule):
     """Replies grew to more than `length_surge_ratio` x their mean length over the run's first steps."""
 
     name = "length_surge"
+    needs = (("reply_mean",),)
 
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
@@ -266,6 +276,7 @@ class Truncation(Rule):
     """Too many replies reached `env.max_new_tokens` (cut off, graded as written)."""
 
     name = "truncation"
+    needs = (("truncation",),)
 
     def check(self, x: Signals) -> Alarm | None:
         if x.truncation is None or x.truncation <= self.cfg.truncation_rate:
@@ -280,6 +291,7 @@ class Repetition(Rule):
     `min_tokens` or more)."""
 
     name = "repetition"
+    needs = (("repetition",),)
     ngram = 4
     share = 0.5
     min_tokens = 2 * ngram  # shorter replies are not judged
@@ -296,6 +308,7 @@ class RewardComponent(Rule):
     of the last `component_steps` steps (one step alone is common: a batch where only one component varied)."""
 
     name = "reward_component"
+    needs = (("component_shares",),)
 
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
@@ -345,6 +358,7 @@ class FallingValidation(Rule):
     below the run's best (each validation's SE clustered by problem, binomial when not logged)."""
 
     name = "falling_validation"
+    needs = (("val_success",),)
 
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
@@ -377,6 +391,7 @@ class NoLearning(Rule):
     learns nothing."""
 
     name = "no_learning"
+    needs = (("val_success",),)
 
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
@@ -409,6 +424,7 @@ class TemplateCollapse(Rule):
     replies that no longer depend on the input (RAGEN-2's template collapse)."""
 
     name = "template_collapse"
+    needs = (("mi",), ("entropy",))
     entropy_held = 0.8  # the entropy holds while at least this share of its first value
 
     def __init__(self, cfg: HealthConfig):
@@ -438,6 +454,7 @@ class FirstStep(Rule):
     ratio 1), and with the trainer's own model as the sampler the mismatch is ~0."""
 
     name = "first_step"
+    needs = (("first_ppo_kl", "mismatch_kl"),)
     ppo_kl_limit = 1e-3  # |PPO KL| of the first optimizer step on the rollout policy
 
     def check(self, x: Signals) -> Alarm | None:
@@ -458,6 +475,7 @@ class NonFinite(Rule):
     """Optimizer steps skipped for a non-finite gradient (the update skips them in any case)."""
 
     name = "non_finite"
+    needs = (("non_finite_skips",),)
 
     def check(self, x: Signals) -> Alarm | None:
         if not x.non_finite_skips:

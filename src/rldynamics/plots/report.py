@@ -430,6 +430,20 @@ def build_report(run_dir: str | Path | RunData) -> str:
             f"<style>{CSS}</style></head><body>{''.join(parts)}<script>{TO_ANCHOR}</script></body></html>\n")
 
 
+HEALTH_REPORT = "health_report.html"  # the health page `rldyn doctor` and the TRL callback write
+
+
+def health_page(run: RunData, notes: list[str]) -> str:
+    """A page with the Health section alone (verdict, timeline, events, glossary) under the run's name and
+    `notes` (one line each: what was read, what could not be checked): the report of logs read by
+    `rldyn doctor` or of a run watched by the TRL callback."""
+    meta = "<br>".join(html.escape(n) for n in notes)
+    title = html.escape(f"rldynamics health report — {run.name}")
+    body = f'<h1>{html.escape(run.name)}</h1><p class="meta">{meta}</p>{health_section(run)}'
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
+            f"<style>{CSS}</style></head><body>{body}<script>{TO_ANCHOR}</script></body></html>\n")
+
+
 def result_lines(run: RunData, report: Path | None = None) -> list[str]:
     """What the console says when a run ends: validation at the start and the end with their standard errors, the
     health verdict, where the report is."""

@@ -32,13 +32,11 @@ from rldynamics import dist
 from rldynamics import metric_names as names
 from rldynamics.algo.losses import aggregate
 from rldynamics.algo.rollout_corr import k3_kl
+from rldynamics.analysis.health_events import VALIDATION_RULES, alarm_row, check_rules, clear_row, writes_row
 from rldynamics.analysis.health_rules import (
-    CLEAR,
     RULES,
     Alarm,
-    FallingValidation,
     GradSpike,
-    NoLearning,
     NonFinite,
     Repetition,
     Signals,
@@ -85,25 +83,21 @@ class Health(Diagnostic):
         if validation.success is not None:
             x = Signals(step=0)
             _validation_signals(x, self.cfg, validation)
-            for name in (FallingValidation.name, NoLearning.name):
+            for name in VALIDATION_RULES:
                 self.rules[name].check(x)
 
     def run(self, s, record: StepRecord) -> DiagnosticResult:
         x = signals(self.cfg, record)
         metrics = self.signal_metrics(s, record, x)
         result = DiagnosticResult(metrics)
-        for name, rule in self.rules.items():
-            alarm = rule.check(x)
-            metrics[names.health(name)] = float(alarm is not None)
-            new = alarm is not None and rule.streak_start is None
-            if alarm is None and rule.sees(x) and rule.streak_start is not None:
-                self.cleared(s, record.step, name)
-            if alarm is not None or rule.sees(x):  # a step without the rule's signal leaves its streak as it was
-                rule.streak_start = None if alarm is None else (rule.streak_start or alarm.since)
-            if alarm is not None:
-                self.act(s, x, alarm, new, result)
-            if new:
-                result.alarms.append(name)
+        for o in check_rules(self.rules, x):
+            metrics[names.health(o.rule)] = float(o.alarm is not None)
+            if o.ended is not None:
+                self.cleared(s, record.step, o.rule, o.ended)
+            if o.alarm is not None:
+                self.act(s, x, o.alarm, o.new, result)
+            if o.new:
+                result.alarms.append(o.rule)
         return result
 
     def act(self, s, x: Signals, alarm: Alarm, new: bool, result: DiagnosticResult) -> None:
@@ -112,12 +106,9 @@ class Health(Diagnostic):
         action, why = self.resolve(s, alarm, result)
         if new:
             self.fired_at[alarm.rule] = x.step
-        quiet = not new and action in ("record", "warn", "skip")
+        quiet = not writes_row(new, action)
         if s.main and not quiet:
-            message = f"{alarm.message}; {why}" if why else alarm.message
-            s.writer.log_event({"step": x.step, "rule": alarm.rule, "action": action,
-                                "value": alarm.value, "threshold": alarm.threshold,
-                                "since": alarm.since, "message": message})
+            s.writer.log_event(alarm_row(x.step, alarm, action, why))
         if s.console is None or action == "record" or (quiet and action != "skip"):
             return
         done = _refused(alarm.rule, x) if action == "skip" else why
@@ -138,17 +129,16 @@ class Health(Diagnostic):
             result.stop = result.stop or f"health_{alarm.rule}"
         return action, why
 
-    def cleared(self, s, step: int, rule: str) -> None:
-        """A warning whose rule stopped firing: a `clear` event line and a console line."""
+    def cleared(self, s, step: int, rule: str, since: int) -> None:
+        """A warning whose rule stopped firing (its streak began at `since`): a `clear` event line and a
+        console line."""
         if self.action(rule) != "warn":
             return
-        since = self.rules[rule].streak_start
-        message = f"{rule} no longer fires (it did from step {self.fired_at.get(rule, since)})"
+        row = clear_row(step, rule, since, self.fired_at.get(rule, since))
         if s.main:
-            s.writer.log_event({"step": step, "rule": rule, "action": CLEAR, "since": since,
-                                "message": message})
+            s.writer.log_event(row)
         if s.console is not None:
-            s.console.print(f"[green]health at step {step}: {message}")
+            s.console.print(f"[green]health at step {step}: {row['message']}")
 
     def signal_metrics(self, s, record: StepRecord, x: Signals) -> dict[str, float]:
         """The signals no other trainer logs, as metrics."""
