@@ -13,7 +13,7 @@ import gymnasium
 import pytest
 import torch
 
-from rldynamics.cli import main
+from rldynamics.cli import envs_help, main
 from rldynamics.config import ConfigError, load_config, make_config, save_config, to_dict
 from rldynamics.envs import ENVS, make_env
 from rldynamics.envs.frozenlake import (
@@ -262,6 +262,10 @@ def test_config_keys_and_their_errors(tmp_path):
                                f"env.gym.render={RENDER}"])
     with pytest.raises(ConfigError, match="set env.gym.id"):
         make_config(overrides=["env.name=gym"])
+    listed = envs_help()  # `rldyn envs`
+    assert "gym  (rldynamics.envs.gym.GymEnv)" in listed and "env.gym.kwargs={}" in listed
+    assert "openenv  (rldynamics.envs.openenv.OpenEnvEnv)" in listed
+    assert "env.openenv.url=" in listed
 
 
 def test_gymnasium_frozenlake_trains_a_few_steps(fast_overrides, tmp_path):
