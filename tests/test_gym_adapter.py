@@ -264,6 +264,7 @@ def test_config_keys_and_their_errors(tmp_path):
         make_config(overrides=["env.name=gym"])
     listed = envs_help()  # `rldyn envs`
     assert "gym  (rldynamics.envs.gym.GymEnv)" in listed and "env.gym.kwargs={}" in listed
+    assert "actions: the words of env.gym.actions" in listed
     assert "openenv  (rldynamics.envs.openenv.OpenEnvEnv)" in listed
     assert "env.openenv.url=" in listed
 

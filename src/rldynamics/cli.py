@@ -539,6 +539,8 @@ def envs_help() -> str:
             "none of its own: env.reward_funcs")
         actions = ", ".join(env.actions) if env.actions else "free-form answer text"
         actions = "the whole reply" if getattr(env, "full_reply", False) else actions
+        if env is cls:  # not built with its defaults: an env whose actions are settings says which
+            actions = getattr(cls, "actions_help", actions)
         penalty = ("; graded on the whole reply (no format_penalty)" if getattr(env, "full_reply", False) else
                    f"; plus format_penalty (env.format_penalty={shared.format_penalty:g}) for malformed turns")
         lines = [f"{name}  ({cls.__module__}.{cls.__name__})", f"  reward components: {weights}{penalty}",

@@ -68,6 +68,8 @@ class GymEnv:
 
     Config = GymConfig
     actions: tuple[str, ...] = ()
+    actions_help = ("the words of env.gym.actions (a Discrete space; default: its numbers), or the "
+                    "answer text (a Text space)")  # `rldyn envs`
     reward_names: tuple[str, ...] = ("reward",)
     reward_weights: dict[str, float] = {}
 

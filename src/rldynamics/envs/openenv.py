@@ -88,6 +88,7 @@ class OpenEnvEnv:
 
     Config = OpenEnvConfig
     actions: tuple[str, ...] = ()
+    actions_help = "the words of env.openenv.actions, else the answer text"  # `rldyn envs`
     reward_names: tuple[str, ...] = ("reward",)
     reward_weights: dict[str, float] = {}
 
