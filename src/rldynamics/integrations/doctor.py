@@ -243,19 +243,21 @@ def _json(path: Path) -> dict:
 
 
 def _by_step(records: list[dict], step_keys: tuple[str, ...] = STEP_KEYS) -> list[dict]:
-    """One row per whole step (records of the same step merged, later values winning), sorted by
-    step."""
+    """One row per whole step, sorted: the records of a step merged, a later value winning (a
+    missing one, None or an empty cell, is no value)."""
     rows: dict[int, dict] = {}
     for record in records:
         found = [number(record.get(k)) for k in step_keys]
         step = next((s for s in found if s is not None), None)
         if step is None or step != int(step):
             continue
-        rows.setdefault(int(step), {}).update(record, step=int(step))
+        logged = {k: v for k, v in record.items() if v is not None}
+        rows.setdefault(int(step), {}).update(logged, step=int(step))
     return [rows[s] for s in sorted(rows)]
 
 
 def _csv_rows(path: Path) -> list[dict]:
+    """The rows of a CSV export; an empty cell is a metric not logged in that row."""
     with open(path, newline="", encoding="utf-8") as f:
         records = [{k: _cell(v) for k, v in r.items() if k is not None} for r in csv.DictReader(f)]
     return _by_step(records)
