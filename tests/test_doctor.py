@@ -109,6 +109,18 @@ def test_a_rule_needs_only_signals_and_a_source_names_what_it_lacks():
     assert "first_step (no first_ppo_kl or mismatch_kl)" in line
 
 
+def test_the_docs_show_each_tables_names():
+    """docs/integrations.md's mapping table: a row per quantity, rldynamics' names, TRL's names."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
+             if line.startswith("| `")]
+    for column, table in ((1, RLDYNAMICS), (2, TRL)):
+        for quantity, name in table.items():
+            row = next(r for r in cells if f"`{quantity}`" in r[0])
+            names = name if isinstance(name, tuple) else (name,)
+            assert all(f"`{n.rstrip('/')}" in row[column] for n in names), (quantity, row)
+
+
 def test_what_is_none_of_the_sources_is_refused_in_one_line(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("hello")

@@ -354,7 +354,7 @@ def doctor(path: str | Path, out: str | Path | None = None, overrides: list[str]
     logs = read_logs(path, list(overrides))
     found = diagnose(logs)
     target = Path(out) if out is not None else default_out(path)
-    read = f"read {logs.kind} {logs.path} ({len(logs.rows)} steps)"
+    read = f"read {logs.kind} {logs.path} ({len(logs.rows)} logged steps)"
     name = (logs.run_dir or (path if path.is_dir() else path.parent)).resolve().name
     run = write_health(target, name, found.rows, found.events, [read, found.cannot], logs.run_dir)
     return [read, f"health: {verdict(run).text}", found.cannot, f"events: {target / EVENTS_FILE}",
