@@ -503,8 +503,8 @@ class HealthConfig:
     binomial when not logged). The best of several validations is biased upward: math-tiny's healthy
     run dipped 2.6 below its best at step 100 and set a new best at 150."""
     no_learning: str = _action("warn")
-    """Past no_learning_after of the run, validation success not no_learning_se standard errors of
-    the difference above its first value (the validation before training, when there is one)."""
+    """Past no_learning_after of the run, no validation so far no_learning_se standard errors of the
+    difference above the first (the validation before training, when there is one)."""
     no_learning_after: float = _within(0.5, 0, high=1)
     """Share of train.steps after which a flat validation is flagged."""
     no_learning_se: float = _within(1.0, 0, inclusive=False)

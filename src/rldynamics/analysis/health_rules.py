@@ -385,10 +385,10 @@ class FallingValidation(Rule):
 
 
 class NoLearning(Rule):
-    """Past `no_learning_after` of the run, validation is not `no_learning_se` standard errors of
-    the difference above its first value (each validation's SE clustered by problem, binomial when
-    not logged). One standard error, not two: a run that learns slowly is not flagged as one that
-    learns nothing."""
+    """Past `no_learning_after` of the run, no validation so far has been `no_learning_se` standard
+    errors of the difference above the first (each validation's SE clustered by problem, binomial
+    when not logged). A run that learned and then fell back is `falling_validation`'s; one standard
+    error, not two: a run that learns slowly is not flagged as one that learns nothing."""
 
     name = "no_learning"
     needs = (("val_success",),)
@@ -397,6 +397,7 @@ class NoLearning(Rule):
         super().__init__(cfg)
         self.first: tuple[float, int] | None = None
         self.first_se: float | None = None  # its clustered standard error, when logged
+        self.learned: int | None = None  # the first step whose validation was above the limit
 
     def sees(self, x: Signals) -> bool:
         return x.val_success is not None
@@ -412,11 +413,14 @@ class NoLearning(Rule):
         se = math.hypot(validation_se(start, n, self.first_se), now)
         k = self.cfg.no_learning_se
         limit = start + k * se
-        if x.progress < self.cfg.no_learning_after or x.val_success > limit:
+        if x.val_success > limit and self.learned is None:
+            self.learned = x.step
+        if x.progress < self.cfg.no_learning_after or self.learned is not None:
             return None
         return self.alarm(x, x.val_success, limit,
-                          f"validation {x.val_success:.1%} is not {k:g} standard error"
-                          f"{'' if k == 1 else 's'} above its start ({start:.1%})", since=1)
+                          f"no validation so far is {k:g} standard error"
+                          f"{'' if k == 1 else 's'} above its start ({start:.1%}); now "
+                          f"{x.val_success:.1%}", since=1)
 
 
 class TemplateCollapse(Rule):
