@@ -96,6 +96,23 @@ def test_a_wandb_export_of_the_run_gives_its_alarms_with_its_settings(run, tmp_p
     assert _key(read_events(tmp_path / "doctor")) == _key(read_events(run))
 
 
+def test_an_event_file_in_transformers_names_is_read_with_trls_table(tmp_path):
+    """An event file written by SummaryWriter with TRL's names under `train/`: the entropy falls
+    below 0.1 x its start at step 7."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(tmp_path / "tb"))
+    for step, entropy in enumerate([0.8, 0.8, 0.8, 0.8, 0.8, 0.5, 0.05], start=1):
+        writer.add_scalar("train/entropy", entropy, step)
+        writer.add_scalar("train/frac_reward_zero_std", 0.25, step)
+    writer.close()
+    (file,) = list((tmp_path / "tb").iterdir())
+    lines = doctor(file)
+    assert lines[0].startswith("read TensorBoard event file (TRL (transformers' callbacks) names)")
+    assert _key(read_events(tmp_path / "tb" / "doctor")) == [(7, "entropy_collapse", "warn")]
+    assert "grad_spike (no grad_norms)" in lines[2]
+
+
 def test_a_rule_needs_only_signals_and_a_source_names_what_it_lacks():
     fields = {f.name for f in dataclasses.fields(Signals)}
     read = [{f for group in rule.needs for f in group} for rule in RULES.values()]

@@ -10,7 +10,6 @@ import csv
 import sys
 
 import pytest
-import torch
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
@@ -34,22 +33,29 @@ def equal_rewards(completions, **_) -> list[float]:
     return [0.0] * len(completions)
 
 
+# GRPO on the CPU: 4 prompts a step, 4 completions each of at most 2 tokens, a log every step
+ARGS = {"use_cpu": True, "report_to": [], "save_strategy": "no", "logging_steps": 1,
+        "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 2,
+        "learning_rate": 1e-5, "disable_tqdm": True, "seed": 0}
+
+
+def _trainer(out, callback, max_steps: int, **args) -> GRPOTrainer:
+    """A GRPOTrainer on the embedded tiny model with `callback`, writing into `out`."""
+    model, tokenizer = load_model_and_tokenizer(base_model_path(make_config()))
+    config = GRPOConfig(output_dir=str(out), max_steps=max_steps, **{**ARGS, **args})
+    prompts = Dataset.from_list([{"prompt": f"What is {i} + {i}?"} for i in range(16)])
+    return GRPOTrainer(model=model, reward_funcs=equal_rewards, args=config,
+                       processing_class=tokenizer, train_dataset=prompts, callbacks=[callback])
+
+
 @pytest.fixture(scope="module")
 def run(tiny_cache, tmp_path_factory):
-    """A GRPOTrainer run with the callback (KL term on, so TRL logs `kl`; TensorBoard on)."""
+    """A run with the callback (KL term on: TRL logs `kl`; transformers' TensorBoard callback)."""
+    out = tmp_path_factory.mktemp("trl")
+    callback = HealthCallback(**SETTINGS)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RLDYN_CACHE", tiny_cache)
-        model, tokenizer = load_model_and_tokenizer(base_model_path(make_config()))
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("trl")
-    args = GRPOConfig(output_dir=str(out), use_cpu=True, report_to=["tensorboard"],
-                      save_strategy="no", logging_steps=1, max_steps=MAX_STEPS,
-                      per_device_train_batch_size=4, num_generations=4, max_completion_length=2,
-                      beta=0.01, learning_rate=1e-5, disable_tqdm=True, seed=0)
-    prompts = Dataset.from_list([{"prompt": f"What is {i} + {i}?"} for i in range(16)])
-    callback = HealthCallback(**SETTINGS)
-    trainer = GRPOTrainer(model=model, reward_funcs=equal_rewards, args=args,
-                          processing_class=tokenizer, train_dataset=prompts, callbacks=[callback])
+        trainer = _trainer(out, callback, MAX_STEPS, report_to=["tensorboard"], beta=0.01)
     trainer.train()
     trainer.state.save_to_json(str(out / "trainer_state.json"))
     return trainer, callback, out
@@ -111,6 +117,21 @@ def test_doctor_of_a_wandb_export_gives_the_same_alarms(run, tmp_path):
     doctor(tmp_path / "history.csv", None, [f"health.{k}={v}" for k, v in SETTINGS.items()])
     assert (tmp_path / "doctor" / EVENTS_FILE).is_file()
     assert _key(read_events(tmp_path / "doctor")) == _key(callback.events)
+
+
+def test_a_resumed_run_goes_on_with_the_rules_history(tiny_cache, tmp_path, monkeypatch):
+    """Three equal-reward steps in a row stop the run: two before the checkpoint, one after it."""
+    monkeypatch.setenv("RLDYN_CACHE", tiny_cache)
+    settings = {"reward_variance_collapse": "stop", "zero_variance_steps": 3}
+    first = _trainer(tmp_path, HealthCallback(**settings), 2, save_strategy="steps", save_steps=2)
+    first.train()
+    assert first.state.global_step == 2 and (tmp_path / "checkpoint-2").is_dir()
+    callback = HealthCallback(**settings)
+    second = _trainer(tmp_path, callback, MAX_STEPS)
+    second.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert second.state.global_step == 3
+    assert [(e["step"], e["rule"], e["action"]) for e in callback.events] == [
+        (1, "truncation", "warn"), (3, "reward_variance_collapse", "stop")]
 
 
 def test_without_trl_the_callback_says_how_to_install_it(monkeypatch):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from rldynamics.analysis.health_events import Monitor
+from rldynamics.analysis.health_events import Monitor, StepHealth
 from rldynamics.integrations.doctor import actions, health_settings, write_health
 from rldynamics.integrations.signals import (
     TRL,
@@ -73,23 +73,40 @@ class HealthCallback(TrainerCallback):
         self.rows: list[dict] = []  # rldynamics' names, for the report's timeline
         self.events: list[dict] = []
         self.seen: set[str] = set()
+        self.last_step = 0  # the last step the rules saw
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """A resumed run: the steps its checkpoint logged go through the rules first (written, not
+        said again), so that the rules' histories go on where the run left them."""
+        for row in state.log_history:
+            step = row.get("step")
+            if isinstance(step, int) and step > self.last_step:
+                self.check(step, row, state.max_steps)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        v = values_of(logs or {}, TRL)
-        if not v:  # no training metrics: an evaluation, the run's summary
+        said = self.check(state.global_step, logs or {}, state.max_steps)
+        if said is None:
             return
-        step = state.global_step
-        self.seen |= set(v)
-        said = self.monitor.step(signals_of(step, v, step / max(state.max_steps, 1)))
-        self.rows.append(timeline_row(step, v, said.flags))
-        self.events += said.rows
         if state.is_world_process_zero:
             for row in said.rows:
                 if row["action"] != "record":
                     said_by = f"({row['rule']}: {row['action']})"
-                    print(f"health at step {step}: {row['message']} {said_by}")
+                    print(f"health at step {state.global_step}: {row['message']} {said_by}")
         if said.stop is not None:
             control.should_training_stop = True  # every process decides the same from the same logs
+
+    def check(self, step: int, logs: dict, max_steps: int) -> StepHealth | None:
+        """The rules on one logged step (None for a log without TRL's training metrics: an
+        evaluation, the run's summary)."""
+        v = values_of(logs, TRL)
+        if not v:
+            return None
+        self.seen |= set(v)
+        self.last_step = step
+        said = self.monitor.step(signals_of(step, v, step / max(max_steps, 1)))
+        self.rows.append(timeline_row(step, v, said.flags))
+        self.events += said.rows
+        return said
 
     def on_train_end(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
