@@ -1,14 +1,15 @@
 """False alarms of the health monitor on healthy runs: a preset over several seeds, and what fired above `record`.
 
     python bench/false_alarms.py run --preset sokoban-tiny --seeds 0-9 [--parallel 2] [--out runs/false_alarms]
-    python bench/false_alarms.py table [--out runs/false_alarms]
+    python bench/false_alarms.py table [--out runs/false_alarms] [--now]
 
 `run` trains the preset as shipped once per seed, each as its own `rldyn train` process into OUT/<preset>/seed<s>
 (one torch thread each; `--parallel 2` fits this 2-core CPU), skipping a run whose last step is done. `table` reads
 the run directories alone and prints, per run: validation success at the start and the end with their standard
 errors (clustered by problem, `val-env/<env>/success_se`), its change in standard errors of the difference, every
 health event above `record` (rule, step, action; a cleared warning says when it cleared), and a last line with the
-count of runs that had one. A healthy preset should have none.
+count of runs that had one. A healthy preset should have none. `--now` judges the logged signals with the rules as
+they are in this checkout (`rldyn doctor`'s replay, `integrations/doctor.py`) instead of the events the run wrote.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rldynamics import metric_names as names
+from rldynamics.integrations.doctor import diagnose, read_logs
 from rldynamics.tracking.run_dir import read_events, read_metrics
 
 ABOVE_RECORD = ("warn", "skip", "rollback", "stop")
@@ -73,22 +75,23 @@ def validation(run: Path) -> list[tuple[int, float, float]]:
     return out
 
 
-def alarms(run: Path) -> list[str]:
-    """`rule@step (action)` for every event above record; a warning that cleared says where."""
-    events = read_events(run)
+def alarms(run: Path, now: bool = False) -> list[str]:
+    """`rule@step (action)` for every event above record (`now`: of the rules of this checkout over the logged
+    signals); a warning that cleared says where."""
+    events = diagnose(read_logs(run)).events if now else read_events(run)
     cleared = {(e["rule"]): e["step"] for e in events if e.get("action") == CLEAR}
     return [f"{e['rule']}@{e['step']} ({e['action']}"
             + (f", cleared at {cleared[e['rule']]})" if e["rule"] in cleared and e["action"] == "warn" else ")")
             for e in events if e.get("action") in ABOVE_RECORD]
 
 
-def table(out: Path) -> str:
+def table(out: Path, now: bool = False) -> str:
     """The markdown table of every run under OUT, and the count of runs with an alarm above record."""
     lines = ["| run | validation start -> end (± SE) | change / SE | alarms above record |", "|---|---|---:|---|"]
     runs = sorted(p.parent for p in out.glob("*/seed*/metrics.jsonl"))
     flagged = 0
     for run in runs:
-        val, found = validation(run), alarms(run)
+        val, found = validation(run), alarms(run, now)
         flagged += bool(found)
         if len(val) >= 2:
             (_, a, sa), (_, b, sb) = val[0], val[-1]
@@ -109,12 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=1)
     parser.add_argument("--steps", type=int, default=None, help="train.steps (default: the preset's)")
     parser.add_argument("--out", type=Path, default=Path("runs/false_alarms"))
+    parser.add_argument("--now", action="store_true", help="the rules of this checkout over the logged signals")
     args = parser.parse_args(argv)
     if args.what == "run":
         args.out.mkdir(parents=True, exist_ok=True)
         with ThreadPoolExecutor(args.parallel) as pool:
             list(pool.map(lambda s: run_one(args.preset, s, args.out, args.steps), seeds_of(args.seeds)))
-    print(table(args.out))
+    print(table(args.out, args.now))
     return 0
 
 
