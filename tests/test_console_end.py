@@ -38,3 +38,11 @@ def test_a_clean_release_removes_the_lock_file_and_a_later_lock_works(tmp_path):
     assert not (tmp_path / "run" / ".lock").exists()
     with RunLock(tmp_path / "run") as again:
         assert again.stale is None and (tmp_path / "run" / ".lock").is_file()
+
+
+def test_a_run_without_a_report_still_ends_with_its_result(fast_overrides, capsys):
+    keys = [*fast_overrides, "log.name=plain", "log.progress=true", "train.steps=1", "val.every=1"]
+    assert main(["train", *keys]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("result: validation success") for line in out)
+    assert not any(line.startswith("report: ") for line in out)

@@ -125,13 +125,19 @@ def _paper(runs: list[RunData], steps: list[int], out_dir: Path) -> int:
     return 0
 
 
-def report_command(run_dir: str | Path, out: str | Path | None = None, result: bool = False) -> int:
-    """`rldyn report`: write the one-page HTML report (default `RUN_DIR/report.html`); `result`: end with the run's
-    result (validation start -> end, the health verdict, the report's path) instead of the path alone."""
+def report_command(run_dir: str | Path, out: str | Path | None = None, quiet: bool = False) -> int:
+    """`rldyn report`: write the one-page HTML report (default `RUN_DIR/report.html`); `quiet`: without the line
+    naming it."""
     try:
-        run = _load("report", run_dir)
-        path = write_report(run, out)
+        path = write_report(_load("report", run_dir), out)
     except (OSError, ValueError) as e:
         return _err("report", str(e))
-    print("\n".join(result_lines(run, path)) if result else f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
     return 0
+
+
+def result_command(run_dir: str | Path) -> None:
+    """The lines a finished run ends with: validation start -> end, the health verdict, its report (if written)."""
+    report = Path(run_dir) / "report.html"
+    print("\n".join(result_lines(load_run(run_dir), report if report.is_file() else None)))

@@ -63,7 +63,7 @@ def _write_report(run_dir: Path) -> None:
 
     try:
         plot_command(run_dir, list_files=False)
-        report_command(run_dir, result=True)
+        report_command(run_dir, quiet=True)
     except Exception as e:  # noqa: BLE001 (the training result must not be lost to a plotting problem)
         print(f"warning: the figures or report of {run_dir} could not be written ({e.__class__.__name__}: "
               f"{str(e).splitlines()[0] if str(e) else ''}); the run directory is complete, retry with "

@@ -62,8 +62,20 @@ def train(cfg: Config, run_dir: Path | None = None) -> Path:
         with opened(cfg, run_dir) as (s, start, stopper):
             back = run_steps(s, start.step, stopper)
         if back is None:
+            if cfg.log.progress:
+                dist.on_main(_say_result, s.run_dir)
             return s.run_dir
         cfg, run_dir = apply_overrides(cfg, [f"checkpoint.resume={back}"]), s.run_dir
+
+
+def _say_result(run_dir: Path) -> None:
+    """The run's result on the console: validation start -> end, the health verdict, the report."""
+    from rldynamics.plots.cli import result_command
+
+    try:
+        result_command(run_dir)
+    except (OSError, ValueError) as e:  # the run is complete: a line that cannot be written must not fail it
+        print(f"warning: the result of {run_dir} could not be summarised ({e})")
 
 
 def run_steps(s: Session, start: int, stopper: EarlyStopper) -> Path | None:
