@@ -113,7 +113,7 @@ def test_steps_without_reward_signal_stay_out_of_the_spike_history_and_are_not_r
     """At a low temperature most groups have equal rewards: their mini-batches' advantages are all
     zero (rounding noise under GRPO) and their gradient norms ~0. A median over them would make
     every real step a spike."""
-    s = session(tmp_path, "train.steps=100")
+    s = session(tmp_path, "train.steps=100", "health.grad_spike=skip")
     health = Health(s.cfg)
     quiet = update(trace(1e-4, signal=False), trace(2e-4, signal=False))
     for step in range(1, 7):
@@ -129,7 +129,7 @@ def test_steps_without_reward_signal_stay_out_of_the_spike_history_and_are_not_r
 
 
 def test_every_step_with_refused_optimizer_steps_says_how_many(tmp_path):
-    s = session(tmp_path, "train.steps=100")
+    s = session(tmp_path, "train.steps=100", "health.grad_spike=skip")
     health = Health(s.cfg)
     for step in range(1, 4):
         health.run(s, record(step, update=update(trace(1.0), trace(1.1))))

@@ -41,7 +41,8 @@ def test_a_spike_skip_leaves_the_weights_bit_identical(fast_overrides):
     optimizer step; the refused step's checkpoint holds exactly the previous step's weights."""
     run = train(make_config(PRESET, overrides=[*fast_overrides, *VARIED, "log.name=skip", "train.steps=8",
                                                "checkpoint.every=1", "val.every=0", "health.baseline_steps=2",
-                                               "health.grad_spike_k=1e-6", "health.grad_spike_factor=1"]))
+                                               "health.grad_spike_k=1e-6", "health.grad_spike_factor=1",
+                                               "health.grad_spike=skip"]))
     rows = {r["step"]: r for r in read_metrics(run)}
     skipped = [s for s in range(2, 9) if rows[s]["actor/skipped_steps"] == 1.0]
     taken = [s for s in range(2, 9) if rows[s]["actor/skipped_steps"] == 0.0]

@@ -89,7 +89,8 @@ def test_a_what_if_with_a_tenth_of_the_learning_rate_makes_a_tenth_of_the_update
 
 def test_a_refused_spike_is_refused_again_in_the_replay(fast_overrides):
     run = _run(fast_overrides, "spike", *ONE_STEP, "train.steps=8", "checkpoint.every=1", "record.every=0",
-               "health.baseline_steps=2", "health.grad_spike_k=1e-6", "health.grad_spike_factor=1")
+               "health.baseline_steps=2", "health.grad_spike_k=1e-6", "health.grad_spike_factor=1",
+               "health.grad_spike=skip")
     alarmed = {record_step(p): read_record(p)[1] for p in records(run)}
     spikes = [n for n, meta in alarmed.items() if "alarm:grad_spike" in meta["reasons"]]
     assert spikes, "the spike rule recorded no step"
