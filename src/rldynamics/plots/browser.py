@@ -642,5 +642,10 @@ SCRIPT = r"""
     if (target) { e.preventDefault(); target.scrollIntoView(); }
   });
   showStep();
+  // a link to a part of the page (report.html#samples) lands on it once this part is built
+  window.addEventListener("load", () => {
+    const target = location.hash && document.getElementById(decodeURIComponent(location.hash.slice(1)));
+    if (target) target.scrollIntoView();
+  });
 })();
 """

@@ -427,7 +427,7 @@ def build_report(run_dir: str | Path | RunData) -> str:
     ]
     title = html.escape(f"rldynamics report — {run.name}")
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
-            f"<style>{CSS}</style></head><body>{''.join(parts)}<script>{TO_ANCHOR}</script></body></html>\n")
+            f"<style>{CSS}</style></head><body>{''.join(parts)}</body></html>\n")
 
 
 HEALTH_REPORT = "health_report.html"  # the health page `rldyn doctor` and the TRL callback write
@@ -441,7 +441,7 @@ def health_page(run: RunData, notes: list[str]) -> str:
     title = html.escape(f"rldynamics health report — {run.name}")
     body = f'<h1>{html.escape(run.name)}</h1><p class="meta">{meta}</p>{health_section(run)}'
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
-            f"<style>{CSS}</style></head><body>{body}<script>{TO_ANCHOR}</script></body></html>\n")
+            f"<style>{CSS}</style></head><body>{body}</body></html>\n")
 
 
 def result_lines(run: RunData, report: Path | None = None) -> list[str]:
@@ -471,12 +471,6 @@ def _val_se(run: RunData) -> dict[int, str]:
     key = naming.env_metric(envs[0], naming.SUCCESS_SE, validation=True) if envs else None
     return {r["step"]: f" ± {float(r[key]):.1%}" for r in run.rows
             if key in r and isinstance(r[key], (int, float)) and math.isfinite(r[key])}
-
-
-TO_ANCHOR = ("window.addEventListener('load', () => { const t = location.hash && "
-             "document.getElementById(decodeURIComponent(location.hash.slice(1))); if (t) t.scrollIntoView(); });")
-# a link to a section (report.html#samples) lands on it once the page is built (the sample browser builds its
-# part of the page with a script)
 
 
 def write_report(run_dir: str | Path | RunData, out: str | Path | None = None) -> Path:
