@@ -88,11 +88,13 @@ def test_answer_tags_read_as_the_lazy_regex_reads_them():
     "\\boxed " * 57_000, "\\boxedx" * 50_000, "<answer>" + "\\boxe" * 80_000,
 ])
 def test_extraction_is_linear_on_hostile_replies(reply):
-    """Replies of about 400 KB built to make a lazy regex or a brace scan quadratic take well under a second."""
+    """Replies of about 400 KB built to make a lazy regex or a brace scan quadratic end: a linear scan takes
+    milliseconds, a quadratic one some 1e11 character steps (hours). The bound only tells the two apart, so a
+    loaded machine cannot fail it (it failed at 1 s beside two training runs)."""
     start = time.perf_counter()
     extract_answer(reply)
     format_score(reply)
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 60.0
 
 
 def test_malformed_box_scores_zero_correctness():
