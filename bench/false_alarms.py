@@ -1,6 +1,7 @@
 """False alarms of the health monitor on healthy runs: a preset over several seeds, and what fired above `record`.
 
     python bench/false_alarms.py run --preset sokoban-tiny --seeds 0-9 [--parallel 2] [--out runs/false_alarms]
+                                     [key=value ...]
     python bench/false_alarms.py table [--out runs/false_alarms] [--now]
 
 `run` trains the preset as shipped once per seed, each as its own `rldyn train` process into OUT/<preset>/seed<s>
@@ -37,13 +38,13 @@ def seeds_of(text: str) -> list[int]:
     return [int(s) for s in text.split(",")]
 
 
-def run_one(preset: str, seed: int, out: Path, steps: int | None) -> Path:
+def run_one(preset: str, seed: int, out: Path, steps: int | None, extra: list[str] = ()) -> Path:
     """Train `preset` with `seed` into OUT/<preset>/seed<seed> (skipped when its last step is done)."""
     run = out / preset / f"seed{seed}"
     if run.is_dir() and _done(run):
         return run
     keys = [f"seed={seed}", "model.threads=1", "log.report=false", f"log.run_dir={run.parent}",
-            f"log.name={run.name}", *([f"train.steps={steps}"] if steps else [])]
+            f"log.name={run.name}", *([f"train.steps={steps}"] if steps else []), *extra]
     if run.is_dir():
         keys.append("checkpoint.resume=latest")
     with open(out / f"{preset}-seed{seed}.log", "w") as log:
@@ -113,11 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="train.steps (default: the preset's)")
     parser.add_argument("--out", type=Path, default=Path("runs/false_alarms"))
     parser.add_argument("--now", action="store_true", help="the rules of this checkout over the logged signals")
+    parser.add_argument("overrides", nargs="*", help="key=value for every run (run only)")
     args = parser.parse_args(argv)
     if args.what == "run":
         args.out.mkdir(parents=True, exist_ok=True)
         with ThreadPoolExecutor(args.parallel) as pool:
-            list(pool.map(lambda s: run_one(args.preset, s, args.out, args.steps), seeds_of(args.seeds)))
+            list(pool.map(lambda s: run_one(args.preset, s, args.out, args.steps, args.overrides),
+                          seeds_of(args.seeds)))
     print(table(args.out, args.now))
     return 0
 
