@@ -6,8 +6,8 @@ import json
 import socket
 
 import pytest
-from conftest import require_package
 
+from conftest import require_package
 from rldynamics.config import ConfigError, make_config
 from rldynamics.envs import make_env
 from rldynamics.envs.data_source import read_rows

@@ -3,7 +3,6 @@ FSDP2 over NCCL against one GPU. The CPU suite covers the same code paths with g
 
 from __future__ import annotations
 
-import json
 import math
 import os
 

@@ -339,7 +339,6 @@ def test_value_model_save_load_round_trip(tiny_dir, tmp_path):
 
 def test_a_damaged_gguf_file_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
     from conftest import require_package
-
     from rldynamics.cli import main
     from rldynamics.models.gguf import SMOLLM2_INSTALL, ensure_gguf_model, packaged_smollm2
 

