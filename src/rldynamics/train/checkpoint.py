@@ -118,20 +118,20 @@ def state_bytes(*modules: torch.nn.Module | None) -> int:
     return total
 
 
+def _points_to(t: torch.Tensor) -> tuple:
+    """What a tensor views: equal for the names of one tied weight."""
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()
+
+
 def _unique(tensors: dict[str, torch.Tensor]) -> dict[tuple, torch.Tensor]:
-    """The distinct tensors of a state dict, keyed by what they point to (tied weights once)."""
-    return {(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()): t
-            for t in tensors.values()}
+    """The distinct tensors of a state dict (tied weights once)."""
+    return {_points_to(t): t for t in tensors.values()}
 
 
 def _copied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A copy of a state dict in which the tensors that shared memory share it again (a tied embedding)."""
-    copies: dict[tuple, torch.Tensor] = {}
-    out = {}
-    for name, t in tensors.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
-        out[name] = copies.setdefault(key, t.detach().clone())
-    return out
+    copies = {key: t.detach().clone() for key, t in _unique(tensors).items()}  # each tied weight once
+    return {name: copies[_points_to(t)] for name, t in tensors.items()}
 
 
 def save_checkpoint(directory: Path, step: int, *, model, tokenizer, optimizer, critic=None, critic_optimizer=None,
