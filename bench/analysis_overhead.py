@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 
+from rldynamics import metric_names as names
 from rldynamics.algo.shares import sub_batch_share
 from rldynamics.analysis.objective import ActorInputs, actor_terms, policy_loss_settings
 from rldynamics.analysis.probe import ProbeSettings, gradient_probe
@@ -48,7 +49,7 @@ from rldynamics.train.actor import update_actor
 from rldynamics.train.stages import component_advantages
 
 GRID = "######\n#_OX√#\n#_P__#\n#S___#\n######"
-RAGEN_COMPONENT = {"task": "pg", "entropy": "entropy", "kl": "kl"}
+RAGEN_COMPONENT = {component: term for term, component in names.TERM_COMPONENT.items()}  # RAGEN's name -> term
 
 
 def parse_args() -> argparse.Namespace:
@@ -101,7 +102,8 @@ def make_batch(model, *, groups: int, group_size: int, length: int, seed: int):
 
 def naive_probe(model, batch, inputs, buckets: dict[str, torch.Tensor], algo: AlgoConfig, *, micro_batch_size: int,
                 temperature: float) -> dict[str, float]:
-    """RAGEN's protocol: per bucket (incl. `all`) and component, a fresh forward + backward per micro-batch."""
+    """RAGEN's protocol: per bucket (incl. `all`) and component, a fresh forward + backward per micro-batch; the
+    norms under the probe's metric names (`grad_norm/<bucket>/<component>`)."""
     params = [p for p in model.parameters() if p.requires_grad]
     settings = policy_loss_settings(algo)
     weights = settings.coefs
@@ -117,8 +119,8 @@ def naive_probe(model, batch, inputs, buckets: dict[str, torch.Tensor], algo: Al
                 terms, _ = actor_terms(model, batch, rows[positions], inputs, settings, temperature=temperature)
                 (share * weights[term] * terms[term]).backward()
             grads = [p.grad for p in params if p.grad is not None]
-            out[f"{name}/{comp}"] = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
-                                                                                for g in grads])))
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            out[names.bucket_metric(names.GRAD_NORM, name, comp)] = float(norm)
             model.zero_grad(set_to_none=True)
     return out
 
@@ -179,12 +181,12 @@ def main() -> None:
     weights = dict(zip(batch.reward_names, batch.reward_weights, strict=True))
     only_components = dataclasses.replace(settings, terms=())
     result = gradient_probe(model, batch, inputs, group_std, settings)
-    buckets = {"all": torch.arange(len(batch))}
-    for name in sorted({b for b, _, _ in result.groups}, key=lambda b: int(b.split("_")[1])):
+    buckets = {names.ALL: torch.arange(len(batch))}
+    for name in sorted({b for b, _, _ in result.groups}, key=names.bucket_number):
         gids = torch.tensor([g for b, g, _ in result.groups if b == name])  # [G_b]
         buckets[name] = torch.isin(batch.group_ids, gids).nonzero().squeeze(1)  # [n_b]
     naive = naive_probe(model, batch, inputs, buckets, algo, micro_batch_size=train.micro_batch_size, temperature=1.0)
-    worst = max(abs(naive[k] - result.metrics[f"grad_norm/{k}"]) / max(naive[k], 1e-12) for k in naive)
+    worst = max(abs(naive[k] - result.metrics[k]) / max(naive[k], 1e-12) for k in naive)
     phases = {
         "a: update_actor epoch": lambda: update_actor(trained, optimizer, batch, inputs, algo, train),
         "b: gradient_probe": lambda: gradient_probe(model, batch, inputs, group_std, settings),

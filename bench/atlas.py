@@ -29,6 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rldynamics import metric_names as names
 from rldynamics.tracking.run_dir import read_events, read_metrics
 
 PRESET = "math-smollm2"
@@ -58,13 +59,18 @@ SCENARIOS: dict[str, list[str]] = {
     "stale_sampler_tis": [*SHORT, "train.lr=3e-5", "rollout.engine=vllm", "rollout.sync_every=4", "algo.tis_cap=2"],
 }
 FALL = 0.1  # how far below its start training success must be, two steps in a row, to have fallen
+ENV = "math"  # the preset's env: its success metrics
+TRAIN_SUCCESS = names.env_metric(ENV, names.SUCCESS)
+VAL_SUCCESS = names.val_success(ENV)
+VAL_SUCCESS_SE = names.env_metric(ENV, names.SUCCESS_SE, validation=True)
 
 
-def run(names: list[str], out: Path) -> None:
-    for name in names:
+def run(scenarios: list[str], out: Path) -> None:
+    for name in scenarios:
         rows = _metrics(out / name)
         steps = [int(a.split("=")[1]) for a in SCENARIOS[name] if a.startswith("train.steps=")] or [30]
-        if rows and (rows[-1].get("step", 0) >= steps[-1] or any(k.startswith("early_stopped/") for k in rows[-1])):
+        stopped = rows and any(names.early_stop_reason(k) is not None for k in rows[-1])
+        if rows and (rows[-1].get("step", 0) >= steps[-1] or stopped):
             print(f"{name}: done", flush=True)
             continue
         resume = ["checkpoint.resume=latest"] if (out / name / "checkpoints").is_dir() else []
@@ -83,9 +89,8 @@ def summarize(run_dir: Path) -> dict:
     """One run's row of the atlas table (see the module docstring)."""
     rows = read_metrics(run_dir)
     events = read_events(run_dir)
-    train = {r["step"]: r["train/math/success"] for r in rows if "train/math/success" in r}
-    val = [(r["step"], r["val-env/math/success"], r.get("val-env/math/success_se")) for r in rows
-           if "val-env/math/success" in r]
+    train = {r["step"]: r[TRAIN_SUCCESS] for r in rows if TRAIN_SUCCESS in r}
+    val = [(r["step"], r[VAL_SUCCESS], r.get(VAL_SUCCESS_SE)) for r in rows if VAL_SUCCESS in r]
     steps = sorted(train)
     start = val[0][1] if val and val[0][0] == 0 else train[steps[0]] if steps else 0.0  # the policy before any update
     low = [s for s in steps if train[s] < start - FALL]
@@ -95,14 +100,13 @@ def summarize(run_dir: Path) -> dict:
         if e.get("rule") not in (None, "rollback") and e["rule"] not in fired:
             fired[e["rule"]] = (e["step"], e.get("action", ""))
     first = min((s for s, _ in fired.values()), default=None)
-    stopped = [k.split("/", 1)[1] for r in rows for k in r if k.startswith("early_stopped/")]
+    stopped = [reason for r in rows for k in r if (reason := names.early_stop_reason(k)) is not None]
     return {"run": run_dir.name, "steps": steps[-1] if steps else 0, "train_start": start,
             "train_last": train[steps[-1]] if steps else None, "train_min": min(train.values()) if train else None,
             "val": val, "fell": fell, "fired": fired, "lead": None if fell is None or first is None else fell - first,
             "ended": f"stopped: {stopped[0]}" if stopped else "ran to the end",
-            "entropy": [r.get("actor/entropy") for r in rows if "actor/entropy" in r],
-            "mi": [(r["step"], r["collapse_first_turn_sample/mi_estimate"]) for r in rows
-                   if "collapse_first_turn_sample/mi_estimate" in r]}
+            "entropy": [r.get(names.ENTROPY) for r in rows if names.ENTROPY in r],
+            "mi": [(r["step"], r[names.FIRST_TURN_MI]) for r in rows if names.FIRST_TURN_MI in r]}
 
 
 def _pct(x: float | None) -> str:
@@ -128,15 +132,15 @@ def table(out: Path) -> str:
 
 
 MARGINS = {  # the signal each rule reads, as logged: (column, metric, reduce over the run's steps)
-    "entropy / start": ("actor/entropy", "min_ratio"),  # entropy_collapse: below 0.1 x the mean of the first 5
-    "truncated": ("response_length/clip_ratio", "max"),  # truncation: above 0.5
-    "repeating": ("health/repetition_rate", "max"),  # repetition: above 0.3
-    "zero-variance groups": ("health/zero_variance_share", "max"),  # reward_variance_collapse: 0.9, 5 steps
-    "PPO KL": ("actor/ppo_kl", "max"),  # policy_drift: above 0.1
-    "clipped": ("actor/pg_clipfrac", "max"),  # policy_drift: above 0.3
-    "sampler KL (k3)": ("rollout/corr/k3_kl", "max"),  # mismatch: above 0.01
-    "MI / first": ("collapse_first_turn_sample/mi_estimate", "min_ratio_first"),  # template_collapse: below 0.5
-    "length share": ("health/reward_share/length", "max"),  # reward_component: above 0.95 or below -0.1
+    "entropy / start": (names.ENTROPY, "min_ratio"),  # entropy_collapse: below 0.1 x the mean of the first 5
+    "truncated": (names.RESPONSE_CLIP_RATIO, "max"),  # truncation: above 0.5
+    "repeating": (names.HEALTH_REPETITION_RATE, "max"),  # repetition: above 0.3
+    "zero-variance groups": (names.HEALTH_ZERO_VARIANCE_SHARE, "max"),  # reward_variance_collapse: 0.9, 5 steps
+    "PPO KL": (names.PPO_KL, "max"),  # policy_drift: above 0.1
+    "clipped": (names.PG_CLIPFRAC, "max"),  # policy_drift: above 0.3
+    "sampler KL (k3)": (names.rollout_corr("k3_kl"), "max"),  # mismatch: above 0.01
+    "MI / first": (names.FIRST_TURN_MI, "min_ratio_first"),  # template_collapse: below 0.5
+    "length share": (names.health_reward_share("length"), "max"),  # reward_component: above 0.95 or below -0.1
 }
 
 
@@ -192,11 +196,11 @@ def claims(out: Path, sweeps: list[Path]) -> str:
     runs += [(f"{d.parent.name}/{d.name}", load_run(d)) for d in dirs]
     table = []
     for name, run in runs:
-        val = [r for r in run.rows if any(k.startswith("val-env/") and k.endswith("/success") for k in r)]
-        success = next((v for k, v in val[-1].items() if k.startswith("val-env/") and k.endswith("/success")),
+        val = [r for r in run.rows if any(names.val_success_env(k) is not None for k in r)]
+        success = next((v for k, v in val[-1].items() if names.val_success_env(k) is not None),
                        math.nan) if val and val[-1]["step"] > 0 else math.nan  # a run never validated after training
         # (stopped before its first validation, or still running) has no final success
-        entropy = [r["actor/entropy"] for r in run.rows if "actor/entropy" in r]
+        entropy = [r[names.ENTROPY] for r in run.rows if names.ENTROPY in r]
         table.append((name, success, final_value(run, MI), final_value(run, ENTROPY),
                       entropy[-1] if entropy else math.nan))
     # a run identical to another (the no-filter twin of a top-p run that kept every group) counts once
@@ -208,7 +212,7 @@ def claims(out: Path, sweeps: list[Path]) -> str:
             lines.append(f"  {what}: {spearman(ok[:, 0], ok[:, i]):+.2f} [{lo:+.2f}, {hi:+.2f}]")
     if len(ok) >= 3:  # the same resamples for both: the interval of the difference of the two rank correlations
         rng = np.random.default_rng(0)
-        for i, what in ((2, "H(Z|X)"), (3, "actor/entropy")):
+        for i, what in ((2, "H(Z|X)"), (3, names.ENTROPY)):
             diffs = [abs(spearman(ok[j, 0], ok[j, 1])) - abs(spearman(ok[j, 0], ok[j, i]))
                      for j in rng.integers(0, len(ok), (2000, len(ok)))]
             diffs = np.array([d for d in diffs if math.isfinite(d)])

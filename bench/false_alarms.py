@@ -69,10 +69,10 @@ def validation(run: Path) -> list[tuple[int, float, float]]:
     rows = read_metrics(run)
     out = []
     for r in rows:
-        key = next((k for k in r if k.startswith("val-env/") and k.endswith(f"/{names.SUCCESS}")), None)
-        if key is not None:
-            se = r.get(key[: -len(names.SUCCESS)] + names.SUCCESS_SE, math.nan)
-            out.append((r["step"], float(r[key]), float(se)))
+        env = next((e for k in r if (e := names.val_success_env(k)) is not None), None)
+        if env is not None:
+            se = r.get(names.env_metric(env, names.SUCCESS_SE, validation=True), math.nan)
+            out.append((r["step"], float(r[names.val_success(env)]), float(se)))
     return out
 
 

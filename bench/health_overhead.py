@@ -18,6 +18,7 @@ import tempfile
 import torch
 from transformers.utils import logging as hf_logging
 
+from rldynamics import metric_names as names
 from rldynamics.config import make_config
 from rldynamics.tracking.run_dir import read_metrics
 from rldynamics.train.trainer import train
@@ -49,10 +50,10 @@ def main() -> None:
     for r in range(args.rounds):
         for on in ((True, False) if r % 2 == 0 else (False, True)):
             runs[on] += timings(args.preset, args.steps, [*args.overrides, f"health.enabled={str(on).lower()}"])
-    on, off = median(runs[True], "timing_s/step"), median(runs[False], "timing_s/step")
-    print(f"health on : {on:.3f} s/step (health {median(runs[True], 'timing_s/health'):.3f} s, actor update "
-          f"{median(runs[True], 'timing_s/update_actor'):.3f} s)")
-    print(f"health off: {off:.3f} s/step (actor update {median(runs[False], 'timing_s/update_actor'):.3f} s)")
+    on, off = median(runs[True], names.STEP_TIME), median(runs[False], names.STEP_TIME)
+    print(f"health on : {on:.3f} s/step (health {median(runs[True], names.timing('health')):.3f} s, actor update "
+          f"{median(runs[True], names.timing('update_actor')):.3f} s)")
+    print(f"health off: {off:.3f} s/step (actor update {median(runs[False], names.timing('update_actor')):.3f} s)")
     print(f"on / off  : {on / off:.3f}  ({len(runs[True])} steps each, {torch.get_num_threads()} threads)")
 
 

@@ -25,6 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rldynamics import metric_names as names
 from rldynamics.train.diagnostics.records import RECORDS_OFF
 
 PRESET = "math-smollm2"
@@ -54,14 +55,14 @@ def measure(mode: str, extra: list[str], steps: int, out: Path) -> dict:
     train_peak = peak_of([*cli, "train", "--preset", PRESET, *SMALL, f"train.steps={steps}",
                           f"checkpoint.every={steps}", f"log.run_dir={out}", f"log.name={mode}", *extra])
     run = out / mode
-    trained = [r for r in rows(run) if "timing_s/step" in r][1:]
+    trained = [r for r in rows(run) if names.STEP_TIME in r][1:]
     probe_peak = peak_of([*cli, "probe", str(run / "checkpoints" / f"step_{steps}"), "log.progress=false",
                           f"log.run_dir={out}", f"log.name={mode}_probe", "analysis.num_buckets=2"])
     probe = rows(out / f"{mode}_probe")[-1]
     environment = json.loads((run / "environment.jsonl").read_text().splitlines()[-1])
-    return {"trained": probe.get("grad_analysis/parameters"), "step": mean([r["timing_s/step"] for r in trained]),
-            "update": mean([r["timing_s/update_actor"] for r in trained]), "train_peak": train_peak,
-            "probe": probe.get("timing_s/gradient_analysis"), "probe_peak": probe_peak,
+    return {"trained": probe.get(names.ANALYSIS_PARAMETERS), "step": mean([r[names.STEP_TIME] for r in trained]),
+            "update": mean([r[names.timing("update_actor")] for r in trained]), "train_peak": train_peak,
+            "probe": probe.get(names.timing("gradient_analysis")), "probe_peak": probe_peak,
             "cpu": environment.get("cpu_model"), "threads": environment.get("threads"),
             "dtype": environment.get("compute_dtype")}
 

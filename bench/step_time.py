@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
+from rldynamics import metric_names as names
 from rldynamics.config import make_config
 from rldynamics.tracking.run_dir import read_metrics
 from rldynamics.train.trainer import train
@@ -37,8 +38,8 @@ def phase_medians(steps: int, overrides: list[str]) -> tuple[dict[str, float], o
                                      "checkpoint.save_last=false", "log.progress=false", "log.report=false",
                                      f"log.run_dir={tmp}", *overrides])
         rows = read_metrics(train(cfg))[1:]  # the first step pays one-off costs
-    out = {p: statistics.median(r[f"timing_s/{p}"] for r in rows) for p in PHASES if f"timing_s/{p}" in rows[0]}
-    out["step"] = statistics.median(r["timing_s/step"] for r in rows)
+    out = {p: statistics.median(r[names.timing(p)] for r in rows) for p in PHASES if names.timing(p) in rows[0]}
+    out["step"] = statistics.median(r[names.STEP_TIME] for r in rows)
     return out, cfg
 
 

@@ -93,6 +93,7 @@ def our_overrides(model_path: str, groups: int, steps: int, run_dir: str, dtype:
 def run_ours(model_path: str, groups: int, steps: int, dtype: str, engine: str = "hf") -> dict:
     """Our trainer for `steps` steps; per-step seconds, per-phase seconds and the update's FLOPs and forwarded
     tokens (first step dropped), and the model's parameter count."""
+    from rldynamics import metric_names as names
     from rldynamics.config import make_config
     from rldynamics.tracking.run_dir import read_metrics
     from rldynamics.train.trainer import train
@@ -107,8 +108,8 @@ def run_ours(model_path: str, groups: int, steps: int, dtype: str, engine: str =
     if len(counter.flops) != len(rows):
         raise SystemExit(f"counted the update's forwards in {len(counter.flops)} steps but the run logged {len(rows)}")
     rows = rows[1:]
-    return {"step": [r["timing_s/step"] for r in rows],
-            "phases": {p: [r.get(f"timing_s/{p}", 0.0) for r in rows] for p in PHASES},
+    return {"step": [r[names.STEP_TIME] for r in rows],
+            "phases": {p: [r.get(names.timing(p), 0.0) for r in rows] for p in PHASES},
             "update_flops": counter.flops[1:], "update_tokens": counter.tokens[1:], "params": counter.shape.params}
 
 

@@ -37,6 +37,7 @@ COLLAPSE = "collapse"  # the collapse diagnostics' coverage counts (collapse/fir
 COLLAPSE_FIRST_TURN = "collapse_first_turn_sample"  # their metrics on (first prompt, first reply) pairs
 COLLAPSE_TRAJECTORY = "collapse_trajectory_sample"  # ... on trajectory-uniform (prompt, reply) pairs
 FIRST_TURN_MI = f"{COLLAPSE_FIRST_TURN}/mi_estimate"  # the first-turn MI estimate (template collapse)
+ANALYSIS_PARAMETERS = f"{GRAD_ANALYSIS}/parameters"  # trainable parameters the gradient analysis differentiates
 
 TERM_COMPONENT = {"pg": "task", "entropy": "entropy", "kl": "kl"}  # a loss term of the code -> RAGEN's name in keys
 TERM_LOSS = {"pg": "policy", "entropy": "entropy", "kl": "kl"}  # the same in `loss/<name>` keys
@@ -111,6 +112,12 @@ def parse_env_metric(key: str) -> tuple[bool, str, str] | None:
     if len(parts) == 3 and parts[0] in ("train", "val-env"):
         return parts[0] == "val-env", parts[1], parts[2]
     return None
+
+
+def val_success_env(key: str) -> str | None:
+    """The env of a `val_success` key (`val-env/<env>/success`); None for any other key."""
+    parsed = parse_env_metric(key)
+    return parsed[1] if parsed and parsed[0] and parsed[2] == SUCCESS else None
 
 
 def early_stopped(reason: str) -> str:
