@@ -239,10 +239,7 @@ def test_the_zero_variance_advice_follows_the_runs_regularisers(algo, says):
 # ---------------------------------------------------------------- the glossary: one source, docs/health.md holds it
 
 
-def test_the_glossary_covers_every_rule_in_the_monitors_order_and_every_signal():
-    from rldynamics.analysis.health_rules import RULES
-
-    assert list(glossary.RULES) == list(RULES)
+def test_the_glossary_covers_every_rule_and_every_signal():
     assert set(glossary.SIGNALS) == {
         names.HEALTH_ZERO_VARIANCE_SHARE, names.HEALTH_REPETITION_RATE, names.health_reward_share("<component>"),
         names.ENTROPY_COV, names.ENTROPY_CHANGE, names.RESPONSE_CLIP_RATIO, names.CLIP_HIT_RATE,

@@ -33,7 +33,18 @@ from rldynamics.analysis.health_rules import (
     Truncation,
 )
 from rldynamics.analysis.health_signals import component_shares, repetition_rate, reply_lengths, token_covariance
-from rldynamics.config import CHOICES, HEALTH_ACTIONS, SKIPPABLE, ConfigError, HealthConfig, make_config
+from rldynamics.config import (
+    CHOICES,
+    HEALTH_ACTIONS,
+    RANGES,
+    SKIPPABLE,
+    Config,
+    ConfigError,
+    HealthConfig,
+    HealthMonitorConfig,
+    documented_keys,
+    make_config,
+)
 
 CFG = HealthConfig()
 
@@ -647,6 +658,32 @@ def test_rules_are_the_health_action_keys():
     assert set(SKIPPABLE) <= actions
     # the rules whose trouble is known before the optimizer step is taken (the guard; a non-finite gradient)
     assert set(SKIPPABLE) == {"health.grad_spike", "health.non_finite"}
+
+
+def test_health_config_holds_the_monitors_keys_then_each_rules_own_in_table_order():
+    """`HealthConfig` is the monitor's keys and every rule's `Config`, each key once (a name two rules declared would
+    be one key), in the order of --help-config."""
+    sections = [HealthMonitorConfig, *(rule.Config for rule in RULES.values())]
+    own = [f.name for section in sections for f in dataclasses.fields(section)]
+    assert [f.name for f in dataclasses.fields(HealthConfig)] == own
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_each_rules_settings_are_health_keys_with_their_default_check_and_docs(name):
+    """A rule's `Config` fields are `health.<field>` keys: its action first, each with its default, a checked value
+    (choices or a range) and its --help-config text; a threshold can be set on the command line."""
+    own = dataclasses.fields(RULES[name].Config)
+    assert own[0].name == name and own[0].metadata["choices"] == HEALTH_ACTIONS
+    documented = {key: (default, doc) for key, default, doc in documented_keys(Config())}
+    for f in own:
+        key = f"health.{f.name}"
+        assert documented[key][0] == f.default == getattr(CFG, f.name), key
+        assert documented[key][1].strip(), f"{key} has no docstring under its field"
+        assert key in CHOICES or key in RANGES, f"{key} has no value check"
+    for f in own[1:]:
+        low, inclusive, high = RANGES[f"health.{f.name}"]
+        value = high if high is not None else low + 1
+        assert getattr(make_config(overrides=[f"health.{f.name}={value}"]).health, f.name) == value
 
 
 @pytest.mark.parametrize("name", list(RULES))

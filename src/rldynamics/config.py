@@ -12,7 +12,7 @@ Design choices:
   Unknown keys, bad values, control characters, a key given twice in one YAML mapping and invalid YAML fail
   before any work with one line naming the key (and close matches) (`ConfigError`). The conversion is driven
   by the field types, so new sections need no parsing code; each field's value check sits with it
-  (`_one_of` choices, `_within` ranges; collected in `CHOICES` and `RANGES`).
+  (`one_of` choices, `within` ranges, `config_schema`; collected in `CHOICES` and `RANGES`).
 - Choices are plain strings checked against tuples in `validate`; the resolved config is saved as YAML
   in the run directory and can be loaded back with `load_config`.
 """
@@ -34,6 +34,8 @@ from typing import Any
 import yaml
 
 from rldynamics import ragen_keys
+from rldynamics.analysis.health_rules import RULES
+from rldynamics.config_schema import HEALTH_ACTIONS, SKIPPABLE, one_of, within
 from rldynamics.envs import ENVS
 from rldynamics.envs.base import own_reward_names
 from rldynamics.envs.reward_funcs import load_reward_funcs
@@ -44,17 +46,6 @@ class ConfigError(ValueError):
     """A bad config key or value; the message names it and says how to fix it."""
 
 
-def _one_of(default: str, *allowed: str) -> Any:
-    """A field whose value must be one of `allowed` (checked by `validate`, collected in `CHOICES`)."""
-    return field(default=default, metadata={"choices": allowed})
-
-
-def _within(default: Any, low: float, inclusive: bool = True, high: float | None = None) -> Any:
-    """A number field that must be >= `low` (> `low` when not `inclusive`) and <= `high` when given (checked by
-    `validate` after the type, collected in `RANGES`; an optional field's null is not checked)."""
-    return field(default=default, metadata={"range": (low, inclusive, high)})
-
-
 KL_TYPES = tuple(k + s for k in ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs") for s in ("", "+"))
 ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the LM head
 
@@ -63,14 +54,14 @@ ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the LM hea
 class LoraConfig:
     """LoRA adapters on the actor (`model.lora.*`, peft; docs/lora.md): low-rank updates of a frozen base model."""
 
-    rank: int = _within(0, 0)
+    rank: int = within(0, 0)
     """Adapter rank r; 0 = off (full fine-tuning). > 0: only the adapters train (float32, with their AdamW state),
     and the KL reference is the base itself with the adapters switched off. Needs peft: pip install -e '.[lora]'.
     At most the width of the narrowest adapted layer (the smaller of its inputs and outputs; checked
     when the model loads)."""
-    alpha: int = _within(16, 1)
+    alpha: int = within(16, 1)
     """Scale of the adapters' update: alpha / rank x B A (RAGEN's and verl's default 16)."""
-    dropout: float = _within(0.0, 0, high=1)
+    dropout: float = within(0.0, 0, high=1)
     """Dropout on the adapters' input, in the actor update's forwards only (rollouts, old and reference log-probs and
     the gradient analysis see the whole adapters): the update then no longer starts at ratio 1 against the old
     log-probs; masks seeded by (seed, step). 0 = none (the default, as in RAGEN and verl); below 1
@@ -85,7 +76,7 @@ class LoraConfig:
 class ModelConfig:
     path: str = "tiny"
     """HF model id or local directory; `tiny` = the embedded default model built locally."""
-    dtype: str = _one_of("auto", "auto", "float32", "bfloat16")
+    dtype: str = one_of("auto", "auto", "float32", "bfloat16")
     """Compute dtype: auto | float32 | bfloat16 (mixed precision: weights, gradients and AdamW state stay float32,
     forward and backward run in bfloat16, as verl does). auto = bfloat16 where the device computes it fast (a CUDA GPU
     with bfloat16, a CPU with AMX or AVX512-BF16, measured once), else float32; float32 for the
@@ -97,20 +88,20 @@ class ModelConfig:
     """Prompt format: null = the tokenizer's own chat template | chatml | path to a Jinja template file."""
     device: str = "auto"
     """Device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N (under torchrun: auto | cuda | cpu)."""
-    threads: int = _within(0, 0)
+    threads: int = within(0, 0)
     """CPU threads torch computes with; 0 = an exported OMP_NUM_THREADS, else half of the usable cores, at most 4
     (torch's own default, every core, is the slowest choice when other work shares the machine; docs/training.md)."""
     shard: bool = True
     """Under torchrun: FSDP2-shard weights, grads and optimizer state (false: a full replica per rank, grads summed)."""
-    warm_start_episodes: int = _within(8192, 0)
+    warm_start_episodes: int = within(8192, 0)
     """Tiny model only: solver demonstrations (episodes) for the supervised warm start (0 = none)."""
-    warm_start_turns: int = _within(1, 1)
+    warm_start_turns: int = within(1, 1)
     """Tiny model only: turns per demonstration episode (1 = many cheap single-state examples)."""
-    warm_start_noise: float = _within(0.4, 0, high=1)
+    warm_start_noise: float = within(0.4, 0, high=1)
     """Tiny model only: probability that a demonstrated action is replaced by a random one."""
-    warm_start_epochs: int = _within(6, 1)
+    warm_start_epochs: int = within(6, 1)
     """Tiny model only: passes over the demonstrations in the warm start."""
-    warm_start_lr: float = _within(1e-3, 0, inclusive=False)
+    warm_start_lr: float = within(1e-3, 0, inclusive=False)
     """Tiny model only: AdamW learning rate of the warm start."""
     warm_start_seed: int = 0
     """Tiny model only: seed of the warm start (its demonstrations' noise and batch order). The run's `seed` leaves
@@ -122,9 +113,9 @@ class ModelConfig:
 class TinyConfig:
     """The embedded tiny model (`model.path=tiny`): its architecture. Its warm start: `model.warm_start_*`."""
 
-    hidden_size: int = _within(64, 1)
+    hidden_size: int = within(64, 1)
     """Hidden size of the embedded Qwen2-architecture model."""
-    layers: int = _within(2, 1)
+    layers: int = within(2, 1)
     """Transformer layers."""
     tie_embeddings: bool = True
     """The LM head shares the input embedding matrix (as in Qwen2's small models)."""
@@ -136,13 +127,13 @@ class EnvConfig:
 
     name: str = "sokoban"
     """Environment name in `rldynamics.envs.ENVS` (`rldyn envs` lists them with their keys)."""
-    max_turns: int = _within(5, 1)
+    max_turns: int = within(5, 1)
     """Turns per episode (one model response per turn)."""
-    max_actions_per_turn: int = _within(2, 1)
+    max_actions_per_turn: int = within(2, 1)
     """Actions executed per turn; extra actions in a response are dropped."""
-    max_actions_per_traj: int = _within(10, 1)
+    max_actions_per_traj: int = within(10, 1)
     """Actions per episode; the episode ends (truncated) when reached."""
-    max_new_tokens: int = _within(24, 1)
+    max_new_tokens: int = within(24, 1)
     """Tokens the model may generate per turn."""
     enable_think: bool = False
     """Require `<think>...</think>` before `<answer>...</answer>` (every turn's prompt opens the `<think>`)."""
@@ -178,28 +169,28 @@ _ENV_TYPES: dict[tuple, type] = {}
 
 @dataclass
 class TrainConfig:
-    steps: int = _within(30, 0)
+    steps: int = within(30, 0)
     """Training steps (one rollout + update each)."""
-    env_groups: int = _within(16, 1)
+    env_groups: int = within(16, 1)
     """Groups per rollout; the envs of a group share one initial state."""
-    group_size: int = _within(8, 1)
+    group_size: int = within(8, 1)
     """Trajectories per group (grpo and rloo need >= 2: their baseline is the group's other
     replies)."""
-    seed_base: int = _within(10000, 0)
+    seed_base: int = within(10000, 0)
     """Step s uses env seeds seed_base + env_groups*(s-1) + g (RAGEN's train seeds)."""
-    lr: float = _within(2e-4, 0)
+    lr: float = within(2e-4, 0)
     """Actor AdamW learning rate."""
-    weight_decay: float = _within(0.01, 0)
+    weight_decay: float = within(0.01, 0)
     """Actor AdamW weight decay."""
-    ppo_epochs: int = _within(1, 1)
+    ppo_epochs: int = within(1, 1)
     """Passes over the batch per step."""
-    mini_batch_size: int = _within(32, 1)
+    mini_batch_size: int = within(32, 1)
     """Sequences per optimizer step."""
-    micro_batch_size: int = _within(16, 1)
+    micro_batch_size: int = within(16, 1)
     """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
-    max_grad_norm: float = _within(1.0, 0, inclusive=False)
+    max_grad_norm: float = within(1.0, 0, inclusive=False)
     """Global L2 gradient clipping (the pre-clip norm is logged as actor/grad_norm)."""
-    temperature: float = _within(1.0, 0, inclusive=False)
+    temperature: float = within(1.0, 0, inclusive=False)
     """Sampling temperature of training rollouts."""
     shuffle: bool = False
     """Shuffle sequences before splitting into mini-batches (seeded)."""
@@ -211,18 +202,18 @@ class TrainConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = _one_of("hf", "hf", "vllm")
+    engine: str = one_of("hf", "hf", "vllm")
     """Generation engine of training and validation rollouts: hf (HF generate) | vllm (vLLM colocated in the
     trainer's process, one per rank under torchrun, weights synced after every optimizer step; needs the vllm extra,
     docs/vllm.md)."""
-    vllm_dtype: str = _one_of("auto", "auto", "float32", "bfloat16")
+    vllm_dtype: str = one_of("auto", "auto", "float32", "bfloat16")
     """vllm: the engine's weights and compute dtype, auto | float32 | bfloat16 (auto: model.dtype's rule; the trainer
     keeps model.dtype)."""
-    sync_every: int = _within(1, 1)
+    sync_every: int = within(1, 1)
     """vllm: give the engine the trainer's weights after every N-th step (1 = every step, on-policy, verl's way); N > 1
     samples from weights up to N - 1 steps old (an off-policy setting: the sampler/trainer mismatch that algo.tis_cap
     and algo.mis correct, docs/failure-modes.md). Validation always samples the current weights."""
-    vllm_kv_cache_gib: float = _within(1.0, 0, inclusive=False)
+    vllm_kv_cache_gib: float = within(1.0, 0, inclusive=False)
     """vllm: memory reserved for the engine's KV cache (GiB, CPU or GPU); bounds the tokens held at once."""
     vllm_sleep: bool = True
     """vllm on a GPU: the engine sleeps between rollouts (weights offloaded to host memory, KV cache freed), so the
@@ -231,19 +222,19 @@ class RolloutConfig:
 
 @dataclass
 class ValConfig:
-    every: int = _within(10, 0)
+    every: int = within(10, 0)
     """Validate every N steps (and after the last step); 0 = never in the loop."""
     before_train: bool = True
     """Validate before the first step (logged at step 0)."""
-    env_groups: int = _within(256, 1)
+    env_groups: int = within(256, 1)
     """Validation puzzles (fixed seeds seed_base .. seed_base+env_groups-1)."""
-    group_size: int = _within(1, 1)
+    group_size: int = within(1, 1)
     """Samples per validation puzzle."""
-    temperature: float = _within(0.5, 0, inclusive=False)
+    temperature: float = within(0.5, 0, inclusive=False)
     """Sampling temperature of validation rollouts."""
-    seed_base: int = _within(123, 0)
+    seed_base: int = within(123, 0)
     """First validation env seed (RAGEN's)."""
-    held_out: float = _within(0.0, 0, high=0.9)
+    held_out: float = within(0.0, 0, high=0.9)
     """Share of the env's problems kept for validation alone, split by content (the text of the first observation;
     docs/environments.md): training never sees a validation problem, and val-env/<env>/success_se counts distinct
     problems. 0 = split by seed only (RAGEN); for envs with few problems (1-digit additions: 81) set e.g. 0.25."""
@@ -251,34 +242,34 @@ class ValConfig:
 
 @dataclass
 class AlgoConfig:
-    adv_estimator: str = _one_of("gae", "gae", "grpo", "rloo", "reinforce_pp")
+    adv_estimator: str = one_of("gae", "gae", "grpo", "rloo", "reinforce_pp")
     """gae | grpo | rloo | reinforce_pp."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group std (False = Dr.GRPO)."""
-    policy_loss: str = _one_of("ppo", "ppo", "cispo")
+    policy_loss: str = one_of("ppo", "ppo", "cispo")
     """ppo (dual-clip when clip_c is set) | cispo."""
-    clip_low: float = _within(0.2, 0, high=1)
+    clip_low: float = within(0.2, 0, high=1)
     """Lower clip range (ppo): ratio >= 1 - clip_low, in [0, 1)."""
-    clip_high: float = _within(0.28, 0)
+    clip_high: float = within(0.28, 0)
     """Upper clip range: ratio <= 1 + clip_high (clip-higher); cispo: the IS weight's cap."""
-    cispo_clip_low: float | None = _within(None, 0, high=1)
+    cispo_clip_low: float | None = within(None, 0, high=1)
     """cispo: lower bound 1 - cispo_clip_low of the IS weight, or null for none (as published)."""
-    clip_c: float | None = _within(3.0, 1, inclusive=False)
+    clip_c: float | None = within(3.0, 1, inclusive=False)
     """Dual-clip constant for negative advantages (> 1), or null to disable."""
-    loss_agg_mode: str = _one_of("token-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+    loss_agg_mode: str = one_of("token-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                                  "seq-mean-token-sum-norm")
     """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm."""
-    gamma: float = _within(1.0, 0, high=1)
+    gamma: float = within(1.0, 0, high=1)
     """Discount factor."""
-    lam: float = _within(1.0, 0, high=1)
+    lam: float = within(1.0, 0, high=1)
     """GAE lambda."""
-    kl_coef: float = _within(0.0, 0)
+    kl_coef: float = within(0.0, 0)
     """KL loss coefficient (a reference model is loaded only when > 0 or when analysis needs it)."""
-    kl_type: str = _one_of("low_var_kl", *KL_TYPES)
+    kl_type: str = one_of("low_var_kl", *KL_TYPES)
     """k1|kl, k2|mse, k3|low_var_kl, abs; a trailing + = straight-through k2 gradient."""
     entropy_coef: float = 0.001
     """Entropy bonus coefficient."""
-    tis_cap: float | None = _within(None, 0, inclusive=False)
+    tis_cap: float | None = within(None, 0, inclusive=False)
     """Truncated importance sampling: weight each token's policy loss by min(pi_old / pi_rollout, tis_cap), the
     sampler/trainer mismatch correction (verl's token-level rollout_is; TRL's token_truncate mode with
     vllm_importance_sampling_clip_max); null = off."""
@@ -286,7 +277,7 @@ class AlgoConfig:
     """Sequence masking: drop from the policy loss each trajectory whose geometric-mean pi_old / pi_rollout lies
     outside [1 / mismatch_band, mismatch_band] (verl's geometric rollout_rs; not TRL's sequence_mask, which tests
     the product of the ratios)."""
-    mismatch_band: float = _within(2.0, 1, inclusive=False)
+    mismatch_band: float = within(2.0, 1, inclusive=False)
     """The band of the mismatch metrics (rollout/corr/*fraction*) and of mis: ratios outside [1/band, band] (> 1)."""
 
     @property
@@ -303,34 +294,34 @@ class AlgoConfig:
 
 @dataclass
 class CriticConfig:
-    lr: float = _within(1e-3, 0)
+    lr: float = within(1e-3, 0)
     """Critic AdamW learning rate (GAE only)."""
-    clip_range: float = _within(0.5, 0, inclusive=False)
+    clip_range: float = within(0.5, 0, inclusive=False)
     """Value clipping range around the old values."""
-    max_grad_norm: float = _within(1.0, 0, inclusive=False)
+    max_grad_norm: float = within(1.0, 0, inclusive=False)
     """Critic gradient clipping."""
-    ppo_epochs: int | None = _within(None, 1)
+    ppo_epochs: int | None = within(None, 1)
     """Passes of the critic over the batch per step (null = train.ppo_epochs)."""
-    warmup_steps: int = _within(0, 0)
+    warmup_steps: int = within(0, 0)
     """The first N steps update only the critic (no actor update, no analysis); RAGEN's trainer.critic_warmup."""
 
 
 @dataclass
 class FilterConfig:
-    strategy: str = _one_of("top_p", "none", "top_p", "top_k", "top_k_abs", "min_p")
+    strategy: str = one_of("top_p", "none", "top_p", "top_k", "top_k_abs", "min_p")
     """none | top_p | top_k | top_k_abs | min_p (whole groups are kept or dropped)."""
-    value: float = _within(1.0, 0)
+    value: float = within(1.0, 0)
     """Strategy parameter (top_p: mass; top_k: fraction of groups; top_k_abs: count; min_p: ratio)."""
-    keep: str = _one_of("largest", "largest", "smallest")
+    keep: str = one_of("largest", "largest", "smallest")
     """largest | smallest scores are kept."""
-    metric: str = _one_of("reward_std", "reward_std", "reward_variance", "reward", "reward_mean", "reward_sum",
+    metric: str = one_of("reward_std", "reward_std", "reward_variance", "reward", "reward_mean", "reward_sum",
                           "reward_max")
     """Group score: reward_std | reward | reward_sum | reward_max."""
-    prob_mode: str = _one_of("linear", "linear", "softmax")
+    prob_mode: str = one_of("linear", "linear", "softmax")
     """top_p: linear | softmax."""
     include_zero: bool = True
     """Keep groups whose score is zero as candidates."""
-    loss_scaling: str = _one_of("none", "none", "linear", "sqrt")
+    loss_scaling: str = one_of("none", "none", "linear", "sqrt")
     """Scale advantages by the kept ratio: none | linear | sqrt."""
     empty_stop_steps: int = 5
     """Stop after this many consecutive steps with an empty filtered batch (<= 0 disables)."""
@@ -340,21 +331,21 @@ class FilterConfig:
 class AnalysisConfig:
     enabled: bool = False
     """Run the gradient analysis on schedule."""
-    every: int = _within(10, 1)
+    every: int = within(10, 1)
     """Analyse at steps 1, 1+every, 1+2*every, ..."""
-    num_buckets: int = _within(6, 1)
+    num_buckets: int = within(6, 1)
     """Reward-variance buckets."""
-    bucket_mode: str = _one_of("quantile", "quantile", "fixed_rv")
+    bucket_mode: str = one_of("quantile", "quantile", "fixed_rv")
     """quantile | fixed_rv."""
     zero_bucket: bool = True
     """Zero-variance groups form their own bucket_0 and tied reward stds share a bucket (false: RAGEN's plain split)."""
     per_group: bool = False
     """Differentiate every group alone too: per-group norms in groups.csv, 95 % bootstrap CIs (.../ci_low|ci_high)."""
-    bootstrap_resamples: int = _within(1000, 1)
+    bootstrap_resamples: int = within(1000, 1)
     """Bootstrap resamples of the per-group intervals (with per_group)."""
-    env_groups: int | None = _within(None, 1)
+    env_groups: int | None = within(None, 1)
     """Separate analysis batch: groups (null = analyse the training batch)."""
-    group_size: int | None = _within(None, 1)
+    group_size: int | None = within(None, 1)
     """Separate analysis batch: group size (null = training group size)."""
     exit_after: bool = False
     """End the run right after the first analysis (no update, no checkpoint)."""
@@ -366,9 +357,9 @@ class AnalysisConfig:
     """Loss terms the probe differentiates: any of task, entropy, kl ([] with reward_grad: components only)."""
     dump_gradients: bool = False
     """Write every analysed gradient in full, per parameter, to analysis/step_<N>/gradients.npz (float32; big)."""
-    dump_max_pending: int = _within(2, 1)
+    dump_max_pending: int = within(2, 1)
     """Gradient dumps held in memory while a background thread writes them (the step waits beyond this)."""
-    memory_chunks: int = _within(1, 1)
+    memory_chunks: int = within(1, 1)
     """Probe memory: 1 holds every analysed gradient whole (2 x terms float32 copies of the parameters); C > 1
     differentiates the parameters in C chunks, holding ~1/C of that (at least the largest tensor) for C forward passes
     per micro-batch, with the same numbers. One process only."""
@@ -381,40 +372,28 @@ class CollapseConfig:
     enabled: bool = False
     """Cross-score the training batch's replies under its prompts on schedule: mutual-information proxies
     (collapse_first_turn_sample/*, collapse_trajectory_sample/*). Read-only: training is unchanged."""
-    compute_freq: int = _within(5, 1)
+    compute_freq: int = within(5, 1)
     """Diagnose at step 1, then at every step divisible by this (RAGEN's schedule)."""
-    micro_batch_size: int = _within(128, 1)
+    micro_batch_size: int = within(128, 1)
     """Rows [prompt | reply] per forward of the cross-scoring."""
     first_turn_enabled: bool = True
     """Pairs of (first prompt, first reply), one column per group."""
     multi_turn_enabled: bool = True
     """Trajectory-uniform pairs (a trajectory, then one of its turns; each pair its own column)."""
-    num_samples: int = _within(64, 0)
+    num_samples: int = within(64, 0)
     """Pairs per mode (first turn: drawn without replacement; trajectory: with); 0 = all (RAGEN's `all`)."""
-    std_eps: float = _within(1e-3, 0)
+    std_eps: float = within(1e-3, 0)
     """Added to the marginal std in the z-scores."""
-    ema_decay: float = _within(0.9, 0, high=1)
+    ema_decay: float = within(0.9, 0, high=1)
     """EMA decay of the marginal std (`*_ema`)."""
-    bootstrap_resamples: int = _within(200, 0)
+    bootstrap_resamples: int = within(200, 0)
     """Prompt-cluster bootstrap resamples of the MI and retrieval intervals (.../ci_low|ci_high); 0 = none."""
 
 
-HEALTH_ACTIONS = ("record", "warn", "skip", "rollback", "stop")
-SKIPPABLE = ("health.grad_spike", "health.non_finite")  # the rules whose trouble is found before the optimizer step
-
-
-def _action(default: str) -> Any:
-    """A health rule's action: record (a metric and an events.jsonl line), warn (and one console line), skip (refuse
-    the optimizer step: grad_spike and non_finite only, `SKIPPABLE`; a non-finite step is skipped in any case),
-    rollback (back to the last checkpoint before the trouble, new sampling seeds) or stop (an early stop with the rule
-    as its reason)."""
-    return _one_of(default, *HEALTH_ACTIONS)
-
-
 @dataclass
-class HealthConfig:
-    """The health monitor: rules checked after every step, each with an action (docs/health.md: what each rule
-    means, typical causes, what to try, and the runs the default thresholds were measured on)."""
+class HealthMonitorConfig:
+    """The health monitor's own keys; each rule of `analysis/health_rules.py` adds its action and thresholds (its
+    `Config`), and `HealthConfig` holds them all."""
 
     enabled: bool = True
     """Check the rules after every step and log `health/<rule>` (1 on a step where it fires) and events.jsonl."""
@@ -424,93 +403,23 @@ class HealthConfig:
     """Measure the entropy of the step's batch again under the updated policy (one more forward, and the
     old-log-prob pass on every step): actor/entropy_change_same_batch, the realised change actor/entropy_cov
     predicts."""
-    max_rollbacks: int = _within(2, 0)
+    max_rollbacks: int = within(2, 0)
     """Rollbacks a run may make; a rollback rule firing after that stops the run (and says why)."""
-    baseline_steps: int = _within(5, 1)
+    baseline_steps: int = within(5, 1)
     """Steps that give a rule its start value (entropy, reply length) or history (gradient norms)."""
-    non_finite: str = _action("record")
-    """Optimizer steps with a non-finite gradient (always skipped)."""
-    first_step: str = _action("warn")
-    """First step: PPO KL ~0 on the rollout policy; sampler/trainer KL below first_step_kl with the HF engine."""
-    first_step_kl: float = _within(5e-3, 0)
-    """Sampler/trainer KL the HF engine may show at the first step (bfloat16 rounding alone gave 1.2e-3 on
-    SmolLM2 on an H200; float32 gives ~1e-7)."""
-    grad_spike: str = _action("skip")
-    """A pre-clip gradient norm above grad_spike_factor x the median of the recent ones and above
-    the median + grad_spike_k MAD (optimizer steps without a reward signal, all advantages 0, are
-    not judged); skip refuses the step and the console counts every refusal."""
-    grad_spike_factor: float = _within(10.0, 1)
-    """Times the recent median that make a spike (3 of 10 default seeds reached 11-17 once)."""
-    grad_spike_k: float = _within(10.0, 0, inclusive=False)
-    """MADs above the median that make a spike."""
-    grad_spike_window: int = _within(20, 1)
-    """Accepted optimizer steps (with a reward signal) whose norms form the median and MAD."""
-    entropy_collapse: str = _action("warn")
-    """The entropy below entropy_collapse_ratio x its start (the first baseline_steps steps, up to
-    the first update that was non-finite, refused or drifted)."""
-    entropy_collapse_ratio: float = _within(0.1, 0, high=1)
-    """Fraction of the start entropy below which the entropy has collapsed."""
-    reward_variance_collapse: str = _action("warn")
-    """At least zero_variance_share of the groups with equal rewards, zero_variance_steps steps in a row."""
-    zero_variance_share: float = _within(0.9, 0, high=1)
-    """Share of equal-reward groups that counts as collapsed."""
-    zero_variance_steps: int = _within(5, 1)
-    """Consecutive steps the share must hold."""
-    policy_drift: str = _action("warn")
-    """The update's PPO KL above drift_kl or its clipped share above drift_clipfrac."""
-    drift_kl: float = _within(0.1, 0)
-    """PPO KL limit."""
-    drift_clipfrac: float = _within(0.3, 0, high=1)
-    """Clipped-token share limit (low + high)."""
-    kl_acceleration: str = _action("record")
-    """The KL to the reference above kl_acceleration_min and growing faster each step (5 steps)."""
-    kl_acceleration_min: float = _within(0.05, 0)
-    """KL below which its growth is not flagged."""
-    mismatch: str = _action("warn")
-    """Sampler/trainer KL above mismatch_kl."""
-    mismatch_kl: float = _within(0.01, 0)
-    """Sampler/trainer KL (k3, mean over tokens) limit."""
-    length_surge: str = _action("warn")
-    """Mean reply length above length_surge_ratio x its start."""
-    length_surge_ratio: float = _within(2.0, 1, inclusive=False)
-    """Growth factor of the mean reply length."""
-    truncation: str = _action("warn")
-    """More than truncation_rate of the replies reached env.max_new_tokens."""
-    truncation_rate: float = _within(0.5, 0, high=1)
-    """Share of cut-off replies."""
-    repetition: str = _action("warn")
-    """More than repetition_rate of the replies repeat half of their own 4-grams."""
-    repetition_rate: float = _within(0.3, 0, high=1)
-    """Share of repeating replies."""
-    reward_component: str = _action("record")
-    """A reward component carrying component_takeover of the reward's variance, or a share below
-    component_against (moving against the total)."""
-    component_takeover: float = _within(0.95, 0, high=1)
-    """Variance share that counts as taking over."""
-    component_against: float = _within(-0.1, -1, high=0)
-    """Variance share below which a component moves against the total, in [-1, 0] (a share below 0
-    moves against the total; the shares sum to 1)."""
-    component_steps: int = _within(5, 1)
-    """Consecutive steps a component must take over (or move against) the total."""
-    template_collapse: str = _action("record")
-    """With collapse.enabled: the first-turn MI below template_mi_drop x its first value while the entropy holds."""
-    template_mi_drop: float = _within(0.5, 0, high=1)
-    """Fraction of the first MI."""
-    falling_validation: str = _action("warn")
-    """Validation success more than falling_validation_se standard errors below the run's best."""
-    falling_validation_se: float = _within(3.0, 0, inclusive=False)
-    """Standard errors of the difference, each clustered by problem (val-env/<env>/success_se;
-    binomial when not logged). The best of several validations is biased upward: math-tiny's healthy
-    run dipped 2.6 below its best at step 100 and set a new best at 150."""
-    no_learning: str = _action("warn")
-    """Past no_learning_after of the run, no validation so far no_learning_se standard errors of the
-    difference above the first (the validation before training, when there is one)."""
-    no_learning_after: float = _within(0.5, 0, high=1)
-    """Share of train.steps after which a flat validation is flagged."""
-    no_learning_se: float = _within(1.0, 0, inclusive=False)
-    """Standard errors of the difference (each clustered by problem) the validation must rise above
-    its start: the default run's was 1.9 at step 60 of 100 (15.2 % -> 19.7 %, 24.6 % at the end),
-    which 2 flagged."""
+
+
+# A dataclass lists its bases' fields from the last base to the first: the monitor's keys, then each rule's in the
+# order of `RULES` (the order of --help-config and of docs/health.md's Settings table).
+_HEALTH_SECTIONS = (*(rule.Config for rule in reversed(RULES.values())), HealthMonitorConfig)
+
+
+@dataclass
+class HealthConfig(*_HEALTH_SECTIONS):
+    """The health monitor: rules checked after every step, each with an action (docs/health.md: what each rule
+    means, typical causes, what to try, and the runs the default thresholds were measured on). Its keys are flat,
+    `health.<key>`: the monitor's own (`HealthMonitorConfig`) and every rule's (`health.grad_spike`,
+    `health.grad_spike_factor`, ...: `GradSpike.Config`)."""
 
 
 @dataclass
@@ -518,16 +427,16 @@ class RecordConfig:
     """Step records (`records/step_<N>.safetensors`): what a step trained on, for the report's sample browser,
     `rldyn replay` and `rldyn replay --attribute` (docs/forensics.md)."""
 
-    every: int = _within(10, 0)
+    every: int = within(10, 0)
     """Record every N-th step (0 = none on a schedule)."""
     steps: list[int] = field(default_factory=list)
     """Record these steps too ([37, 38])."""
     on_alarm: bool = True
     """Record every step on which a health rule starts firing."""
-    keep_last: int = _within(0, 0)
+    keep_last: int = within(0, 0)
     """Keep only the newest N records, deleting older ones after each write (0 = keep all); those of record.steps
     are always kept."""
-    state_before_mb: float = _within(256.0, 0)
+    state_before_mb: float = within(256.0, 0)
     """Keep, beside each record, the state its step started from (weights, optimizer, critic, RNG:
     records/step_<N>.before/), so `rldyn replay` starts there instead of training the run again, when that state
     is at most this many MiB (about 12 bytes per trained parameter); 0 = never. The run keeps it in memory from
@@ -536,11 +445,11 @@ class RecordConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = _within(0, 0)
+    every: int = within(0, 0)
     """Save every N steps (and at the end when > 0); 0 = only at the end if save_last."""
     save_last: bool = True
     """Save a checkpoint after the last step."""
-    keep_last: int = _within(0, 0)
+    keep_last: int = within(0, 0)
     """Keep only the newest N checkpoints, deleting older ones after each save (0 = keep all)."""
     resume: str | None = None
     """Resume from a checkpoint directory, or `latest` (newest in this run's checkpoints/)."""
@@ -553,15 +462,15 @@ class CheckpointConfig:
 class EarlyStopConfig:
     enabled: bool = True
     """Stop on reward-variance collapse, low validation success or repeated empty batches."""
-    rv_baseline_steps: int = _within(10, 1)
+    rv_baseline_steps: int = within(10, 1)
     """Steps that form the reward-std baseline."""
-    rv_window: int = _within(10, 1)
+    rv_window: int = within(10, 1)
     """Consecutive steps that must all be below rv_ratio * baseline."""
-    rv_ratio: float = _within(0.1, 0)
+    rv_ratio: float = within(0.1, 0)
     """Collapse threshold as a fraction of the baseline."""
-    val_success_threshold: float = _within(0.01, 0, high=1)
+    val_success_threshold: float = within(0.01, 0, high=1)
     """Validation success below this counts as a low-success validation."""
-    val_patience: int = _within(5, 1)
+    val_patience: int = within(5, 1)
     """Consecutive low-success validations that stop the run."""
 
 
@@ -571,7 +480,7 @@ class LogConfig:
     """Parent directory of run directories."""
     name: str | None = None
     """Run name (default: <env>_<model>_<time>)."""
-    samples_per_step: int = _within(4, 0)
+    samples_per_step: int = within(4, 0)
     """Decoded trajectories written to samples.jsonl per step."""
     wandb: bool = False
     """Mirror metrics to Weights & Biases (WANDB_MODE=offline works)."""
@@ -587,7 +496,7 @@ class LogConfig:
 
 @dataclass
 class Config:
-    seed: int = _within(0, 0)
+    seed: int = within(0, 0)
     """Seed of model init, sampling and shuffling."""
     model: ModelConfig = field(default_factory=ModelConfig)
     tiny: TinyConfig = field(default_factory=TinyConfig)
@@ -622,9 +531,9 @@ def _field_checks(kind: str, obj: Any = None, prefix: str = "") -> dict[str, Any
     return out
 
 
-CHOICES: dict[str, tuple[str, ...]] = _field_checks("choices")  # key -> allowed values (`_one_of`)
+CHOICES: dict[str, tuple[str, ...]] = _field_checks("choices")  # key -> allowed values (`one_of`)
 # Ranges, checked after the types (every float is already finite, every int a whole number).
-# key -> (lowest allowed, lowest is allowed itself, highest allowed or None) (`_within`)
+# key -> (lowest allowed, lowest is allowed itself, highest allowed or None) (`within`)
 RANGES: dict[str, tuple[float, bool, float | None]] = _field_checks("range")
 # Old keys, so that an old config.yaml (a run's, a checkpoint's) and old commands still work, each with a one-line note:
 # renamed keys are read at their new place, retired ones (no longer settings) say what replaced them.

@@ -4,9 +4,11 @@ Each rule looks at one failure mode and, when its condition holds at a step, ret
 saw, the threshold it compared against and the step its trouble began (`since`: a rollback goes back to a
 checkpoint saved before it). What each signal means, what usually causes it and what to try: docs/health.md.
 
-`RULES` is the table (name -> class, in the order they are checked); `health.<name>` in the config sets a rule's
-action (`train/diagnostics/health.py` carries it out) and `health.<name>_<knob>` its thresholds. The defaults
-and the runs they were measured on: docs/health.md.
+`RULES` is the table (name -> class, in the order they are checked). Each rule carries its settings and its
+glossary entry next to its check: `Config`, the dataclass of its `health.*` keys (`health.<name>` its action, which
+`train/diagnostics/health.py` carries out, then its thresholds; `config.py` assembles every rule's into
+`HealthConfig`), and `glossary`, what it means, its typical causes and what to try (`plots/glossary.py` renders it
+into docs/health.md and the report). The defaults and the runs they were measured on: docs/health.md.
 """
 
 from __future__ import annotations
@@ -14,10 +16,26 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from rldynamics.config import HealthConfig
+from rldynamics.config_schema import health_action, within
+
+if TYPE_CHECKING:
+    from rldynamics.config import HealthConfig
 
 CLEAR = "clear"  # the action of the events.jsonl row written when a warning's rule stops firing
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One glossary entry. `fires`: when the rule fires (for a signal: what it measures); `means`: what that says
+    about the run; `causes`: what typically causes it; `tries`: what to try (left out where empty). Sources are named
+    in the text."""
+
+    fires: str
+    means: str
+    causes: str = ""  # empty: the rule the signal feeds says it
+    tries: str = ""
 
 
 @dataclass
@@ -68,6 +86,10 @@ class Rule:
     # the `Signals` fields the rule reads: it can fire only where each group has one of its fields (logs of
     # another trainer may lack them: `rldyn doctor` names the rules that cannot run)
     needs: tuple[tuple[str, ...], ...] = ()
+    # its settings: a dataclass whose fields are `health.*` keys, its action `health.<name>` first (`config.py`
+    # assembles every rule's into `HealthConfig`; a rule reads them, and the monitor's own, from `self.cfg`)
+    Config: type
+    glossary: Entry  # its entry in docs/health.md's glossary and the report's
 
     def __init__(self, cfg: HealthConfig):
         self.cfg = cfg
@@ -101,6 +123,36 @@ class EntropyCollapse(Rule):
     name = "entropy_collapse"
     needs = (("entropy",),)
 
+    @dataclass
+    class Config:
+        entropy_collapse: str = health_action("warn")
+        """The entropy below entropy_collapse_ratio x its start (the first baseline_steps steps, up to
+        the first update that was non-finite, refused or drifted)."""
+        entropy_collapse_ratio: float = within(0.1, 0, high=1)
+        """Fraction of the start entropy below which the entropy has collapsed."""
+
+    glossary = Entry(
+        fires="The rollout policy's entropy (`actor/entropy`) is below "
+              "`health.entropy_collapse_ratio` x its start: its mean over the run's first "
+              "`health.baseline_steps` steps, up to the first step whose update was damaged (a "
+              "non-finite or refused optimizer step, or the `policy_drift` condition: the PPO KL "
+              "above `health.drift_kl` or the clipped share above `health.drift_clipfrac`). A "
+              "step's entropy is measured before its update, so the later ones already carry the "
+              "damage and stay out of the start.",
+        means="The policy has become nearly deterministic: it stops exploring, its groups get equal rewards, and "
+              "its performance stops improving. Cui et al. 2025 (\"The Entropy Mechanism of Reinforcement Learning "
+              "for Reasoning Language Models\") find performance traded against entropy, R = -a exp(H) + b: once "
+              "the entropy is spent, the gains stop.",
+        causes="Confident tokens with a positive advantage: Cui et al. 2025 derive the step's entropy change as "
+               "about -lr x Cov(log pi, A) over the sampled tokens (their natural-gradient form), so a positive "
+               "`actor/entropy_cov` drives it down. "
+               "Symmetric clipping that keeps unlikely tokens from rising (DAPO, Yu et al. 2025); too high a "
+               "learning rate or too many epochs per step.",
+        tries="Clip-higher: a larger `algo.clip_high` than `algo.clip_low` (DAPO uses 0.28 and 0.2, the defaults "
+              "here); an entropy bonus (`algo.entropy_coef`, sensitive to its value); Cui et al.'s Clip-Cov or "
+              "KL-Cov, which restrain the update of the few tokens of highest covariance (not in this trainer); a "
+              "higher `train.temperature`; a lower `train.lr`.")
+
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
         self.start: list[float] = []
@@ -133,6 +185,31 @@ class RewardVarianceCollapse(Rule):
     name = "reward_variance_collapse"
     needs = (("zero_variance_share",),)
 
+    @dataclass
+    class Config:
+        reward_variance_collapse: str = health_action("warn")
+        """At least zero_variance_share of the groups with equal rewards, zero_variance_steps steps in a row."""
+        zero_variance_share: float = within(0.9, 0, high=1)
+        """Share of equal-reward groups that counts as collapsed."""
+        zero_variance_steps: int = within(5, 1)
+        """Consecutive steps the share must hold."""
+
+    glossary = Entry(
+        fires="At least `health.zero_variance_share` of the groups had equal rewards (`health/zero_variance_share`, "
+              "before the filter) on each of the last `health.zero_variance_steps` steps.",
+        means="A group whose replies all score the same has group-relative advantages of 0: no "
+              "task gradient. The update then comes from the few groups left, and from the "
+              "regularisers when their coefficients are on (`algo.entropy_coef`, `algo.kl_coef`). "
+              "RAGEN-2 ties this reward-variance collapse to a task gradient too weak against the "
+              "regularisers (see `template_collapse`).",
+        causes="Prompts too easy (all succeed) or too hard (all fail) for the current policy; entropy collapse "
+               "(the same reply, the same reward); a sparse binary reward; a reward function that always returns "
+               "the same value.",
+        tries="Tell all-success from all-failure groups (the samples, `train/<env>/success`); dynamic sampling "
+              "(DAPO, Yu et al. 2025) drops the equal-reward groups and samples more to keep the batch full, and "
+              "the filter here can drop them (`filter.include_zero=false`); a larger `train.group_size` or "
+              "`train.temperature`; prompts of a difficulty the policy can still tell apart; a denser reward.")
+
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
         self.recent: list[tuple[int, float]] = []
@@ -160,6 +237,41 @@ class GradSpike(Rule):
     name = "grad_spike"
     needs = (("grad_norms",),)
     mad_floor = 0.05  # the MAD counts as at least this share of the median
+
+    @dataclass
+    class Config:
+        grad_spike: str = health_action("skip")
+        """A pre-clip gradient norm above grad_spike_factor x the median of the recent ones and above
+        the median + grad_spike_k MAD (optimizer steps without a reward signal, all advantages 0, are
+        not judged); skip refuses the step and the console counts every refusal."""
+        grad_spike_factor: float = within(10.0, 1)
+        """Times the recent median that make a spike (3 of 10 default seeds reached 11-17 once)."""
+        grad_spike_k: float = within(10.0, 0, inclusive=False)
+        """MADs above the median that make a spike."""
+        grad_spike_window: int = within(20, 1)
+        """Accepted optimizer steps (with a reward signal) whose norms form the median and MAD."""
+
+    glossary = Entry(
+        fires="An optimizer step's pre-clip gradient norm is above both `health.grad_spike_factor` "
+              "(10) x the median and the median + `health.grad_spike_k` (10) MAD of the last "
+              "`health.grad_spike_window` accepted norms (the MAD at least 5 % of the median), "
+              "once `health.baseline_steps` norms are known. Optimizer steps without a reward "
+              "signal (a mini-batch of groups with equal rewards under GRPO or RLOO: all "
+              "advantages 0, a norm ~0) are neither judged nor part of that history. With "
+              "`health.grad_spike=skip` the update refuses the spiking optimizer step before it is "
+              "taken: the weights and the AdamW state stay as they were; the console says how many "
+              "were refused on every step that refused one.",
+        means="One mini-batch pushed much harder than the recent ones. Clipping bounds the step's size but not its "
+              "direction, which that batch then dominates; repeated or growing spikes precede divergence. "
+              "On seed 5 of the default preset the step refused at 12 x the median, let through, doubled the "
+              "replies' length (30-43 -> 83-85 tokens) for most of the run; that run still ended higher (25.8 % "
+              "against 17.8 %): one seed does not show whether refusing helps.",
+        causes="A few tokens with extreme importance ratios (off-policy tokens: Liu, Li et al. 2025, \"When Speed "
+               "Kills Stability\", trace collapses with exploding gradient norms to the sampler/trainer mismatch); "
+               "a reward outlier; a very long reply under a sum aggregation; too high a learning rate.",
+        tries="See which layers spiked (`actor/grad_norm/<group>` at that step) and whether `rollout/corr/*` moved; "
+              "read the step's samples; lower `train.lr` or `train.max_grad_norm`; with a mismatch, TIS or MIS "
+              "(see `mismatch`).")
 
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
@@ -198,6 +310,25 @@ class PolicyDrift(Rule):
     name = "policy_drift"
     needs = (("ppo_kl", "clipfrac"),)
 
+    @dataclass
+    class Config:
+        policy_drift: str = health_action("warn")
+        """The update's PPO KL above drift_kl or its clipped share above drift_clipfrac."""
+        drift_kl: float = within(0.1, 0)
+        """PPO KL limit."""
+        drift_clipfrac: float = within(0.3, 0, high=1)
+        """Clipped-token share limit (low + high)."""
+
+    glossary = Entry(
+        fires="The update's mean PPO KL (`actor/ppo_kl`) is above `health.drift_kl`, or its clipped token share "
+              "(low + high, `actor/pg_clipfrac` and `actor/pg_clipfrac_lower`) is above `health.drift_clipfrac`.",
+        means="Within one step the policy moved far from the policy that sampled the batch: the clipped objective "
+              "ignores many tokens, and the later mini-batches are trained off-policy.",
+        causes="Too high a learning rate; too many passes or optimizer steps per batch (`train.ppo_epochs`, a "
+               "small `train.mini_batch_size`); large advantages; a sampler that differs from the trainer (see "
+               "`mismatch`).",
+        tries="Lower `train.lr`; fewer `train.ppo_epochs` or a larger `train.mini_batch_size`; check `mismatch`.")
+
     def check(self, x: Signals) -> Alarm | None:
         if x.ppo_kl is not None and x.ppo_kl > self.cfg.drift_kl:
             return self.alarm(x, x.ppo_kl, self.cfg.drift_kl, f"PPO KL {x.ppo_kl:.3g} > {self.cfg.drift_kl:g}")
@@ -215,6 +346,24 @@ class KlAcceleration(Rule):
     name = "kl_acceleration"
     needs = (("kl_ref",),)
     steps = 5  # KL values whose differences must all grow
+
+    @dataclass
+    class Config:
+        kl_acceleration: str = health_action("record")
+        """The KL to the reference above kl_acceleration_min and growing faster each step (5 steps)."""
+        kl_acceleration_min: float = within(0.05, 0)
+        """KL below which its growth is not flagged."""
+
+    glossary = Entry(
+        fires="With the KL term on (`algo.kl_coef` > 0): the KL to the reference (`actor/kl_loss`) "
+              "is above `health.kl_acceleration_min` and grew faster over each of the last 5 steps "
+              "(positive first and second differences).",
+        means="The policy is running away from the reference model at a growing rate, a common prelude to reward "
+              "hacking or to text drifting away from language.",
+        causes="A reward the policy has found a way to exploit; a KL coefficient too small for the learning rate; "
+               "entropy collapse onto a narrow mode far from the reference.",
+        tries="Read the samples for a hack and the reward components for the one that grows; raise "
+              "`algo.kl_coef`; lower `train.lr`.")
 
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
@@ -243,6 +392,29 @@ class Mismatch(Rule):
     name = "mismatch"
     needs = (("mismatch_kl",),)
 
+    @dataclass
+    class Config:
+        mismatch: str = health_action("warn")
+        """Sampler/trainer KL above mismatch_kl."""
+        mismatch_kl: float = within(0.01, 0)
+        """Sampler/trainer KL (k3, mean over tokens) limit."""
+
+    glossary = Entry(
+        fires="The sampler/trainer KL (k3, mean over the trained batch's sampled tokens; `rollout/corr/k3_kl`) is "
+              "above `health.mismatch_kl`.",
+        means="The engine that sampled the replies gives them other probabilities than the trainer does, so the "
+              "\"on-policy\" update is off-policy. Yao, Liu et al. 2025 (\"Your Efficient RL Framework Secretly "
+              "Brings You Off-Policy RL Training\") show the gap biases the gradient silently; Liu, Li et al. 2025 "
+              "(\"When Speed Kills Stability\") trace training collapses to it.",
+        causes="bfloat16 in the sampler or the trainer (different kernels round differently); different dtypes on "
+               "the two sides (`rollout.vllm_dtype`, `model.dtype`); weights not synced after an update; sampling "
+               "settings applied on one side only.",
+        tries="Truncated importance sampling, `algo.tis_cap` (Yao, Liu et al. 2025); sequence masking, "
+              "`algo.mis=true` with the band `algo.mismatch_band` (Liu, Li et al. 2025); more precision on both "
+              "sides: Qi et al. 2025 (\"Defeating the Training-Inference Mismatch via FP16\") remove most of the "
+              "gap with FP16 instead of BF16, and this trainer offers float32 (`model.dtype=float32`, "
+              "`rollout.vllm_dtype=float32`). `docs/vllm.md` has the metrics and the corrections.")
+
     def check(self, x: Signals) -> Alarm | None:
         if x.mismatch_kl is None or x.mismatch_kl <= self.cfg.mismatch_kl:
             return None
@@ -255,6 +427,24 @@ class LengthSurge(Rule):
 
     name = "length_surge"
     needs = (("reply_mean",),)
+
+    @dataclass
+    class Config:
+        length_surge: str = health_action("warn")
+        """Mean reply length above length_surge_ratio x its start."""
+        length_surge_ratio: float = within(2.0, 1, inclusive=False)
+        """Growth factor of the mean reply length."""
+
+    glossary = Entry(
+        fires="The mean reply length is above `health.length_surge_ratio` x its mean over the run's first "
+              "`health.baseline_steps` steps.",
+        means="The policy writes much more than it did. That can be learning to reason longer, or rambling, "
+              "looping, or a length that the reward pays for.",
+        causes="A reward (component) that grows with length; a per-sequence loss average, under which each token "
+               "of a long reply weighs less, so long low-quality replies are punished too little (DAPO, Yu et al. "
+               "2025, motivate their token-level loss with this); repetition; truncated replies graded as written.",
+        tries="Read the samples; check `repetition` and `truncation`; `algo.loss_agg_mode=token-mean` (DAPO's "
+              "token-level loss); a length term in the reward, like DAPO's soft overlong punishment.")
 
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
@@ -278,6 +468,23 @@ class Truncation(Rule):
     name = "truncation"
     needs = (("truncation",),)
 
+    @dataclass
+    class Config:
+        truncation: str = health_action("warn")
+        """More than truncation_rate of the replies reached env.max_new_tokens."""
+        truncation_rate: float = within(0.5, 0, high=1)
+        """Share of cut-off replies."""
+
+    glossary = Entry(
+        fires="More than `health.truncation_rate` of the replies reached `env.max_new_tokens` "
+              "(`response_length/clip_ratio`, verl's name; slime logs the same share as `truncated_ratio`).",
+        means="Replies are cut off and graded as written, so their rewards say little about the reply: DAPO (Yu et "
+              "al. 2025) calls the punishment of a cut reasonable reply reward noise.",
+        causes="`env.max_new_tokens` too small for the task; looping or repeating replies; a length surge.",
+        tries="Raise `env.max_new_tokens`; check `repetition`; DAPO's overlong filtering (leave truncated replies "
+              "out of the loss; not in this trainer) or soft overlong punishment (a length penalty near the "
+              "limit).")
+
     def check(self, x: Signals) -> Alarm | None:
         if x.truncation is None or x.truncation <= self.cfg.truncation_rate:
             return None
@@ -296,6 +503,24 @@ class Repetition(Rule):
     share = 0.5
     min_tokens = 2 * ngram  # shorter replies are not judged
 
+    @dataclass
+    class Config:
+        repetition: str = health_action("warn")
+        """More than repetition_rate of the replies repeat half of their own 4-grams."""
+        repetition_rate: float = within(0.3, 0, high=1)
+        """Share of repeating replies."""
+
+    glossary = Entry(
+        fires="More than `health.repetition_rate` of the replies (of 8 tokens or more) repeat at "
+              "least 50 % of their own 4-grams (`health/repetition_rate`; slime logs a like share "
+              "as `repetition_frac`).",
+        means="Degenerate text: loops, the same phrase again and again, \"!!!!\". Such replies rarely earn a reward "
+              "and often hit the length limit.",
+        causes="Entropy collapse; a sampler that is off from the trainer (see `mismatch`); too low a sampling "
+               "temperature; a reward that does not penalise it; a learning rate high enough to damage the model.",
+        tries="Read the samples; check `mismatch` and `entropy_collapse`; a higher `train.temperature`; a lower "
+              "`train.lr`; a repetition penalty as a reward component.")
+
     def check(self, x: Signals) -> Alarm | None:
         if x.repetition is None or x.repetition <= self.cfg.repetition_rate:
             return None
@@ -309,6 +534,32 @@ class RewardComponent(Rule):
 
     name = "reward_component"
     needs = (("component_shares",),)
+
+    @dataclass
+    class Config:
+        reward_component: str = health_action("record")
+        """A reward component carrying component_takeover of the reward's variance, or a share below
+        component_against (moving against the total)."""
+        component_takeover: float = within(0.95, 0, high=1)
+        """Variance share that counts as taking over."""
+        component_against: float = within(-0.1, -1, high=0)
+        """Variance share below which a component moves against the total, in [-1, 0] (a share below 0
+        moves against the total; the shares sum to 1)."""
+        component_steps: int = within(5, 1)
+        """Consecutive steps a component must take over (or move against) the total."""
+
+    glossary = Entry(
+        fires="One weighted reward component carries at least `health.component_takeover` of the "
+              "trained reward's variance (`health/reward_share/<component>`), or a component's "
+              "share is below `health.component_against` (it moves against the total), the same "
+              "finding on each of the last `health.component_steps` steps.",
+        means="The advantages are driven by that one component: the policy learns it, not the mix. When the "
+              "correctness component takes over because the others saturated, that is fine; when a format or "
+              "length component does, the task is not being learned. A negative share fights the total.",
+        causes="Component weights out of scale with each other; the other components constant within the groups; "
+               "a component that rewards something the others punish.",
+        tries="Re-weight with `env.reward_weights.<component>`; see which components vary (`reward/<component>/*`); "
+              "their gradients (`analysis.reward_grad=true`, `docs/reward-components.md`).")
 
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
@@ -360,6 +611,28 @@ class FallingValidation(Rule):
     name = "falling_validation"
     needs = (("val_success",),)
 
+    @dataclass
+    class Config:
+        falling_validation: str = health_action("warn")
+        """Validation success more than falling_validation_se standard errors below the run's best."""
+        falling_validation_se: float = within(3.0, 0, inclusive=False)
+        """Standard errors of the difference, each clustered by problem (val-env/<env>/success_se;
+        binomial when not logged). The best of several validations is biased upward: math-tiny's healthy
+        run dipped 2.6 below its best at step 100 and set a new best at 150."""
+
+    glossary = Entry(
+        fires="Validation success is more than `health.falling_validation_se` (3) standard errors "
+              "of the difference below the run's best, the validation before training included; "
+              "each validation's standard error is clustered by problem "
+              "(`val-env/<env>/success_se`: a problem drawn several times counts once), binomial "
+              "when a validation did not log it.",
+        means="The policy got worse on fixed held-out prompts: training now hurts. The best checkpoint is the one "
+              "to keep.",
+        causes="Entropy collapse, drift, reward hacking or overfitting to the training prompts; whichever other "
+               "rule fired just before is the first suspect (the health timeline).",
+        tries="Keep the best checkpoint (`checkpoint.every`); lower `train.lr`; address the rule that fired "
+              "first.")
+
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
         self.best: tuple[int, float, int] | None = None  # (step, success, trajectories)
@@ -392,6 +665,35 @@ class NoLearning(Rule):
 
     name = "no_learning"
     needs = (("val_success",),)
+
+    @dataclass
+    class Config:
+        no_learning: str = health_action("warn")
+        """Past no_learning_after of the run, no validation so far no_learning_se standard errors of the
+        difference above the first (the validation before training, when there is one)."""
+        no_learning_after: float = within(0.5, 0, high=1)
+        """Share of train.steps after which a flat validation is flagged."""
+        no_learning_se: float = within(1.0, 0, inclusive=False)
+        """Standard errors of the difference (each clustered by problem) the validation must rise above
+        its start: the default run's was 1.9 at step 60 of 100 (15.2 % -> 19.7 %, 24.6 % at the end),
+        which 2 flagged."""
+
+    glossary = Entry(
+        fires="Past `health.no_learning_after` of `train.steps`, no validation so far has been "
+              "`health.no_learning_se` (1) standard error of the difference above the first (the "
+              "validation before training, when there is one); each standard error clustered by "
+              "problem, as for `falling_validation`.",
+        means="Half the run (by default) has gone without a measurable gain on the validation "
+              "prompts. The bar is one standard error, not two, so that slow learning is not "
+              "mistaken for none: the default run was 1.9 standard errors above its start at step "
+              "60 of 100 (15.2 % -> 19.7 %) and ended at 24.6 %. A run that gained and then fell "
+              "back is `falling_validation`'s, not this rule's (seed 1 of the default: 16.6 % -> "
+              "20.7 % at step 20, 18.4 % at 80).",
+        causes="No reward signal (`reward_variance_collapse` from the start: all groups fail or all succeed); a "
+               "setup bug (`first_step`); a learning rate far too low or too high; a filter that keeps almost "
+               "nothing (`rollout/filter_kept_ratio`).",
+        tries="Check `reward_variance_collapse`, `first_step` and the kept ratio; easier prompts or a warm start; "
+              "a learning-rate sweep (`docs/sweeps.md`).")
 
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
@@ -431,6 +733,25 @@ class TemplateCollapse(Rule):
     needs = (("mi",), ("entropy",))
     entropy_held = 0.8  # the entropy holds while at least this share of its first value
 
+    @dataclass
+    class Config:
+        template_collapse: str = health_action("record")
+        """With collapse.enabled: the first-turn MI below template_mi_drop x its first value while the entropy holds."""
+        template_mi_drop: float = within(0.5, 0, high=1)
+        """Fraction of the first MI."""
+
+    glossary = Entry(
+        fires="With `collapse.enabled`: the first-turn MI estimate between prompt and reply is below "
+              "`health.template_mi_drop` x its first value while the entropy holds (at least 80 % of its value "
+              "then).",
+        means="RAGEN-2's template collapse: the replies stay diverse (the entropy holds) but no longer depend on "
+              "the input; the same templates for every prompt. The entropy alone cannot show it.",
+        causes="By RAGEN-2's account, updates dominated by prompts of low reward variance: their task gradient is "
+               "weak, so input-agnostic terms (regularisers, format) shape the policy.",
+        tries="RAGEN-2's filtering by reward variance: train on the groups of highest reward std "
+              "(`filter.strategy=top_p`, `filter.metric=reward_std`, `filter.value` below 1); `docs/collapse.md` "
+              "has the metrics.")
+
     def __init__(self, cfg: HealthConfig):
         super().__init__(cfg)
         self.first_mi: float | None = None
@@ -461,6 +782,27 @@ class FirstStep(Rule):
     needs = (("first_ppo_kl", "mismatch_kl"),)
     ppo_kl_limit = 1e-3  # |PPO KL| of the first optimizer step on the rollout policy
 
+    @dataclass
+    class Config:
+        first_step: str = health_action("warn")
+        """First step: PPO KL ~0 on the rollout policy; sampler/trainer KL below first_step_kl with the HF engine."""
+        first_step_kl: float = within(5e-3, 0)
+        """Sampler/trainer KL the HF engine may show at the first step (bfloat16 rounding alone gave 1.2e-3 on
+        SmolLM2 on an H200; float32 gives ~1e-7)."""
+
+    glossary = Entry(
+        fires="On the first step of a run started from scratch: the first optimizer step's PPO KL "
+              "(`actor/ppo_kl`) is above 1e-3 in absolute value, or, with the HF engine (the "
+              "trainer's own model samples), the sampler/trainer KL is above "
+              "`health.first_step_kl` (5e-3). Both must be ~0 there (bfloat16 rounding alone gives "
+              "a sampler/trainer KL of the order of 1e-3).",
+        means="The old log-probs and the trainer's log-probs are not computed the same way: a setup bug, not a "
+              "training problem. Every later number of the run inherits it.",
+        causes="Dropout left on in one of the passes; old log-probs taken from another model, dtype or prompt "
+               "format; different padding, masking or chat-template tokenisation between sampling and training.",
+        tries="Compare the per-token log-probs of one sample from both passes; make the dtype, the template and the "
+              "model mode (eval, no dropout) the same; do not trust the run's curves until this is fixed.")
+
     def check(self, x: Signals) -> Alarm | None:
         if not x.first_step:
             return None
@@ -480,6 +822,22 @@ class NonFinite(Rule):
 
     name = "non_finite"
     needs = (("non_finite_skips",),)
+
+    @dataclass
+    class Config:
+        non_finite: str = health_action("record")
+        """Optimizer steps with a non-finite gradient (always skipped)."""
+
+    glossary = Entry(
+        fires="An optimizer step of the actor update had a NaN or infinite gradient norm (the update skips such a "
+              "step in any case; `actor/skipped_steps` counts them).",
+        means="The loss or its gradient overflowed; that mini-batch taught the policy nothing, and a run of them "
+              "means the update has stopped working.",
+        causes="A sampled token the trainer gives (almost) zero probability, so its log-prob or importance ratio "
+               "explodes (sampler/trainer mismatch, see `mismatch`); bfloat16 overflow in the logits or the loss; "
+               "too high a learning rate.",
+        tries="Look at `rollout/corr/*` and the step's samples; rerun a few steps with `model.dtype=float32` to see "
+              "whether precision is the cause; lower `train.lr`.")
 
     def check(self, x: Signals) -> Alarm | None:
         if not x.non_finite_skips:
