@@ -46,7 +46,7 @@ from rldynamics.models.forward import batch_logprobs, micro_batches
 from rldynamics.models.tiny import build_tiny_model, build_tiny_tokenizer
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.train.actor import update_actor
-from rldynamics.train.stages import component_advantages
+from rldynamics.train.batch_ops import component_advantages
 
 GRID = "######\n#_OX√#\n#_P__#\n#S___#\n######"
 RAGEN_COMPONENT = {component: term for term, component in names.TERM_COMPONENT.items()}  # RAGEN's name -> term

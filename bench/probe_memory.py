@@ -29,7 +29,7 @@ from analysis_overhead import corpus, make_batch
 from rldynamics.analysis.probe import ProbeResult, ProbeSettings, gradient_probe
 from rldynamics.config import AlgoConfig
 from rldynamics.models.tiny import build_tiny_model, build_tiny_tokenizer
-from rldynamics.train.stages import component_advantages
+from rldynamics.train.batch_ops import component_advantages
 from sizes import SIZES
 
 TINY = (64, 2)  # the default preset's embedded model: hidden 64, 2 layers

@@ -227,7 +227,7 @@ def sokoban_rows(tokenizer, model, groups: int, steps: int):
     from rldynamics.rollout.agent import RolloutContext, _start
     from rldynamics.rollout.chat import ChatPrompts
     from rldynamics.rollout.rewards import resolve_weights, reward_names
-    from rldynamics.train.stages import train_seeds
+    from rldynamics.train.batch_ops import train_seeds
 
     cfg = make_config(overrides=["env.max_turns=1", f"env.max_new_tokens={NEW_TOKENS}"]).env
     chat = ChatPrompts(tokenizer, enable_think=cfg.enable_think, open_answer=cfg.open_answer, model=model)

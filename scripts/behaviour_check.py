@@ -26,8 +26,8 @@ ONE = ["model.threads=1", "log.progress=false", "val.env_groups=8"]
 JOBS = {  # name -> rldyn arguments ({out} is the output directory)
     "default": ["train", "train.steps=4", "analysis.every=1", "val.every=2", "checkpoint.every=2", "record.every=2",
                 "log.report=false", *ONE],
-    "ppo": ["train", "--preset", "sokoban-tiny-ppo", "train.steps=3", "critic.warmup_steps=1", "checkpoint.every=3", "record.every=1",
-            "val.every=3", "log.report=false", *ONE],
+    "ppo": ["train", "--preset", "sokoban-tiny-ppo", "train.steps=3", "critic.warmup_steps=1", "checkpoint.every=3",
+            "record.every=1", "val.every=3", "log.report=false", *ONE],
     "math": ["train", "--preset", "math-tiny", "train.steps=3", "analysis.every=1", "collapse.enabled=true",
              "algo.tis_cap=2.0", "val.every=3", "checkpoint.every=3", "record.every=1", "log.report=false", *ONE],
     "probe": ["probe", "{out}/default/checkpoints/step_2", "log.name=probe", *ONE],
@@ -58,9 +58,12 @@ def run(out: Path) -> None:
 
 
 def timeless(row):
-    """A JSON value without its wall times."""
+    """A JSON value without its wall times, with peft's `target_modules` (a set, written in hash order) sorted and
+    the digest of the adapter config that holds it left out."""
     if isinstance(row, dict):
-        return {k: timeless(v) for k, v in row.items()
+        return {k: sorted(v) if k == "target_modules" and isinstance(v, list) else
+                {**timeless(v), "sha256": None} if k.endswith("adapter_config.json") and isinstance(v, dict) else
+                timeless(v) for k, v in row.items()
                 if not (k.startswith("timing_s/") or k.endswith("_time") or k.endswith("/time") or k == "time")}
     if isinstance(row, list):
         return [timeless(v) for v in row]

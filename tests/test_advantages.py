@@ -239,7 +239,7 @@ def test_group_estimators_bad_shapes():
 
 def test_every_estimator_choice_has_its_functions_and_only_gae_a_critic():
     from rldynamics.config import CHOICES, AlgoConfig
-    from rldynamics.train.stages import ESTIMATORS
+    from rldynamics.train.batch_ops import ESTIMATORS
 
     assert set(ESTIMATORS) == set(CHOICES["algo.adv_estimator"])
     assert [name for name in ESTIMATORS if AlgoConfig(adv_estimator=name).has_critic] == ["gae"]

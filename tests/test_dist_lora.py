@@ -25,7 +25,7 @@ from rldynamics.config import make_config
 from rldynamics.models import lora
 from rldynamics.models.loading import load_model_and_tokenizer
 from rldynamics.train.checkpoint import verify_checkpoint
-from rldynamics.train.diagnostics.records import weights_digest
+from rldynamics.train.record_io import weights_digest
 from rldynamics.train.trainer import train
 from test_dist import _rows, _texts
 

@@ -17,7 +17,7 @@ from rldynamics.config import make_config
 from rldynamics.train.actor import ActorUpdate
 from rldynamics.train.diagnostics.base import StepRecord
 from rldynamics.train.diagnostics.health import Health, signals
-from rldynamics.train.stages import Validation
+from rldynamics.train.batch_ops import Validation
 from rldynamics.train.update import StepTrace
 
 ENV = "sokoban"  # the default preset's

@@ -24,7 +24,7 @@ from rldynamics.models.loading import load_model_and_tokenizer
 from rldynamics.models.precision import enable_checkpointing
 from rldynamics.tracking.run_dir import read_metrics
 from rldynamics.train.checkpoint import verify_checkpoint
-from rldynamics.train.diagnostics.records import weights_digest
+from rldynamics.train.record_io import weights_digest
 from rldynamics.train.trainer import train
 from test_probe import (  # noqa: F401  (single_thread: an autouse fixture)
     SIGNS,

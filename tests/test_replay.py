@@ -26,7 +26,7 @@ from rldynamics.tracking.step_records import (
     records,
     write_record,
 )
-from rldynamics.train.diagnostics.records import weights_digest
+from rldynamics.train.record_io import weights_digest
 from rldynamics.train.replay import replay_command
 from rldynamics.train.trainer import train
 

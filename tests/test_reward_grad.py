@@ -19,7 +19,7 @@ from rldynamics.config import AlgoConfig
 from rldynamics.models.forward import batch_logprobs, token_logprobs
 from rldynamics.models.tiny import build_tiny_model, build_tiny_tokenizer
 from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.train.stages import component_advantages
+from rldynamics.train.batch_ops import component_advantages
 
 LENGTH = 16
 GROUPS = 4

@@ -1,5 +1,5 @@
 """Held-out problems (`val.held_out`, envs/split.py): validation shares no problem with training, by content, and its
-standard error counts distinct problems (train/stages.py)."""
+standard error counts distinct problems (train/batch_ops.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rldynamics import metric_names as names
 from rldynamics.config import make_config
 from rldynamics.envs.split import env_first_observation, on_validation_side, problem_key, side_seeds
 from rldynamics.tracking.run_dir import read_metrics
-from rldynamics.train.stages import clustered_se, env_seeds, train_seeds, val_seeds
+from rldynamics.train.batch_ops import clustered_se, env_seeds, train_seeds, val_seeds
 from rldynamics.train.trainer import train
 from rldynamics.train.warmstart import demo_seeds, warm_start_key
 

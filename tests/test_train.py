@@ -173,7 +173,7 @@ def test_metric_names_mean_what_ragen_means(fast_overrides):
 
 def test_explained_variance_and_its_terms_by_hand():
     from rldynamics.rollout.batch import RolloutBatch
-    from rldynamics.train.stages import data_metrics
+    from rldynamics.train.batch_ops import data_metrics
 
     mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])  # [2, 3]: three response tokens
     ids = torch.zeros(2, 3, dtype=torch.long)

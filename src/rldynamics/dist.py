@@ -182,3 +182,9 @@ def rank_chunks(order: torch.Tensor, size: int, lockstep: bool) -> list[torch.Te
         return mine
     most = math.ceil(math.ceil(len(order) / world()) / size)
     return mine + [None] * (most - len(mine))
+
+
+def too_few_groups(key: str, value: int, ranks: int) -> str:
+    """The refusal of a config key giving fewer groups than the ranks that roll them out."""
+    return (f"{key}={value} is fewer groups than the {ranks} ranks (each rank rolls out whole groups); set "
+            f"{key} >= {ranks} or use fewer ranks")

@@ -65,7 +65,7 @@ FILTER_KEPT_COUNT = "rollout/filter_kept_count"
 FILTER_ZERO_COUNT = "rollout/filter_zero_count"
 EMPTY_AFTER_FILTER = "rollout/empty_after_filter"  # 1 on a step whose filter kept no group
 REF_LOG_PROB = "rollout/ref_log_prob"  # mean log-prob of the sampled tokens under the reference
-GRADIENT_ANALYSIS_ONLY = "trainer/gradient_analysis_only"
+NO_UPDATE_JOB = "trainer/gradient_analysis_only"  # RAGEN's flag: 1 on the row of a job that updates nothing (a probe)
 EXITED_AFTER_ANALYSIS = "trainer/exited_after_gradient_analysis"
 STEP_TIME = "timing_s/step"
 VAL_TIME = "timing_s/val"
@@ -201,7 +201,7 @@ def loss(term: str) -> str:
 LOSS_TOTAL = loss("total")
 
 
-# verl's batch summaries (`train/stages.py` `data_metrics`); stat: mean | max | min
+# verl's batch summaries (`train/batch_ops.py` `data_metrics`); stat: mean | max | min
 def score(stat: str) -> str:
     """A statistic of the trained scores: `critic/score/<stat>`."""
     return critic(f"score/{stat}")

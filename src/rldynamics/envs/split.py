@@ -10,7 +10,7 @@ text: the same on every rank, machine and run, whatever the seeds; a problem is 
 
 An env whose first observation does not depend on the seed has one problem: it cannot be split, and a
 side it does not fall on raises a ValueError naming the key. `problem_key` also serves validation's standard error
-over distinct problems (`train/step.py`).
+over distinct problems (`train/stages.py`).
 """
 
 from __future__ import annotations

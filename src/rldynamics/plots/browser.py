@@ -21,6 +21,7 @@ from __future__ import annotations
 import html
 import json
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,10 @@ from rldynamics.tracking.step_records import (
     ATTRIBUTION_FILE,
     RECORDS_DIR,
     REPLAYS_DIR,
+    OptimizerStepRecord,
+    RecordedStep,
     RecordError,
     attribution_path,
-    read_record,
     record_step,
     records,
 )
@@ -126,14 +128,14 @@ def browser_section(run_dir: str | Path) -> tuple[str, int] | None:
 def step_view(run_dir: str | Path, path: Path, pieces: dict[int, str]) -> tuple[StepView, str | None]:
     """The view of one record (RecordError or another of `ERRORS` when it is unusable) and a note on its
     attribution file when that one is unusable; adds the record's token pieces to `pieces`."""
-    tensors, meta = read_record(path)
+    record = RecordedStep.read(path)
     step = record_step(path)
-    attribution, attribution_note = read_attribution(run_dir, step, len(tensors["scores"]))
-    ok = successes(meta, len(tensors["scores"]))
-    data = step_data(step, tensors, meta, ok, attribution)
-    pieces.update({int(k): str(v) for k, v in meta.get("pieces", {}).items()})
-    reasons = [str(r) for r in meta.get("reasons", [])]
-    return StepView(step, reasons, step_summary(step, tensors, meta, ok, attribution), data), attribution_note
+    attribution, attribution_note = read_attribution(run_dir, step, record.rows)
+    ok = successes(record)
+    data = step_data(step, record, ok, attribution)
+    pieces.update(record.pieces)
+    reasons = [str(r) for r in record.reasons]
+    return StepView(step, reasons, step_summary(step, record, ok, attribution), data), attribution_note
 
 
 def read_attribution(run_dir: str | Path, step: int, rows: int) -> tuple[dict | None, str | None]:
@@ -156,11 +158,11 @@ def _relative(run_dir: str | Path, path: Path) -> str:
     return str(path.relative_to(run_dir)) if path.is_relative_to(run_dir) else str(path)
 
 
-def successes(meta: dict, rows: int) -> np.ndarray:
+def successes(record: RecordedStep) -> np.ndarray:
     """Whether each row succeeded (env_metrics `success` > 0). [N] bool"""
-    metrics = meta["env_metrics"]
-    if len(metrics) != rows:
-        raise ValueError(f"env_metrics has {len(metrics)} rows for {rows} trajectories")
+    metrics = record.env_metrics
+    if len(metrics) != record.rows:
+        raise ValueError(f"env_metrics has {len(metrics)} rows for {record.rows} trajectories")
     return np.array([float(m.get("success", 0.0)) > 0 for m in metrics], dtype=bool)
 
 
@@ -179,14 +181,14 @@ def solve_shares(group_ids: np.ndarray, ok: np.ndarray) -> SolveShares:
                        sum(not ok[r].any() for r in groups))
 
 
-def mean_advantages(tensors: dict[str, np.ndarray]) -> np.ndarray:
+def mean_advantages(record: RecordedStep) -> np.ndarray:
     """Each kept row's mean advantage over its response tokens (NaN without advantages or response tokens). [M]"""
-    kept = tensors["kept_rows"]
-    if "advantages" not in tensors:
+    kept = record.kept_rows
+    if record.advantages is None:
         return np.full(len(kept), np.nan)
-    mask = tensors["response_mask"][kept].astype(bool)
+    mask = record.response_mask[kept].astype(bool)
     count = mask.sum(axis=1)
-    total = np.where(mask, tensors["advantages"], 0.0).sum(axis=1)
+    total = np.where(mask, record.advantages, 0.0).sum(axis=1)
     return np.where(count > 0, total / np.maximum(count, 1), np.nan)
 
 
@@ -213,17 +215,16 @@ def fig_step_histograms(scores: np.ndarray, advantages: np.ndarray, means: np.nd
     return fig
 
 
-def step_summary(step: int, tensors: dict[str, np.ndarray], meta: dict, ok: np.ndarray,
-                 attribution: dict | None) -> str:
+def step_summary(step: int, record: RecordedStep, ok: np.ndarray, attribution: dict | None) -> str:
     """The static part of a step: what was recorded, the histograms with the solve shares beside them, the replies
     of largest gradient share."""
-    scores, group_ids = tensors["scores"], tensors["group_ids"]
+    scores, group_ids = record.scores, record.group_ids
     shares = solve_shares(group_ids, ok)
-    kept = len(tensors["kept_rows"])
-    line = (f"Step {step}, recorded for {_reasons_text(meta.get('reasons', []))}: {len(scores)} trajectories in "
+    kept = len(record.kept_rows)
+    line = (f"Step {step}, recorded for {_reasons_text(record.reasons)}: {len(scores)} trajectories in "
             f"{shares.groups} groups; the filter kept {kept} rows; {int(ok.sum())} trajectories succeed."
-            + _weights_text(meta) + _update_text(meta.get("update")))
-    fig = fig_step_histograms(scores, mean_advantages(tensors), group_means(scores, group_ids))
+            + _weights_text(record) + _update_text(record.update_steps))
+    fig = fig_step_histograms(scores, mean_advantages(record), group_means(scores, group_ids))
     caption = f"Step {step}: trajectory rewards, kept rows' mean advantages, groups' mean rewards"
     shares_html = (f'<div class="bshares"><b>Groups</b><br>{html.escape(shares.text())}<br><span class="meta">'
                    "all rows succeed / no row succeeds (env_metrics success)</span></div>")
@@ -231,7 +232,7 @@ def step_summary(step: int, tensors: dict[str, np.ndarray], meta: dict, ok: np.n
             f"{shares_html}</div>{_top_table(step, attribution, scores, ok)}")
 
 
-def _reasons_text(reasons: list) -> str:
+def _reasons_text(reasons: Sequence[str]) -> str:
     return ", ".join(_reason(str(r)) for r in reasons) or "no recorded reason"
 
 
@@ -245,18 +246,17 @@ def step_label(step: int, reasons: list[str]) -> str:
     return f"step {step} ({_reasons_text(reasons)})"
 
 
-def _weights_text(meta: dict) -> str:
-    names, weights = meta.get("reward_names") or [], meta.get("reward_weights") or []
-    terms = " + ".join(f"{fmt(float(w))} × {n}" for n, w in zip(names, weights, strict=False))
+def _weights_text(record: RecordedStep) -> str:
+    pairs = zip(record.reward_names, record.reward_weights, strict=False)
+    terms = " + ".join(f"{fmt(float(w))} × {n}" for n, w in pairs)
     return f" Trained reward = {terms}." if terms else ""
 
 
-def _update_text(update: Any) -> str:
-    steps = update.get("steps", []) if isinstance(update, dict) else []
+def _update_text(steps: Sequence[OptimizerStepRecord] | None) -> str:
     if not steps:
         return " No optimizer step."
-    norms = ", ".join(fmt(float(s.get("grad_norm", float("nan")))) for s in steps)
-    counts = {k: sum(bool(s.get(k)) for s in steps) for k in ("clipped", "skipped")}
+    norms = ", ".join(fmt(float(s.grad_norm)) for s in steps)
+    counts = {"clipped": sum(s.clipped for s in steps), "skipped": sum(s.skipped for s in steps)}
     flags = [f"{n} {k}" for k, n in counts.items() if n]
     return f" {len(steps)} optimizer step{'s' if len(steps) > 1 else ''}, grad norm {norms}" + (
         f" ({', '.join(flags)})." if flags else ".")
@@ -288,71 +288,69 @@ def _number(value: Any) -> float:
     return float("nan") if value is None else float(value)
 
 
-def step_data(step: int, tensors: dict[str, np.ndarray], meta: dict, ok: np.ndarray,
-              attribution: dict | None) -> dict[str, Any]:
+def step_data(step: int, record: RecordedStep, ok: np.ndarray, attribution: dict | None) -> dict[str, Any]:
     """The blob of a step: groups (their prompt, rows and summary line) and rows (tokens from the first response
     token on, response runs, per-token values on the response tokens, reward, advantage, success, kept)."""
-    kept = {int(r): k for k, r in enumerate(tensors["kept_rows"].tolist())}
-    advantages = mean_advantages(tensors)
+    kept = {int(r): k for k, r in enumerate(record.kept_rows.tolist())}
+    advantages = mean_advantages(record)
     by_row = {int(r["row"]): r for r in attribution["rows"]} if attribution else {}
     tokens = attribution.get("tokens", {}) if attribution else {}
     ranks = {int(r["row"]): rank for rank, r in enumerate(top_replies(attribution), 1)}
     rows = []
-    for i in range(len(tensors["scores"])):
+    for i in range(record.rows):
         k = kept.get(i)
-        row = reply_data(tensors, i, k) | {"r": _round(tensors["scores"][i]), "ok": int(ok[i]), "k": int(k is not None),
-                                            "a": _round(advantages[k]) if k is not None else None}
-        if "reward_components" in tensors:
-            row["c"] = [_round(v) for v in tensors["reward_components"][i]]
+        row = reply_data(record, i, k) | {"r": _round(record.scores[i]), "ok": int(ok[i]), "k": int(k is not None),
+                                           "a": _round(advantages[k]) if k is not None else None}
+        if record.reward_components is not None:
+            row["c"] = [_round(v) for v in record.reward_components[i]]
         if i in by_row:
             row |= {"sh": _round(by_row[i]["share"]), "cos": _round(by_row[i].get("cosine"))}
             row |= {"at": [[int(p), _round(v)] for p, v in tokens.get(str(i), [])]}
         if i in ranks:
             row["top"] = ranks[i]
         rows.append(row)
-    groups = [group_data(g, members, tensors, meta, ok, attribution) for g, members in
-              group_rows(tensors["group_ids"]).items()]
-    return {"step": step, "names": [str(n) for n in meta.get("reward_names", [])], "groups": groups, "rows": rows,
-            "open": _first_open(groups, ranks, tensors["scores"]), "hasAt": attribution is not None}
+    groups = [group_data(g, members, record, ok, attribution) for g, members in group_rows(record.group_ids).items()]
+    return {"step": step, "names": [str(n) for n in record.reward_names], "groups": groups, "rows": rows,
+            "open": _first_open(groups, ranks, record.scores), "hasAt": attribution is not None}
 
 
-def reply_data(tensors: dict[str, np.ndarray], i: int, k: int | None) -> dict[str, Any]:
+def reply_data(record: RecordedStep, i: int, k: int | None) -> dict[str, Any]:
     """Row i's tokens from its first response token to its last attended one (`o`: that first position), the run
     lengths of response and other tokens (`s`, starting with a response run) and the per-token values on its
     response tokens: `adv`, `ent`, `mis` (kept rows only), `lp` (the sampler's log-prob)."""
-    attended = np.flatnonzero(tensors["attention_mask"][i])
-    response = tensors["response_mask"][i].astype(bool)
+    attended = np.flatnonzero(record.attention_mask[i])
+    response = record.response_mask[i].astype(bool)
     end = int(attended[-1]) + 1 if attended.size else 0
     first = np.flatnonzero(response[:end])
     start = int(first[0]) if first.size else end
     on = response[start:end]
-    out: dict[str, Any] = {"i": i, "o": start, "t": tensors["input_ids"][i, start:end].tolist(), "s": run_lengths(on)}
-    values = {"lp": tensors["rollout_logprobs"][i] if "rollout_logprobs" in tensors else None}
+    out: dict[str, Any] = {"i": i, "o": start, "t": record.input_ids[i, start:end].tolist(), "s": run_lengths(on)}
+    values = {"lp": _row(record.rollout_logprobs, i)}
     if k is not None:
-        values |= {"adv": _kept(tensors, "advantages", k), "ent": _kept(tensors, "entropy", k)}
-        trainer = _kept(tensors, "trainer_logprobs", k)
+        values |= {"adv": _row(record.advantages, k), "ent": _row(record.entropy, k)}
+        trainer = _row(record.trainer_logprobs, k)
         values["mis"] = values["lp"] - trainer if trainer is not None and values["lp"] is not None else None
     out |= {key: compact(v[start:end][on]) for key, v in values.items() if v is not None}
     return out
 
 
-def _kept(tensors: dict[str, np.ndarray], key: str, k: int) -> np.ndarray | None:
-    return tensors[key][k] if key in tensors else None
+def _row(values: np.ndarray | None, i: int) -> np.ndarray | None:
+    return values[i] if values is not None else None
 
 
-def group_data(g: int, members: list[int], tensors: dict[str, np.ndarray], meta: dict, ok: np.ndarray,
+def group_data(g: int, members: list[int], record: RecordedStep, ok: np.ndarray,
                attribution: dict | None) -> dict[str, Any]:
     """A group of the blob: its prompt (the attended tokens before the first response token of its first row), its
     rows and its summary line."""
     first = members[0]
-    attended = tensors["attention_mask"][first].astype(bool)
-    response = np.flatnonzero(tensors["response_mask"][first])
+    attended = record.attention_mask[first].astype(bool)
+    response = np.flatnonzero(record.response_mask[first])
     start = int(response[0]) if response.size else len(attended)
-    prompt = tensors["input_ids"][first, :start][attended[:start]].tolist()
-    seeds = meta.get("env_seeds") or []
-    kept = set(tensors["kept_rows"].tolist())
+    prompt = record.input_ids[first, :start][attended[:start]].tolist()
+    seeds = record.env_seeds
+    kept = set(record.kept_rows.tolist())
     parts = [f"group {g}"] + ([f"seed {seeds[first]}"] if first < len(seeds) else [])
-    parts += [f"{len(members)} replies", f"mean reward {fmt(float(tensors['scores'][members].mean()))}",
+    parts += [f"{len(members)} replies", f"mean reward {fmt(float(record.scores[members].mean()))}",
               f"{int(ok[members].sum())} of {len(members)} succeed",
               "kept" if all(r in kept for r in members) else "dropped by the filter"]
     found = [a for a in (attribution or {}).get("groups", []) if int(a["group"]) == g]

@@ -10,7 +10,7 @@ rollout loop (`rollout.agent.rollout`) drives it turn by turn. `rollout.engine` 
 
 Adding an engine: a class with the protocol's methods, a function that builds it for a run, and an entry in
 `ENGINES` under the name users give as `rollout.engine` (a choice of that config field: a test keeps the table's
-names and the field's choices equal). The table is a plain dict, as `envs.ENVS` and `train.stages.ESTIMATORS` are.
+names and the field's choices equal). The table is a plain dict, as `envs.ENVS` and `train.batch_ops.ESTIMATORS` are.
 """
 
 from __future__ import annotations

@@ -110,11 +110,6 @@ class StepConsole:
         else:
             self.print(summary_line(step, metrics, self.env))
 
-    def analysis_done(self, step: int) -> None:
-        """The run ends after the gradient analysis of `step` (analysis.exit_after; a probe always)."""
-        self.print(f"probe of step {step} done: gradient analysis written" if self.probe
-                   else f"[yellow]exited after the gradient analysis of step {step} (analysis.exit_after=true)")
-
     def print(self, text: str) -> None:
         if self.enabled:
             self.progress.console.print(text)

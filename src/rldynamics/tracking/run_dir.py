@@ -167,7 +167,7 @@ class RunWriter:
 
     def attempts(self) -> int:
         """Rollbacks this run has made (`rolled_back/attempt_<k>/` directories)."""
-        return len(list((self.path / ROLLED_BACK).glob("attempt_*")))
+        return attempts(self.path)
 
     def archive_after(self, step: int) -> Path:
         """Move what was written for steps after `step` (log rows, analysis directories, step records) into a new
@@ -314,3 +314,8 @@ def read_config(run_dir: str | Path) -> dict[str, Any]:
     import yaml
 
     return yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+
+
+def attempts(run_dir: Path) -> int:
+    """Rollbacks the run in `run_dir` has made (`rolled_back/attempt_<k>/` directories)."""
+    return len(list((Path(run_dir) / ROLLED_BACK).glob("attempt_*")))

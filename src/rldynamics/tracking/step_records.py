@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ import numpy as np
 from rldynamics.tracking.files import refuse_link, remove, write_file
 
 FORMAT = "rldynamics-step-record/1"
+FORMATS = (FORMAT,)  # the formats this version reads (each a `RecordedStep.from_file` of its own)
 RECORDS_DIR = "records"
 PACKED_ALL = ("rollout_logprobs",)  # per-token floats of every row, stored on the response mask only
 PACKED_KEPT = ("advantages", "trainer_logprobs", "entropy")  # ... of the kept rows
@@ -125,8 +127,11 @@ def read_record(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, Any]
     except (SafetensorError, ValueError, KeyError) as e:
         raise RecordError(f"{path}: not a readable step record ({e.__class__.__name__}: {e}); it was cut short or "
                           "damaged: remove it (the step can be recorded again with record.steps=[N])") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise RecordError(f"{path}: not a step record of format {FORMAT} (found {header.get('format')!r})")
+    if not isinstance(meta, dict) or meta.get("format") not in FORMATS:
+        found = header.get("format")
+        why = ("not a step record" if found is None else
+               "a step record of a newer rldynamics (upgrade it to read this one)")
+        raise RecordError(f"{path}: {why}: format {found!r}; this version reads {', '.join(FORMATS)}")
     missing = [k for k in ("input_ids", "attention_mask", "response_mask", "scores", "group_ids", "kept_rows")
                if k not in tensors]
     if missing:
@@ -135,6 +140,120 @@ def read_record(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, Any]
         return _unpacked(tensors), meta
     except ValueError as e:
         raise RecordError(f"{path}: {e}") from None
+
+
+@dataclass(frozen=True)
+class OptimizerStepRecord:
+    """One optimizer step of a recorded update."""
+
+    grad_norm: float  # pre-clip
+    clipped: bool
+    skipped: bool  # not taken: a non-finite gradient, or refused by a guard
+    refused: bool  # refused by a guard (the health monitor's gradient-spike rule)
+
+
+@dataclass(frozen=True)
+class RecordedStep:
+    """A step record, typed: the rollout (N rows before the filter), the filter's kept rows (M), what the update
+    ran and made, and what the browser shows. Arrays as `read_record` returns them (unpacked); None where the
+    record has none."""
+
+    step: int
+    seed_step: int  # the step whose env and sampling seeds were drawn
+    input_ids: np.ndarray  # [N, L] int32
+    attention_mask: np.ndarray  # [N, L] uint8
+    response_mask: np.ndarray  # [N, L] uint8
+    scores: np.ndarray  # [N] float32
+    group_ids: np.ndarray  # [N] int64
+    kept_rows: np.ndarray  # [M] int64
+    env_seeds: tuple[int, ...] = ()  # [N]
+    env_metrics: tuple[dict, ...] = ()  # [N]
+    reward_names: tuple[str, ...] = ()
+    reward_weights: tuple[float, ...] = ()
+    reward_components: np.ndarray | None = None  # [N, K] float32
+    rollout_logprobs: np.ndarray | None = None  # [N, L] float32
+    advantages: np.ndarray | None = None  # [M, L] float32
+    trainer_logprobs: np.ndarray | None = None  # [M, L] float32
+    entropy: np.ndarray | None = None  # [M, L] float32
+    attempt: int = 0
+    sampling_seed: int | None = None
+    threads: int | None = None
+    reasons: tuple[str, ...] = ()
+    kept_ratio: float | None = None  # the filter's
+    reward_std: float | None = None  # mean group reward std before the filter
+    old_logprobs_pass: bool | None = None  # which no-grad passes ran (None: nothing was prepared)
+    ref_logprobs_pass: bool | None = None
+    update_steps: tuple[OptimizerStepRecord, ...] | None = None  # None: no actor update
+    update_metrics: dict[str, float] = field(default_factory=dict)  # the update's `actor/*` losses
+    weights_after: str | None = None
+    state_before: bool = False
+    pieces: dict[int, str] = field(default_factory=dict)  # token id -> its text decoded alone
+    run_id: str | None = None  # the run that wrote it (None: written before records named their run)
+    run_name: str | None = None
+
+    @classmethod
+    def read(cls, path: str | Path) -> RecordedStep:
+        """The record at `path`; RecordError naming the file for anything this version cannot read."""
+        tensors, meta = read_record(path)
+        return cls.from_file(tensors, meta)
+
+    @classmethod
+    def from_file(cls, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> RecordedStep:
+        """A record of `FORMATS` from its tensors and meta (`read_record`)."""
+        update, run, passes, filt = meta.get("update"), meta.get("run") or {}, meta.get("passes"), meta.get("filter")
+        steps = None if update is None else tuple(OptimizerStepRecord(
+            s["grad_norm"], bool(s["clipped"]), bool(s["skipped"]), bool(s.get("refused", False)))
+            for s in update.get("steps", []))
+        return cls(step=meta["step"], seed_step=meta.get("seed_step", meta["step"]),
+                   **{k: tensors.get(k) for k in (*_ROLLOUT, *_OPTIONAL)},
+                   env_seeds=tuple(meta.get("env_seeds", ())), env_metrics=tuple(meta.get("env_metrics", ())),
+                   reward_names=tuple(meta.get("reward_names", ())),
+                   reward_weights=tuple(meta.get("reward_weights", ())), attempt=meta.get("attempt", 0),
+                   sampling_seed=meta.get("sampling_seed"), threads=meta.get("threads"),
+                   reasons=tuple(meta.get("reasons", ())),
+                   kept_ratio=filt.get("kept_ratio") if filt else None,
+                   reward_std=filt.get("reward_std") if filt else None,
+                   old_logprobs_pass=passes.get("old_logprobs") if passes else None,
+                   ref_logprobs_pass=passes.get("ref_logprobs") if passes else None,
+                   update_steps=steps, update_metrics=dict(update.get("metrics", {})) if update else {},
+                   weights_after=meta.get("weights_after"), state_before=bool(meta.get("state_before")),
+                   pieces={int(k): str(v) for k, v in meta.get("pieces", {}).items()},
+                   run_id=run.get("id"), run_name=run.get("name"))
+
+    def to_file(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Its tensors and meta as `write_record` takes them (without `format` and `step`, which it adds)."""
+        tensors = {k: getattr(self, k) for k in (*_ROLLOUT, *_OPTIONAL) if getattr(self, k) is not None}
+        meta: dict[str, Any] = {"seed_step": self.seed_step, "attempt": self.attempt,
+                                "env_seeds": list(self.env_seeds), "reward_names": list(self.reward_names),
+                                "reward_weights": list(self.reward_weights), "env_metrics": list(self.env_metrics),
+                                "threads": self.threads, "sampling_seed": self.sampling_seed,
+                                "pieces": {str(k): v for k, v in self.pieces.items()}}
+        if self.run_id is not None:
+            meta["run"] = {"id": self.run_id, "name": self.run_name}
+        if self.kept_ratio is not None:
+            meta["filter"] = {"kept_ratio": self.kept_ratio, "reward_std": self.reward_std}
+        if self.old_logprobs_pass is not None:
+            meta["passes"] = {"old_logprobs": self.old_logprobs_pass, "ref_logprobs": self.ref_logprobs_pass}
+        if self.update_steps is not None:
+            meta["update"] = {"steps": [{"grad_norm": s.grad_norm, "clipped": s.clipped, "skipped": s.skipped,
+                                         "refused": s.refused} for s in self.update_steps],
+                              "metrics": dict(self.update_metrics)}
+        meta.update(reasons=list(self.reasons), weights_after=self.weights_after, state_before=self.state_before)
+        return tensors, meta
+
+    def write(self, run_dir: str | Path) -> Path:
+        """Write it as the record of its step in `run_dir` (atomically); its path."""
+        tensors, meta = self.to_file()
+        return write_record(run_dir, self.step, tensors, meta)
+
+    @property
+    def rows(self) -> int:
+        """Trajectories in the rollout (N)."""
+        return len(self.scores)
+
+
+_ROLLOUT = ("input_ids", "attention_mask", "response_mask", "scores", "group_ids", "kept_rows")
+_OPTIONAL = ("reward_components", "rollout_logprobs", "advantages", "trainer_logprobs", "entropy")
 
 
 def _masks(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

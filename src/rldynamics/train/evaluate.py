@@ -1,6 +1,6 @@
 """`rldyn eval`: one validation of a checkpoint or a model, written to a small run directory of its own.
 
-What is measured is the trainer's validation stage itself (`train.step.validate`: the fixed validation seeds
+What is measured is the trainer's validation stage itself (`train.stages.validate`: the fixed validation seeds
 `val.seed_base ..`, `val.group_size` samples each at `val.temperature`), so an eval of a run's checkpoint gives the
 number that run logged at that step: success, pass@`val.group_size`, the weighted reward and each raw reward
 component (`val-reward/<name>/*`), response length and the env's own metrics.
@@ -96,9 +96,10 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0, checkpoint: Path | None 
     from rldynamics.models.sharding import wrap
     from rldynamics.rollout.engines import rollout_engine
     from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
-    from rldynamics.train import step as stages
+    from rldynamics.train import stages
     from rldynamics.train.checkpoint import verify_checkpoint
-    from rldynamics.train.setup import Session, base_model_path, prepare, resolve_device, run_config, start_compute
+    from rldynamics.train.session import Session
+    from rldynamics.train.setup import base_model_path, prepare, resolve_device, run_config, start_compute
 
     check_no_links(run_dir)
     _check_new(run_dir)

@@ -14,24 +14,26 @@ from rldynamics import dist
 from rldynamics.config import Config
 from rldynamics.tracking.run_dir import RunLock
 from rldynamics.train import setup
+from rldynamics.train.diagnostics.base import TRAIN
 from rldynamics.train.early_stop import EarlyStopper
-from rldynamics.train.setup import Session
+from rldynamics.train.session import Session, Start
 
 
 @contextmanager
-def opened(cfg: Config, run_dir: Path | None = None):
-    """A session set up (`setup`: checks, models, the resumed checkpoint) with its run directory locked and first
-    written; yields (session, start, early stopper). After the body: every diagnostic's background work done (gradient
-    dumps on disk), the writer closed and the report written (not after an error: what was written stays as it is).
+def opened(cfg: Config, run_dir: Path | None = None, *, job: str = TRAIN, report: bool = True):
+    """A session of `job` set up (`setup`: checks, models, the resumed checkpoint, the job's diagnostics) with its
+    run directory locked and first written; yields (session, start, early stopper). After the body: every
+    diagnostic's background work done (gradient dumps on disk), the writer closed and, with `report` and
+    `log.report`, the report written (not after an error: what was written stays as it is).
 
     Under torchrun every rank calls it; the checks and the run directory are rank 0's (`dist.on_main`), so a start
     that fails raises the same error on every rank before any work."""
-    setup.check_world(cfg)
+    setup.check_world(cfg, job=job)
     run_dir = dist.on_main(lambda: run_dir or setup.resolve_run_dir(cfg))
     start = dist.on_main(setup.plan_start, cfg, run_dir)  # reads only; raises before any work
     stopper = EarlyStopper.for_run(cfg)
     setup.load_early_stop(stopper, start)
-    s = setup.make_session(cfg, run_dir, start)  # writes nothing
+    s = setup.make_session(cfg, run_dir, start, job)  # writes nothing
     with ExitStack() as held:
         dist.on_main(_open, s, start, held)
         try:
@@ -41,11 +43,11 @@ def opened(cfg: Config, run_dir: Path | None = None):
                 d.close()
         if s.main:
             s.writer.close()
-            if cfg.log.report and not s.rolling_back:
-                _write_report(s.run_dir)
+            if report and cfg.log.report:
+                report_run(s.run_dir)
 
 
-def _open(s: Session, start: setup.Start, held: ExitStack) -> None:
+def _open(s: Session, start: Start, held: ExitStack) -> None:
     """Lock the run directory for as long as `held` is (one writer per run), then make the first writes."""
     lock = held.enter_context(RunLock(s.run_dir))
     setup.open_run(s, start)
@@ -55,7 +57,7 @@ def _open(s: Session, start: setup.Start, held: ExitStack) -> None:
         print(f"note: {s.run_dir} has no checkpoint yet; training it again from step 0")
 
 
-def _write_report(run_dir: Path) -> None:
+def report_run(run_dir: Path) -> None:
     """Figures and the HTML report of the finished run (plotting reads only the run directory).
 
     The run is complete before this; a figure that cannot be drawn is reported in one line and never fails it."""

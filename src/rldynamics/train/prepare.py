@@ -19,8 +19,8 @@ from rldynamics.config import Config
 from rldynamics.models.forward import batch_logprobs, batch_values
 from rldynamics.models.lora import as_reference
 from rldynamics.rollout.batch import RolloutBatch
+from rldynamics.train.batch_ops import advantages_and_returns, timed
 from rldynamics.train.sharded import row_pass
-from rldynamics.train.stages import advantages_and_returns, timed
 
 if TYPE_CHECKING:  # the session is built in train/setup.py, which builds the diagnostics that prepare batches
     from rldynamics.train.setup import Session

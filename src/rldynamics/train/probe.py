@@ -25,13 +25,15 @@ from rldynamics import metric_names as names
 from rldynamics.config import Config, ConfigError, apply_overrides, config_diff
 from rldynamics.rollout.sampling import NonFiniteLogits
 from rldynamics.tracking.console import StepConsole
-from rldynamics.train import step as stages
+from rldynamics.train import stages
 from rldynamics.train.checkpoint import read_trainer_state
-from rldynamics.train.diagnostics.base import BEFORE_UPDATE, END, StepRecord
-from rldynamics.train.diagnostics.records import RECORDS_OFF
+from rldynamics.train.diagnostics import job_settings
+from rldynamics.train.diagnostics.base import END, PROBE
 from rldynamics.train.early_stop import EarlyStopper
 from rldynamics.train.lifecycle import opened
-from rldynamics.train.setup import Session, run_config
+from rldynamics.train.session import Session
+from rldynamics.train.setup import run_config
+from rldynamics.train.step_record import StepRecord
 
 PROBE_DEFAULTS = ["algo.kl_coef=0.001", "algo.kl_type=k3", "algo.entropy_coef=0.001"]
 RUN_MODEL_KEYS = ("model.path", "tiny.", "model.warm_start_")  # the run's base model: never a probe's to change
@@ -46,9 +48,8 @@ def probe_config(checkpoint: Path, overrides: list[str], validate: bool = False)
     a ConfigError."""
     step = read_trainer_state(checkpoint)["step"]
     base = run_config(checkpoint)
-    mode = [f"checkpoint.resume={checkpoint}", f"train.steps={step}", "analysis.enabled=true", "analysis.every=1",
-            "analysis.exit_after=true", f"val.before_train={str(validate).lower()}",
-            "health.enabled=false", *RECORDS_OFF]  # the monitor and the records watch training; a probe trains nothing
+    mode = [f"checkpoint.resume={checkpoint}", f"train.steps={step}", f"val.before_train={str(validate).lower()}",
+            *job_settings(PROBE)]  # the probe's diagnostics (the gradient analysis at this step) say what they need
     cfg = apply_overrides(base, PROBE_DEFAULTS + mode + overrides)
     changed = [f"{key}={new} (the run's: {old})" for key, old, new in config_diff(base, cfg)
                if key.startswith(RUN_MODEL_KEYS)]
@@ -64,7 +65,7 @@ def probe_checkpoint(checkpoint: str | Path, overrides: list[str], validate: boo
     cfg = probe_config(checkpoint, overrides, validate)
     name = cfg.log.name if any(o.startswith("log.name=") for o in overrides) else (
         f"probe_{checkpoint.parent.parent.name}_{checkpoint.name}")
-    with opened(cfg, Path(cfg.log.run_dir) / name) as (s, start, stopper):
+    with opened(cfg, Path(cfg.log.run_dir) / name, job=PROBE) as (s, start, stopper):
         probe_steps(s, start.step, stopper)
     return s.run_dir
 
@@ -86,24 +87,21 @@ def probe_steps(s: Session, step: int, stopper: EarlyStopper) -> None:
             metrics = {**stages.non_finite_logits(), names.early_stopped(stages.NON_FINITE_LOGITS): 1.0}
             console.print(f"[yellow]early stop at step {step}: {stages.NON_FINITE_LOGITS}")
         else:
-            console.analysis_done(step)
+            console.print(f"probe of step {step} done: gradient analysis written")
         s.log(step, metrics)
 
 
 def analyse_checkpoint(s: Session, step: int, stopper: EarlyStopper) -> dict[str, float]:
-    """The probe's row: rollout of the probe seeds, filter, prepare (no update), the diagnostics of every point
-    (the gradient analysis among them: `analysis.every=1`).
+    """The probe's row: rollout of the probe seeds, filter, prepare (no update), the diagnostics of every point.
 
     The stopper only counts (`rollout/consecutive_empty_after_filter_steps` continues the checkpoint's count);
-    its stop reasons, and the analysis's `analysis.exit_after`, are ignored."""
+    its stop reasons, and the diagnostics', are ignored."""
     due = stages.due_diagnostics(s, step)
     record = StepRecord(step=step, seed_step=PROBE_SEED_STEP)
     stages.begin(s, due, record, stopper)  # its stop reason is not the probe's
     if len(record.filtered.batch) > 0:
         record.prepared = stages.prepare(s, record.filtered)
         record.add(record.prepared.metrics)
-    record.add({names.GRADIENT_ANALYSIS_ONLY: 1.0})
-    stages.run_point(s, due, BEFORE_UPDATE, record)
+    stages.before_update(s, due, record, updates=False)
     stages.run_point(s, due, END, record)
-    record.add({names.EXITED_AFTER_ANALYSIS: 1.0})
     return record.metrics()

@@ -17,7 +17,7 @@ every step is seeded by (seed, step), so this repeats the run exactly where a re
 a health rollback, whose steps drew other samples).
 
 A record is replayed only in the run that wrote it (`check_record`): one naming another run
-(`meta["run"]`, the run directory's `run_id`) is refused, and so is one whose rollout has another
+(`RecordedStep.run_id`, the run directory's `run_id`) is refused, and so is one whose rollout has another
 shape (train.env_groups x train.group_size rows) or another sampling seed than the run draws at
 that step (what is left to check in a record written before records named their run).
 
@@ -48,7 +48,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from rldynamics import metric_names as names
@@ -67,22 +66,25 @@ from rldynamics.tracking.run_dir import read_metrics
 from rldynamics.tracking.step_records import (
     ATTRIBUTION_FILE,
     REPLAYS_DIR,
+    RecordedStep,
     RecordError,
-    read_record,
     record_path,
     replay_dir,
     run_identity,
     state_before_path,
 )
-from rldynamics.train import step as stages
+from rldynamics.train import stages
+from rldynamics.train.batch_ops import filter_batch, step_seed
 from rldynamics.train.checkpoint import checkpoint_step, checkpoints
-from rldynamics.train.diagnostics.records import RECORDS_OFF, kept_rows, weights_digest
+from rldynamics.train.diagnostics import build_diagnostics
+from rldynamics.train.diagnostics.base import ROLL_FORWARD, TRAIN, Needs
 from rldynamics.train.lifecycle import opened
-from rldynamics.train.stages import filter_batch, step_seed
+from rldynamics.train.record_io import batch_of, kept_rows, weights_digest
+from rldynamics.train.session import Session
+from rldynamics.train.step_record import StepRecord
 
-ROLL_FORWARD = "roll_forward"
-QUIET = ["log.report=false", "val.before_train=false", "analysis.enabled=false", "health.enabled=false",
-         "collapse.enabled=false", *RECORDS_OFF]
+REPLAY = "replay"  # the job of a replay: it runs no diagnostic
+QUIET = ["log.report=false", "val.before_train=false"]
 COMPARED = (names.PG_LOSS, names.ACTOR_GRAD_NORM, names.KL_LOSS, names.PG_CLIPFRAC)  # the recorded update's losses
 # what a what-if may change (an entry ending in "." covers a section)
 WHAT_IFS = ("algo.", "critic.", "filter.", "train.lr", "train.weight_decay", "train.max_grad_norm",
@@ -107,6 +109,7 @@ class Replayed:
     digest: str | None
     delta: torch.Tensor | None  # [P] float32: weights after - before (None without an actor update)
     kept_rows: list[int] = field(default_factory=list)
+    old_logprobs_pass: bool | None = None  # whether the update ran the old-log-prob pass (None: nothing prepared)
 
 
 def replay_command(run_dir: str | Path, step: int, overrides: list[str], attribute: bool = False) -> Path:
@@ -114,25 +117,24 @@ def replay_command(run_dir: str | Path, step: int, overrides: list[str], attribu
     (the what-if's when there are overrides)."""
     run_dir = Path(run_dir).resolve()
     path = record_path(run_dir, step)
-    tensors, meta = read_record(path)
+    record = RecordedStep.read(path)
     run_cfg = load_config(run_dir / "config.yaml")
-    check_record(run_dir, run_cfg, tensors, meta, path)
+    check_record(run_dir, run_cfg, record, path)
     check_what_if(run_cfg, overrides)
-    start = start_checkpoint(run_dir, run_cfg, step, meta)
+    start = start_checkpoint(run_dir, run_cfg, step, record)
     out = replay_dir(run_dir, step)
     keep = () if attribute else (ATTRIBUTION_FILE,)  # without --attribute: keep an earlier one
     with staged(out, keep) as tmp:
-        cfg = replay_config(run_cfg, start, step, meta, [])
-        as_recorded = run_replay(cfg, tmp, step, tensors, meta, attribute=attribute)
+        cfg = replay_config(run_cfg, start, step, record, [])
+        as_recorded = run_replay(cfg, tmp, record, attribute=attribute)
         summary = {"step": step, "start": str(start) if start else "base model (step 0)",
-                   "threads": meta.get("threads"),
-                   **verdict(as_recorded, tensors, meta, read_row(run_dir, step))}
+                   "threads": record.threads, **verdict(as_recorded, record, read_row(run_dir, step))}
         write_file(tmp / "replay.json", json.dumps(summary, indent=1))
     if overrides:
         out = replay_dir(run_dir, step, slug(overrides))
         with staged(out) as tmp:
-            cfg = replay_config(run_cfg, start, step, meta, overrides)
-            what_if = run_replay(cfg, tmp, step, tensors, meta, attribute=False)
+            cfg = replay_config(run_cfg, start, step, record, overrides)
+            what_if = run_replay(cfg, tmp, record, attribute=False)
             summary["what_if"] = {"overrides": overrides, **compare_updates(as_recorded, what_if)}
             write_file(tmp / "replay.json", json.dumps(summary, indent=1))
     print(summary_lines(summary))
@@ -141,26 +143,25 @@ def replay_command(run_dir: str | Path, step: int, overrides: list[str], attribu
     return out
 
 
-def check_record(run_dir: Path, cfg: Config, tensors: dict, meta: dict, path: Path) -> None:
+def check_record(run_dir: Path, cfg: Config, record: RecordedStep, path: Path) -> None:
     """Raise RecordError, in one line naming both runs, unless the record at `path` is one of
     `run_dir`'s: the same run id where both have one, the rollout's shape and its sampling seed."""
-    theirs, ours, name = meta.get("run") or {}, run_identity(run_dir), run_dir.name
+    ours, name = run_identity(run_dir), run_dir.name
     other = f"{path}: a record of another run"
-    if theirs.get("id") and ours and theirs["id"] != ours:
-        raise RecordError(f"{other}: written by run {theirs.get('name')!r} "
-                          f"(run_id {theirs['id']}), while {run_dir} is run {name!r} "
+    if record.run_id and ours and record.run_id != ours:
+        raise RecordError(f"{other}: written by run {record.run_name!r} "
+                          f"(run_id {record.run_id}), while {run_dir} is run {name!r} "
                           f"(run_id {ours}); replay a record in the run directory that wrote it")
-    rows, groups, size = len(tensors["scores"]), cfg.train.env_groups, cfg.train.group_size
+    rows, groups, size = record.rows, cfg.train.env_groups, cfg.train.group_size
     if rows != groups * size:
         raise RecordError(f"{other}: it holds {rows} trajectories, while the rollout of run "
                           f"{name!r} has {groups * size} (train.env_groups {groups} x "
                           f"train.group_size {size})")
-    if "sampling_seed" in meta and "seed_step" in meta:
-        stream = stages.ATTEMPT_STREAM * meta.get("attempt", 0)
-        drawn = step_seed(cfg.seed, meta["seed_step"], stream=stream)
-        if meta["sampling_seed"] != drawn:
-            raise RecordError(f"{other}: its sampling seed {meta['sampling_seed']} is not the one "
-                              f"run {name!r} (seed={cfg.seed}) draws at step {meta['seed_step']}, "
+    if record.sampling_seed is not None:
+        drawn = step_seed(cfg.seed, record.seed_step, stream=stages.ATTEMPT_STREAM * record.attempt)
+        if record.sampling_seed != drawn:
+            raise RecordError(f"{other}: its sampling seed {record.sampling_seed} is not the one "
+                              f"run {name!r} (seed={cfg.seed}) draws at step {record.seed_step}, "
                               f"{drawn}")
 
 
@@ -228,7 +229,7 @@ def publish(tmp: Path, out: Path, keep: tuple[str, ...] = ()) -> Path:
     return out
 
 
-def start_checkpoint(run_dir: Path, cfg: Config, step: int, meta: dict) -> Path | None:
+def start_checkpoint(run_dir: Path, cfg: Config, step: int, record: RecordedStep) -> Path | None:
     """The checkpoint holding the state before `step` (None for step 1: the base model); rolls the run forward to
     step - 1 first where the run has no checkpoint there."""
     if step == 1:
@@ -236,13 +237,13 @@ def start_checkpoint(run_dir: Path, cfg: Config, step: int, meta: dict) -> Path 
     at = {checkpoint_step(p): p for p in checkpoints(run_dir)}
     if step - 1 in at:
         return at[step - 1]
-    if meta.get("state_before") and state_before_path(run_dir, step).is_dir():
+    if record.state_before and state_before_path(run_dir, step).is_dir():
         return state_before_path(run_dir, step)  # kept beside the record
     scratch = run_dir / REPLAYS_DIR / ROLL_FORWARD
     done = {checkpoint_step(p): p for p in checkpoints(scratch)} if scratch.is_dir() else {}
     if step - 1 in done:
         return done[step - 1]
-    if meta.get("attempt", 0) > 0:
+    if record.attempt > 0:
         raise ConfigError(f"{run_dir}: step {step} was trained after a health rollback and the run has no checkpoint "
                           f"at step {step - 1}; rolling forward would draw other samples than the run did. Record "
                           "the steps you want to replay with a checkpoint before them (checkpoint.every=1)")
@@ -263,8 +264,8 @@ def roll_forward(cfg: Config, origin: Path | None, last: int, scratch: Path) -> 
         remove(scratch)
     keys = [f"checkpoint.resume={origin}"] if origin else []
     keys += [f"train.steps={last}", "checkpoint.every=0", "checkpoint.save_last=true", "checkpoint.keep_last=1",
-             "log.report=false", "val.before_train=false", "val.every=0", *RECORDS_OFF]
-    train(apply_overrides(cfg, keys), scratch)
+             "log.report=false", "val.before_train=false", "val.every=0"]
+    train(apply_overrides(cfg, keys), scratch, job=ROLL_FORWARD)
     found = {checkpoint_step(p): p for p in checkpoints(scratch)}
     if last not in found:
         raise RuntimeError(f"rolling {scratch} forward stopped before step {last} (an early stop or a health stop): "
@@ -272,41 +273,44 @@ def roll_forward(cfg: Config, origin: Path | None, last: int, scratch: Path) -> 
     return found[last]
 
 
-def replay_config(cfg: Config, start: Path | None, step: int, meta: dict, overrides: list[str]) -> Config:
-    """The replay's config: the run's, started from `start`, with the diagnostics, records, validation and report
-    off, the HF engine (nothing is sampled), the record's thread count, then the what-if `overrides`."""
+def replay_config(cfg: Config, start: Path | None, step: int, record: RecordedStep, overrides: list[str]) -> Config:
+    """The replay's config: the run's, started from `start`, with validation and the report off, the HF engine
+    (nothing is sampled), the record's thread count, then the what-if `overrides`."""
     keys = ([f"checkpoint.resume={start}"] if start else []) + [f"train.steps={step}", "rollout.engine=hf"] + QUIET
-    if meta.get("threads"):
-        keys.append(f"model.threads={meta['threads']}")
+    if record.threads:
+        keys.append(f"model.threads={record.threads}")
     return apply_overrides(apply_overrides(cfg, keys), overrides, "what-if overrides")
 
 
-def run_replay(cfg: Config, out: Path, step: int, tensors: dict, meta: dict, *, attribute: bool) -> Replayed:
-    """Open a session at the start of `step` and run the recorded step's update in it."""
-    with opened(cfg, out) as (s, _, _), StepConsole(step, cfg.env.name, enabled=False) as console:
+def run_replay(cfg: Config, out: Path, record: RecordedStep, *, attribute: bool) -> Replayed:
+    """Open a session at the start of the recorded step and run its update phase on the recorded rollout: the
+    same function as a training step (`stages.update_phase`), with the passes the step's diagnostics needed
+    (`training_needs`) and the optimizer steps the run refused refused again."""
+    step = record.step
+    with opened(cfg, out, job=REPLAY) as (s, _, _), StepConsole(step, cfg.env.name, enabled=False) as console:
         s.console = console
         set_learning_rates(s)
         before = flat_weights(s.model)
-        batch = batch_of(tensors, meta)
-        filtered = filter_batch(batch, cfg.filter)
-        passes = meta.get("passes", {})
-        prepared = stages.prepare(s, filtered, old_pass=passes.get("old_logprobs", True),
-                                  ref_pass=cfg.algo.kl_coef > 0)
-        metrics = {**filtered.metrics, **prepared.metrics}
-        if s.critic is not None:
-            metrics.update(stages.critic_update(s, filtered.batch, prepared))
-        if attribute:
-            write_attribution(s, out, step, batch, filtered, prepared, meta)
-        delta = None
-        if step > cfg.critic.warmup_steps and len(filtered.batch) > 0:
-            update = stages.actor_update(s, step, filtered.batch, prepared, record=False, guard=refusals(meta))
-            metrics.update(update.metrics)
-            delta = flat_weights(s.model) - before
+        batch = batch_of(record)
+        replayed = StepRecord(step=step, seed_step=record.seed_step, rollout=batch,
+                              filtered=filter_batch(batch, cfg.filter))
+        replayed.add(replayed.filtered.metrics)
+        attribution = (lambda: write_attribution(s, out, replayed, record)) if attribute else (lambda: None)
+        phase = stages.update_phase(s, replayed, training_needs(cfg, step), guard=refusals(record),
+                                    before_actor=attribution)
+        metrics = replayed.metrics()
         s.log(step, metrics)
-        return Replayed(metrics, weights_digest(s.model), delta, kept_rows(batch, filtered.batch))
+        delta = flat_weights(s.model) - before if phase.actor_updated else None
+        passes = None if replayed.prepared is None else replayed.prepared.inputs.old_logprobs is not None
+        return Replayed(metrics, weights_digest(s.model), delta, kept_rows(batch, replayed.filtered.batch), passes)
 
 
-def set_learning_rates(s) -> None:
+def training_needs(cfg: Config, step: int) -> Needs:
+    """What the training step's due diagnostics needed from its update at `step` (the passes it ran)."""
+    return stages.needs_of([d for d in build_diagnostics(cfg, job=TRAIN) if d.due(step)], step)
+
+
+def set_learning_rates(s: Session) -> None:
     """The config's learning rates and weight decay in the optimizers (a checkpoint's optimizer state carries the
     run's; a what-if may change them)."""
     for group in s.optimizer.param_groups:
@@ -316,23 +320,9 @@ def set_learning_rates(s) -> None:
             group["lr"] = s.cfg.critic.lr
 
 
-def batch_of(tensors: dict[str, np.ndarray], meta: dict) -> RolloutBatch:
-    """The recorded rollout as the `RolloutBatch` the step trained on (the dtypes of `rollout.agent`)."""
-
-    def t(name: str, dtype: torch.dtype) -> torch.Tensor | None:
-        return torch.from_numpy(np.array(tensors[name])).to(dtype) if name in tensors else None
-
-    return RolloutBatch(input_ids=t("input_ids", torch.long), attention_mask=t("attention_mask", torch.long),
-                        response_mask=t("response_mask", torch.float32), scores=t("scores", torch.float32),
-                        group_ids=t("group_ids", torch.long), reward_components=t("reward_components", torch.float32),
-                        reward_names=tuple(meta["reward_names"]), reward_weights=tuple(meta["reward_weights"]),
-                        env_metrics=list(meta["env_metrics"]), rollout_logprobs=t("rollout_logprobs", torch.float32),
-                        seeds=list(meta["env_seeds"]))
-
-
-def refusals(meta: dict):
+def refusals(record: RecordedStep):
     """A guard refusing the optimizer steps the run's guard refused (by position), or None when it refused none."""
-    refused = [bool(s.get("refused")) for s in meta.get("update", {}).get("steps", [])]
+    refused = [s.refused for s in record.update_steps or ()]
     if not any(refused):
         return None
     calls = iter(refused)
@@ -350,16 +340,19 @@ def read_row(run_dir: Path, step: int) -> dict:
     return rows[-1] if rows else {}
 
 
-def verdict(replayed: Replayed, tensors: dict, meta: dict, row: dict) -> dict:
-    """How the replay compares with the record: the weights digest and the update's losses."""
-    recorded = meta.get("update", {}).get("metrics", {}) or row
+def verdict(replayed: Replayed, record: RecordedStep, row: dict) -> dict:
+    """How the replay compares with the record: the weights digest, the update's losses, the kept rows, and
+    whether the update ran the same old-log-prob pass and updated the actor as the step did."""
+    recorded = record.update_metrics or row
     metrics = {k: {"recorded": recorded.get(k), "replayed": replayed.metrics.get(k)} for k in COMPARED
                if k in recorded or k in replayed.metrics}
     same = all(_same(m["recorded"], m["replayed"]) for m in metrics.values())
-    expected = meta.get("weights_after")
+    expected = record.weights_after
     return {"weights_identical": None if expected is None else replayed.digest == expected,
             "weights_after": replayed.digest, "metrics_identical": same, "metrics": metrics,
-            "kept_rows_identical": replayed.kept_rows == tensors["kept_rows"].tolist()}
+            "kept_rows_identical": replayed.kept_rows == record.kept_rows.tolist(),
+            "old_logprobs_pass": {"recorded": record.old_logprobs_pass, "replayed": replayed.old_logprobs_pass},
+            "actor_updated": {"recorded": record.update_steps is not None, "replayed": replayed.delta is not None}}
 
 
 def _same(a, b) -> bool:
@@ -380,22 +373,21 @@ def compare_updates(base: Replayed, other: Replayed) -> dict:
     return out
 
 
-def write_attribution(s, out: Path, step: int, batch: RolloutBatch, filtered, prepared,
-                      meta: dict) -> None:
-    """Attribute the step's gradient (at the weights before it), write `attribution.json`, say
+def write_attribution(s: Session, out: Path, replayed: StepRecord, record: RecordedStep) -> None:
+    """Attribute the step's gradient (at the weights before the actor update), write `attribution.json`, say
     which replies and tokens carried it and how its norm relates to the recorded one."""
     from rldynamics.analysis.attribution import attribute
     from rldynamics.analysis.objective import policy_loss_settings
 
+    filtered, prepared = replayed.filtered, replayed.prepared
     s.console.phase("attribution")
     result = attribute(s.model, filtered.batch, prepared.inputs, policy_loss_settings(s.cfg.algo),
                        temperature=s.cfg.train.temperature, micro_batch_size=s.cfg.train.micro_batch_size)
-    data = attribution_json(result, step, kept_rows(batch, filtered.batch))
+    data = attribution_json(result, record.step, kept_rows(replayed.rollout, filtered.batch))
     write_file(out / ATTRIBUTION_FILE, json.dumps(data))
-    print(attribution_lines(data, batch, meta.get("pieces", {})))
-    steps = meta.get("update", {}).get("steps", [])
-    if steps:
-        norms = [t["grad_norm"] for t in steps]
+    print(attribution_lines(data, replayed.rollout, record.pieces))
+    if record.update_steps:
+        norms = [t.grad_norm for t in record.update_steps]
         dtype = getattr(s.model, "rldyn_compute_dtype", "float32")
         print(norm_note(data["grad_norm"], norms, len(filtered.batch), s.cfg.train, dtype))
 
@@ -461,7 +453,8 @@ def attribution_json(result, step: int, kept: list[int], tokens_per_row: int = 1
             "groups": groups, "tokens": tokens}
 
 
-def attribution_lines(data: dict, batch: RolloutBatch, pieces: dict, replies: int = 3, tokens: int = 5) -> str:
+def attribution_lines(data: dict, batch: RolloutBatch, pieces: dict[int, str], replies: int = 3,
+                      tokens: int = 5) -> str:
     """"These replies, these tokens": the replies of largest share with their heaviest tokens."""
     top = sorted(data["rows"], key=lambda r: -r["share"])[:replies]
     total = sum(r["share"] for r in top)
@@ -469,7 +462,7 @@ def attribution_lines(data: dict, batch: RolloutBatch, pieces: dict, replies: in
              f"{len(data['rows'])} replies carry {total:.0%} of the squared gradient norm"]
     for r in top:
         heavy = data["tokens"][str(r["row"])][:tokens]
-        words = ", ".join(f"{pieces.get(str(int(batch.input_ids[r['row'], p])), '?')!r} {v:+.3f}" for p, v in heavy)
+        words = ", ".join(f"{pieces.get(int(batch.input_ids[r['row'], p]), '?')!r} {v:+.3f}" for p, v in heavy)
         lines.append(f"  row {r['row']} (group {r['group']}, reward {batch.scores[r['row']].item():.3g}): share "
                      f"{r['share']:.1%}, cosine {_num(r['cosine'])}; tokens {words}")
     return "\n".join(lines)

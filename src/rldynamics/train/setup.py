@@ -28,7 +28,7 @@ written. A run killed before its first checkpoint is restarted from step 0 by `c
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,12 +52,11 @@ from rldynamics.models.precision import compute_in, enable_checkpointing
 from rldynamics.models.sharding import wrap
 from rldynamics.models.tiny import ensure_tiny_model, is_tiny_model
 from rldynamics.rollout import engines
-from rldynamics.rollout.engines import RolloutEngine, rollout_engine
+from rldynamics.rollout.engines import rollout_engine
 from rldynamics.start_notes import warm_starts
 from rldynamics.threads import choose_threads
-from rldynamics.tracking.console import StepConsole
 from rldynamics.tracking.environment import describe, record_start
-from rldynamics.tracking.run_dir import RunLock, RunWriter, check_no_links
+from rldynamics.tracking.run_dir import RunLock, RunWriter, attempts, check_no_links
 from rldynamics.tracking.sinks import TensorBoardSink, WandbSink, check_installed
 from rldynamics.train.checkpoint import (
     CheckpointError,
@@ -67,50 +66,11 @@ from rldynamics.train.checkpoint import (
     remove_stale,
     verify_checkpoint,
 )
-from rldynamics.train.diagnostics import Diagnostic, build_diagnostics
+from rldynamics.train.diagnostics import build_diagnostics
+from rldynamics.train.diagnostics import check_world as check_diagnostics_world
+from rldynamics.train.diagnostics.base import TRAIN
+from rldynamics.train.session import Session, Start
 from rldynamics.train.warmstart import ensure_warm_start, tiny_corpus
-
-
-@dataclass
-class Session:
-    """Everything a step needs: config, models, optimizers, run writer."""
-
-    cfg: Config
-    run_dir: Path
-    writer: RunWriter | None  # opened once the run directory is locked
-    model: torch.nn.Module
-    tokenizer: object
-    optimizer: torch.optim.Optimizer
-    ref_model: torch.nn.Module | None = None  # the KL reference: the frozen base model, or with LoRA the actor itself
-    # (its adapters switched off where it is used: `models.lora.as_reference`)
-    critic: torch.nn.Module | None = None
-    critic_optimizer: torch.optim.Optimizer | None = None
-    console: StepConsole | None = None
-    engine: RolloutEngine | None = None  # the run's rollout engine (rollout.engines; None: an HFEngine per rollout)
-    main: bool = True  # rank 0 (or one process): the one that writes the run directory
-    environment: dict | None = None  # what computes this start (`tracking.environment`), recorded by open_run
-    diagnostics: list[Diagnostic] = field(default_factory=list)  # read-only parts of the step (`train/diagnostics`)
-    attempt: int = 0  # rollbacks the run has made (`rolled_back/attempt_<k>/`): its sampling stream
-    rolling_back: bool = False  # set when the run goes back to a checkpoint: no report at the close
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Append the metrics row of `step` (rank 0 only)."""
-        if self.main:
-            self.writer.log(step, metrics)
-
-
-@dataclass
-class Start:
-    """Where a run starts: the checkpoint it resumes (None: step 0) and that checkpoint's trainer state."""
-
-    checkpoint: Path | None = None
-    state: dict | None = None
-    in_place: bool = False  # continues the run in its own directory (rather than a probe of another run)
-
-    @property
-    def step(self) -> int:
-        """The last step already done (0 when starting from scratch)."""
-        return self.state["step"] if self.state else 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -180,25 +140,17 @@ def _shapes(model: torch.nn.Module) -> dict[str, tuple]:
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
-def check_world(cfg: Config, ranks: int | None = None) -> None:
+def check_world(cfg: Config, ranks: int | None = None, job: str = TRAIN) -> None:
     """Settings a run of several ranks (default: this process group's) cannot honour are refused before any work
-    (ConfigError naming the key)."""
+    (ConfigError naming the key): the rollouts' and validation's groups here, the diagnostics' own settings by each
+    diagnostic of `job`."""
     ranks = dist.world() if ranks is None else ranks
     if ranks == 1:
         return
-    if cfg.analysis.dump_gradients:
-        raise ConfigError(f"analysis.dump_gradients=true writes whole gradients, which {ranks} ranks never gather; "
-                          "set analysis.dump_gradients=false or run without torchrun")
-    if cfg.analysis.memory_chunks > 1:
-        raise ConfigError(f"analysis.memory_chunks={cfg.analysis.memory_chunks} streams whole gradients in one "
-                          f"process; on {ranks} ranks each holds 1/{ranks} of every probe gradient already: set "
-                          "analysis.memory_chunks=1 (with model.shard=true) or run without torchrun")
-    groups = {"train.env_groups": cfg.train.env_groups, "val.env_groups": cfg.val.env_groups,
-              "analysis.env_groups": cfg.analysis.env_groups}
-    for key, value in groups.items():
-        if value is not None and value < ranks:
-            raise ConfigError(f"{key}={value} is fewer groups than the {ranks} ranks (each rank rolls out whole "
-                              f"groups); set {key} >= {ranks} or use fewer ranks")
+    check_diagnostics_world(cfg, ranks, job)
+    for key, value in {"train.env_groups": cfg.train.env_groups, "val.env_groups": cfg.val.env_groups}.items():
+        if value < ranks:
+            raise ConfigError(dist.too_few_groups(key, value, ranks))
 
 
 def resolve_run_dir(cfg: Config) -> Path:
@@ -249,7 +201,7 @@ def plan_start(cfg: Config, run_dir: Path) -> Start:
     if not in_place:
         run_config(path)  # a checkpoint of another run (a probe): its run's base model must be known
     state = verify_checkpoint(path, needs_critic=cfg.algo.has_critic)
-    return Start(checkpoint=path, state=state, in_place=in_place)
+    return Start(checkpoint=path, state=state, in_place=in_place, attempt=attempts(run_dir))
 
 
 def check_new_run(run_dir: Path, in_place: bool) -> None:
@@ -270,8 +222,8 @@ def check_resume_settings(cfg: Config, run_dir: Path) -> None:
                           "<checkpoint>/actor_merged, written with checkpoint.save_merged=true)")
 
 
-def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
-    """Build the training session for `cfg`, resuming `start`; writes nothing (`open_run` does, under the lock)."""
+def make_session(cfg: Config, run_dir: Path, start: Start, job: str = TRAIN) -> Session:
+    """Build the session of `job` for `cfg`, resuming `start`; writes nothing (`open_run` does, under the lock)."""
     device = resolve_device(cfg.model.device)
     threads, threads_from, malloc, precision = start_compute(cfg, device)
     torch.manual_seed(cfg.seed)
@@ -283,8 +235,9 @@ def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
     actor_shapes = _shapes(model)
     model = wrap(prepare(model, cfg, precision), cfg.model.shard)
     optimizer = torch.optim.AdamW(lora.trainable(model), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    diagnostics = build_diagnostics(cfg, start.state, job)  # a resumed run's diagnostics go on
     ref_model = None
-    if cfg.algo.kl_coef > 0 or cfg.analysis.enabled:  # the probe measures the KL gradient even at coef 0
+    if cfg.algo.kl_coef > 0 or any(d.needs_reference for d in diagnostics):
         ref_model = model if lora.is_adapted(model) else load_reference(cfg, base, ckpt, actor_shapes, device,
                                                                          precision)
     critic = critic_optimizer = None
@@ -301,7 +254,7 @@ def make_session(cfg: Config, run_dir: Path, start: Start) -> Session:
     return Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=optimizer,
                    ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer, main=dist.is_main(),
                    environment=environment, engine=rollout_engine(cfg, base, model, precision.engine_dtype),
-                   diagnostics=build_diagnostics(cfg, start.state))  # a resumed run's diagnostics go on
+                   diagnostics=diagnostics, attempt=start.attempt)
 
 
 def load_actor(cfg: Config, base: str, checkpoint: Path | None, device: torch.device) -> tuple[torch.nn.Module, object]:
@@ -415,7 +368,6 @@ def open_run(s: Session, start: Start) -> None:
     check_new_run(s.run_dir, start.in_place)  # again under the lock: another start may have won the race
     s.writer = RunWriter(s.run_dir)
     s.writer.truncate_after(start.step if start.checkpoint is not None else -1)
-    s.attempt = s.writer.attempts() if start.checkpoint is not None else 0
     remove_stale(s.run_dir / "checkpoints")
     s.writer.sinks = _sinks(s.cfg, s.run_dir)
     save_config(s.cfg, s.run_dir / "config.yaml")

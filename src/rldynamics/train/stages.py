@@ -1,216 +1,321 @@
-"""The stages of a training step that sit between rollout and update, each a function of plain inputs.
+"""The stages of a step, shared by `rldyn train` (`train/trainer.py`), `rldyn probe` (`train/probe.py`), `rldyn
+replay` (`train/replay.py`) and `rldyn eval` (`train/evaluate.py`); each command composes them in its own way.
 
-- `train_seeds` / `val_seeds`: which env seeds a rollout uses (RAGEN's seeding: step s uses
-  seed_base + env_groups*(s-1) + g; validation always the same puzzles); `env_seeds` moves them to training's or
-  validation's side of `val.held_out` (envs/split.py); `problem_metrics`: validation's distinct problems and its
-  success's standard error clustered by problem.
-- `filter_batch`: score groups, keep whole groups (rldynamics.algo.filter); returns a `Filtered`: the kept batch
-  with the values later stages decide on (group reward stds, their mean, the kept ratio) and its metrics.
-- `advantages_and_returns` / `component_advantages`: the estimator of `algo.adv_estimator` (`ESTIMATORS`, one
-  table).
-- `data_metrics`: verl-style `critic/score/*`, `critic/advantages/*`, `response_length/*` summaries, and with a
-  critic `critic/vf_explained_var` with its two terms (`critic/returns/var`, `critic/vf_residual_var`).
+    roll_out -> filter_batch -> stop_after_filter -> update_phase -> sync_engine
+
+`begin` is the opening a training step and a probe share: rollout, ROLLOUT diagnostics, filter, stopper.
+`update_phase` is the update of a step, the same for training and replay:
+
+    prepare (old / reference passes, values, advantages) -> critic update -> the critic's warm-up rule ->
+    [BEFORE_UPDATE] -> actor update -> the finite check
+
+Its decisions (which passes run, whether the actor updates) are made in one place, `plan_update`, from the config,
+the step and what the due diagnostics need: a replay of a recorded step makes them the same way.
+
+Each stage returns its typed result with its own metrics (and timings); the composition records them in a
+`StepRecord` (`train/step_record.py`) and merges the row in one place. The diagnostics (`train/diagnostics/`) run at
+the points `ROLLOUT`, `BEFORE_UPDATE` and `END` through `run_point`; the step asks the due ones what they need
+(`needs_of`) before preparing the update. `validate` is the validation stage (the fixed validation seeds, RNG
+streams left as they were).
+
+Every sampling call is seeded from (seed, step): a resumed run replays exactly the steps an uninterrupted run
+would have taken.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from rldynamics import metric_names as names
-from rldynamics.algo.advantages import gae_advantages, grpo_advantages, reinforce_pp_advantages, rloo_advantages
-from rldynamics.algo.filter import filter_metrics, group_scores, group_stats, kept_ratio, mean_or_zero, select_groups
-from rldynamics.algo.losses import masked_mean
-from rldynamics.config import AlgoConfig, Config, FilterConfig
-from rldynamics.envs.split import env_first_observation, problem_key, side_seeds
+from rldynamics.config import Config
+from rldynamics.models.sharding import all_finite
+from rldynamics.rollout.agent import env_metric_summary
 from rldynamics.rollout.batch import RolloutBatch
+from rldynamics.rollout.rewards import reward_component_metrics, reward_rows, reward_stats
+from rldynamics.rollout.sampling import NonFiniteLogits
+from rldynamics.train.actor import ActorUpdate, single_pass, update_actor
+from rldynamics.train.batch_ops import (
+    Filtered,
+    Validation,
+    data_metrics,
+    env_seeds,
+    filter_batch,
+    problem_metrics,
+    step_seed,
+    train_seeds,
+    val_seeds,
+)
+from rldynamics.train.checkpoint import crash_point
+from rldynamics.train.critic import update_critic
+from rldynamics.train.diagnostics.base import BEFORE_UPDATE, ROLLOUT, Diagnostic, DiagnosticResult, Needs
+from rldynamics.train.early_stop import EarlyStopper
+from rldynamics.train.prepare import Prepared, prepare_update
+from rldynamics.train.session import Session
+from rldynamics.train.sharded import rollout_groups
+from rldynamics.train.step_record import StepRecord
+
+NON_FINITE_LOGITS = "non_finite_logits"  # the stop reason of a rollout whose sampling scores were not finite
+NON_FINITE_PARAMETERS = "non_finite_parameters"  # ... of an update that left a parameter non-finite
+ATTEMPT_STREAM = 1000  # sampling streams of the attempts after rollbacks (0 for the first attempt)
 
 
-def train_seeds(seed_base: int, env_groups: int, step: int) -> list[int]:
-    """Env seeds of the groups of training step `step` (1-based)."""
-    return [seed_base + env_groups * (step - 1) + g for g in range(env_groups)]
+@dataclass
+class Rollout:
+    """A step's rollout before the filter, logged (`rewards.jsonl`, samples) and summarised."""
+
+    batch: RolloutBatch  # every group of the step
+    metrics: dict[str, float]  # `<env>/*` summaries, reward components and statistics, `timing_s/gen`
 
 
-def val_seeds(seed_base: int, env_groups: int) -> list[int]:
-    """The fixed validation puzzles."""
-    return [seed_base + g for g in range(env_groups)]
+@dataclass
+class FilterDecision:
+    """The early stopper's word on the filter's outcome."""
+
+    stop: str | None  # a stop reason (reward-variance collapse, too many empty batches), or None
+    metrics: dict[str, float]  # `rollout/empty_after_filter`, `rollout/consecutive_empty_after_filter_steps`
 
 
-def env_seeds(cfg: Config, seeds: list[int], validation: bool = False) -> list[int]:
-    """`seeds` moved to training's (or validation's) side of `val.held_out`: unchanged when it is 0."""
-    return side_seeds(env_first_observation(cfg.env.name, cfg.env.options()), seeds, cfg.val.held_out, validation)
-
-
-def problem_metrics(batch: RolloutBatch, cfg: Config, prefix: str) -> dict[str, float]:
-    """`<prefix>/problems` (distinct first observations) and `<prefix>/success_se`: the standard error of the mean
-    success with trajectories clustered by problem (a problem drawn k times counts once, not k times):
-    sqrt(P / (P - 1) * sum_p (sum_{i in p} (y_i - mean))^2) / N over P problems and N trajectories."""
-    if not batch.env_metrics:
-        return {}
-    first = env_first_observation(cfg.env.name, cfg.env.options())
-    keys = [problem_key(first(seed)) for seed in batch.seeds]
-    return {f"{prefix}/{names.PROBLEMS}": float(len(set(keys))),
-            f"{prefix}/{names.SUCCESS_SE}": clustered_se([m[names.SUCCESS] for m in batch.env_metrics], keys)}
-
-
-def clustered_se(values: list[float], clusters: list[str]) -> float:
-    """Standard error of mean(values) with the values grouped in `clusters` (CR1: the P / (P - 1) correction);
-    0 for a single cluster."""
-    n, mean = len(values), sum(values) / len(values)
-    sums: dict[str, float] = {}
-    for v, c in zip(values, clusters, strict=True):
-        sums[c] = sums.get(c, 0.0) + v - mean
-    p = len(sums)
-    return 0.0 if p < 2 else (p / (p - 1) * sum(d * d for d in sums.values())) ** 0.5 / n
-
-
-def step_seed(seed: int, step: int, stream: int = 0) -> int:
-    """A distinct, reproducible sampling seed per (run seed, step, stream)."""
-    return (seed * 1_000_003 + step * 7919 + stream * 104_729) % (2**63 - 1)
-
-
-@contextmanager
-def timed(metrics: dict[str, float], name: str):
-    """Add the wall time of the block to `metrics[timing(name)]` (`timing_s/<name>`)."""
+def roll_out(s: Session, step: int, seed_step: int) -> Rollout:
+    """Roll out the groups of `seed_step`'s env seeds and sampling seed; log their rewards and samples as `step`."""
+    cfg = s.cfg
+    s.console.phase("rollout")
     start = time.perf_counter()
-    yield
-    metrics[names.timing(name)] = metrics.get(names.timing(name), 0.0) + time.perf_counter() - start
+    batch = rollout_groups(cfg, s.model, s.tokenizer,
+                           env_seeds(cfg, train_seeds(cfg.train.seed_base, cfg.train.env_groups, seed_step)),
+                           cfg.train.group_size, cfg.train.temperature, sampling_seed(s, seed_step),
+                           engine=s.engine)
+    metrics = {names.timing("gen"): time.perf_counter() - start}
+    metrics.update(env_metric_summary(batch, names.env_prefix(cfg.env.name), cfg.train.group_size))
+    metrics.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids))
+    rows = reward_rows(batch, step, s.tokenizer)
+    if s.main:
+        s.writer.log_rewards(rows)
+    metrics.update(reward_stats(rows, batch.reward_names))
+    _log_samples(s, step, batch)
+    crash_point("samples", step)
+    return Rollout(batch, metrics)
 
 
-@dataclass
-class Filtered:
-    """A rollout after the filter: the kept batch and the values the later stages decide on."""
-
-    batch: RolloutBatch  # the kept groups, whole
-    group_std: dict[int, float]  # reward std of every group id, kept or not (the analysis buckets)
-    reward_std: float  # mean group reward std before filtering (early stopping's reward-variance rule)
-    kept_ratio: float  # kept groups / all groups (the advantages' loss scaling)
-    metrics: dict[str, float]  # the filter's `<prefix>/...` metrics
-
-
-@dataclass
-class Validation:
-    """A validation's success rate (None when it has none: non-finite sampling scores) and its metrics."""
-
-    success: float | None
-    metrics: dict[str, float]
-    trajectories: int = 0  # how many were sampled (the success rate's standard error)
+def begin(s: Session, due: list[Diagnostic], record: StepRecord, stopper: EarlyStopper) -> FilterDecision:
+    """The opening of a training step and of a probe, recorded in `record`: the rollout of `record.seed_step`'s
+    seeds, the ROLLOUT diagnostics, the filter and the early stopper's word on it."""
+    rollout = roll_out(s, record.step, record.seed_step)
+    record.rollout, record.sampling_seed = rollout.batch, sampling_seed(s, record.seed_step)
+    record.add(rollout.metrics)
+    run_point(s, due, ROLLOUT, record)
+    record.filtered = filter_batch(rollout.batch, s.cfg.filter)
+    decision = stop_after_filter(stopper, record.filtered)
+    record.add(record.filtered.metrics, decision.metrics)
+    return decision
 
 
-def filter_batch(batch: RolloutBatch, cfg: FilterConfig, prefix: str = names.ROLLOUT) -> Filtered:
-    """Keep whole groups by `cfg`; its metrics are named under `prefix`.
-
-    The group reward std is always computed (it drives the analysis buckets and early stopping),
-    even when the strategy is `none`.
-    """
-    group_ids, rewards = batch.group_matrix()  # [G, n]
-    stats = group_stats(rewards)
-    if cfg.strategy == "none":
-        kept = torch.arange(len(group_ids))  # [G]
-        scores = stats["std"]  # [G]
-    else:
-        scores = group_scores(rewards, cfg.metric)  # [G]
-        kept = select_groups(scores, strategy=cfg.strategy, value=cfg.value, keep=cfg.keep,
-                             prob_mode=cfg.prob_mode, include_zero=cfg.include_zero)  # [K]
-    kept_ids = {group_ids[i] for i in kept.tolist()}
-    rows = [i for i, g in enumerate(batch.group_ids.tolist()) if g in kept_ids]
-    return Filtered(batch=batch.select(rows), group_std=dict(zip(group_ids, stats["std"].tolist(), strict=True)),
-                    reward_std=mean_or_zero(stats["std"].detach().cpu()), kept_ratio=kept_ratio(kept, len(group_ids)),
-                    metrics=filter_metrics(rewards, kept, scores, prefix))
+def sampling_seed(s: Session, step: int) -> int:
+    """The rollout's sampling seed of `step`: (seed, step), and after the k-th rollback a stream of its own (the
+    same puzzles, new samples)."""
+    return step_seed(s.cfg.seed, step, stream=ATTEMPT_STREAM * s.attempt)
 
 
-def advantages_and_returns(batch: RolloutBatch, values: torch.Tensor | None,
-                           cfg: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Advantages [N, L] (and GAE returns [N, L], else None) by `cfg.adv_estimator` (`ESTIMATORS`)."""
-    return ESTIMATORS[cfg.adv_estimator].advantages(batch, values, cfg)
+def stop_after_filter(stopper: EarlyStopper, filtered: Filtered) -> FilterDecision:
+    """Give the filter's outcome to the early stopper (reward-variance rule, empty batches)."""
+    empty = len(filtered.batch) == 0
+    stop = stopper.after_rollout(filtered.reward_std, empty=empty)
+    return FilterDecision(stop, {
+        names.EMPTY_AFTER_FILTER: float(empty),
+        names.filter_metric(names.ROLLOUT, "consecutive_empty_after_filter_steps"): float(stopper.empty)})
 
 
-def component_advantages(batch: RolloutBatch, cfg: AlgoConfig) -> dict[str, torch.Tensor]:
-    """The advantages of each raw reward component alone, by the training estimator. name -> [N, L]
-
-    GRPO / RLOO / REINFORCE++ use the component's own scores and group statistics. GAE has no per-component
-    critic, so each component gets the GRPO group-relative advantage (`algo.norm_adv_by_std` as set).
-    """
-    component = ESTIMATORS[cfg.adv_estimator].component
-    return {name: component(batch, batch.reward_components[:, k], cfg)  # [N] scores -> [N, L]
-            for k, name in enumerate(batch.reward_names)}
+def prepare(s: Session, filtered: Filtered, *, old_pass: bool = True, ref_pass: bool = True) -> Prepared:
+    """The update's inputs of the filtered batch (`prepare_update`) with the batch summaries (`data_metrics`)."""
+    s.console.phase("log-probs")
+    prepared = prepare_update(s, filtered.batch, filtered.kept_ratio, old_pass=old_pass, ref_pass=ref_pass)
+    summaries = data_metrics(filtered.batch, prepared.inputs.advantages, prepared.returns, prepared.values)
+    return replace(prepared, metrics={**prepared.metrics, **summaries})
 
 
-def _gae(batch: RolloutBatch, values: torch.Tensor | None, cfg: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    return gae_advantages(batch.token_rewards, values, batch.response_mask, gamma=cfg.gamma, lam=cfg.lam, whiten=True)
+def critic_update(s: Session, batch: RolloutBatch, prepared: Prepared) -> dict[str, float]:
+    """The critic's value regression on the batch; its `critic/*` metrics and timing."""
+    cfg = s.cfg
+    s.console.phase("critic")
+    start = time.perf_counter()
+    metrics = update_critic(s.critic, s.critic_optimizer, batch, prepared.values, prepared.returns, cfg.algo,
+                            cfg.critic, cfg.train)
+    return {**metrics, names.timing("update_critic"): time.perf_counter() - start}
 
 
-def _grpo(batch: RolloutBatch, values: torch.Tensor | None, cfg: AlgoConfig) -> tuple[torch.Tensor, None]:
-    return _grpo_of(batch, batch.scores, cfg), None
-
-
-def _grpo_of(batch: RolloutBatch, scores: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
-    return grpo_advantages(scores, batch.group_ids, batch.response_mask, norm_by_std=cfg.norm_adv_by_std)
-
-
-def _rloo(batch: RolloutBatch, values: torch.Tensor | None, cfg: AlgoConfig) -> tuple[torch.Tensor, None]:
-    return _rloo_of(batch, batch.scores, cfg), None
-
-
-def _rloo_of(batch: RolloutBatch, scores: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
-    return rloo_advantages(scores, batch.group_ids, batch.response_mask)
-
-
-def _reinforce_pp(batch: RolloutBatch, values: torch.Tensor | None, cfg: AlgoConfig) -> tuple[torch.Tensor, None]:
-    return reinforce_pp_advantages(batch.token_rewards, batch.response_mask, gamma=cfg.gamma), None
-
-
-def _reinforce_pp_of(batch: RolloutBatch, scores: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
-    return reinforce_pp_advantages(batch.last_token(scores), batch.response_mask, gamma=cfg.gamma)
+def actor_update(s: Session, step: int, batch: RolloutBatch, prepared: Prepared, *, record: bool,
+                 guard=None, layer_traces: bool = False) -> ActorUpdate:
+    """The actor's PPO epochs on the batch (`update_actor`, mini-batches shuffled by (seed, step)); with `record`
+    the update keeps its own log-probs of the sampled tokens; `guard` may refuse an optimizer step;
+    `layer_traces` adds per-layer norms to its optimizer-step traces."""
+    cfg = s.cfg
+    s.console.phase("actor")
+    start = time.perf_counter()
+    update = update_actor(s.model, s.optimizer, batch, prepared.inputs, cfg.algo, cfg.train,
+                          torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1)), record=record,
+                          guard=guard, trace_groups=layer_traces)
+    update.metrics[names.timing("update_actor")] = time.perf_counter() - start
+    return update
 
 
 @dataclass(frozen=True)
-class Estimator:
-    """An advantage estimator: the trained advantages (and returns) of a batch, and those of one reward component's
-    scores alone (`component_advantages`). Whether it needs a critic: `AlgoConfig.has_critic`."""
+class UpdatePlan:
+    """The update phase's decisions for one step."""
 
-    advantages: Callable[[RolloutBatch, torch.Tensor | None, AlgoConfig], tuple[torch.Tensor, torch.Tensor | None]]
-    component: Callable[[RolloutBatch, torch.Tensor, AlgoConfig], torch.Tensor]
-
-
-# `algo.adv_estimator` -> its functions; its choices are the config field's (a test holds the two together)
-ESTIMATORS: dict[str, Estimator] = {
-    "gae": Estimator(_gae, _grpo_of),  # no per-component critic: components get GRPO's advantages
-    "grpo": Estimator(_grpo, _grpo_of),
-    "rloo": Estimator(_rloo, _rloo_of),
-    "reinforce_pp": Estimator(_reinforce_pp, _reinforce_pp_of),
-}
+    old_pass: bool  # the old-log-prob pass runs (else a single-pass update takes its own log-probs)
+    ref_pass: bool  # the reference pass runs (where the session has a reference model)
+    keep_logprobs: bool  # the actor update keeps its own log-probs of the sampled tokens
+    layer_traces: bool  # the optimizer-step traces carry per-layer norms
+    actor: bool  # the actor updates (False during the critic's warm-up)
 
 
-def data_metrics(batch: RolloutBatch, advantages: torch.Tensor, returns: torch.Tensor | None,
-                 values: torch.Tensor | None) -> dict[str, float]:
-    """Batch summaries with verl's names."""
-    mask = batch.response_mask  # [N, L]
-    lengths = mask.sum(dim=1)  # [N]
-    out = {
-        names.score("mean"): batch.scores.mean().item(),
-        names.score("max"): batch.scores.max().item(),
-        names.score("min"): batch.scores.min().item(),
-        names.advantages("mean"): masked_mean(advantages, mask).item(),
-        names.advantages("max"): advantages[mask > 0].max().item() if mask.any() else 0.0,
-        names.advantages("min"): advantages[mask > 0].min().item() if mask.any() else 0.0,
-        names.response_length("mean"): lengths.mean().item(),
-        names.response_length("max"): lengths.max().item(),
-        names.response_length("min"): lengths.min().item(),
-        names.BATCH_SIZE: float(len(batch)),
-    }
-    if returns is not None and values is not None:
-        out[names.RETURNS_MEAN] = masked_mean(returns, mask).item()
-        out[names.VALUES_MEAN] = masked_mean(values, mask).item()
-        resid = masked_mean((returns - values - masked_mean(returns - values, mask)) ** 2, mask)  # []
-        var = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)  # []
-        out[names.VF_EXPLAINED_VAR] = (1 - resid / (var + 1e-8)).item()
-        # the two terms, so explained variance can be pooled over steps (1 - Σ residual / Σ returns var): a batch
-        # of 64 with few successes has a tiny return variance and a per-step ratio far below 0
-        out[names.RETURNS_VAR] = var.item()
-        out[names.VF_RESIDUAL_VAR] = resid.item()
+def plan_update(cfg: Config, step: int, rows: int, needs: Needs) -> UpdatePlan:
+    """What the update of `step` on `rows` kept trajectories runs, given what the due diagnostics `needs`.
+
+    An on-policy single-pass update needs no old-log-prob pass: its own forward gives the rollout policy's
+    log-probs, unless a diagnostic asks for the pass. The actor waits for `critic.warmup_steps` steps so that it
+    learns from a critic that predicts something."""
+    own_old = single_pass(cfg.train, rows) and not needs.old_logprobs
+    return UpdatePlan(old_pass=not own_old, ref_pass=cfg.algo.kl_coef > 0 or needs.ref_logprobs,
+                      keep_logprobs=own_old and needs.update_logprobs, layer_traces=needs.layer_traces,
+                      actor=step > cfg.critic.warmup_steps)
+
+
+@dataclass(frozen=True)
+class UpdateOutcome:
+    """What the update phase did: its plan, the stop it met (None: the step goes on) and whether the actor
+    updated (its result is `record.update`)."""
+
+    plan: UpdatePlan | None  # None: the filter kept nothing, so nothing was prepared
+    stop: str | None = None  # a stop reason from before the actor update, or NON_FINITE_PARAMETERS after it
+    actor_updated: bool = False
+
+
+def update_phase(s: Session, record: StepRecord, needs: Needs, *, guard=None,
+                 before_actor: Callable[[], str | None] = lambda: None) -> UpdateOutcome:
+    """The update of `record`'s step on its filtered batch, recorded in `record` (`prepared`, `update`, metrics):
+    prepare -> critic update -> the warm-up rule -> `before_actor` (the BEFORE_UPDATE diagnostics; a stop reason
+    ends the phase) -> actor update (`guard` may refuse optimizer steps) -> the finite check. With nothing kept,
+    `before_actor` alone runs (an analysis of a batch of its own still can)."""
+    batch, cfg = record.filtered.batch, s.cfg
+    if len(batch) == 0:
+        return UpdateOutcome(None, before_actor())
+    plan = plan_update(cfg, record.step, len(batch), needs)
+    record.prepared = prepared = prepare(s, record.filtered, old_pass=plan.old_pass, ref_pass=plan.ref_pass)
+    record.add(prepared.metrics)
+    if s.critic is not None:
+        record.add(critic_update(s, batch, prepared))
+    if not plan.actor:
+        record.add({names.CRITIC_WARMUP: 1.0})
+        return UpdateOutcome(plan)
+    stop = before_actor()
+    if stop is not None:
+        return UpdateOutcome(plan, stop)
+    record.update = update = actor_update(s, record.step, batch, prepared, record=plan.keep_logprobs, guard=guard,
+                                          layer_traces=plan.layer_traces)
+    record.add(update.metrics)
+    if prepared.entropy is None:  # one step on the rollout policy: its entropy is the update's
+        record.add({names.ENTROPY: update.entropy})
+    if not all_finite(s.model, s.critic):  # an optimizer step overflowed: nothing left to train or save
+        record.add({names.actor(NON_FINITE_PARAMETERS): 1.0})
+        return UpdateOutcome(plan, NON_FINITE_PARAMETERS, actor_updated=True)
+    return UpdateOutcome(plan, actor_updated=True)
+
+
+def sync_engine(s: Session) -> dict[str, float]:
+    """Give the rollout engine the updated weights; the sync's timing."""
+    start = time.perf_counter()
+    s.engine.sync(s.model)
+    return {names.timing("weight_sync"): time.perf_counter() - start}
+
+
+def due_diagnostics(s: Session, step: int) -> list[Diagnostic]:
+    """The session's diagnostics due at `step`, in their fixed order."""
+    return [d for d in s.diagnostics if d.due(step)]
+
+
+def needs_of(due: list[Diagnostic], step: int) -> Needs:
+    """What the due diagnostics need from the step, together."""
+    out = Needs()
+    for d in due:
+        out = out | d.needs(step)
     return out
+
+
+def run_point(s: Session, due: list[Diagnostic], point: str, record: StepRecord) -> str | None:
+    """Run the due diagnostics of `point` in order, record their metrics (and `timing_s/<name>`); returns the first
+    stop reason one gave (None: go on)."""
+    stop = None
+    for d in due:
+        if d.point != point:
+            continue
+        if d.phase:
+            s.console.phase(d.phase)
+        start = time.perf_counter()
+        result: DiagnosticResult = d.run(s, record)
+        record.results[d.name] = result
+        record.add(result.metrics, {names.timing(d.name): time.perf_counter() - start})
+        stop = stop or result.stop
+    return stop
+
+
+def before_update(s: Session, due: list[Diagnostic], record: StepRecord, *, updates: bool = True) -> str | None:
+    """The BEFORE_UPDATE point, its row flagged with whether the job updates (RAGEN's `gradient_analysis_only`:
+    0 for a training step, 1 for a probe); the first stop reason a diagnostic gave."""
+    record.add({names.NO_UPDATE_JOB: float(not updates)})
+    return run_point(s, due, BEFORE_UPDATE, record)
+
+
+def exit_line(record: StepRecord) -> str | None:
+    """The line of the first diagnostic that ends the run right after this step (None: none does)."""
+    return next((r.exit_line for r in record.results.values() if r.exit_line is not None), None)
+
+
+def guard_of(due: list[Diagnostic]):
+    """The due diagnostics' guards as one (any refusal refuses the optimizer step); None when none has one."""
+    guards = [d.guard for d in due if type(d).guard is not Diagnostic.guard]
+    return (lambda trace: any(g(trace) for g in guards)) if guards else None
+
+
+def non_finite_logits() -> dict[str, float]:
+    """The row of a step whose sampling scores were not finite."""
+    return {names.filter_metric(names.ROLLOUT, NON_FINITE_LOGITS): 1.0}
+
+
+def _log_samples(s: Session, step: int, batch: RolloutBatch) -> None:
+    k = s.cfg.log.samples_per_step
+    if k > 0 and s.main:
+        picks = range(0, len(batch), max(1, len(batch) // k))
+        s.writer.log_samples(step, [{"seed": batch.seeds[i], "reward": batch.scores[i].item(),
+                                     "success": batch.env_metrics[i][names.SUCCESS], "text": batch.texts[i]}
+                                    for i in list(picks)[:k]])
+
+
+@torch.no_grad()
+def validate(s: Session) -> Validation:
+    """Validation rollouts on the fixed puzzles; RNG streams are left as they were.
+
+    Its metrics are only `val-env/<env>/non_finite_logits` when the policy's sampling scores are not finite."""
+    cfg = s.cfg
+    if s.console is not None:
+        s.console.phase("validation")
+    start = time.perf_counter()
+    prefix = names.env_prefix(cfg.env.name, validation=True)
+    with torch.random.fork_rng(devices=[]):
+        try:
+            batch = rollout_groups(cfg, s.model, s.tokenizer,
+                                   env_seeds(cfg, val_seeds(cfg.val.seed_base, cfg.val.env_groups), validation=True),
+                                   cfg.val.group_size, cfg.val.temperature, step_seed(cfg.seed, 0, stream=2),
+                                   engine=s.engine)
+        except NonFiniteLogits:
+            return Validation(None, {names.env_metric(cfg.env.name, NON_FINITE_LOGITS, validation=True): 1.0})
+    metrics = env_metric_summary(batch, prefix, cfg.val.group_size)
+    metrics.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids,
+                                            names.VAL_REWARD))
+    metrics.update(problem_metrics(batch, cfg, prefix))
+    metrics[names.VAL_TIME] = time.perf_counter() - start
+    success = sum(m[names.SUCCESS] for m in batch.env_metrics) / len(batch) if batch.env_metrics else None
+    return Validation(success, metrics, trajectories=len(batch))

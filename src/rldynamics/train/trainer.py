@@ -1,13 +1,15 @@
 """`rldyn train`: `train(cfg)` opens a run (`train/lifecycle.py`) and runs its steps; `train_step` is one step,
-read top to bottom over the stages of `train/step.py`:
+read top to bottom over the stages of `train/stages.py`:
 
-    rollout -> [diagnostics: ROLLOUT] -> filter (whole groups) -> early stopper -> old / ref log-probs, values,
-    advantages -> critic update -> [diagnostics: BEFORE_UPDATE] -> actor update -> [diagnostics: END] -> weight sync
+    rollout -> [diagnostics: ROLLOUT] -> filter (whole groups) -> early stopper -> the update phase (old / ref
+    log-probs, values, advantages -> critic update -> [diagnostics: BEFORE_UPDATE] -> actor update) -> weight sync
+    -> validation when due -> [diagnostics: END]
 
-then, in `run_steps`, validation, the step's metrics row and the checkpoint. The diagnostics (`train/diagnostics/`:
-reply lengths, template collapse, the gradient analysis, the sampler/trainer mismatch) are read-only: a run with
-them on ends with the parameters of the run with them off. `analysis.exit_after` ends the loop right after the
-first analysis.
+then, in `run_steps`, the step's metrics row and the checkpoint. The diagnostics (`train/diagnostics/`: reply
+lengths, template collapse, the gradient analysis, the sampler/trainer mismatch, the health monitor, the step
+records) are read-only: a run with them on ends with the parameters of the run with them off, except where the
+health monitor acts (a refused optimizer step, a stop, a rollback). A diagnostic may end the run right after a
+step with its row alone (its `exit_line`).
 
 Exploding training: a non-finite gradient skips the optimizer step (`actor/skipped_steps`); non-finite
 sampling scores (`rollout/non_finite_logits`) or parameters after an update (`actor/non_finite_parameters`)
@@ -29,43 +31,46 @@ from pathlib import Path
 from rldynamics import dist
 from rldynamics import metric_names as names
 from rldynamics.config import Config, apply_overrides
-from rldynamics.models.sharding import all_finite
 from rldynamics.rollout.sampling import NonFiniteLogits
 from rldynamics.tracking.console import StepConsole
-from rldynamics.train import step as stages
-from rldynamics.train.actor import single_pass
+from rldynamics.train import stages
 from rldynamics.train.checkpoint import checkpoint_step, crash_point, save_checkpoint
 from rldynamics.train.diagnostics import diagnostic_states
-from rldynamics.train.diagnostics.base import BEFORE_UPDATE, END, StepRecord
-from rldynamics.train.diagnostics.gradient_analysis import EXITED
+from rldynamics.train.diagnostics.base import END, TRAIN
 from rldynamics.train.early_stop import EarlyStopper
-from rldynamics.train.lifecycle import opened
-from rldynamics.train.setup import Session
+from rldynamics.train.lifecycle import opened, report_run
+from rldynamics.train.session import Session
+from rldynamics.train.step_record import StepRecord
 
-NON_FINITE_PARAMETERS = "non_finite_parameters"
-NOT_SAVED = (stages.NON_FINITE_LOGITS, NON_FINITE_PARAMETERS)  # stops whose state is broken: no checkpoint
+NOT_SAVED = (stages.NON_FINITE_LOGITS, stages.NON_FINITE_PARAMETERS)  # stops whose state is broken: no checkpoint
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepResult:
-    """A step's metrics row, its stop reason (None: go on) and the checkpoint to roll back to (None: none)."""
+    """A step's metrics row, its stop reason (None: go on), the checkpoint to roll back to (None: none) and the
+    line of a diagnostic that ends the run right after it (None: none)."""
 
     metrics: dict[str, float]
     stop: str | None = None
     rollback_to: Path | None = None
+    exit_line: str | None = None
 
 
-def train(cfg: Config, run_dir: Path | None = None) -> Path:
-    """Run training as configured (into `run_dir` if given); returns the run directory. A health rollback reopens
-    the run from the checkpoint it goes back to (the same checks and restores as a resume)."""
+def train(cfg: Config, run_dir: Path | None = None, job: str = TRAIN) -> Path:
+    """Run training as configured (into `run_dir` if given; `job` chooses the diagnostics: a replay's retraining
+    keeps no records); returns the run directory. A health rollback reopens the run from the checkpoint it goes
+    back to (the same checks and restores as a resume)."""
     while True:
-        with opened(cfg, run_dir) as (s, start, stopper):
+        with opened(cfg, run_dir, job=job, report=False) as (s, start, stopper):
             back = run_steps(s, start.step, stopper)
         if back is None:
-            if cfg.log.progress:
-                dist.on_main(_say_result, s.run_dir)
-            return s.run_dir
+            break
         cfg, run_dir = apply_overrides(cfg, [f"checkpoint.resume={back}"]), s.run_dir
+    if s.main and cfg.log.report:
+        report_run(s.run_dir)
+    if cfg.log.progress:
+        dist.on_main(_say_result, s.run_dir)
+    return s.run_dir
 
 
 def _say_result(run_dir: Path) -> None:
@@ -99,9 +104,9 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> Path | None:
             except NonFiniteLogits:
                 result = StepResult(stages.non_finite_logits(), stages.NON_FINITE_LOGITS)
             metrics, stop = result.metrics, result.stop
-            if stop == EXITED:  # analysis.exit_after: the row of the analysis, nothing else
+            if result.exit_line is not None:  # a diagnostic ends the run: its row, nothing else
                 s.log(step, metrics)
-                console.analysis_done(step)
+                console.print(result.exit_line)
                 break
             if stop is not None:
                 metrics[names.early_stopped(stop)] = 1.0
@@ -123,7 +128,6 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> Path | None:
 
 def _roll_back(s: Session, step: int, checkpoint: Path) -> None:
     """Move the rows of the steps after `checkpoint` (this one's included) to `rolled_back/attempt_<k>/`."""
-    s.rolling_back = True
     back = checkpoint_step(checkpoint)
     s.console.print(f"[yellow]rolling back to {checkpoint} (steps {back + 1}-{step} kept in rolled_back/)")
     dist.on_main(_archive, s, step, back)
@@ -153,59 +157,31 @@ def _save(s: Session, step: int, stopper: EarlyStopper) -> None:
 
 
 def train_step(s: Session, step: int, stopper: EarlyStopper) -> StepResult:
-    """One training step: its metrics row and a stop reason (early stop, EXITED after the analysis, non-finite, a
-    health rule), or a checkpoint to roll back to."""
-    cfg = s.cfg
+    """One training step: its metrics row and a stop reason (an early stop, non-finite values, a diagnostic's),
+    a checkpoint to roll back to, or a diagnostic's exit."""
     due = stages.due_diagnostics(s, step)
     record = StepRecord(step=step, seed_step=step)
-    decision = stages.begin(s, due, record, stopper)
-    filtered = record.filtered
-    batch = filtered.batch
-    if len(batch) == 0:  # nothing to update; an analysis of its own batch still runs
-        record.add({names.GRADIENT_ANALYSIS_ONLY: 0.0})
-        stop = stages.run_point(s, due, BEFORE_UPDATE, record)
-        return _end(s, due, stopper, record, stop or decision.stop)
-    if decision.stop is not None:
-        return _end(s, due, stopper, record, decision.stop)
-
-    # an on-policy single-pass update needs no old-log-prob pass: its own forward gives the rollout policy's
-    # log-probs, unless a due diagnostic asks for the pass
-    needs = stages.needs_of(due, step)
-    own_old = single_pass(cfg.train, len(batch)) and not needs.old_logprobs
-    record.prepared = prepared = stages.prepare(s, filtered, old_pass=not own_old,
-                                                ref_pass=cfg.algo.kl_coef > 0 or needs.ref_logprobs)
-    record.add(prepared.metrics)
-    if s.critic is not None:
-        record.add(stages.critic_update(s, batch, prepared))
-    if step <= cfg.critic.warmup_steps:  # critic warm-up: the actor waits for a critic that predicts something
-        record.add({names.CRITIC_WARMUP: 1.0})
-        return _end(s, due, stopper, record, None)
-    record.add({names.GRADIENT_ANALYSIS_ONLY: 0.0})
-    stop = stages.run_point(s, due, BEFORE_UPDATE, record)
-    if stop is not None:
-        return _end(s, due, stopper, record, stop)
-    record.update = update = stages.actor_update(s, step, batch, prepared, record=own_old and needs.update_logprobs,
-                                                 guard=stages.guard_of(due))
-    record.add(update.metrics)
-    if prepared.entropy is None:  # one step on the rollout policy: its entropy is the update's
-        record.add({names.ENTROPY: update.entropy})
-    if not all_finite(s.model, s.critic):  # an optimizer step overflowed: nothing left to train or save
-        record.add({names.actor(NON_FINITE_PARAMETERS): 1.0})
-        return _end(s, due, stopper, record, NON_FINITE_PARAMETERS)
-    if s.engine is not None and (step % cfg.rollout.sync_every == 0 or _validation_due(cfg, step)):
-        record.add(stages.sync_engine(s))
-    return _end(s, due, stopper, record, None)
-
-
-def _end(s: Session, due: list, stopper: EarlyStopper, record: StepRecord, stop: str | None) -> StepResult:
-    """The step's validation (when due and the run goes on), then the END diagnostics; the step's result."""
-    if stop is None and _validation_due(s.cfg, record.step):
-        record.validation = val = stages.validate(s)
-        record.add(val.metrics)
-        if val.success is not None:
-            stop = stopper.after_validation(val.success)
+    stop = stages.begin(s, due, record, stopper).stop
+    if stop is None or len(record.filtered.batch) == 0:  # with nothing kept, an analysis of its own batch still runs
+        phase = stages.update_phase(s, record, stages.needs_of(due, step), guard=stages.guard_of(due),
+                                    before_actor=lambda: stages.before_update(s, due, record))
+        stop = phase.stop or stop
+        if stop is None and phase.actor_updated and _sync_due(s, step):
+            record.add(stages.sync_engine(s))
+    if stop is None and _validation_due(s.cfg, step):
+        record.validation = validation = stages.validate(s)
+        record.add(validation.metrics)
+        if validation.success is not None:
+            stop = stopper.after_validation(validation.success)
     record.early_stop = stopper.state_dict()
-    ended = stages.run_point(s, due, END, record)
+    ended = stages.run_point(s, due, END, record)  # every step, whatever stopped it
+    stop = stop or ended
     targets = [r.rollback_to for r in record.results.values() if r.rollback_to is not None]
     back = min(targets, key=checkpoint_step) if targets else None
-    return StepResult(record.metrics(), stop or ended, back)
+    return StepResult(record.metrics(), stop, back, stages.exit_line(record))
+
+
+def _sync_due(s: Session, step: int) -> bool:
+    """Whether the rollout engine gets the weights after `step`: every `rollout.sync_every` steps and before a
+    validation."""
+    return s.engine is not None and (step % s.cfg.rollout.sync_every == 0 or _validation_due(s.cfg, step))

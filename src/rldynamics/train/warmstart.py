@@ -39,7 +39,7 @@ from rldynamics.models.tiny import save_tokenizer
 from rldynamics.rollout.agent import rollout, state_message, system_message
 from rldynamics.rollout.chat import ChatPrompts
 from rldynamics.tracking.console import Lines, progress_bar
-from rldynamics.train.stages import env_seeds
+from rldynamics.train.batch_ops import env_seeds
 
 DEMO_SEED_BASE = 5_000_000  # disjoint from RAGEN's train (10000+) and validation (123+) seeds
 PACKAGED = Path(__file__).resolve().parent.parent / "models" / "warm"  # <base>-warm-<key>.safetensors

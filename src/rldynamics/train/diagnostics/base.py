@@ -1,5 +1,5 @@
 """What a diagnostic is: a read-only part of the training step that says when it is due, what it reads, what it
-returns and what state it keeps. The step (`train/step.py`) runs the due ones at three fixed points:
+returns and what state it keeps. The step (`train/stages.py`) runs the due ones at three fixed points:
 
     ROLLOUT        after the rollout, on the whole (unfiltered) batch, under the policy that sampled it
     BEFORE_UPDATE  after the critic update, before the actor update: the filtered batch and its prepared inputs,
@@ -7,103 +7,72 @@ returns and what state it keeps. The step (`train/step.py`) runs the due ones at
     END            last, on every step, after the update and the step's validation (`prepared`, `update`,
                    `validation` are None where the step had none: an empty batch, the critic warm-up, an early stop)
 
-A diagnostic reads the step's typed results from a `StepRecord` (the stages' results and the earlier
-diagnostics' results), never a metric string, and returns a `DiagnosticResult`: its metrics and, rarely, a reason
-to end the run (the gradient analysis with `analysis.exit_after`, a health rule's stop) or to roll back to a
-checkpoint. During the actor update a diagnostic's `guard` may refuse an optimizer step (the health monitor's
-gradient-spike rule). Its state (`state_dict`) is saved in the checkpoint's trainer state under
-`diagnostics/<name>` and restored on resume.
+A diagnostic reads the step's typed results from a `StepRecord` (the stages' results and, through
+`result_of`, the results of the diagnostics it declares in `reads`), never a metric string, and returns a
+`DiagnosticResult`: its metrics and, rarely, a reason to end the run (a health rule's stop; the gradient
+analysis's exit after it) or to roll back to a checkpoint. During the actor update a diagnostic's `guard` may
+refuse an optimizer step (the health monitor's gradient-spike rule). Its state (`state_dict`) is saved in the
+checkpoint's trainer state under `diagnostics/<name>` and restored on resume.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from rldynamics.config import Config
-from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.train.actor import ActorUpdate
-from rldynamics.train.prepare import Prepared
-from rldynamics.train.stages import Filtered, Validation
+from rldynamics.train.session import Session
+from rldynamics.train.step_record import StepRecord
 
 if TYPE_CHECKING:
     from rldynamics.train.update import StepTrace
 
+__all__ = ["BEFORE_UPDATE", "END", "JOBS", "POINTS", "PROBE", "ROLL_FORWARD", "ROLLOUT", "TRAIN", "Diagnostic",
+           "DiagnosticResult", "Needs", "StepRecord"]
+
 ROLLOUT, BEFORE_UPDATE, END = "rollout", "before_update", "end"
 POINTS = (ROLLOUT, BEFORE_UPDATE, END)  # the order the step reaches them
+# the jobs that run steps, each choosing its diagnostics by `Diagnostic.jobs` (a replay runs none)
+TRAIN, PROBE, ROLL_FORWARD = "train", "probe", "roll_forward"  # `rldyn train`, `rldyn probe`, a replay's retraining
+JOBS = (TRAIN, PROBE, ROLL_FORWARD)
 
 
 @dataclass(frozen=True)
 class Needs:
-    """Passes a due diagnostic needs from the step beyond what the update itself needs."""
+    """What a due diagnostic needs from the step beyond what the update itself needs."""
 
     old_logprobs: bool = False  # the old-log-prob pass, even where the update is one pass on the rollout policy
     ref_logprobs: bool = False  # the reference model's log-probs, even with the KL term off
     update_logprobs: bool = False  # the update's own log-probs (`ActorUpdate.logprobs`) when it skips that pass
+    layer_traces: bool = False  # per-layer gradient norms and update ratios in the optimizer-step traces
 
     def __or__(self, other: Needs) -> Needs:
-        return Needs(self.old_logprobs or other.old_logprobs, self.ref_logprobs or other.ref_logprobs,
-                     self.update_logprobs or other.update_logprobs)
-
-
-@dataclass
-class StepRecord:
-    """One step as it runs: the typed results of its stages, which diagnostics read, and the metrics of every stage
-    and diagnostic in the order they ran (merged into the step's row by `metrics`)."""
-
-    step: int  # the step the row is logged at
-    seed_step: int  # the step whose env and sampling seeds were drawn (a probe: always 1)
-    sampling_seed: int | None = None  # the rollout's sampling seed (set with the rollout)
-    rollout: RolloutBatch | None = None  # the whole rollout, before the filter
-    filtered: Filtered | None = None  # the filter's outcome
-    prepared: Prepared | None = None  # the update's inputs (None: the filter kept nothing)
-    update: ActorUpdate | None = None  # the actor update (None before it, or without one)
-    validation: Validation | None = None  # the step's validation (None: not due, or the step stopped)
-    early_stop: dict | None = None  # the early stopper's state at END (what a checkpoint of the step saves)
-    results: dict[str, DiagnosticResult] = field(default_factory=dict)  # diagnostic name -> its result this step
-    parts: list[dict[str, float]] = field(default_factory=list)
-
-    def add(self, *metrics: dict[str, float]) -> None:
-        """Record the metrics of a stage or diagnostic."""
-        self.parts.extend(metrics)
-
-    def metrics(self) -> dict[str, float]:
-        """The step's row: every part's metrics, later parts last."""
-        return {k: v for part in self.parts for k, v in part.items()}
-
-    def rollout_policy_logprobs(self) -> torch.Tensor | None:
-        """The trainer's log-probs [N, L] of the filtered batch's sampled tokens under the rollout policy: from the
-        old-log-prob pass, else from a single-pass update's own forward (None when neither ran)."""
-        if self.prepared is not None and self.prepared.inputs.old_logprobs is not None:
-            return self.prepared.inputs.old_logprobs
-        return self.update.logprobs if self.update is not None else None
-
-    def rollout_policy_entropy(self) -> torch.Tensor | None:
-        """The rollout policy's entropy [N, L] at the filtered batch's sampled tokens, from the same pass as
-        `rollout_policy_logprobs` (None when neither ran)."""
-        if self.prepared is not None and self.prepared.token_entropy is not None:
-            return self.prepared.token_entropy
-        return self.update.token_entropy if self.update is not None else None
+        return Needs(**{f.name: getattr(self, f.name) or getattr(other, f.name) for f in fields(self)})
 
 
 @dataclass
 class DiagnosticResult:
     """What a diagnostic returns: its metrics, a reason to end the run after this step (None: go on), a
-    checkpoint of the run to go back to (None: no rollback), and the alarms that started at this step (the rules of
-    the health monitor whose trouble is new: the step recorder keeps such steps)."""
+    checkpoint of the run to go back to (None: no rollback), the alarms that started at this step (the rules of
+    the health monitor whose trouble is new: the step recorder keeps such steps), and `exit_line`: set, the run
+    ends right after this step with its row alone (no checkpoint, no early-stop flag), saying this line."""
 
     metrics: dict[str, float]
     stop: str | None = None
     rollback_to: Path | None = None
     alarms: list[str] = field(default_factory=list)
+    exit_line: str | None = None
 
 
 class Diagnostic:
     """A read-only diagnostic of the step. Subclasses set `name`, `point` (and `phase`, the console's word while
     it runs) and implement `enabled` and `run`; the rest has defaults.
+
+    What it needs from the set-up and the jobs it belongs in are its own: `jobs` (the jobs it runs in),
+    `job_settings` (config overrides a job applies for it: the probe turns the gradient analysis on),
+    `needs_reference` (load the reference model even with the KL term off), `check_world` (settings it cannot
+    honour on several ranks), `reads` (the diagnostics whose results it reads: they run before it).
 
     Read-only means: it changes no parameter, no optimizer state and no RNG stream that training draws from
     (draw from generators seeded by (seed, step), or inside `torch.random.fork_rng`)."""
@@ -111,6 +80,10 @@ class Diagnostic:
     name: str = ""  # its key in the trainer state and its timing metric (`timing_s/<name>`)
     point: str = END  # where in the step it runs (`POINTS`)
     phase: str | None = None  # shown on the console while it runs (None: too quick to show)
+    jobs: frozenset[str] = frozenset(JOBS)  # the jobs it runs in
+    job_settings: dict[str, tuple[str, ...]] = {}  # job -> the overrides that job applies to the run's config
+    needs_reference: bool = False  # the reference model (the base model) is loaded for it
+    reads: tuple[type[Diagnostic], ...] = ()  # diagnostics whose results it reads (`StepRecord.result_of`)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -120,16 +93,20 @@ class Diagnostic:
         """Whether a run with `cfg` has this diagnostic at all."""
         raise NotImplementedError
 
+    @staticmethod
+    def check_world(cfg: Config, ranks: int) -> None:
+        """Raise ConfigError, naming the key, for a setting it cannot honour on `ranks` > 1 ranks (default: none)."""
+
     def due(self, step: int) -> bool:
         """Whether it runs at `step` (default: every step)."""
         return True
 
     def needs(self, step: int) -> Needs:
-        """The passes it needs from the step at `step` (only asked when due)."""
+        """What it needs from the step at `step` (only asked when due)."""
         return Needs()
 
-    def run(self, s, record: StepRecord) -> DiagnosticResult:
-        """Its result at `record.step`; `s` is the session (`train.setup.Session`: model, tokenizer, writer)."""
+    def run(self, s: Session, record: StepRecord) -> DiagnosticResult:
+        """Its result at `record.step`."""
         raise NotImplementedError
 
     def guard(self, trace: StepTrace) -> bool:
@@ -138,7 +115,7 @@ class Diagnostic:
 
     def before_training(self, validation) -> None:
         """The validation before the first step of a run started from scratch (`val.before_train`; a
-        `train.stages.Validation`), given once before step 1 (default: ignored)."""
+        `train.batch_ops.Validation`), given once before step 1 (default: ignored)."""
 
     def state_dict(self) -> dict:
         """What a resumed run needs to go on as if never stopped (JSON-serialisable; {} for none)."""

@@ -37,9 +37,10 @@ from rldynamics.analysis.cross_scoring import (
 )
 from rldynamics.config import Config
 from rldynamics.rollout.batch import RolloutBatch
+from rldynamics.train.batch_ops import step_seed
 from rldynamics.train.diagnostics.base import ROLLOUT, Diagnostic, DiagnosticResult, StepRecord
+from rldynamics.train.session import Session
 from rldynamics.train.sharded import row_pass
-from rldynamics.train.stages import step_seed
 
 SAMPLE_STREAM = 5  # step_seed stream of the pair sampling and the bootstrap
 THINK = re.compile(r"^(.*?)</think>", re.DOTALL)
@@ -74,7 +75,7 @@ class Collapse(Diagnostic):
     def due(self, step: int) -> bool:
         return collapse_due(self.cfg, step)
 
-    def run(self, s, record: StepRecord) -> CollapseResult:
+    def run(self, s: Session, record: StepRecord) -> CollapseResult:
         metrics, mi = run_collapse(s, record.step, record.rollout, self.ema)
         return CollapseResult(metrics, mi=mi)
 
@@ -85,7 +86,8 @@ class Collapse(Diagnostic):
         self.ema = copy.deepcopy(state.get("ema", {}))
 
 
-def run_collapse(s, step: int, batch: RolloutBatch, ema: dict[str, dict]) -> tuple[dict[str, float], float | None]:
+def run_collapse(s: Session, step: int, batch: RolloutBatch,
+                 ema: dict[str, dict]) -> tuple[dict[str, float], float | None]:
     """The collapse metrics of `batch` (the step's unfiltered rollout) under the current actor, and the first-turn
     MI estimate (None when there were no first-turn pairs).
 
@@ -118,7 +120,8 @@ def run_collapse(s, step: int, batch: RolloutBatch, ema: dict[str, dict]) -> tup
     return out, mi
 
 
-def _diagnose(s, pairs: Pairs, prefix: str, generator: torch.Generator, ema: dict) -> tuple[dict[str, float], float]:
+def _diagnose(s: Session, pairs: Pairs, prefix: str, generator: torch.Generator,
+              ema: dict) -> tuple[dict[str, float], float]:
     """Cross-score `pairs`; their metrics (and bootstrap intervals) under `prefix/`, and their MI estimate."""
     cfg = s.cfg.collapse
 

@@ -9,7 +9,7 @@ what is written.
   (inside a forked RNG, so training is unaffected) and filtered with the same filter settings.
 - `analysis.prefilter` also analyses that separate batch before filtering (prefix `grad_norm_prefilter`).
 - `analysis.reward_grad` also differentiates the task loss with each named reward component's own advantages
-  (`train.stages.component_advantages`, scaled like the trained advantages by the filter's loss scaling) and
+  (`train.batch_ops.component_advantages`, scaled like the trained advantages by the filter's loss scaling) and
   logs `reward_grad/<bucket>/*` (analysis/reward_grad.py).
 - The gradients are over the trained parameters: every weight, or with LoRA the adapters' alone; their count is
   `grad_analysis/parameters`.
@@ -37,16 +37,18 @@ from rldynamics.algo.filter import loss_scale
 from rldynamics.algo.rollout_corr import mismatch_metrics
 from rldynamics.analysis.objective import ActorInputs
 from rldynamics.analysis.probe import ProbeResult, ProbeSettings, gradient_probe
-from rldynamics.config import Config
+from rldynamics.config import Config, ConfigError
+from rldynamics.dist import too_few_groups
 from rldynamics.models.lora import trainable
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.tracking.files import replacing, write_file
 from rldynamics.tracking.grad_dump import GradientDumper
+from rldynamics.train.batch_ops import Filtered, component_advantages, env_seeds, filter_batch, step_seed, train_seeds
 from rldynamics.train.checkpoint import crash_point
-from rldynamics.train.diagnostics.base import BEFORE_UPDATE, Diagnostic, DiagnosticResult, Needs, StepRecord
+from rldynamics.train.diagnostics.base import BEFORE_UPDATE, PROBE, Diagnostic, DiagnosticResult, Needs, StepRecord
 from rldynamics.train.prepare import Prepared, prepare_update
+from rldynamics.train.session import Session
 from rldynamics.train.sharded import rollout_groups
-from rldynamics.train.stages import Filtered, component_advantages, env_seeds, filter_batch, step_seed, train_seeds
 
 EXITED = "exited_after_gradient_analysis"  # the stop reason of `analysis.exit_after`
 
@@ -68,9 +70,13 @@ def analysis_due(cfg: Config, step: int) -> bool:
 class GradientAnalysis(Diagnostic):
     """RAGEN's gradient analysis (`analysis.*`): per reward-variance bucket, the task / entropy / KL gradient norms
     of the step's batch under the rollout policy, without an optimizer step. Needs the old-log-prob and reference
-    passes on its steps; its state is none (gradient dumps are written in the background and flushed by `close`)."""
+    passes on its steps (and the reference model even with the KL term off); its state is none (gradient dumps are
+    written in the background and flushed by `close`). A probe is this analysis on a checkpoint: it turns it on,
+    at every step, ending the job after it."""
 
     name, point, phase = "gradient_analysis", BEFORE_UPDATE, "analysis"
+    job_settings = {PROBE: ("analysis.enabled=true", "analysis.every=1", "analysis.exit_after=true")}
+    needs_reference = True  # the KL gradient is measured even at algo.kl_coef 0
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
@@ -80,18 +86,32 @@ class GradientAnalysis(Diagnostic):
     def enabled(cfg: Config) -> bool:
         return cfg.analysis.enabled
 
+    @staticmethod
+    def check_world(cfg: Config, ranks: int) -> None:
+        a = cfg.analysis
+        if a.dump_gradients:
+            raise ConfigError(f"analysis.dump_gradients=true writes whole gradients, which {ranks} ranks never "
+                              "gather; set analysis.dump_gradients=false or run without torchrun")
+        if a.memory_chunks > 1:
+            raise ConfigError(f"analysis.memory_chunks={a.memory_chunks} streams whole gradients in one process; on "
+                              f"{ranks} ranks each holds 1/{ranks} of every probe gradient already: set "
+                              "analysis.memory_chunks=1 (with model.shard=true) or run without torchrun")
+        if a.env_groups is not None and a.env_groups < ranks:
+            raise ConfigError(too_few_groups("analysis.env_groups", a.env_groups, ranks))
+
     def due(self, step: int) -> bool:
         return analysis_due(self.cfg, step)
 
     def needs(self, step: int) -> Needs:
         return Needs(old_logprobs=True, ref_logprobs=True)
 
-    def run(self, s, record: StepRecord) -> DiagnosticResult:
+    def run(self, s: Session, record: StepRecord) -> DiagnosticResult:
         metrics = run_analysis(s, record.step, record.filtered, record.prepared, record.seed_step, self.submit)
         crash_point("analysis", record.step)
         if not self.cfg.analysis.exit_after:
             return DiagnosticResult(metrics)
-        return DiagnosticResult({**metrics, names.EXITED_AFTER_ANALYSIS: 1.0}, stop=EXITED)
+        return DiagnosticResult({**metrics, names.EXITED_AFTER_ANALYSIS: 1.0}, stop=EXITED, exit_line=(
+            f"[yellow]exited after the gradient analysis of step {record.step} (analysis.exit_after=true)"))
 
     def submit(self, file: Path, arrays: dict[str, np.ndarray]) -> None:
         """Queue a gradient dump (written in the background)."""
@@ -111,7 +131,7 @@ def uses_separate_batch(cfg: Config) -> bool:
         a.group_size is not None and a.group_size != t.group_size)
 
 
-def run_analysis(s, step: int, filtered: Filtered | None, prepared: Prepared | None, seed_step: int,
+def run_analysis(s: Session, step: int, filtered: Filtered | None, prepared: Prepared | None, seed_step: int,
                  submit: Callable[[Path, dict], None]) -> dict[str, float]:
     """Analyse the filtered training batch, prepared for its update (or a separate batch drawn with the seeds of step
     `seed_step` and prepared here by the same stages), and write the artefacts of `step` (gradient dumps through
@@ -175,7 +195,7 @@ def per_parameter(model, gradients: dict[str, torch.Tensor], prefix: str) -> dic
     return out
 
 
-def probe(s, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, float], prefix: str,
+def probe(s: Session, batch: RolloutBatch, inputs: ActorInputs, group_std: dict[int, float], prefix: str,
           kept_ratio: float) -> ProbeResult:
     """One gradient probe with the run's settings (and the reward components, when `analysis.reward_grad`)."""
     cfg = s.cfg
@@ -197,7 +217,7 @@ def probe_settings(cfg: Config, prefix: str) -> ProbeSettings:
                          memory_chunks=a.memory_chunks)
 
 
-def _separate_batch_passes(s, k: int) -> tuple[list, dict[str, float]]:
+def _separate_batch_passes(s: Session, k: int) -> tuple[list, dict[str, float]]:
     """Roll out, filter and prepare the separate analysis batch (and its unfiltered copy if asked); returns the
     passes and the batch's metrics."""
     cfg = s.cfg

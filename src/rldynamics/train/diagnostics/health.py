@@ -44,14 +44,18 @@ from rldynamics.analysis.health_rules import (
 from rldynamics.analysis.health_signals import component_shares, repetition_rate, reply_lengths, token_covariance
 from rldynamics.config import Config
 from rldynamics.train.checkpoint import checkpoint_step, checkpoints
-from rldynamics.train.diagnostics.base import END, Diagnostic, DiagnosticResult, Needs, StepRecord
+from rldynamics.train.diagnostics.base import END, ROLL_FORWARD, TRAIN, Diagnostic, DiagnosticResult, Needs, StepRecord
+from rldynamics.train.diagnostics.collapse import Collapse, CollapseResult
 from rldynamics.train.prepare import logprob_pass
+from rldynamics.train.session import Session
 
 
 class Health(Diagnostic):
     """The rules of `analysis/health_rules.py` with their actions; state: each rule's history."""
 
     name, point = "health", END
+    jobs = frozenset({TRAIN, ROLL_FORWARD})  # it watches training: a probe trains nothing
+    reads = (Collapse,)  # the first-turn MI of the template-collapse rule
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
@@ -69,7 +73,8 @@ class Health(Diagnostic):
     def needs(self, step: int) -> Needs:
         # the entropy covariance and the mismatch read the rollout policy's log-probs; the same-batch entropy change
         # compares the old-log-prob pass's entropy with the batch's after the update
-        return Needs(old_logprobs=self.cfg.health.entropy_after_update, update_logprobs=True)
+        return Needs(old_logprobs=self.cfg.health.entropy_after_update, update_logprobs=True,
+                     layer_traces=self.cfg.health.layer_norms)
 
     def guard(self, trace) -> bool:
         """Refuse an optimizer step whose gradient norm is a spike (`health.grad_spike=skip`); a
@@ -86,7 +91,7 @@ class Health(Diagnostic):
             for name in VALIDATION_RULES:
                 self.rules[name].check(x)
 
-    def run(self, s, record: StepRecord) -> DiagnosticResult:
+    def run(self, s: Session, record: StepRecord) -> DiagnosticResult:
         x = signals(self.cfg, record)
         metrics = self.signal_metrics(s, record, x)
         result = DiagnosticResult(metrics)
@@ -100,7 +105,7 @@ class Health(Diagnostic):
                 result.alarms.append(o.rule)
         return result
 
-    def act(self, s, x: Signals, alarm: Alarm, new: bool, result: DiagnosticResult) -> None:
+    def act(self, s: Session, x: Signals, alarm: Alarm, new: bool, result: DiagnosticResult) -> None:
         """Carry out the rule's action: the event line when its trouble is new (or it ends or rolls
         back the run), the console line then too, and on every step that refused optimizer steps."""
         action, why = self.resolve(s, alarm, result)
@@ -115,7 +120,7 @@ class Health(Diagnostic):
         said = f"{alarm.message} ({alarm.rule}: {self.action(alarm.rule)})"
         s.console.print(f"[yellow]health at step {x.step}: {said}" + (f"; {done}" if done else ""))
 
-    def resolve(self, s, alarm: Alarm, result: DiagnosticResult) -> tuple[str, str]:
+    def resolve(self, s: Session, alarm: Alarm, result: DiagnosticResult) -> tuple[str, str]:
         """The action carried out, and why it is not the configured one (a rollback that cannot
         happen stops the run); sets the result's rollback target or stop reason."""
         action, why = self.action(alarm.rule), ""
@@ -129,7 +134,7 @@ class Health(Diagnostic):
             result.stop = result.stop or f"health_{alarm.rule}"
         return action, why
 
-    def cleared(self, s, step: int, rule: str, since: int) -> None:
+    def cleared(self, s: Session, step: int, rule: str, since: int) -> None:
         """A warning whose rule stopped firing (its streak began at `since`): a `clear` event line and a
         console line."""
         if self.action(rule) != "warn":
@@ -140,7 +145,7 @@ class Health(Diagnostic):
         if s.console is not None:
             s.console.print(f"[green]health at step {step}: {row['message']}")
 
-    def signal_metrics(self, s, record: StepRecord, x: Signals) -> dict[str, float]:
+    def signal_metrics(self, s: Session, record: StepRecord, x: Signals) -> dict[str, float]:
         """The signals no other trainer logs, as metrics."""
         out: dict[str, float] = {}
         if self.cfg.health.entropy_after_update:
@@ -173,7 +178,7 @@ class Health(Diagnostic):
         self.fired_at = dict(state.get("fired_at", {}))
 
 
-def rollback_target(s, since: int) -> tuple[Path | None, str]:
+def rollback_target(s: Session, since: int) -> tuple[Path | None, str]:
     """The last checkpoint of the run saved before step `since`, while rollbacks are left, and "";
     else None and why the run stops instead (under torchrun always: reopening the run on every rank
     is not supported yet)."""
@@ -217,8 +222,8 @@ def signals(cfg: Config, record: StepRecord) -> Signals:
         x.entropy = record.prepared.entropy
     _update_signals(x, record)
     x.mismatch_kl = _mismatch_kl(record)
-    collapse = record.results.get("collapse")
-    x.mi = getattr(collapse, "mi", None)
+    collapse: CollapseResult | None = record.result_of(Collapse)
+    x.mi = collapse.mi if collapse is not None else None
     if record.validation is not None and record.validation.success is not None:
         _validation_signals(x, cfg, record.validation)
     return x
@@ -257,7 +262,7 @@ def _mismatch_kl(record: StepRecord) -> float | None:
     return k3_kl(old, batch.rollout_logprobs, batch.response_mask)
 
 
-def entropy_after_update(s, record: StepRecord) -> float | None:
+def entropy_after_update(s: Session, record: StepRecord) -> float | None:
     """The aggregated entropy of the filtered batch's sampled tokens under the updated policy (one no-grad forward),
     aggregated like the old-log-prob pass's (`Prepared.entropy`); None without an update or that pass."""
     if record.update is None or record.prepared is None or record.prepared.entropy is None:

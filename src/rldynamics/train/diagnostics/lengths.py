@@ -5,7 +5,7 @@
   and graded as written, so a rising share often means the policy rambles or loops.
 - `response_length/reply_mean`, `response_length/reply_max`: sampled tokens per reply.
 
-`response_length/mean|max|min` (`train/stages.py` `data_metrics`) are whole trajectories of the filtered batch.
+`response_length/mean|max|min` (`train/batch_ops.py` `data_metrics`) are whole trajectories of the filtered batch.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from rldynamics import metric_names as names
 from rldynamics.analysis.health_signals import reply_lengths
 from rldynamics.config import Config
 from rldynamics.train.diagnostics.base import ROLLOUT, Diagnostic, DiagnosticResult, StepRecord
+from rldynamics.train.session import Session
 
 
 class ReplyLengths(Diagnostic):
@@ -25,7 +26,7 @@ class ReplyLengths(Diagnostic):
     def enabled(cfg: Config) -> bool:
         return True
 
-    def run(self, s, record: StepRecord) -> DiagnosticResult:
+    def run(self, s: Session, record: StepRecord) -> DiagnosticResult:
         lengths = reply_lengths(record.rollout.response_mask)
         if not lengths:
             return DiagnosticResult({})

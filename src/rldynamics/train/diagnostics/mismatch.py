@@ -13,6 +13,7 @@ from rldynamics import dist
 from rldynamics.algo.rollout_corr import batch_mismatch, measures_mismatch
 from rldynamics.config import Config
 from rldynamics.train.diagnostics.base import END, Diagnostic, DiagnosticResult, Needs, StepRecord
+from rldynamics.train.session import Session
 
 
 class Mismatch(Diagnostic):
@@ -27,7 +28,7 @@ class Mismatch(Diagnostic):
     def needs(self, step: int) -> Needs:
         return Needs(old_logprobs=dist.distributed(), update_logprobs=True)
 
-    def run(self, s, record: StepRecord) -> DiagnosticResult:
+    def run(self, s: Session, record: StepRecord) -> DiagnosticResult:
         if record.filtered is None:
             return DiagnosticResult({})
         return DiagnosticResult(batch_mismatch(self.cfg, record.filtered.batch, record.rollout_policy_logprobs()))

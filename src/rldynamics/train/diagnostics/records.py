@@ -17,23 +17,10 @@ process only. A replay then starts from it instead of training the run again.
 
 from __future__ import annotations
 
-import hashlib
-import math
-
-import numpy as np
-import torch
-
 from rldynamics import dist
 from rldynamics import metric_names as names
 from rldynamics.config import Config
-from rldynamics.models.sharding import full_state_dict
-from rldynamics.rollout.batch import RolloutBatch
-from rldynamics.tracking.step_records import (
-    prune_records,
-    run_identity,
-    state_before_path,
-    write_record,
-)
+from rldynamics.tracking.step_records import prune_records, state_before_path
 from rldynamics.train.checkpoint import (
     TrainingState,
     capture_state,
@@ -42,9 +29,9 @@ from rldynamics.train.checkpoint import (
     state_bytes,
     write_state,
 )
-from rldynamics.train.diagnostics.base import END, Diagnostic, DiagnosticResult, Needs, StepRecord
-
-RECORDS_OFF = ["record.every=0", "record.steps=[]", "record.on_alarm=false"]  # overrides of a job that records nothing
+from rldynamics.train.diagnostics.base import END, TRAIN, Diagnostic, DiagnosticResult, Needs, StepRecord
+from rldynamics.train.record_io import recorded_step, weights_digest
+from rldynamics.train.session import Session
 
 
 class StepRecorder(Diagnostic):
@@ -52,6 +39,7 @@ class StepRecorder(Diagnostic):
     step beside it; keeps the state after the last step in memory for that."""
 
     name, point = "step_records", END
+    jobs = frozenset({TRAIN})  # a probe trains nothing; a replay's retraining keeps no records of its own
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
@@ -74,7 +62,7 @@ class StepRecorder(Diagnostic):
     def needs(self, step: int) -> Needs:
         return Needs(update_logprobs=True)  # the trainer's log-probs of a single-pass update: kept, not recomputed
 
-    def run(self, s, record: StepRecord) -> DiagnosticResult:
+    def run(self, s: Session, record: StepRecord) -> DiagnosticResult:
         reasons = self.scheduled(record.step)
         if self.cfg.record.on_alarm:
             reasons += [f"alarm:{rule}" for result in record.results.values() for rule in result.alarms]
@@ -89,20 +77,18 @@ class StepRecorder(Diagnostic):
                                             trainer_state=_trainer_state(s, record))
         return result
 
-    def _write(self, s, record: StepRecord, reasons: list[str]) -> DiagnosticResult:
+    def _write(self, s: Session, record: StepRecord, reasons: list[str]) -> DiagnosticResult:
         """The record of `record`'s step (and the state before it), its size in bytes as the metric."""
         digest = weights_digest(s.model) if record.update is not None else None  # collective when sharded
         if not s.main:
             return DiagnosticResult({})
-        tensors, meta = record_contents(s, record)
         state = self._state_before(s, record.step)
-        meta.update(reasons=reasons, weights_after=digest, state_before=state is not None)
-        path = write_record(s.run_dir, record.step, tensors, meta)
+        path = recorded_step(s, record, reasons, digest, state is not None).write(s.run_dir)
         prune_records(s.run_dir, self.cfg.record.keep_last, keep=set(self.cfg.record.steps))
         size = path.stat().st_size + (_tree_bytes(state) if state is not None else 0)
         return DiagnosticResult({names.RECORD_BYTES: float(size)})
 
-    def _state_before(self, s, step: int):
+    def _state_before(self, s: Session, step: int):
         """Write the state before `step` beside its record where a replay would not find it otherwise; its path."""
         before = self.last_state
         if before is None or before.step != step - 1:
@@ -112,7 +98,7 @@ class StepRecorder(Diagnostic):
         return write_state(state_before_path(s.run_dir, step), before, model=s.model, tokenizer=s.tokenizer,
                            critic=s.critic)
 
-    def _may_keep_state(self, s) -> bool:
+    def _may_keep_state(self, s: Session) -> bool:
         """Whether this run keeps the state before each step in memory (one process, within record.state_before_mb);
         says so once when the size rules it out."""
         limit = self.cfg.record.state_before_mb
@@ -125,7 +111,7 @@ class StepRecorder(Diagnostic):
         return size <= limit
 
 
-def _trainer_state(s, record: StepRecord) -> dict:
+def _trainer_state(s: Session, record: StepRecord) -> dict:
     """The trainer state a checkpoint of `record`'s step saves: the early stopper's and the diagnostics' states."""
     from rldynamics.train.diagnostics import diagnostic_states
 
@@ -135,79 +121,3 @@ def _trainer_state(s, record: StepRecord) -> dict:
 def _tree_bytes(path) -> int:
     """The bytes of the files under `path`."""
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def record_contents(s, record: StepRecord) -> tuple[dict[str, np.ndarray], dict]:
-    """The tensors and meta of the record of `record`'s step (`tracking/step_records.py` lists them)."""
-    batch = record.rollout
-    tensors = batch_tensors(batch)
-    meta = {"seed_step": record.seed_step, "attempt": s.attempt, "env_seeds": list(batch.seeds),
-            "reward_names": list(batch.reward_names), "reward_weights": list(batch.reward_weights),
-            "env_metrics": batch.env_metrics, "threads": torch.get_num_threads(),
-            "sampling_seed": record.sampling_seed, "pieces": token_pieces(s.tokenizer, batch),
-            "run": {"id": run_identity(s.run_dir, create=True), "name": s.run_dir.name}}
-    filtered = record.filtered
-    kept = kept_rows(batch, filtered.batch) if filtered is not None else []
-    tensors["kept_rows"] = np.asarray(kept, dtype=np.int64)
-    if filtered is not None:
-        meta["filter"] = {"kept_ratio": filtered.kept_ratio, "reward_std": filtered.reward_std}
-    if record.prepared is not None:
-        inputs = record.prepared.inputs
-        tensors["advantages"] = _f32(inputs.advantages)
-        meta["passes"] = {"old_logprobs": inputs.old_logprobs is not None,
-                          "ref_logprobs": inputs.ref_logprobs is not None}
-    for key, values in (("trainer_logprobs", record.rollout_policy_logprobs()),
-                        ("entropy", record.rollout_policy_entropy())):
-        if values is not None:
-            tensors[key] = _f32(values)
-    if record.update is not None:
-        meta["update"] = {"steps": [{"grad_norm": t.grad_norm, "clipped": t.clipped, "skipped": t.skipped,
-                                     "refused": t.skipped and math.isfinite(t.grad_norm)} for t in record.update.steps],
-                          "metrics": {k: v for k, v in record.update.metrics.items() if k.startswith("actor/")}}
-    return tensors, meta
-
-
-def batch_tensors(batch: RolloutBatch) -> dict[str, np.ndarray]:
-    """The per-row tensors of a rollout, in the record's dtypes."""
-    out = {"input_ids": batch.input_ids.numpy().astype(np.int32),
-           "attention_mask": batch.attention_mask.numpy().astype(np.uint8),
-           "response_mask": batch.response_mask.numpy().astype(np.uint8),
-           "scores": _f32(batch.scores), "group_ids": batch.group_ids.numpy().astype(np.int64)}
-    if batch.rollout_logprobs is not None:
-        out["rollout_logprobs"] = _f32(batch.rollout_logprobs)
-    if batch.reward_components is not None:
-        out["reward_components"] = _f32(batch.reward_components)
-    return out
-
-
-def kept_rows(batch: RolloutBatch, kept: RolloutBatch) -> list[int]:
-    """The rows of `batch` that the filter kept (whole groups, in batch order)."""
-    ids = set(kept.group_ids.tolist())
-    return [i for i, g in enumerate(batch.group_ids.tolist()) if g in ids]
-
-
-def token_pieces(tokenizer, batch: RolloutBatch) -> dict[str, str]:
-    """Every token id of the batch's attended positions -> its text decoded alone (what the sample browser shows
-    token by token)."""
-    ids = sorted(set(batch.input_ids[batch.attention_mask > 0].tolist()))
-    return {str(t): tokenizer.decode([t]) for t in ids}
-
-
-def weights_digest(model: torch.nn.Module) -> str | None:
-    """SHA-256 over the actor's weights (names, dtypes, shapes, bytes; in name order): equal digests mean bit-identical
-    weights. Sharded models are gathered first (a collective; None on the ranks other than 0)."""
-    state = full_state_dict(model)
-    if state is None:
-        state = model.state_dict()
-    elif not state:
-        return None
-    digest = hashlib.sha256()
-    for name in sorted(state):
-        tensor = state[name].detach().cpu().contiguous()
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _f32(values: torch.Tensor) -> np.ndarray:
-    return values.detach().float().cpu().numpy()
