@@ -95,12 +95,12 @@ def test_eval_of_a_run_directory_or_a_missing_checkpoint_says_which_checkpoint_t
 
 
 def test_ctrl_c_during_eval_is_one_line_and_writes_nothing(fast_overrides, tmp_path, capsys, monkeypatch):
-    from rldynamics.train import step
+    from rldynamics.train import stages
 
     def interrupted(session):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(step, "validate", interrupted)
+    monkeypatch.setattr(stages, "validate", interrupted)
     assert main(["eval", "tiny", *fast_overrides, "log.name=e"]) == 130
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "stopped by Ctrl-C" in err and "nothing was written" in err

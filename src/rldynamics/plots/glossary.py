@@ -127,8 +127,9 @@ def entry_html(name: str) -> str:
     return f'<div class="gloss" id="{anchor(name)}"><b>{head}</b><dl>{items}</dl></div>'
 
 
-BEGIN = ("<!-- glossary: generated from src/rldynamics/plots/glossary.py by "
-         "`python -m rldynamics.plots.glossary docs/health.md`; edit it there -->")
+BEGIN = ("<!-- glossary: generated from each rule's `glossary` (src/rldynamics/analysis/health_rules.py) and the "
+         "signals of src/rldynamics/plots/glossary.py by `python -m rldynamics.plots.glossary docs/health.md`; "
+         "edit them there -->")
 END = "<!-- end of the generated glossary -->"
 
 
