@@ -15,9 +15,9 @@ import pytest
 from conftest import FAST
 from rldynamics.analysis.health_rules import RULES, Signals
 from rldynamics.cli import main
-from rldynamics.config import make_config
-from rldynamics.integrations.doctor import doctor
-from rldynamics.integrations.signals import RLDYNAMICS, TRL, cannot_run, cannot_run_line
+from rldynamics.config import load_config, make_config
+from rldynamics.integrations.doctor import doctor, read_logs
+from rldynamics.integrations.signals import RLDYNAMICS, TRL, cannot_run, cannot_run_line, signals_of, values_of
 from rldynamics.plots.data import load_run
 from rldynamics.plots.report import HEALTH_REPORT
 from rldynamics.plots.timeline import verdict
@@ -120,10 +120,18 @@ def test_a_rule_needs_only_signals_and_a_source_names_what_it_lacks():
     assert cannot_run(set(RLDYNAMICS)) == {}
     trl = cannot_run(set(TRL))
     assert set(trl) == {"non_finite", "first_step", "mismatch", "repetition", "reward_component",
-                        "template_collapse", "falling_validation", "no_learning"}
+                        "template_collapse", "falling_success", "falling_validation", "no_learning"}
     line = cannot_run_line(set(TRL))
     assert "\n" not in line and "mismatch (no mismatch_kl)" in line
     assert "first_step (no first_ppo_kl or mismatch_kl)" in line
+
+
+def test_a_logged_step_gives_the_training_success_with_the_runs_trajectories(run):
+    v = values_of({"step": 4, "train/math/success": 0.25}, RLDYNAMICS, "math")
+    x = signals_of(4, v, 0.4, train_count=64)
+    assert (x.train_success, x.train_count) == (0.25, 64)
+    cfg = load_config(run / "config.yaml")  # a run directory: the trajectories of its settings
+    assert read_logs(run).train_count == cfg.train.env_groups * cfg.train.group_size
 
 
 def test_the_docs_show_each_tables_names():

@@ -40,8 +40,10 @@ def source_tree(cls: type[Rule]) -> ast.Module:
 
 
 def knobs_read(cls: type[Rule]) -> set[str]:
-    """The `health.*` fields the rule's code reads (`self.cfg.<field>`)."""
-    return {node.attr for node in ast.walk(source_tree(cls)) if isinstance(node, ast.Attribute)
+    """The `health.*` fields the rule's code reads (`self.cfg.<field>`), that of the bases it shares
+    with other rules included (`EntropyStart`)."""
+    shared = [c for c in cls.__mro__ if issubclass(c, Rule) and c is not Rule]
+    return {node.attr for c in shared for node in ast.walk(source_tree(c)) if isinstance(node, ast.Attribute)
             and isinstance(node.value, ast.Attribute) and node.value.attr == "cfg"}
 
 

@@ -11,13 +11,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from rldynamics import metric_names as names
 from rldynamics.config import make_config
+from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.train.actor import ActorUpdate
+from rldynamics.train.batch_ops import Validation
 from rldynamics.train.diagnostics.base import StepRecord
 from rldynamics.train.diagnostics.health import Health, signals
-from rldynamics.train.batch_ops import Validation
 from rldynamics.train.update import StepTrace
 
 ENV = "sokoban"  # the default preset's
@@ -95,6 +97,17 @@ def test_the_validation_signals_read_the_problem_clustered_standard_error(tmp_pa
     assert signals(cfg, record(5, validation=validation(0.3))).val_se is None  # binomial
     one = validation(0.3, se=0.0, problems=1)  # one problem: no clustered SE
     assert signals(cfg, record(5, validation=one)).val_se is None
+
+
+def test_the_training_success_is_the_rollouts_mean_env_success(tmp_path):
+    cfg = session(tmp_path).cfg
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1]] * 4, dtype=torch.float)  # [4, 6]
+    batch = RolloutBatch(input_ids=torch.arange(24).view(4, 6), attention_mask=torch.ones(4, 6, dtype=torch.long),
+                         response_mask=mask, scores=torch.zeros(4), group_ids=torch.tensor([0, 0, 1, 1]),
+                         env_metrics=[{names.SUCCESS: v} for v in (1.0, 0.0, 0.0, 1.0)])
+    x = signals(cfg, record(3, rollout=batch))
+    assert (x.train_success, x.train_count) == (0.5, 4)
+    assert (signals(cfg, record(3)).train_success, signals(cfg, record(3)).train_count) == (None, 0)
 
 
 def test_the_validation_before_training_gives_its_clustered_standard_error(tmp_path):

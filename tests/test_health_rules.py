@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from rldynamics.analysis.health_rules import (
     RULES,
     Alarm,
     EntropyCollapse,
+    EntropySurge,
+    FallingSuccess,
     FallingValidation,
     FirstStep,
     GradSpike,
@@ -57,6 +60,11 @@ def feed(rule, stream: list[Signals]) -> list[Alarm | None]:
     return [rule.check(x) for x in stream]
 
 
+def fired_at(rule, stream: list[Signals]) -> list[int]:
+    """The steps of `stream` on which the rule fires."""
+    return [x.step for x in stream if rule.check(x) is not None]
+
+
 def history(rule) -> dict:
     """The rule's own history (its state without the monitor's streak bookkeeping), copied."""
     return json.loads(json.dumps({k: v for k, v in rule.state_dict().items() if k != "streak_start"}))
@@ -86,6 +94,8 @@ def test_defaults_the_hand_numbers_below_assume():
     assert (CFG.length_surge_ratio, CFG.truncation_rate, CFG.repetition_rate) == (2.0, 0.5, 0.3)
     assert (CFG.component_takeover, CFG.component_against, CFG.template_mi_drop) == (0.95, -0.1, 0.5)
     assert (CFG.no_learning_after, CFG.no_learning_se) == (0.5, 1.0)
+    assert (CFG.entropy_surge_ratio, CFG.entropy_surge_steps) == (2.0, 3)
+    assert (CFG.falling_success_steps, CFG.falling_success_se) == (5, 5.5)
 
 
 # --- NonFinite: any skipped optimizer step (> 0) ---
@@ -256,6 +266,63 @@ def test_entropy_collapse_start_is_not_closed_by_a_healthy_update():
     assert history(rule)["start"] == [1.0] * 5  # at the drift limits, not above: not a blow-up
 
 
+# --- EntropySurge: entropy > ratio x the start (entropy_collapse's) on each of the last `entropy_surge_steps` ---
+
+# math-tiny with algo.entropy_coef=0.5 (20 steps, seed 0): the rollout policy's entropy at steps 1-20
+ENTROPY_BONUS = [0.182, 0.221, 0.183, 0.175, 0.169, 0.184, 0.178, 0.217, 0.219, 0.229, 0.245, 0.287, 0.319, 0.4,
+                 0.414, 0.432, 0.567, 0.649, 0.901, 1.219]
+
+
+def entropies(values: list[float], first: int = 1) -> list[Signals]:
+    return [Signals(step=first + i, entropy=e) for i, e in enumerate(values)]
+
+
+def test_entropy_surge_fires_held_above_ratio_of_the_start():
+    rule = EntropySurge(CFG)
+    assert feed(rule, entropies([1.0, 2.0, 1.5, 1.5, 1.0])) == [None] * 5  # mean 1.4 -> limit 2 x 1.4 = 2.8
+    assert feed(rule, entropies([3.0, 3.0], first=6)) == [None, None]  # above, but 2 steps of 3
+    check_alarm(rule.check(Signals(step=8, entropy=2.9)), "entropy_surge", 2.9, 2.8, 6)
+
+
+def test_entropy_surge_a_step_at_or_below_the_bound_restarts_the_count():
+    rule = EntropySurge(CFG)
+    feed(rule, entropies([1.0] * 5))  # limit 2.0
+    assert feed(rule, entropies([2.5, 2.5, 2.0, 2.5, 2.5], first=6)) == [None] * 5  # "above": 2.0 does not count
+    check_alarm(rule.check(Signals(step=11, entropy=2.5)), "entropy_surge", 2.5, 2.0, 9)
+
+
+def test_entropy_surge_start_leaves_out_the_steps_after_a_damaged_update():
+    # as entropy_collapse's: step 2's update drifted, so the start is steps 1 and 2 (mean 0.9, limit 1.8)
+    rule = EntropySurge(CFG)
+    assert rule.check(Signals(step=1, entropy=1.0)) is None
+    assert rule.check(Signals(step=2, entropy=0.8, ppo_kl=0.5)) is None
+    assert feed(rule, entropies([1.9, 1.9], first=3)) == [None, None]
+    check_alarm(rule.check(Signals(step=5, entropy=1.9)), "entropy_surge", 1.9, 2 * 0.9, 3)
+
+
+def test_entropy_surge_missing_entropy_changes_nothing():
+    rule = EntropySurge(CFG)
+    feed(rule, entropies([1.0] * 5) + entropies([2.5, 2.5], first=6))
+    before = history(rule)
+    assert rule.check(Signals(step=8)) is None
+    assert history(rule) == before
+    check_alarm(rule.check(Signals(step=9, entropy=2.5)), "entropy_surge", 2.5, 2.0, 6)
+
+
+def test_entropy_surge_quiet_on_a_noisy_flat_and_a_slowly_rising_entropy():
+    rng = random.Random(0)
+    flat = [1.0 + rng.gauss(0, 0.15) for _ in range(100)]
+    rising = [1.0 + 0.8 * s / 100 + rng.gauss(0, 0.05) for s in range(100)]  # to 1.8 x its start
+    for series in (flat, rising):
+        assert not any(feed(EntropySurge(CFG), entropies(series)))
+
+
+def test_entropy_surge_on_the_entropy_bonus_run():
+    assert fired_at(EntropySurge(CFG), entropies(ENTROPY_BONUS)) == [16, 17, 18, 19, 20]
+    start = sum(ENTROPY_BONUS[:5]) / 5  # 0.1860
+    check_alarm(feed(EntropySurge(CFG), entropies(ENTROPY_BONUS))[15], "entropy_surge", 0.432, 2 * start, 14)
+
+
 # --- RewardVarianceCollapse: share >= limit on each of the last `zero_variance_steps` steps ---
 
 def test_reward_variance_collapse_needs_consecutive_steps_since_the_first():
@@ -410,6 +477,77 @@ def test_reward_component_against():
     assert rule.check(Signals(step=5, component_shares={"a": 0.5, "b": 0.55, "c": -0.05})) is None
     assert rule.check(Signals(step=6)) is None  # one component or a constant total: no shares
     assert history(rule) == {"recent": [[5, ":0.0"]]}  # the last step that had shares, which crossed nothing
+
+
+# --- FallingSuccess: the mean training success of the last k steps < the best such mean - z SE, SE the larger of
+# sqrt(mean squared step-to-step change / k) and hypot of the two windows' binomial SEs ---
+
+# math-tiny with env.reward_weights.correctness=-1 (20 steps, seed 0): successful trajectories of 64 at steps 1-20
+FLIPPED = [23, 16, 16, 13, 4, 6, 9, 11, 8, 4, 1, 1, 3, 4, 4, 3, 3, 3, 8, 3]
+# the default preset's healthy seed 0 (runs/false_alarms, 100 steps): successful trajectories of 64
+HEALTHY = [13, 0, 8, 9, 1, 4, 3, 1, 13, 6, 5, 15, 10, 8, 4, 12, 0, 8, 11, 1, 15, 1, 17, 8, 19, 14, 9, 7, 10, 21, 8, 12,
+           13, 15, 10, 15, 18, 13, 11, 7, 9, 12, 19, 17, 2, 27, 11, 6, 14, 17, 18, 14, 12, 1, 24, 4, 6, 8, 18, 11, 13,
+           13, 6, 19, 7, 19, 4, 26, 4, 6, 4, 15, 14, 14, 9, 1, 7, 20, 9, 10, 22, 22, 20, 33, 11, 5, 9, 3, 15, 13, 5, 11,
+           15, 11, 16, 20, 2, 4, 36, 12]
+K2 = dataclasses.replace(CFG, falling_success_steps=2, falling_success_se=2.0)  # hand numbers: 2 steps, 2 SE
+
+
+def successes(values: list[float], count: int = 100, first: int = 1) -> list[Signals]:
+    return [Signals(step=first + i, train_success=v, train_count=count) for i, v in enumerate(values)]
+
+
+def noisy_success(rng: random.Random, level) -> list[float]:
+    """100 steps of 64 trajectories whose prompts' difficulty scales the success level by 0.2-1.8."""
+    return [sum(rng.random() < min(1.0, level(s) * rng.uniform(0.2, 1.8)) for _ in range(64)) / 64
+            for s in range(100)]
+
+
+def test_falling_success_fires_on_the_step_to_step_spread():
+    rule = FallingSuccess(K2)
+    assert feed(rule, successes([0.5, 0.5])) == [None, None]  # the first window: the best (0.5 of 200)
+    # changes 0, -0.2: spread sqrt(0.04 / 2 / 2) = 0.1 > the binomial 0.049 -> limit 0.5 - 2 x 0.1 = 0.3
+    assert rule.check(successes([0.3], first=3)[0]) is None  # mean 0.4
+    # changes 0, -0.2, -0.2: spread sqrt(0.08 / 3 / 2) = 0.1155 -> limit 0.269; mean 0.2
+    check_alarm(rule.check(successes([0.1], first=4)[0]), "falling_success", 0.2, 0.5 - 2 * math.sqrt(0.08 / 6),
+                3)  # since: the step after the best window
+
+
+def test_falling_success_standard_error_is_at_least_binomial():
+    rule = FallingSuccess(K2)
+    assert feed(rule, successes([0.5] * 4 + [0.4])) == [None] * 5  # steady: spread sqrt(0.01 / 4 / 2) = 0.035
+    # binomial hypot(sqrt(0.25 / 200), sqrt(0.24 / 200)) = 0.0495 > spread sqrt(0.01 / 5 / 2) = 0.0316
+    limit = 0.5 - 2 * math.hypot(math.sqrt(0.25 / 200), math.sqrt(0.24 / 200))  # 0.40101
+    check_alarm(rule.check(successes([0.4], first=6)[0]), "falling_success", 0.4, limit, 3)
+
+
+def test_falling_success_a_new_best_and_missing_steps():
+    rule = FallingSuccess(K2)
+    assert feed(rule, successes([0.2, 0.2, 0.6, 0.6])) == [None] * 4
+    assert history(rule)["best"] == [4, 0.6, 200]  # the window of steps 3-4
+    before = history(rule)
+    assert rule.check(Signals(step=5)) is None  # no rollout success: nothing changes
+    assert history(rule) == before
+    assert not FallingSuccess(K2).check(successes([0.0])[0])  # a short run
+
+
+def test_falling_success_on_the_flipped_reward_run():
+    alarms = feed(FallingSuccess(CFG), successes([n / 64 for n in FLIPPED], count=64))
+    step, first = next((i + 1, a) for i, a in enumerate(alarms) if a)
+    assert (step, first.since, first.value) == (13, 6, (8 + 4 + 1 + 1 + 3) / 320)  # best: steps 1-5, 22.5 %
+
+
+def test_falling_success_quiet_on_the_healthy_default_run_by_a_margin():
+    signals = successes([n / 64 for n in HEALTHY], count=64)
+    assert not any(feed(FallingSuccess(CFG), signals))
+    # its worst: 13.4 % over steps 85-89 against the best 33.8 % (steps 80-84), 3.0 standard errors
+    assert fired_at(FallingSuccess(cfg(falling_success_se=3.0)), signals) == [89]
+
+
+def test_falling_success_quiet_on_noisy_flat_and_slowly_rising_success():
+    rng = random.Random(0)
+    for _ in range(10):
+        for level in (lambda s: 0.3, lambda s: 0.1 + 0.4 * s / 100):
+            assert not any(feed(FallingSuccess(CFG), successes(noisy_success(rng, level), count=64)))
 
 
 # --- FallingValidation: success < best - 2 hypot(SE_best, SE_now), SE = sqrt(p (1 - p) / n) ---
@@ -616,8 +754,9 @@ def test_template_collapse_missing_and_non_positive_first_mi():
 def busy(step: int) -> Signals:
     """A step on which every rule has something to read; from step 7 on each rule fires somewhere."""
     late = step > 6
-    entropy = 1.0 if not late else 0.05 if step <= 9 else 0.9
+    entropy = 1.0 if not late else 0.05 if step <= 9 else 2.5
     return Signals(step=step, progress=step / 12, first_step=step % 4 == 0, entropy=entropy,
+                   train_success=0.5 if not late else 0.05, train_count=64,
                    zero_variance_share=0.95, grad_norms=(1.0, 1.1) if not late else (1.0, 30.0),
                    first_ppo_kl=0.01, ppo_kl=0.02 * step, clipfrac=0.0, kl_ref=0.01 * 2 ** step,
                    mismatch_kl=0.002 * step, reply_mean=10.0 if not late else 50.0, truncation=step / 12,

@@ -46,6 +46,8 @@ class Signals:
     progress: float = 0.0  # step / train.steps
     first_step: bool = False  # the first step of a run started from scratch
     entropy: float | None = None  # the rollout policy's entropy of the sampled tokens (aggregated like the loss)
+    train_success: float | None = None  # the rollout's success: mean of the env's `success` over its trajectories
+    train_count: int = 0  # trajectories of that rollout
     zero_variance_share: float | None = None  # groups whose rewards are all equal / all groups (before the filter)
     # pre-clip gradient norm of each optimizer step with a reward signal (some advantage not 0; a
     # step of equal-reward groups alone under GRPO / RLOO has a norm ~0 and is left out)
@@ -114,7 +116,33 @@ class Rule:
                 setattr(self, k, v)
 
 
-class EntropyCollapse(Rule):
+class EntropyStart(Rule):
+    """A rule that judges the entropy against its start: its mean over the run's first
+    `baseline_steps` steps, up to the first step whose update was damaged (a non-finite or refused
+    optimizer step, or the policy_drift condition). A step's entropy is measured before its update,
+    so the later ones carry that damage."""
+
+    def __init__(self, cfg: HealthConfig):
+        super().__init__(cfg)
+        self.start: list[float] = []
+        self.start_closed = False  # a damaged update ended the start early
+
+    def damaged(self, x: Signals) -> bool:
+        """Whether the step's update was damaged: a non-finite or refused optimizer step, drift."""
+        drift = (x.ppo_kl is not None and x.ppo_kl > self.cfg.drift_kl) or (
+            x.clipfrac is not None and x.clipfrac > self.cfg.drift_clipfrac)
+        return bool(x.non_finite_skips or x.refused or drift)
+
+    def base(self, x: Signals) -> float | None:
+        """The start entropy; None while the step's entropy (known) still goes into it."""
+        if len(self.start) < self.cfg.baseline_steps and not self.start_closed:
+            self.start.append(x.entropy)
+            self.start_closed = self.damaged(x)
+            return None
+        return sum(self.start) / len(self.start)
+
+
+class EntropyCollapse(EntropyStart):
     """The entropy fell below `ratio` x its mean over the run's first steps: the first
     `baseline_steps`, up to the first step whose update was damaged (a non-finite or refused
     optimizer step, or the policy_drift condition). A step's entropy is measured before its update,
@@ -153,30 +181,69 @@ class EntropyCollapse(Rule):
               "KL-Cov, which restrain the update of the few tokens of highest covariance (not in this trainer); a "
               "higher `train.temperature`; a lower `train.lr`.")
 
-    def __init__(self, cfg: HealthConfig):
-        super().__init__(cfg)
-        self.start: list[float] = []
-        self.start_closed = False  # a damaged update ended the start early
-
-    def damaged(self, x: Signals) -> bool:
-        """Whether the step's update was damaged: a non-finite or refused optimizer step, drift."""
-        drift = (x.ppo_kl is not None and x.ppo_kl > self.cfg.drift_kl) or (
-            x.clipfrac is not None and x.clipfrac > self.cfg.drift_clipfrac)
-        return bool(x.non_finite_skips or x.refused or drift)
-
     def check(self, x: Signals) -> Alarm | None:
-        if x.entropy is None:
+        base = None if x.entropy is None else self.base(x)
+        if base is None:
             return None
-        if len(self.start) < self.cfg.baseline_steps and not self.start_closed:
-            self.start.append(x.entropy)
-            self.start_closed = self.damaged(x)
-            return None
-        base = sum(self.start) / len(self.start)
         limit = self.cfg.entropy_collapse_ratio * base
         if x.entropy >= limit:
             return None
         return self.alarm(x, x.entropy, limit, f"entropy {x.entropy:.3g} < {self.cfg.entropy_collapse_ratio:g} x "
                           f"its start ({base:.3g})")
+
+
+class EntropySurge(EntropyStart):
+    """The entropy above `entropy_surge_ratio` x its start (as `entropy_collapse`'s) on each of the
+    last `entropy_surge_steps` steps: the policy is spreading out, not sharpening."""
+
+    name = "entropy_surge"
+    needs = (("entropy",),)
+
+    @dataclass
+    class Config:
+        entropy_surge: str = health_action("warn")
+        """The entropy above entropy_surge_ratio x its start (as for entropy_collapse),
+        entropy_surge_steps steps in a row."""
+        entropy_surge_ratio: float = within(2.0, 1, inclusive=False)
+        """Times the start entropy above which it has surged (the default preset's healthy runs held
+        at most 1.08 x for 3 steps, 1.27 x with the spike guard off)."""
+        entropy_surge_steps: int = within(3, 1)
+        """Consecutive steps the entropy must stay above the bound."""
+
+    glossary = Entry(
+        fires="The rollout policy's entropy (`actor/entropy`) is above `health.entropy_surge_ratio` "
+              "x its start on each of the last `health.entropy_surge_steps` steps; the start as for "
+              "`entropy_collapse`: its mean over the run's first `health.baseline_steps` steps, up "
+              "to the first step whose update was damaged (a non-finite or refused optimizer step, "
+              "or the `policy_drift` condition: the PPO KL above `health.drift_kl` or the clipped "
+              "share above `health.drift_clipfrac`).",
+        means="The policy is spreading its probability over more tokens instead of sharpening: RL on a working "
+              "reward lowers the entropy (the default preset's healthy seeds ended at 0.4-0.9 x their start), "
+              "so a sustained rise says something pushes it the other way. The replies drift towards noise and "
+              "the training success usually falls with it (`falling_success`).",
+        causes="An entropy bonus too strong for the task signal (math-tiny with `algo.entropy_coef=0.5`: the "
+               "entropy went from 0.19 to 1.22 in 20 steps, this rule fired at step 16, `falling_success` at "
+               "14); a reward that pays for something random, or whose sign is wrong; a clip range so wide "
+               "(`algo.clip_low`, `algo.clip_high`) that the update is barely bounded; too high a "
+               "`train.temperature` or learning rate.",
+        tries="Lower or switch off `algo.entropy_coef`; check the reward's sign and components "
+              "(`reward/<component>/*`, the samples); restore the clip range (DAPO's 0.2 / 0.28); a lower "
+              "`train.lr`.")
+
+    def __init__(self, cfg: HealthConfig):
+        super().__init__(cfg)
+        self.recent: list[tuple[int, float]] = []  # (step, entropy) of the last steps after the start
+
+    def check(self, x: Signals) -> Alarm | None:
+        base = None if x.entropy is None else self.base(x)
+        if base is None:
+            return None
+        self.recent = (self.recent + [(x.step, x.entropy)])[-self.cfg.entropy_surge_steps:]
+        limit = self.cfg.entropy_surge_ratio * base
+        if len(self.recent) < self.cfg.entropy_surge_steps or any(e <= limit for _, e in self.recent):
+            return None
+        return self.alarm(x, x.entropy, limit, f"entropy {x.entropy:.3g} > {self.cfg.entropy_surge_ratio:g} x its "
+                          f"start ({base:.3g}), {len(self.recent)} steps in a row", since=self.recent[0][0])
 
 
 class RewardVarianceCollapse(Rule):
@@ -604,6 +671,90 @@ def validation_se(success: float, count: int, clustered: float | None) -> float:
     return _binomial_se(success, count) if clustered is None else clustered
 
 
+class FallingSuccess(Rule):
+    """Training success, its mean over the last `falling_success_steps` steps, fell more than
+    `falling_success_se` standard errors of the difference below the run's best such mean. Each step
+    samples new prompts, whose difficulty moves the success far more than the binomial noise of its
+    trajectories (the default preset's healthy steps ranged from 0 % to 56 %, the hard and the easy
+    steps the same on every seed), so the standard error of the difference comes from the
+    step-to-step spread of the run so far: with d the change of the success from one step to the
+    next, two means of k steps each differ by sqrt(mean(d^2) / k) by chance; the binomial one over
+    the two windows' trajectories when larger. It reads the training rollouts: no validation needed."""
+
+    name = "falling_success"
+    needs = (("train_success",),)
+
+    @dataclass
+    class Config:
+        falling_success: str = health_action("warn")
+        """Training success, its mean over falling_success_steps steps, more than falling_success_se
+        standard errors below the run's best such mean."""
+        falling_success_steps: int = within(5, 1)
+        """Steps whose training success is averaged (a window: the run's best is its best window)."""
+        falling_success_se: float = within(5.5, 0, inclusive=False)
+        """Standard errors of the difference (from the step-to-step spread of the success, at least
+        binomial). The best of many windows is biased upward: the default preset's healthy seeds came
+        to 3.0 at most; of simulated noisy flat and rising 100-step runs, 5 flagged up to 3 %, 5.5
+        none of 1,500."""
+
+    glossary = Entry(
+        fires="Training success (`train/<env>/success`, the rollouts' share of successful "
+              "trajectories), its mean over the last `health.falling_success_steps` steps, is more "
+              "than `health.falling_success_se` (5.5) standard errors of the difference below the "
+              "run's best such mean so far. That standard error is the square root of the mean "
+              "squared change of the success from one step to the next over the run so far, divided "
+              "by `health.falling_success_steps` (each step samples new prompts, whose difficulty "
+              "moves the success far more than the binomial noise of its trajectories), and at least "
+              "the binomial one over the two windows' trajectories.",
+        means="The policy now succeeds less often on the prompts it trains on than it did earlier in the run: "
+              "training is making it worse. It reads the rollouts of every step, so it needs no validation: "
+              "math-tiny with the correctness reward's sign flipped (`env.reward_weights.correctness=-1`) fell "
+              "from 36 % at step 1 to 6 % at step 5, and the rule fired at step 13, where the preset's next "
+              "validation would have come at step 25.",
+        causes="A reward that does not pay for success (a wrong sign, a component that takes over: "
+               "`reward_component`, a length or format term that outweighs correctness); an entropy bonus or a "
+               "clip range that lets the policy drift (`entropy_surge`, `policy_drift`); too high a learning "
+               "rate; entropy collapse onto a wrong answer.",
+        tries="Read the samples of the steps around its `since`; check the reward's components and weights "
+              "(`env.reward_weights.<component>`) and the rules that fired just before; a lower `train.lr`; "
+              "keep a checkpoint from before the fall (`checkpoint.every`; a rollback goes back to the last "
+              "one saved by the end of the best window).")
+
+    def __init__(self, cfg: HealthConfig):
+        super().__init__(cfg)
+        self.recent: list[tuple[int, float, int]] = []  # (step, success, trajectories) of the last steps
+        self.best: tuple[int, float, int] | None = None  # (last step, mean success, trajectories) of the best window
+        self.squares = 0.0  # sum of the squared changes of the success from one step to the next
+        self.changes = 0
+
+    def sees(self, x: Signals) -> bool:
+        return x.train_success is not None
+
+    def check(self, x: Signals) -> Alarm | None:
+        if x.train_success is None:
+            return None
+        if self.recent:
+            change = x.train_success - self.recent[-1][1]
+            self.squares, self.changes = self.squares + change * change, self.changes + 1
+        k = self.cfg.falling_success_steps
+        self.recent = (self.recent + [(x.step, x.train_success, x.train_count)])[-k:]
+        if len(self.recent) < k:
+            return None
+        mean, count = sum(s for _, s, _ in self.recent) / k, sum(n for _, _, n in self.recent)
+        if self.best is None or mean > self.best[1]:
+            self.best = (x.step, mean, count)
+            return None
+        step, best, n = self.best
+        spread = math.sqrt(self.squares / max(self.changes, 1) / k)
+        se = max(spread, math.hypot(_binomial_se(best, n), _binomial_se(mean, count)))
+        limit = best - self.cfg.falling_success_se * se
+        if mean >= limit:
+            return None
+        return self.alarm(x, mean, limit, f"training success {mean:.1%} over the last {k} steps < the best "
+                          f"{best:.1%} (steps {step - k + 1}-{step}) by more than "
+                          f"{self.cfg.falling_success_se:g} standard errors", since=step + 1)
+
+
 class FallingValidation(Rule):
     """Validation success fell more than `falling_validation_se` standard errors of the difference
     below the run's best (each validation's SE clustered by problem, binomial when not logged)."""
@@ -848,5 +999,6 @@ class NonFinite(Rule):
 
 # `health.<name>` -> its rule, in the order they are checked
 RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (
-    NonFinite, FirstStep, GradSpike, EntropyCollapse, RewardVarianceCollapse, PolicyDrift, KlAcceleration, Mismatch,
-    LengthSurge, Truncation, Repetition, RewardComponent, TemplateCollapse, FallingValidation, NoLearning)}
+    NonFinite, FirstStep, GradSpike, EntropyCollapse, EntropySurge, RewardVarianceCollapse, PolicyDrift,
+    KlAcceleration, Mismatch, LengthSurge, Truncation, Repetition, RewardComponent, TemplateCollapse, FallingSuccess,
+    FallingValidation, NoLearning)}

@@ -78,6 +78,7 @@ class Logs:
     watched: bool = False  # the run's own monitor acted on its rules (its actions stand)
     env: str = ""
     val_count: int = 0  # trajectories of a validation
+    train_count: int = 0  # trajectories of a step's rollout
     sampler_is_trainer: bool = True
     run_dir: Path | None = None  # an rldynamics run directory (its samples go with the events)
 
@@ -165,6 +166,7 @@ def _rldynamics_logs(path: Path, kind: str, rows: list[dict], cfg: Config,
     return Logs(kind=kind, path=path, rows=rows, table=RLDYNAMICS, total_steps=cfg.train.steps,
                 health=cfg.health, watched=cfg.health.enabled, env=cfg.env.name,
                 val_count=cfg.val.env_groups * cfg.val.group_size,
+                train_count=cfg.train.env_groups * cfg.train.group_size,
                 sampler_is_trainer=cfg.rollout.engine == "hf", run_dir=run_dir)
 
 
@@ -317,7 +319,8 @@ def diagnose(logs: Logs) -> Diagnosis:
         step = int(row["step"])
         v = values_of(row, logs.table, logs.env)
         out.seen |= set(v)
-        x = signals_of(step, v, step / logs.total_steps, logs.val_count, logs.sampler_is_trainer)
+        x = signals_of(step, v, step / logs.total_steps, logs.val_count, logs.sampler_is_trainer,
+                       logs.train_count)
         if step == 0:  # the validation before training
             if x.val_success is not None:
                 monitor.before_training(x)

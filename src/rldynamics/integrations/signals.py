@@ -52,6 +52,7 @@ RLDYNAMICS: Table = {
     "repetition": names.HEALTH_REPETITION_RATE,
     "component_shares": names.health_reward_share(""),
     "mi": names.FIRST_TURN_MI,
+    "train_success": names.env_metric(ENV, names.SUCCESS),
     "val_success": names.val_success(ENV),
     "val_se": names.env_metric(ENV, names.SUCCESS_SE, validation=True),
     "val_problems": names.env_metric(ENV, names.PROBLEMS, validation=True),
@@ -80,7 +81,7 @@ STEP_KEYS = ("step", "_step", "Step", "global_step", "train/global_step")
 
 # quantities that are `Signals` fields as they are
 DIRECT = ("entropy", "zero_variance_share", "ppo_kl", "clipfrac", "kl_ref", "mismatch_kl",
-          "reply_mean", "truncation", "repetition", "mi")
+          "reply_mean", "truncation", "repetition", "mi", "train_success")
 MADE_FROM = {"grad_norms": ("grad_norm",), "first_ppo_kl": ("ppo_kl", "num_updates"),
              "non_finite_skips": ("skipped_steps",)}  # a field made of other quantities -> them
 
@@ -119,11 +120,12 @@ def values_of(row: dict[str, Any], table: Table, env: str = "") -> Values:
 
 
 def signals_of(step: int, v: Values, progress: float, val_count: int = 0,
-               sampler_is_trainer: bool = True) -> Signals:
+               sampler_is_trainer: bool = True, train_count: int = 0) -> Signals:
     """The `Signals` of one logged step (`progress`: step / the run's steps; `val_count`:
-    trajectories of a validation), as the trainer's monitor builds them from its typed results."""
+    trajectories of a validation; `train_count`: of a step's rollout), as the trainer's monitor
+    builds them from its typed results."""
     x = Signals(step=step, progress=progress, first_step=step == 1,
-                sampler_is_trainer=sampler_is_trainer)
+                sampler_is_trainer=sampler_is_trainer, train_count=train_count)
     for quantity in DIRECT:
         setattr(x, quantity, v.get(quantity))
     x.component_shares = dict(v.get("component_shares", {}))
