@@ -44,7 +44,7 @@ class Console:
 def session(run_dir: Path, *overrides: str, attempt: int = 0) -> SimpleNamespace:
     """What the monitor reads of a training session."""
     return SimpleNamespace(cfg=make_config(overrides=list(overrides)), main=True, writer=Writer(),
-                           console=Console(), attempt=attempt, run_dir=run_dir)
+                           console=Console(), attempt=attempt, run_dir=run_dir, snapshots=None)
 
 
 def validation(success: float, se: float | None = None, problems: int = 512,
@@ -159,7 +159,7 @@ def test_every_step_with_refused_optimizer_steps_says_how_many(tmp_path):
 # --- a rollback that cannot happen ---
 
 DRIFT = ["train.steps=100", "health.policy_drift=rollback"]
-NO_CHECKPOINT = "cannot roll back: no checkpoint before step 1; stopping"
+NO_CHECKPOINT = "cannot roll back: no checkpoint or state in memory before step 1; stopping"
 
 
 def drifted(step: int) -> StepRecord:
@@ -187,6 +187,6 @@ def test_a_rollback_with_none_allowed_or_left_says_why_it_stops(tmp_path):
     assert left in s.writer.events[0]["message"]
     s = session(tmp_path, *DRIFT)
     result = Health(s.cfg).run(s, drifted(3))
-    assert result.stop is None and result.rollback_to == tmp_path / "checkpoints" / "step_2"
+    assert result.stop is None and result.rollback_to == 2  # the step of the checkpoint on disk
     [row] = s.writer.events
     assert row["action"] == "rollback" and "stopping" not in row["message"]

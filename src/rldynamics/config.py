@@ -405,6 +405,17 @@ class HealthMonitorConfig:
     predicts."""
     max_rollbacks: int = within(2, 0)
     """Rollbacks a run may make; a rollback rule firing after that stops the run (and says why)."""
+    remedy: list[str] = field(default_factory=list)
+    """What a rollback changes before the run goes on, each `key=value` or `key*=factor`, applied again at every
+    rollback (e.g. [train.lr*=0.5, algo.entropy_coef=0.01]): the learning rates, train.max_grad_norm,
+    train.temperature, algo.* (not adv_estimator) and filter.* (RAGEN's filter: filter.strategy=top_p)."""
+    snapshot_every: int = within(5, 1)
+    """With a rollback rule: keep the state after every snapshot_every-th step in memory (and the state before
+    step 1), so a rollback goes back to it without a checkpoint on disk."""
+    snapshots: int = within(2, 0)
+    """In-memory states kept besides the state before step 1 (the newest)."""
+    snapshot_mb: float = within(512.0, 0)
+    """Memory the in-memory states may take in all (weights and optimizer state; 0 = checkpoints only)."""
     baseline_steps: int = within(5, 1)
     """Steps that give a rule its start value (entropy, reply length) or history (gradient norms)."""
 
@@ -841,6 +852,13 @@ def _convert_container(value: Any, hint: Any, key: str, source: str, current: An
 
 def validate(cfg: Config) -> Config:
     """Check choices and ranges; raise ConfigError naming the key and the allowed values."""
+    _validate_fields(cfg)
+    apply_remedy(cfg)  # each change names a key a rollback may change, with a value it can take
+    return cfg
+
+
+def _validate_fields(cfg: Config) -> Config:
+    """`validate` but the health remedy (which applies its changes through this check)."""
     if cfg.model.dtype == "float16":
         raise ConfigError("model.dtype=float16 is not supported: float16 training needs loss scaling, which rldynamics "
                           "does not do; use model.dtype=bfloat16 (float32 weights, bfloat16 compute)")
@@ -1008,6 +1026,52 @@ def to_dict(cfg: Config) -> dict[str, Any]:
         if other != cfg.env.name:
             data["env"].pop(other, None)
     return data
+
+
+REMEDY_KEYS = ("train.lr", "train.max_grad_norm", "train.temperature", "train.weight_decay", "critic.lr", "algo.",
+               "filter.")  # what a rollback may change (`health.remedy`; an entry ending in "." covers a section)
+NOT_REMEDIES = ("algo.adv_estimator",)  # a critic cannot appear or vanish at a rollback
+
+
+def apply_remedy(cfg: Config) -> tuple[Config, dict[str, tuple[Any, Any]]]:
+    """`cfg` with `health.remedy` applied once, and each changed key -> (before, after); ConfigError naming the
+    entry for a key a rollback may not change, a factor that is not a number, or a value the key cannot take."""
+    changes: dict[str, tuple[Any, Any]] = {}
+    for entry in cfg.health.remedy:
+        key, op, text = _remedy_parts(entry)
+        before = _get(cfg, key)
+        if op == "*=":
+            value = before * _factor(entry, before, text)
+            text = repr(int(value) if isinstance(before, int) and not isinstance(before, bool) else value)
+        try:
+            cfg = _validate_fields(_merge(cfg, parse_overrides([f"{key}={text}"]), f"health.remedy entry {entry!r}"))
+        except ConfigError as e:
+            raise ConfigError(f"health.remedy entry {entry!r}: {e}") from None
+        changes[key] = (changes.get(key, (before,))[0], _get(cfg, key))
+    return cfg, {k: (old, new) for k, (old, new) in changes.items() if old != new}
+
+
+def _remedy_parts(entry: str) -> tuple[str, str, str]:
+    """`train.lr*=0.5` -> (train.lr, *=, 0.5); ConfigError for an entry of another form or key."""
+    match = re.fullmatch(r"\s*([\w.]+)\s*(\*=|=)\s*(.+?)\s*", entry)
+    if match is None:
+        raise ConfigError(f"health.remedy entry {entry!r}: write key=value or key*=factor (e.g. train.lr*=0.5)")
+    key = match.group(1)
+    if key not in all_keys() or key in NOT_REMEDIES or not any(
+            key == k or (k.endswith(".") and key.startswith(k)) for k in REMEDY_KEYS):
+        raise ConfigError(f"health.remedy entry {entry!r}: a rollback can change the learning rates, "
+                          "train.max_grad_norm, train.temperature, train.weight_decay, algo.* (not adv_estimator) "
+                          f"and filter.*, not {key}")
+    return key, match.group(2), match.group(3)
+
+
+def _factor(entry: str, before: Any, text: str) -> float:
+    if isinstance(before, bool) or not isinstance(before, (int, float)):
+        raise ConfigError(f"health.remedy entry {entry!r}: *= needs a number, and the key holds {before!r}")
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"health.remedy entry {entry!r}: the factor {text!r} is not a number") from None
 
 
 RESUME_MAY_CHANGE = ("train.steps", "checkpoint.", "log.", "early_stop.", "record.", "filter.empty_stop_steps",

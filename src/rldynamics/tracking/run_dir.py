@@ -43,6 +43,7 @@ from rldynamics.tracking.files import append_file, open_file, refuse_link, remov
 LOCK_FILE = ".lock"
 REWARDS_FILE = "rewards.jsonl"
 EVENTS_FILE = "events.jsonl"
+CONFIG_HISTORY_FILE = "config_history.jsonl"  # the settings a health rollback changed, and from which step
 LOG_FILES = ("metrics.jsonl", "samples.jsonl", REWARDS_FILE, EVENTS_FILE)
 ROLLED_BACK = "rolled_back"
 STEP_DIRS = ("analysis", "records")  # directories of per-step entries `step_<N>` / `step_<N>.<ext>`
@@ -164,6 +165,11 @@ class RunWriter:
     def log_event(self, row: dict[str, Any]) -> None:
         """Append one health event (a dict with `step`, `rule`, `action`, ...)."""
         _append(self.path / EVENTS_FILE, [row])
+
+    def log_config_change(self, row: dict[str, Any]) -> None:
+        """Append one change of the run's settings (`CONFIG_HISTORY_FILE`: the step it applies after, the attempt
+        and each changed key's [before, after]); config.yaml holds the settings of the latest steps."""
+        _append(self.path / CONFIG_HISTORY_FILE, [row])
 
     def attempts(self) -> int:
         """Rollbacks this run has made (`rolled_back/attempt_<k>/` directories)."""

@@ -118,6 +118,18 @@ def state_bytes(*modules: torch.nn.Module | None) -> int:
     return total
 
 
+def schedule_words(cfg, state_mb: float) -> str:
+    """What the run's checkpoint schedule will hold on disk at most, for its start-up line, with `state_mb` the size
+    of one checkpoint (`state_bytes`: the weights and two AdamW moments per trained weight; a LoRA run's are
+    smaller, its adapters alone)."""
+    c, steps = cfg.checkpoint, cfg.train.steps
+    count = (steps // c.every if c.every > 0 else 0) + (1 if c.save_last and (c.every == 0 or steps % c.every) else 0)
+    if c.keep_last > 0:
+        count = min(count, c.keep_last)
+    return (f"checkpoints: {count} of about {state_mb:.0f} MiB each kept at most ({count * state_mb:.0f} MiB; "
+            "checkpoint.every and checkpoint.keep_last set it)")
+
+
 def _points_to(t: torch.Tensor) -> tuple:
     """What a tensor views: equal for the names of one tied weight."""
     return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()

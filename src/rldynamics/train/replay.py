@@ -289,7 +289,6 @@ def run_replay(cfg: Config, out: Path, record: RecordedStep, *, attribute: bool)
     step = record.step
     with opened(cfg, out, job=REPLAY) as (s, _, _), StepConsole(step, cfg.env.name, enabled=False) as console:
         s.console = console
-        set_learning_rates(s)
         before = flat_weights(s.model)
         batch = batch_of(record)
         replayed = StepRecord(step=step, seed_step=record.seed_step, rollout=batch,
@@ -310,14 +309,6 @@ def training_needs(cfg: Config, step: int) -> Needs:
     return stages.needs_of([d for d in build_diagnostics(cfg, job=TRAIN) if d.due(step)], step)
 
 
-def set_learning_rates(s: Session) -> None:
-    """The config's learning rates and weight decay in the optimizers (a checkpoint's optimizer state carries the
-    run's; a what-if may change them)."""
-    for group in s.optimizer.param_groups:
-        group.update(lr=s.cfg.train.lr, weight_decay=s.cfg.train.weight_decay)
-    if s.critic_optimizer is not None:
-        for group in s.critic_optimizer.param_groups:
-            group["lr"] = s.cfg.critic.lr
 
 
 def refusals(record: RecordedStep):

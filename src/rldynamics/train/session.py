@@ -17,6 +17,7 @@ from rldynamics.tracking.run_dir import RunWriter
 
 if TYPE_CHECKING:
     from rldynamics.train.diagnostics.base import Diagnostic
+    from rldynamics.train.snapshots import Snapshots
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Session:
     environment: dict | None = None  # what computes this start (`tracking.environment`), recorded by open_run
     diagnostics: list[Diagnostic] = field(default_factory=list)  # read-only parts of the step (`train/diagnostics`)
     attempt: int = 0  # rollbacks the run has made (`rolled_back/attempt_<k>/`): its sampling stream
+    snapshots: Snapshots | None = None  # states in memory a rollback can go back to (`train/snapshots.py`)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append the metrics row of `step` (rank 0 only)."""

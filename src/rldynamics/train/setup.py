@@ -70,6 +70,7 @@ from rldynamics.train.diagnostics import build_diagnostics
 from rldynamics.train.diagnostics import check_world as check_diagnostics_world
 from rldynamics.train.diagnostics.base import TRAIN
 from rldynamics.train.session import Session, Start
+from rldynamics.train.snapshots import Snapshots
 from rldynamics.train.warmstart import ensure_warm_start, tiny_corpus
 
 
@@ -247,6 +248,7 @@ def make_session(cfg: Config, run_dir: Path, start: Start, job: str = TRAIN) -> 
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic.lr, weight_decay=0.0)
     if ckpt is not None:
         load_trainer_state(ckpt, model=model, optimizer=optimizer, critic=critic, critic_optimizer=critic_optimizer)
+        set_learning_rates(cfg, optimizer, critic_optimizer)  # a rollback's remedy may have changed them
     environment = describe(start.step, threads, threads_from, _device_name(device),
                            base if cfg.model.path == "tiny" and dist.is_main() else None)
     trained = sum(p.numel() for p in lora.trainable(model))  # with LoRA: the adapters' alone
@@ -254,7 +256,17 @@ def make_session(cfg: Config, run_dir: Path, start: Start, job: str = TRAIN) -> 
     return Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=optimizer,
                    ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer, main=dist.is_main(),
                    environment=environment, engine=rollout_engine(cfg, base, model, precision.engine_dtype),
-                   diagnostics=diagnostics, attempt=start.attempt)
+                   diagnostics=diagnostics, attempt=start.attempt, snapshots=Snapshots(cfg, model, critic))
+
+
+def set_learning_rates(cfg: Config, optimizer, critic_optimizer=None) -> None:
+    """The config's learning rates and weight decay in the optimizers (a checkpoint's optimizer state carries the
+    values it was saved with; a rollback's remedy or a replay's what-if may change them)."""
+    for group in optimizer.param_groups:
+        group.update(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    if critic_optimizer is not None:
+        for group in critic_optimizer.param_groups:
+            group["lr"] = cfg.critic.lr
 
 
 def load_actor(cfg: Config, base: str, checkpoint: Path | None, device: torch.device) -> tuple[torch.nn.Module, object]:

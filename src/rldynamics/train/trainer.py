@@ -30,16 +30,24 @@ from pathlib import Path
 
 from rldynamics import dist
 from rldynamics import metric_names as names
-from rldynamics.config import Config, apply_overrides
+from rldynamics.config import Config, apply_overrides, apply_remedy, save_config
 from rldynamics.rollout.sampling import NonFiniteLogits
 from rldynamics.tracking.console import StepConsole
 from rldynamics.train import stages
-from rldynamics.train.checkpoint import checkpoint_step, crash_point, save_checkpoint
+from rldynamics.train.checkpoint import (
+    checkpoint_step,
+    checkpoints,
+    crash_point,
+    save_checkpoint,
+    schedule_words,
+    state_bytes,
+)
 from rldynamics.train.diagnostics import diagnostic_states
 from rldynamics.train.diagnostics.base import END, TRAIN
 from rldynamics.train.early_stop import EarlyStopper
 from rldynamics.train.lifecycle import opened, report_run
-from rldynamics.train.session import Session
+from rldynamics.train.session import Session, Start
+from rldynamics.train.snapshots import rolls_back
 from rldynamics.train.step_record import StepRecord
 
 NOT_SAVED = (stages.NON_FINITE_LOGITS, stages.NON_FINITE_PARAMETERS)  # stops whose state is broken: no checkpoint
@@ -52,7 +60,7 @@ class StepResult:
 
     metrics: dict[str, float]
     stop: str | None = None
-    rollback_to: Path | None = None
+    rollback_to: int | None = None  # the step whose kept state a health rollback goes back to
     exit_line: str | None = None
 
 
@@ -62,10 +70,11 @@ def train(cfg: Config, run_dir: Path | None = None, job: str = TRAIN) -> Path:
     back to (the same checks and restores as a resume)."""
     while True:
         with opened(cfg, run_dir, job=job, report=False) as (s, start, stopper):
-            back = run_steps(s, start.step, stopper)
+            back = run_steps(s, start, stopper)
         if back is None:
             break
-        cfg, run_dir = apply_overrides(cfg, [f"checkpoint.resume={back}"]), s.run_dir
+        checkpoint, cfg = back
+        cfg, run_dir = apply_overrides(cfg, [f"checkpoint.resume={checkpoint}"]), s.run_dir
     if s.main and cfg.log.report:
         report_run(s.run_dir)
     if cfg.log.progress:
@@ -83,17 +92,21 @@ def _say_result(run_dir: Path) -> None:
         print(f"warning: the result of {run_dir} could not be summarised ({e})")
 
 
-def run_steps(s: Session, start: int, stopper: EarlyStopper) -> Path | None:
-    """Validation before training, then the steps after `start`, each logged before its checkpoint is saved;
-    returns the checkpoint a health rollback goes back to (None when the run ended)."""
-    cfg = s.cfg
+def run_steps(s: Session, begun: Start, stopper: EarlyStopper) -> tuple[Path, Config] | None:
+    """Validation before training, then the steps after `begun`, each logged before its checkpoint is saved;
+    returns the checkpoint a health rollback goes back to and the config the run goes on with (None when the run
+    ended)."""
+    cfg, start = s.cfg, begun.step
     before = {}
-    if cfg.val.before_train and start == 0:
+    if cfg.val.before_train and begun.checkpoint is None:
         validation = stages.validate(s)
         before = validation.metrics
         s.log(start, before)
         for d in s.diagnostics:
             d.before_training(validation)
+    s.snapshots.keep(s, start, _trainer_state(s, stopper), start=True)
+    if s.main and cfg.log.progress:
+        _say_storage(s)
     with StepConsole(cfg.train.steps, cfg.env.name, enabled=cfg.log.progress and s.main) as console:
         s.console = console
         console.advance(start, before)  # the `step 0` line: the validation before training
@@ -114,11 +127,12 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> Path | None:
             s.log(step, metrics)  # before the checkpoint: a resumed run never lacks this row
             crash_point("logged", step)
             if result.rollback_to is not None and stop is None:
-                _roll_back(s, step, result.rollback_to)
-                return result.rollback_to
+                return _roll_back(s, step, result.rollback_to)
             if stop not in NOT_SAVED and _checkpoint_due(cfg, step, stop is not None):
                 console.phase("checkpoint")
                 _save(s, step, stopper)
+            if stop is None:
+                s.snapshots.keep(s, step, _trainer_state(s, stopper))
             console.advance(step, metrics)
             if stop is not None:
                 console.print(f"[yellow]early stop at step {step}: {stop}")
@@ -126,17 +140,36 @@ def run_steps(s: Session, start: int, stopper: EarlyStopper) -> Path | None:
     return None
 
 
-def _roll_back(s: Session, step: int, checkpoint: Path) -> None:
-    """Move the rows of the steps after `checkpoint` (this one's included) to `rolled_back/attempt_<k>/`."""
-    back = checkpoint_step(checkpoint)
-    s.console.print(f"[yellow]rolling back to {checkpoint} (steps {back + 1}-{step} kept in rolled_back/)")
-    dist.on_main(_archive, s, step, back)
+def _say_storage(s: Session) -> None:
+    """What the checkpoints will take on disk and, for a run that may roll back, what it can go back to."""
+    print(schedule_words(s.cfg, state_bytes(s.model, s.critic) / 2**20), flush=True)
+    if rolls_back(s.cfg):
+        print(s.snapshots.words(), flush=True)
 
 
-def _archive(s: Session, step: int, back: int) -> None:
+def _roll_back(s: Session, step: int, back: int) -> tuple[Path, Config]:
+    """Go back to the state kept at step `back` (a checkpoint, or a state in memory written as one): the rows of
+    the steps after it move to `rolled_back/attempt_<k>/`, and `health.remedy` changes the settings the run goes on
+    with (events.jsonl, config_history.jsonl, config.yaml). Returns the checkpoint and the new config."""
+    on_disk = {checkpoint_step(p): p for p in checkpoints(s.run_dir)}
+    checkpoint = on_disk.get(back) or dist.on_main(s.snapshots.write, s, back)
+    cfg, changes = apply_remedy(s.cfg)
+    said = "; ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items())
+    s.console.print(f"[yellow]rolling back to step {back} (steps {back + 1}-{step} kept in rolled_back/)"
+                    + (f"; going on with {said}" if said else ""))
+    dist.on_main(_archive, s, step, back, cfg, changes)
+    return checkpoint, cfg
+
+
+def _archive(s: Session, step: int, back: int, cfg: Config, changes: dict) -> None:
     archive = s.writer.archive_after(back)
     s.writer.log_event({"step": back, "rule": "rollback", "action": "rollback", "from_step": step,
-                        "archive": archive.name, "message": f"steps {back + 1}-{step} rolled back"})
+                        "archive": archive.name, "message": f"steps {back + 1}-{step} rolled back",
+                        **({"changes": {k: list(v) for k, v in changes.items()}} if changes else {})})
+    if changes:
+        s.writer.log_config_change({"step": back, "attempt": s.attempt + 1,
+                                    "changes": {k: list(v) for k, v in changes.items()}})
+        save_config(cfg, s.run_dir / "config.yaml")  # the settings of the steps from back + 1 on
 
 
 def _validation_due(cfg: Config, step: int) -> bool:
@@ -151,9 +184,13 @@ def _checkpoint_due(cfg: Config, step: int, last: bool) -> bool:
 
 def _save(s: Session, step: int, stopper: EarlyStopper) -> None:
     save_checkpoint(s.run_dir / "checkpoints", step, model=s.model, tokenizer=s.tokenizer, optimizer=s.optimizer,
-                    critic=s.critic, critic_optimizer=s.critic_optimizer,
-                    trainer_state={"early_stop": stopper.state_dict(), "diagnostics": diagnostic_states(s.diagnostics)},
+                    critic=s.critic, critic_optimizer=s.critic_optimizer, trainer_state=_trainer_state(s, stopper),
                     keep_last=s.cfg.checkpoint.keep_last, merged=s.cfg.checkpoint.save_merged)
+
+
+def _trainer_state(s: Session, stopper: EarlyStopper) -> dict:
+    """What a checkpoint keeps beside the weights: the early stopper's and the diagnostics' states."""
+    return {"early_stop": stopper.state_dict(), "diagnostics": diagnostic_states(s.diagnostics)}
 
 
 def train_step(s: Session, step: int, stopper: EarlyStopper) -> StepResult:
@@ -177,7 +214,7 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> StepResult:
     ended = stages.run_point(s, due, END, record)  # every step, whatever stopped it
     stop = stop or ended
     targets = [r.rollback_to for r in record.results.values() if r.rollback_to is not None]
-    back = min(targets, key=checkpoint_step) if targets else None
+    back = min(targets) if targets else None
     return StepResult(record.metrics(), stop, back, stages.exit_line(record))
 
 

@@ -18,7 +18,6 @@ checkpoint's trainer state under `diagnostics/<name>` and restored on resume.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rldynamics.config import Config
@@ -53,14 +52,14 @@ class Needs:
 
 @dataclass
 class DiagnosticResult:
-    """What a diagnostic returns: its metrics, a reason to end the run after this step (None: go on), a
-    checkpoint of the run to go back to (None: no rollback), the alarms that started at this step (the rules of
+    """What a diagnostic returns: its metrics, a reason to end the run after this step (None: go on), the step
+    whose kept state the run goes back to (None: no rollback), the alarms that started at this step (the rules of
     the health monitor whose trouble is new: the step recorder keeps such steps), and `exit_line`: set, the run
     ends right after this step with its row alone (no checkpoint, no early-stop flag), saying this line."""
 
     metrics: dict[str, float]
     stop: str | None = None
-    rollback_to: Path | None = None
+    rollback_to: int | None = None
     alarms: list[str] = field(default_factory=list)
     exit_line: str | None = None
 

@@ -26,7 +26,6 @@ entropy since the previous step), `health/zero_variance_share`, `health/repetiti
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from rldynamics import dist
 from rldynamics import metric_names as names
@@ -128,7 +127,7 @@ class Health(Diagnostic):
             target, why = rollback_target(s, alarm.since)
             if target is None:
                 action = "stop"
-            elif result.rollback_to is None or checkpoint_step(target) < checkpoint_step(result.rollback_to):
+            elif result.rollback_to is None or target < result.rollback_to:
                 result.rollback_to = target  # the earliest of the rules' targets
         if action == "stop":
             result.stop = result.stop or f"health_{alarm.rule}"
@@ -178,8 +177,9 @@ class Health(Diagnostic):
         self.fired_at = dict(state.get("fired_at", {}))
 
 
-def rollback_target(s: Session, since: int) -> tuple[Path | None, str]:
-    """The last checkpoint of the run saved before step `since`, while rollbacks are left, and "";
+def rollback_target(s: Session, since: int) -> tuple[int | None, str]:
+    """The last step before `since` whose state the run keeps (a checkpoint on disk, or a state in memory:
+    `train/snapshots.py`, the state before step 1 among them), while rollbacks are left, and "";
     else None and why the run stops instead (under torchrun always: reopening the run on every rank
     is not supported yet)."""
     allowed = s.cfg.health.max_rollbacks
@@ -189,9 +189,10 @@ def rollback_target(s: Session, since: int) -> tuple[Path | None, str]:
         return None, f"no rollbacks left (health.max_rollbacks={allowed}, all used); stopping"
     if dist.distributed():
         return None, "cannot roll back under torchrun (not supported yet); stopping"
-    before = [p for p in checkpoints(s.run_dir) if checkpoint_step(p) < since]
+    kept = {checkpoint_step(p) for p in checkpoints(s.run_dir)} | set(s.snapshots.steps() if s.snapshots else ())
+    before = sorted(k for k in kept if k < since)
     if not before:
-        return None, f"cannot roll back: no checkpoint before step {since}; stopping"
+        return None, f"cannot roll back: no checkpoint or state in memory before step {since}; stopping"
     return before[-1], ""
 
 
@@ -215,6 +216,9 @@ def signals(cfg: Config, record: StepRecord) -> Signals:
         x.repetition = repetition_rate(batch.input_ids, batch.response_mask, Repetition.ngram,
                                        Repetition.share)
         x.component_shares = component_shares(batch.reward_components, batch.reward_weights, batch.reward_names)
+        if batch.env_metrics:  # one per trajectory: train/<env>/success is their mean
+            x.train_count = len(batch.env_metrics)
+            x.train_success = sum(m[names.SUCCESS] for m in batch.env_metrics) / x.train_count
     if record.filtered is not None and record.filtered.group_std:
         stds = list(record.filtered.group_std.values())
         x.zero_variance_share = sum(v <= 1e-8 for v in stds) / len(stds)

@@ -1,0 +1,96 @@
+"""Actions that save runs: a pathology scenario trained under several arms of the health monitor (no action, stop,
+rollback, rollback with a remedy), over seeds; the validation success each arm ends with, with its standard error.
+
+    python bench/rescue.py run [--scenarios lr100] [--arms none,stop,rollback,remedy] [--seeds 0-4] [--parallel 2]
+    python bench/rescue.py table [--out runs/rescue]
+
+Each (scenario, arm, seed) is one `rldyn train` process (one torch thread) into OUT/<scenario>-<arm>/seed<s>
+(`false_alarms.run_one`: a finished run is skipped). The table gives, per scenario and arm, the mean of the runs'
+last validation success with the standard error over seeds, the step they ended at, and their actions (stops,
+rollbacks with their changes). A stopped run ends with the validation it had before the stop: the policy it leaves
+behind is not validated again.
+
+Scenarios (`SCENARIOS`): `lr100`, the default preset with a learning rate 100 x its own (3e-2): the first update
+moves the policy far off (PPO KL above `health.drift_kl`: the `policy_drift` rule at step 1) and the replies break.
+Arms (`ARMS`): the rule's action record (no action), stop, rollback (to the state before step 1, kept in memory,
+with new sampling seeds), and rollback with the remedy `train.lr*=0.01` (back to the preset's learning rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from false_alarms import run_one, seeds_of, validation
+from rldynamics.tracking.run_dir import read_events, read_metrics
+
+SCENARIOS = {  # name -> (preset, overrides, the rule that acts)
+    "lr100": ("sokoban-tiny", ["train.lr=3e-2", "train.steps=30", "val.every=10", "val.env_groups=128"],
+              "policy_drift"),
+}
+ARMS = {  # name -> the acting rule's settings
+    "none": lambda rule: [f"health.{rule}=record"],
+    "stop": lambda rule: [f"health.{rule}=stop"],
+    "rollback": lambda rule: [f"health.{rule}=rollback"],
+    "remedy": lambda rule: [f"health.{rule}=rollback", "health.remedy=[train.lr*=0.01]"],
+}
+
+
+def run(scenario: str, arm: str, seed: int, out: Path) -> Path:
+    """One run of `scenario` under `arm` with `seed`."""
+    preset, overrides, rule = SCENARIOS[scenario]
+    return run_one(preset, seed, out / f"{scenario}-{arm}", None, [*overrides, *ARMS[arm](rule), "log.progress=false"])
+
+
+def summary(runs: list[Path]) -> tuple[str, str, str]:
+    """The arm's last validation success (mean ± SE over seeds), the steps its runs ended at, its actions."""
+    ends = [v[-1][1] for r in runs if (v := validation(r))]
+    mean = statistics.fmean(ends) if ends else math.nan
+    se = statistics.stdev(ends) / math.sqrt(len(ends)) if len(ends) > 1 else math.nan
+    last = [max(row["step"] for row in read_metrics(r)) for r in runs]
+    acts = [f"stop by {e['rule']}" if e["action"] == "stop" else
+            f"rollback to {e['step']}" + (f" {e['changes']}" if e.get("changes") else "")
+            for r in runs for e in read_events(r)
+            if (e["action"] == "stop" and e["rule"] != "rollback") or e["rule"] == "rollback"]
+    counts = {a: acts.count(a) for a in dict.fromkeys(acts)}
+    return (f"{mean:.1%} ± {se:.1%} (n={len(ends)})", ", ".join(map(str, last)),
+            "; ".join(f"{a} x{n}" for a, n in counts.items()) or "none")
+
+
+def table(out: Path) -> str:
+    lines = ["| scenario | arm | last validation success (± SE over seeds) | ended at step | actions |",
+             "|---|---|---|---|---|"]
+    for scenario in SCENARIOS:
+        for arm in ARMS:
+            runs = sorted((out / f"{scenario}-{arm}" / SCENARIOS[scenario][0]).glob("seed*"))
+            if runs:
+                lines.append(f"| {scenario} | {arm} | " + " | ".join(summary(runs)) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=("run", "table"))
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--seeds", default="0-4")
+    parser.add_argument("--parallel", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("runs/rescue"))
+    args = parser.parse_args(argv)
+    if args.what == "run":
+        jobs = [(sc, arm, seed) for sc in args.scenarios.split(",") for arm in args.arms.split(",")
+                for seed in seeds_of(args.seeds)]
+        for sc, arm, _ in jobs:
+            (args.out / f"{sc}-{arm}").mkdir(parents=True, exist_ok=True)
+        with ThreadPoolExecutor(args.parallel) as pool:
+            list(pool.map(lambda job: run(*job, args.out), jobs))
+    print(table(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

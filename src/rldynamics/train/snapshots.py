@@ -1,0 +1,74 @@
+"""In-memory states a health rollback can go back to, so that a rollback needs no checkpoint on disk.
+
+With a rule whose action is `rollback`, the training loop keeps a copy of the training state (weights, optimizer,
+critic, RNG, trainer state: `checkpoint.capture_state(copy=True)`) before step 1 and after every
+`health.snapshot_every`-th step, the newest `health.snapshots` of the latter, within `health.snapshot_mb` in all.
+A rollback to one of them writes it as the checkpoint of its step (`checkpoints/step_<k>`, the state before step 1
+as `step_0`) and reopens the run from it as a resume does: the same checks and restores, so a rollback from memory
+and one from disk continue identically. One process only (under torchrun a rollback stops the run).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rldynamics import dist
+from rldynamics.config import Config
+from rldynamics.train.checkpoint import TrainingState, capture_state, state_bytes, write_state
+from rldynamics.train.session import Session
+
+
+def rolls_back(cfg: Config) -> bool:
+    """Whether a health rule of `cfg` may roll the run back."""
+    h = cfg.health
+    return h.enabled and h.max_rollbacks > 0 and any(getattr(h, rule) == "rollback" for rule in _rules())
+
+
+def _rules() -> list[str]:
+    from rldynamics.analysis.health_rules import RULES
+
+    return list(RULES)
+
+
+class Snapshots:
+    """The states kept in memory: the start (the state before the first step of this process) and the newest
+    `health.snapshots` of the scheduled ones, by step."""
+
+    def __init__(self, cfg: Config, model, critic=None):
+        h = cfg.health
+        self.every, self.newest = h.snapshot_every, h.snapshots
+        wanted = rolls_back(cfg) and not dist.distributed()  # (one process: sharded weights are not measured)
+        self.size_mb = state_bytes(model, critic) / 2**20 if wanted else 0.0  # one state
+        self.on = wanted and 0 < self.size_mb * (1 + self.newest) <= h.snapshot_mb
+        self.start: TrainingState | None = None
+        self.kept: list[TrainingState] = []
+
+    def words(self) -> str:
+        """What a rollback can go back to, for the start-up line of a run that may roll back."""
+        total = f"{self.size_mb * (1 + self.newest):.0f} MiB"
+        if self.on:
+            return (f"a rollback can go back to the state before step 1 or one of the last {self.newest} states kept "
+                    f"every {self.every} steps, in memory ({total}), or to a checkpoint")
+        return (f"a rollback goes back to checkpoints on disk only (states in memory would take {total}; "
+                "health.snapshot_mb allows less, or several ranks run)")
+
+    def keep(self, s: Session, step: int, trainer_state: dict, *, start: bool = False) -> None:
+        """Keep the state after `step` (`start`: the state this process began from) when it is due."""
+        if not self.on or not (start or step % self.every == 0):
+            return
+        state = capture_state(step, model=s.model, optimizer=s.optimizer, critic=s.critic,
+                              critic_optimizer=s.critic_optimizer, trainer_state=trainer_state, copy=True)
+        if start:
+            self.start = state
+            return
+        self.kept = ([k for k in self.kept if k.step != step] + [state])[-self.newest:] if self.newest else []
+
+    def steps(self) -> list[int]:
+        """The steps of the kept states, oldest first."""
+        return sorted({k.step for k in ([self.start] if self.start else []) + self.kept})
+
+    def write(self, s: Session, step: int) -> Path:
+        """Write the kept state of `step` as the run's checkpoint of that step; its path."""
+        state = next(k for k in [*self.kept, self.start] if k is not None and k.step == step)
+        return write_state(s.run_dir / "checkpoints" / f"step_{step}", state, model=s.model, tokenizer=s.tokenizer,
+                           critic=s.critic)

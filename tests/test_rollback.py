@@ -1,0 +1,82 @@
+"""A health rollback with a remedy, from a state kept in memory (`train/snapshots.py`): back to the state before
+step 1 with no checkpoint on disk, the remedy's settings recorded (events, config history, config.yaml) and used,
+the steps after the rollback exactly those of a resume from the same state with the changed settings."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rldynamics.config import ConfigError, load_config, make_config, save_config
+from rldynamics.tracking.run_dir import read_metrics
+from rldynamics.train.setup import base_model_path
+from rldynamics.train.trainer import train
+
+PRESET = "math-tiny"
+VARIED = ["train.group_size=3", "env.max_new_tokens=40", "env.max_turns=1", "env.math.length_target=20",
+          "val.env_groups=2", "train.mini_batch_size=64", "train.ppo_epochs=1"]
+DIP = ["train.steps=6", "val.every=0", "health.baseline_steps=1", "health.entropy_collapse_ratio=1.0"]
+BACK = ["checkpoint.every=0", "checkpoint.save_last=false", "health.entropy_collapse=rollback",
+        "health.max_rollbacks=1", "health.snapshot_every=100", "health.remedy=[train.lr*=0.5, algo.entropy_coef=0.01]"]
+
+
+def _events(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+
+
+def _plain(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("timing_s/")}
+
+
+def test_a_rollback_with_a_remedy_goes_back_to_the_state_before_step_1_in_memory(fast_overrides, tmp_path):
+    cfg = make_config(PRESET, overrides=[*fast_overrides, *VARIED, *DIP, *BACK, "log.name=a"])
+    a = train(cfg)
+    back = [e for e in _events(a) if e["rule"] == "rollback"]
+    assert len(back) == 1 and back[0]["step"] == 0
+    k = back[0]["from_step"]
+    assert back[0]["changes"] == {"train.lr": [3e-4, 1.5e-4], "algo.entropy_coef": [0.0, 0.01]}
+    history = [json.loads(line) for line in (a / "config_history.jsonl").read_text().splitlines()]
+    assert history == [{"step": 0, "attempt": 1, "changes": back[0]["changes"]}]
+    saved = load_config(a / "config.yaml")
+    assert saved.train.lr == 1.5e-4 and saved.algo.entropy_coef == 0.01  # a resumed run goes on with them
+
+    # the state before step 1, kept in memory, written as checkpoint step_0: the base model's weights exactly
+    written = load_file(str(a / "checkpoints" / "step_0" / "actor" / "model.safetensors"))
+    base = load_file(str(Path(base_model_path(cfg)) / "model.safetensors"))
+    assert written.keys() == base.keys() and all(torch.equal(written[n], base[n]) for n in base)
+
+    rows = read_metrics(a)
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps))  # every step once (0: the validation before training)
+    undone = [json.loads(line)["step"] for line in
+              (a / "rolled_back" / "attempt_1" / "metrics.jsonl").read_text().splitlines()]
+    assert undone == list(range(1, k + 1))
+
+    # a resume of that state with the remedy's settings, as attempt 1, takes the same steps
+    b = a.parent / "b"
+    (b / "checkpoints").mkdir(parents=True)
+    shutil.copytree(a / "checkpoints" / "step_0", b / "checkpoints" / "step_0")
+    shutil.copytree(a / "rolled_back", b / "rolled_back")
+    (b / "metrics.jsonl").write_text("")
+    settings = [*fast_overrides, *VARIED, *DIP, *BACK[:2], "train.lr=1.5e-4", "algo.entropy_coef=0.01",
+                f"train.steps={steps[-1]}", "health.entropy_collapse=record"]
+    save_config(make_config(PRESET, overrides=[*settings, "log.name=b"]), b / "config.yaml")
+    train(make_config(PRESET, overrides=[*settings, "log.name=b", "checkpoint.resume=latest"]))
+    trained, rows_b = [r for r in rows if r["step"] >= 1], read_metrics(b)
+    assert {r["actor/lr"] for r in trained} == {1.5e-4}
+    compared = [k for k in trained[-1] if not k.startswith(("timing_s/", "health/", "early_stopped/"))]
+    assert [{k: r.get(k) for k in compared} for r in trained] == [{k: r.get(k) for k in compared} for r in rows_b]
+
+
+def test_remedy_entries_are_checked_before_any_work():
+    with pytest.raises(ConfigError, match=r"health.remedy entry 'model.path=x': a rollback can change"):
+        make_config(overrides=["health.remedy=[model.path=x]"])
+    with pytest.raises(ConfigError, match=r"health.remedy entry 'filter.value\*=x': the factor 'x' is not a number"):
+        make_config(overrides=["health.remedy=[filter.value*=x]"])
+    with pytest.raises(ConfigError, match=r"health.remedy entry 'train.lr=-1': train.lr must be >= 0"):
+        make_config(overrides=["health.remedy=[train.lr=-1]"])
