@@ -11,9 +11,13 @@ rollbacks with their changes). A stopped run ends with the validation it had bef
 behind is not validated again.
 
 Scenarios (`SCENARIOS`): `lr100`, the default preset with a learning rate 100 x its own (3e-2): the first update
-moves the policy far off (PPO KL above `health.drift_kl`: the `policy_drift` rule at step 1) and the replies break.
-Arms (`ARMS`): the rule's action record (no action), stop, rollback (to the state before step 1, kept in memory,
-with new sampling seeds), and rollback with the remedy `train.lr*=0.01` (back to the preset's learning rate).
+moves the policy far off (PPO KL above `health.drift_kl`: the `policy_drift` rule at step 1) and the replies break;
+the remedy `train.lr*=0.01` goes back to the preset's learning rate. `entropy_bonus`, `math-tiny` with an entropy
+bonus of 0.5: the entropy rises (the `entropy_surge` rule) and correctness falls; the remedy turns the bonus off.
+`control_default` and `control_math`: the same presets and rules without the pathology (an arm that acts there
+is a false alarm).
+Arms (`ARMS`): the rule's action record (no action), stop, rollback (to the newest state kept before the trouble,
+in memory, with new sampling seeds), and rollback with the scenario's remedy.
 """
 
 from __future__ import annotations
@@ -21,34 +25,59 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from false_alarms import run_one, seeds_of, validation
 from rldynamics.tracking.run_dir import read_events, read_metrics
+from rldynamics.train.checkpoint import checkpoint_step, checkpoints
 
-SCENARIOS = {  # name -> (preset, overrides, the rule that acts)
+SCENARIOS = {  # name -> (preset, overrides, the rule that acts, the remedy of the `remedy` arm)
     "lr100": ("sokoban-tiny", ["train.lr=3e-2", "train.steps=30", "val.every=10", "val.env_groups=128"],
-              "policy_drift"),
+              "policy_drift", "train.lr*=0.01"),
+    "entropy_bonus": ("math-tiny", ["algo.entropy_coef=0.5", "train.steps=40", "val.every=10", "val.env_groups=128"],
+                      "entropy_surge", "algo.entropy_coef=0.0"),
+    # healthy controls: the same presets and acting rules without the pathology (no arm should act)
+    "control_default": ("sokoban-tiny", ["train.steps=30", "val.every=10", "val.env_groups=128"], "policy_drift",
+                        "train.lr*=0.01"),
+    "control_math": ("math-tiny", ["train.steps=40", "val.every=10", "val.env_groups=128"], "entropy_surge",
+                     "algo.entropy_coef=0.0"),
 }
-ARMS = {  # name -> the acting rule's settings
-    "none": lambda rule: [f"health.{rule}=record"],
-    "stop": lambda rule: [f"health.{rule}=stop"],
-    "rollback": lambda rule: [f"health.{rule}=rollback"],
-    "remedy": lambda rule: [f"health.{rule}=rollback", "health.remedy=[train.lr*=0.01]"],
+ARMS = {  # name -> the acting rule's settings, given the rule and the scenario's remedy
+    "none": lambda rule, remedy: [f"health.{rule}=record"],
+    "stop": lambda rule, remedy: [f"health.{rule}=stop"],
+    "rollback": lambda rule, remedy: [f"health.{rule}=rollback"],
+    "remedy": lambda rule, remedy: [f"health.{rule}=rollback", f"health.remedy=[{remedy}]"],
 }
 
 
 def run(scenario: str, arm: str, seed: int, out: Path) -> Path:
     """One run of `scenario` under `arm` with `seed`."""
-    preset, overrides, rule = SCENARIOS[scenario]
-    return run_one(preset, seed, out / f"{scenario}-{arm}", None, [*overrides, *ARMS[arm](rule), "log.progress=false"])
+    preset, overrides, rule, remedy = SCENARIOS[scenario]
+    return run_one(preset, seed, out / f"{scenario}-{arm}", None,
+                   [*overrides, *ARMS[arm](rule, remedy), "log.progress=false"])
+
+
+def left_success(run: Path) -> float | None:
+    """The validation success of the policy `run` leaves: its last validation, or, where its last checkpoint is
+    later (a stop), one validation of that checkpoint (`rldyn eval`, run once into <run>/eval/)."""
+    val = validation(run)
+    last = max((checkpoint_step(p) for p in checkpoints(run)), default=-1)
+    if not val or last <= val[-1][0]:
+        return val[-1][1] if val else None
+    out = run / "eval" / f"step_{last}"
+    if not (out / "metrics.jsonl").is_file():
+        subprocess.run([sys.executable, "-m", "rldynamics.cli", "eval", str(run / "checkpoints" / f"step_{last}"),
+                        "model.threads=1", f"log.run_dir={out.parent}", f"log.name={out.name}"],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, check=True)
+    return validation(out)[-1][1]
 
 
 def summary(runs: list[Path]) -> tuple[str, str, str]:
     """The arm's last validation success (mean ± SE over seeds), the steps its runs ended at, its actions."""
-    ends = [v[-1][1] for r in runs if (v := validation(r))]
+    ends = [v for r in runs if (v := left_success(r)) is not None]
     mean = statistics.fmean(ends) if ends else math.nan
     se = statistics.stdev(ends) / math.sqrt(len(ends)) if len(ends) > 1 else math.nan
     last = [max(row["step"] for row in read_metrics(r)) for r in runs]
@@ -62,11 +91,11 @@ def summary(runs: list[Path]) -> tuple[str, str, str]:
 
 
 def table(out: Path) -> str:
-    lines = ["| scenario | arm | last validation success (± SE over seeds) | ended at step | actions |",
+    lines = ["| scenario | arm | validation success of the policy left (± SE over seeds) | ended at step | actions |",
              "|---|---|---|---|---|"]
     for scenario in SCENARIOS:
         for arm in ARMS:
-            runs = sorted((out / f"{scenario}-{arm}" / SCENARIOS[scenario][0]).glob("seed*"))
+            runs = sorted((out / f"{scenario}-{arm}" / SCENARIOS[scenario][0]).glob("seed[0-9]*"))
             if runs:
                 lines.append(f"| {scenario} | {arm} | " + " | ".join(summary(runs)) + " |")
     return "\n".join(lines)

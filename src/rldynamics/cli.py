@@ -32,6 +32,7 @@ examples:
   rldyn train actor_rollout_ref.rollout.rollout_filter_value=0.9 es_manager.train.env_groups=8  # RAGEN's names
   rldyn train analysis.every=5                      # gradient analysis every 5 steps (default: 50, RAGEN's)
   rldyn train health.entropy_collapse=stop health.grad_spike=rollback   # health rules' actions (docs/health.md)
+  rldyn train health.policy_drift=rollback health.remedy=[train.lr*=0.5]  # roll back, then go on at half the lr
   rldyn train model.threads=2                       # torch CPU threads (default: OMP_NUM_THREADS, else half the
                                                     # cores, at most 4)
   rldyn train --preset math-tiny                    # math word problems (rldynamic's reward components), CPU
