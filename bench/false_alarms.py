@@ -61,7 +61,8 @@ def _done(run: Path) -> bool:
     import yaml
 
     steps = yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"]
-    return any(r.get("step") == steps and names.STEP_TIME in r for r in rows)
+    stopped = bool(rows) and any(names.early_stop_reason(k) is not None for k in rows[-1])  # resuming would go on
+    return stopped or any(r.get("step") == steps and names.STEP_TIME in r for r in rows)
 
 
 def validation(run: Path) -> list[tuple[int, float, float]]:
