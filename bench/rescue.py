@@ -75,24 +75,31 @@ def left_success(run: Path) -> float | None:
     return validation(out)[-1][1]
 
 
-def summary(runs: list[Path]) -> tuple[str, str, str]:
-    """The arm's last validation success (mean ± SE over seeds), the steps its runs ended at, its actions."""
+def mean_se(values: list[float]) -> str:
+    """`mean ± SE (n=k)` over seeds."""
+    mean = statistics.fmean(values) if values else math.nan
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+    return f"{mean:.1%} ± {se:.1%} (n={len(values)})"
+
+
+def summary(runs: list[Path]) -> tuple[str, str, str, str]:
+    """The arm's validation success at the start and of the policy it leaves (each mean ± SE over seeds), the
+    steps its runs ended at, its actions."""
+    starts = [v[0][1] for r in runs if (v := validation(r)) and v[0][0] == 0]
     ends = [v for r in runs if (v := left_success(r)) is not None]
-    mean = statistics.fmean(ends) if ends else math.nan
-    se = statistics.stdev(ends) / math.sqrt(len(ends)) if len(ends) > 1 else math.nan
     last = [max(row["step"] for row in read_metrics(r)) for r in runs]
     acts = [f"stop by {e['rule']}" if e["action"] == "stop" else
             f"rollback to {e['step']}" + (f" {e['changes']}" if e.get("changes") else "")
             for r in runs for e in read_events(r)
             if (e["action"] == "stop" and e["rule"] != "rollback") or e["rule"] == "rollback"]
     counts = {a: acts.count(a) for a in dict.fromkeys(acts)}
-    return (f"{mean:.1%} ± {se:.1%} (n={len(ends)})", ", ".join(map(str, last)),
+    return (mean_se(starts), mean_se(ends), ", ".join(map(str, last)),
             "; ".join(f"{a} x{n}" for a, n in counts.items()) or "none")
 
 
 def table(out: Path) -> str:
-    lines = ["| scenario | arm | validation success of the policy left (± SE over seeds) | ended at step | actions |",
-             "|---|---|---|---|---|"]
+    lines = ["| scenario | arm | validation success at the start | ... of the policy left (± SE over seeds) | "
+             "ended at step | actions |", "|---|---|---|---|---|---|"]
     for scenario in SCENARIOS:
         for arm in ARMS:
             runs = sorted((out / f"{scenario}-{arm}" / SCENARIOS[scenario][0]).glob("seed[0-9]*"))
