@@ -86,6 +86,7 @@ class Filtered:
     """A rollout after the filter: the kept batch and the values the later stages decide on."""
 
     batch: RolloutBatch  # the kept groups, whole
+    rows: list[int]  # the rows of the rollout it kept, in batch order (a step record's kept rows)
     group_std: dict[int, float]  # reward std of every group id, kept or not (the analysis buckets)
     reward_std: float  # mean group reward std before filtering (early stopping's reward-variance rule)
     kept_ratio: float  # kept groups / all groups (the advantages' loss scaling)
@@ -118,7 +119,8 @@ def filter_batch(batch: RolloutBatch, cfg: FilterConfig, prefix: str = names.ROL
                              prob_mode=cfg.prob_mode, include_zero=cfg.include_zero)  # [K]
     kept_ids = {group_ids[i] for i in kept.tolist()}
     rows = [i for i, g in enumerate(batch.group_ids.tolist()) if g in kept_ids]
-    return Filtered(batch=batch.select(rows), group_std=dict(zip(group_ids, stats["std"].tolist(), strict=True)),
+    return Filtered(batch=batch.select(rows), rows=rows,
+                    group_std=dict(zip(group_ids, stats["std"].tolist(), strict=True)),
                     reward_std=mean_or_zero(stats["std"].detach().cpu()), kept_ratio=kept_ratio(kept, len(group_ids)),
                     metrics=filter_metrics(rewards, kept, scores, prefix))
 

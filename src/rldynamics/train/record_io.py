@@ -1,6 +1,6 @@
 """Between a step and its record (`tracking/step_records.py`): the record of a step as it ran
-(`recorded_step`), the recorded rollout as the batch it trained on (`batch_of`), the kept rows, the token pieces
-and the weights digest. The step recorder (`train/diagnostics/records.py`) writes with these; `rldyn replay`
+(`recorded_step`), the recorded rollout as the batch it trained on (`batch_of`), the token pieces and the weights
+digest. The step recorder (`train/diagnostics/records.py`) writes with these; `rldyn replay`
 (`train/replay.py`) reads with them.
 """
 
@@ -27,7 +27,7 @@ def recorded_step(s: Session, record: StepRecord, reasons: list[str], weights_af
     logprobs, entropy = record.rollout_policy_logprobs(), record.rollout_policy_entropy()
     return RecordedStep(
         step=record.step, seed_step=record.seed_step, **batch_tensors(batch),
-        kept_rows=np.asarray(kept_rows(batch, filtered.batch) if filtered is not None else [], dtype=np.int64),
+        kept_rows=np.asarray(filtered.rows if filtered is not None else [], dtype=np.int64),
         env_seeds=tuple(batch.seeds), env_metrics=tuple(batch.env_metrics), reward_names=tuple(batch.reward_names),
         reward_weights=tuple(batch.reward_weights),
         advantages=_f32(prepared.inputs.advantages) if prepared is not None else None,
@@ -72,12 +72,6 @@ def batch_of(record: RecordedStep) -> RolloutBatch:
                         reward_names=record.reward_names, reward_weights=record.reward_weights,
                         env_metrics=list(record.env_metrics),
                         rollout_logprobs=t(record.rollout_logprobs, torch.float32), seeds=list(record.env_seeds))
-
-
-def kept_rows(batch: RolloutBatch, kept: RolloutBatch) -> list[int]:
-    """The rows of `batch` that the filter kept (whole groups, in batch order)."""
-    ids = set(kept.group_ids.tolist())
-    return [i for i, g in enumerate(batch.group_ids.tolist()) if g in ids]
 
 
 def token_pieces(tokenizer, batch: RolloutBatch) -> dict[int, str]:

@@ -79,7 +79,7 @@ from rldynamics.train.checkpoint import checkpoint_step, checkpoints
 from rldynamics.train.diagnostics import build_diagnostics
 from rldynamics.train.diagnostics.base import ROLL_FORWARD, TRAIN, Needs
 from rldynamics.train.lifecycle import opened
-from rldynamics.train.record_io import batch_of, kept_rows, weights_digest
+from rldynamics.train.record_io import batch_of, weights_digest
 from rldynamics.train.session import Session
 from rldynamics.train.step_record import StepRecord
 
@@ -301,7 +301,7 @@ def run_replay(cfg: Config, out: Path, record: RecordedStep, *, attribute: bool)
         s.log(step, metrics)
         delta = flat_weights(s.model) - before if phase.actor_updated else None
         passes = None if replayed.prepared is None else replayed.prepared.inputs.old_logprobs is not None
-        return Replayed(metrics, weights_digest(s.model), delta, kept_rows(batch, replayed.filtered.batch), passes)
+        return Replayed(metrics, weights_digest(s.model), delta, replayed.filtered.rows, passes)
 
 
 def training_needs(cfg: Config, step: int) -> Needs:
@@ -374,7 +374,7 @@ def write_attribution(s: Session, out: Path, replayed: StepRecord, record: Recor
     s.console.phase("attribution")
     result = attribute(s.model, filtered.batch, prepared.inputs, policy_loss_settings(s.cfg.algo),
                        temperature=s.cfg.train.temperature, micro_batch_size=s.cfg.train.micro_batch_size)
-    data = attribution_json(result, record.step, kept_rows(replayed.rollout, filtered.batch))
+    data = attribution_json(result, record.step, filtered.rows)
     write_file(out / ATTRIBUTION_FILE, json.dumps(data))
     print(attribution_lines(data, replayed.rollout, record.pieces))
     if record.update_steps:

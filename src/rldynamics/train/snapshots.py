@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rldynamics import dist
+from rldynamics.analysis.health_rules import RULES
 from rldynamics.config import Config
 from rldynamics.train.checkpoint import TrainingState, capture_state, state_bytes, write_state
 from rldynamics.train.session import Session
@@ -21,13 +22,7 @@ from rldynamics.train.session import Session
 def rolls_back(cfg: Config) -> bool:
     """Whether a health rule of `cfg` may roll the run back."""
     h = cfg.health
-    return h.enabled and h.max_rollbacks > 0 and any(getattr(h, rule) == "rollback" for rule in _rules())
-
-
-def _rules() -> list[str]:
-    from rldynamics.analysis.health_rules import RULES
-
-    return list(RULES)
+    return h.enabled and h.max_rollbacks > 0 and any(getattr(h, rule) == "rollback" for rule in RULES)
 
 
 class Snapshots:
@@ -52,10 +47,12 @@ class Snapshots:
         return (f"a rollback goes back to checkpoints on disk only (states in memory would take {total}; "
                 "health.snapshot_mb allows less, or several ranks run)")
 
+    def due(self, step: int, *, start: bool = False) -> bool:
+        """Whether the state after `step` is kept (`start`: the state this process began from)."""
+        return self.on and (start or step % self.every == 0)
+
     def keep(self, s: Session, step: int, trainer_state: dict, *, start: bool = False) -> None:
-        """Keep the state after `step` (`start`: the state this process began from) when it is due."""
-        if not self.on or not (start or step % self.every == 0):
-            return
+        """Keep the state after `step` (`start`: the state this process began from); see `due`."""
         state = capture_state(step, model=s.model, optimizer=s.optimizer, critic=s.critic,
                               critic_optimizer=s.critic_optimizer, trainer_state=trainer_state, copy=True)
         if start:

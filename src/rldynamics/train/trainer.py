@@ -42,7 +42,7 @@ from rldynamics.train.checkpoint import (
     schedule_words,
     state_bytes,
 )
-from rldynamics.train.diagnostics import diagnostic_states
+from rldynamics.train.diagnostics import trainer_state
 from rldynamics.train.diagnostics.base import END, TRAIN
 from rldynamics.train.early_stop import EarlyStopper
 from rldynamics.train.lifecycle import opened, report_run
@@ -104,7 +104,8 @@ def run_steps(s: Session, begun: Start, stopper: EarlyStopper) -> tuple[Path, Co
         s.log(start, before)
         for d in s.diagnostics:
             d.before_training(validation)
-    s.snapshots.keep(s, start, _trainer_state(s, stopper), start=True)
+    if s.snapshots.due(start, start=True):
+        s.snapshots.keep(s, start, trainer_state(stopper.state_dict(), s.diagnostics), start=True)
     if s.main and cfg.log.progress:
         _say_storage(s)
     with StepConsole(cfg.train.steps, cfg.env.name, enabled=cfg.log.progress and s.main) as console:
@@ -131,8 +132,8 @@ def run_steps(s: Session, begun: Start, stopper: EarlyStopper) -> tuple[Path, Co
             if stop not in NOT_SAVED and _checkpoint_due(cfg, step, stop is not None):
                 console.phase("checkpoint")
                 _save(s, step, stopper)
-            if stop is None:
-                s.snapshots.keep(s, step, _trainer_state(s, stopper))
+            if stop is None and s.snapshots.due(step):
+                s.snapshots.keep(s, step, trainer_state(stopper.state_dict(), s.diagnostics))
             console.advance(step, metrics)
             if stop is not None:
                 console.print(f"[yellow]early stop at step {step}: {stop}")
@@ -163,12 +164,12 @@ def _roll_back(s: Session, step: int, back: int) -> tuple[Path, Config]:
 
 def _archive(s: Session, step: int, back: int, cfg: Config, changes: dict) -> None:
     archive = s.writer.archive_after(back)
+    changed = {k: list(v) for k, v in changes.items()}  # key -> [before, after]
     s.writer.log_event({"step": back, "rule": "rollback", "action": "rollback", "from_step": step,
                         "archive": archive.name, "message": f"steps {back + 1}-{step} rolled back",
-                        **({"changes": {k: list(v) for k, v in changes.items()}} if changes else {})})
-    if changes:
-        s.writer.log_config_change({"step": back, "attempt": s.attempt + 1,
-                                    "changes": {k: list(v) for k, v in changes.items()}})
+                        **({"changes": changed} if changed else {})})
+    if changed:
+        s.writer.log_config_change({"step": back, "attempt": s.attempt + 1, "changes": changed})
         save_config(cfg, s.run_dir / "config.yaml")  # the settings of the steps from back + 1 on
 
 
@@ -184,13 +185,9 @@ def _checkpoint_due(cfg: Config, step: int, last: bool) -> bool:
 
 def _save(s: Session, step: int, stopper: EarlyStopper) -> None:
     save_checkpoint(s.run_dir / "checkpoints", step, model=s.model, tokenizer=s.tokenizer, optimizer=s.optimizer,
-                    critic=s.critic, critic_optimizer=s.critic_optimizer, trainer_state=_trainer_state(s, stopper),
+                    critic=s.critic, critic_optimizer=s.critic_optimizer,
+                    trainer_state=trainer_state(stopper.state_dict(), s.diagnostics),
                     keep_last=s.cfg.checkpoint.keep_last, merged=s.cfg.checkpoint.save_merged)
-
-
-def _trainer_state(s: Session, stopper: EarlyStopper) -> dict:
-    """What a checkpoint keeps beside the weights: the early stopper's and the diagnostics' states."""
-    return {"early_stop": stopper.state_dict(), "diagnostics": diagnostic_states(s.diagnostics)}
 
 
 def train_step(s: Session, step: int, stopper: EarlyStopper) -> StepResult:

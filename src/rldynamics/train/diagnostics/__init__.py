@@ -8,7 +8,7 @@ the set-up and the commands do not change.
 from __future__ import annotations
 
 from rldynamics.config import Config
-from rldynamics.train.diagnostics.base import TRAIN, Diagnostic
+from rldynamics.train.diagnostics.base import TRAIN, Diagnostic, diagnostic_states, trainer_state
 from rldynamics.train.diagnostics.collapse import Collapse
 from rldynamics.train.diagnostics.gradient_analysis import GradientAnalysis
 from rldynamics.train.diagnostics.health import Health
@@ -67,6 +67,5 @@ def build_diagnostics(cfg: Config, trainer_state: dict | None = None, job: str =
     return out
 
 
-def diagnostic_states(diagnostics: list[Diagnostic]) -> dict[str, dict]:
-    """The states to save with a checkpoint, by name (diagnostics without one left out)."""
-    return {d.name: state for d in diagnostics if (state := d.state_dict())}
+__all__ = ["DIAGNOSTICS", "Diagnostic", "build_diagnostics", "check_world", "diagnostic_states", "job_classes",
+           "job_settings", "trainer_state"]

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from rldynamics.train.update import StepTrace
 
 __all__ = ["BEFORE_UPDATE", "END", "JOBS", "POINTS", "PROBE", "ROLL_FORWARD", "ROLLOUT", "TRAIN", "Diagnostic",
-           "DiagnosticResult", "Needs", "StepRecord"]
+           "DiagnosticResult", "Needs", "StepRecord", "diagnostic_states", "trainer_state"]
 
 ROLLOUT, BEFORE_UPDATE, END = "rollout", "before_update", "end"
 POINTS = (ROLLOUT, BEFORE_UPDATE, END)  # the order the step reaches them
@@ -125,3 +125,13 @@ class Diagnostic:
 
     def close(self) -> None:
         """Finish pending work at the end of the run (files written in the background)."""
+
+
+def diagnostic_states(diagnostics: list[Diagnostic]) -> dict[str, dict]:
+    """The states to save with a checkpoint, by name (diagnostics without one left out)."""
+    return {d.name: state for d in diagnostics if (state := d.state_dict())}
+
+
+def trainer_state(early_stop: dict, diagnostics: list[Diagnostic]) -> dict:
+    """What a checkpoint keeps beside the weights: the early stopper's state and the diagnostics' states."""
+    return {"early_stop": early_stop, "diagnostics": diagnostic_states(diagnostics)}

@@ -29,7 +29,15 @@ from rldynamics.train.checkpoint import (
     state_bytes,
     write_state,
 )
-from rldynamics.train.diagnostics.base import END, TRAIN, Diagnostic, DiagnosticResult, Needs, StepRecord
+from rldynamics.train.diagnostics.base import (
+    END,
+    TRAIN,
+    Diagnostic,
+    DiagnosticResult,
+    Needs,
+    StepRecord,
+    trainer_state,
+)
 from rldynamics.train.record_io import recorded_step, weights_digest
 from rldynamics.train.session import Session
 
@@ -74,7 +82,7 @@ class StepRecorder(Diagnostic):
         if self.keeps_state:
             self.last_state = capture_state(record.step, model=s.model, optimizer=s.optimizer, critic=s.critic,
                                             critic_optimizer=s.critic_optimizer, copy=True,
-                                            trainer_state=_trainer_state(s, record))
+                                            trainer_state=trainer_state(record.early_stop or {}, s.diagnostics))
         return result
 
     def _write(self, s: Session, record: StepRecord, reasons: list[str]) -> DiagnosticResult:
@@ -109,13 +117,6 @@ class StepRecorder(Diagnostic):
             print(f"note: records keep no state before their step ({size:.0f} MiB > record.state_before_mb={limit:g}):"
                   " `rldyn replay` of a step without a checkpoint before it trains the run again from the last one")
         return size <= limit
-
-
-def _trainer_state(s: Session, record: StepRecord) -> dict:
-    """The trainer state a checkpoint of `record`'s step saves: the early stopper's and the diagnostics' states."""
-    from rldynamics.train.diagnostics import diagnostic_states
-
-    return {"early_stop": record.early_stop or {}, "diagnostics": diagnostic_states(s.diagnostics)}
 
 
 def _tree_bytes(path) -> int:
