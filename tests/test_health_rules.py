@@ -79,7 +79,9 @@ def check_alarm(alarm: Alarm | None, rule: str, value: float, threshold: float, 
     assert alarm.message and "\n" not in alarm.message
 
 
-SE2 = dataclasses.replace(CFG, falling_validation_se=2.0)  # the hand numbers below use 2 standard errors
+# the hand numbers below use 2 standard errors and one validation below the limit
+SE2 = dataclasses.replace(CFG, falling_validation_se=2.0, falling_validation_count=1)
+ONCE = dataclasses.replace(CFG, falling_validation_count=1)  # the default limit, one validation below it
 ONE_STEP = dataclasses.replace(CFG, component_steps=1)  # a component rule that fires on one step
 KL4 = dataclasses.replace(CFG, first_step_kl=1e-4)  # the float32 first-step bound
 MAD_ONLY = dataclasses.replace(CFG, grad_spike_factor=1.0)  # the spike bound by median + k MAD alone
@@ -95,7 +97,7 @@ def test_defaults_the_hand_numbers_below_assume():
     assert (CFG.component_takeover, CFG.component_against, CFG.template_mi_drop) == (0.95, -0.1, 0.5)
     assert (CFG.no_learning_after, CFG.no_learning_se) == (0.5, 1.0)
     assert (CFG.entropy_surge_ratio, CFG.entropy_surge_steps) == (2.0, 3)
-    assert (CFG.falling_success_steps, CFG.falling_success_se) == (5, 5.5)
+    assert (CFG.falling_success_steps, CFG.falling_success_se, CFG.falling_validation_count) == (5, 5.5, 2)
 
 
 # --- NonFinite: any skipped optimizer step (> 0) ---
@@ -602,11 +604,31 @@ def test_a_spike_must_also_be_ten_times_the_median_by_default():
 
 
 def test_falling_validation_by_default_needs_three_standard_errors():
-    rule = FallingValidation(CFG)
+    rule = FallingValidation(ONCE)
     rule.check(val(1, 0.9))
     assert rule.check(val(2, 0.79)) is None  # 2.2 standard errors (0.05 each) below: not enough by default
     check_alarm(rule.check(val(3, 0.7)), "falling_validation", 0.7, 0.9 - 3 * math.hypot(0.03, math.sqrt(0.21 / 100)),
                 2)
+
+
+def test_falling_validation_by_default_needs_two_validations_in_a_row_below():
+    # math-tiny seed 2's healthy run (clustered SEs): 77.0 % at step 75, 66.2 % at 100 (3.8 SE below), 85.7 % at 125
+    rule = FallingValidation(CFG)
+    assert feed(rule, [val(0, 0.533, se=0.022), val(75, 0.770, se=0.019)]) == [None, None]
+    assert rule.check(val(100, 0.662, se=0.021)) is None  # one validation below the limit: an oscillation
+    assert rule.below == 1
+    assert rule.check(val(125, 0.857, se=0.016)) is None and rule.below == 0  # a new best
+    # a fall that holds: below at two validations in a row, the second one fires
+    rule = FallingValidation(CFG)
+    rule.check(val(0, 0.8, se=0.02))  # limit 0.8 - 3 x hypot(0.02, 0.03) = 0.69183
+    limit = 0.8 - 3 * math.hypot(0.02, 0.03)
+    assert rule.check(val(10, 0.6, se=0.03)) is None
+    assert rule.check(val(20, 0.7, se=0.03)) is None and rule.below == 0  # back within: the count starts again
+    assert rule.check(val(30, 0.6, se=0.03)) is None
+    alarm = rule.check(val(40, 0.6, se=0.03))
+    check_alarm(alarm, "falling_validation", 0.6, limit, 1)
+    assert "2 validations in a row" in alarm.message
+    assert rule.check(val(50, 0.7, se=0.03)) is None  # not below: it stops firing
 
 
 def test_reward_component_needs_the_same_finding_on_consecutive_steps():

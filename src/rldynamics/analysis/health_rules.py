@@ -757,7 +757,9 @@ class FallingSuccess(Rule):
 
 class FallingValidation(Rule):
     """Validation success fell more than `falling_validation_se` standard errors of the difference
-    below the run's best (each validation's SE clustered by problem, binomial when not logged)."""
+    below the run's best (each validation's SE clustered by problem, binomial when not logged) on
+    each of the last `falling_validation_count` validations: one low validation between two good
+    ones is the policy's own oscillation, not a fall."""
 
     name = "falling_validation"
     needs = (("val_success",),)
@@ -770,15 +772,21 @@ class FallingValidation(Rule):
         """Standard errors of the difference, each clustered by problem (val-env/<env>/success_se;
         binomial when not logged). The best of several validations is biased upward: math-tiny's healthy
         run dipped 2.6 below its best at step 100 and set a new best at 150."""
+        falling_validation_count: int = within(2, 1)
+        """Validations in a row that must each be that far below the best (healthy math-tiny seeds
+        dipped 3.8 and 4.0 standard errors below their best at one validation and set a new best at
+        the next)."""
 
     glossary = Entry(
         fires="Validation success is more than `health.falling_validation_se` (3) standard errors "
-              "of the difference below the run's best, the validation before training included; "
-              "each validation's standard error is clustered by problem "
-              "(`val-env/<env>/success_se`: a problem drawn several times counts once), binomial "
-              "when a validation did not log it.",
-        means="The policy got worse on fixed held-out prompts: training now hurts. The best checkpoint is the one "
-              "to keep.",
+              "of the difference below the run's best, the validation before training included, on "
+              "each of the last `health.falling_validation_count` (2) validations; each "
+              "validation's standard error is clustered by problem (`val-env/<env>/success_se`: a "
+              "problem drawn several times counts once), binomial when a validation did not log it.",
+        means="The policy got worse on fixed held-out prompts, and stayed worse: training now hurts. The best "
+              "checkpoint is the one to keep. One low validation between good ones is the policy's own "
+              "oscillation, which is why one is not enough: two healthy math-tiny seeds dipped 3.8 and 4.0 "
+              "standard errors below their best once and set a new best at the next validation.",
         causes="Entropy collapse, drift, reward hacking or overfitting to the training prompts; whichever other "
                "rule fired just before is the first suspect (the health timeline).",
         tries="Keep the best checkpoint (`checkpoint.every`); lower `train.lr`; address the rule that fired "
@@ -788,6 +796,7 @@ class FallingValidation(Rule):
         super().__init__(cfg)
         self.best: tuple[int, float, int] | None = None  # (step, success, trajectories)
         self.best_se: float | None = None  # its clustered standard error, when logged
+        self.below = 0  # validations in a row below the limit
 
     def sees(self, x: Signals) -> bool:
         return x.val_success is not None
@@ -796,16 +805,19 @@ class FallingValidation(Rule):
         if x.val_success is None:
             return None
         if self.best is None or x.val_success > self.best[1]:
-            self.best, self.best_se = (x.step, x.val_success, x.val_count), x.val_se
+            self.best, self.best_se, self.below = (x.step, x.val_success, x.val_count), x.val_se, 0
             return None
         step, best, n = self.best
         now = validation_se(x.val_success, x.val_count, x.val_se)
         se = math.hypot(validation_se(best, n, self.best_se), now)
         limit = best - self.cfg.falling_validation_se * se
-        if x.val_success >= limit:
+        self.below = self.below + 1 if x.val_success < limit else 0
+        if self.below < self.cfg.falling_validation_count:
             return None
+        times = "" if self.below == 1 else f", {self.below} validations in a row"
         return self.alarm(x, x.val_success, limit, f"validation {x.val_success:.1%} < the best {best:.1%} (step "
-                          f"{step}) by more than {self.cfg.falling_validation_se:g} standard errors", since=step + 1)
+                          f"{step}) by more than {self.cfg.falling_validation_se:g} standard errors{times}",
+                          since=step + 1)
 
 
 class NoLearning(Rule):
