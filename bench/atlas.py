@@ -85,6 +85,20 @@ def _metrics(run_dir: Path) -> list[dict]:
     return read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
 
 
+def fall(rows: list[dict], env: str = ENV, val_start: bool = True) -> tuple[float, int | None]:
+    """The start of a run's metrics rows (validation success at step 0, the policy before any update, where
+    `val_start`: the validation samples at the training temperature, as this preset's does; else training success
+    at its first step) and the step training success fell (the first step t >= 2 at which it, and the step after it,
+    are both more than FALL below the start; None: it did not)."""
+    train_key, val_key = names.env_metric(env, names.SUCCESS), names.val_success(env)
+    train = {r["step"]: r[train_key] for r in rows if train_key in r}
+    val = [(r["step"], r[val_key]) for r in rows if val_key in r] if val_start else []
+    steps = sorted(train)
+    start = val[0][1] if val and val[0][0] == 0 else train[steps[0]] if steps else 0.0
+    low = [s for s in steps if train[s] < start - FALL]
+    return start, next((s for s, t in zip(steps, steps[1:], strict=False) if s >= 2 and s in low and t in low), None)
+
+
 def summarize(run_dir: Path) -> dict:
     """One run's row of the atlas table (see the module docstring)."""
     rows = read_metrics(run_dir)
@@ -92,9 +106,7 @@ def summarize(run_dir: Path) -> dict:
     train = {r["step"]: r[TRAIN_SUCCESS] for r in rows if TRAIN_SUCCESS in r}
     val = [(r["step"], r[VAL_SUCCESS], r.get(VAL_SUCCESS_SE)) for r in rows if VAL_SUCCESS in r]
     steps = sorted(train)
-    start = val[0][1] if val and val[0][0] == 0 else train[steps[0]] if steps else 0.0  # the policy before any update
-    low = [s for s in steps if train[s] < start - FALL]
-    fell = next((s for s, t in zip(steps, steps[1:], strict=False) if s >= 2 and s in low and t in low), None)
+    start, fell = fall(rows)
     fired: dict[str, tuple[int, str]] = {}
     for e in events:
         if e.get("rule") not in (None, "rollback") and e["rule"] not in fired:
