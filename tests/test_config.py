@@ -55,6 +55,12 @@ def test_bad_config_is_reported_clearly(override, expected):
         make_config(overrides=[override])
 
 
+def test_answer_only_is_refused_where_the_env_grades_the_whole_reply():
+    assert make_config("countdown-tiny", overrides=["env.answer_only=true"]).env.answer_only
+    with pytest.raises(ConfigError, match="env.answer_only=true has no effect on env 'math'"):
+        make_config("math-tiny", overrides=["env.answer_only=true"])
+
+
 def test_unknown_preset():
     with pytest.raises(ConfigError, match="sokoban-ppo"):
         make_config("sokoban-ppx")

@@ -119,7 +119,7 @@ def test_a_rule_needs_only_signals_and_a_source_names_what_it_lacks():
     assert all(r and r <= fields for r in read)
     assert cannot_run(set(RLDYNAMICS)) == {}
     trl = cannot_run(set(TRL))
-    assert set(trl) == {"non_finite", "first_step", "mismatch", "repetition", "reward_component",
+    assert set(trl) == {"non_finite", "first_step", "update_kl", "mismatch", "repetition", "reward_component",
                         "template_collapse", "falling_success", "falling_validation", "no_learning"}
     line = cannot_run_line(set(TRL))
     assert "\n" not in line and "mismatch (no mismatch_kl)" in line

@@ -34,6 +34,7 @@ from rldynamics.analysis.health_rules import (
     Signals,
     TemplateCollapse,
     Truncation,
+    UpdateKl,
 )
 from rldynamics.analysis.health_signals import component_shares, repetition_rate, reply_lengths, token_covariance
 from rldynamics.config import (
@@ -82,7 +83,8 @@ def check_alarm(alarm: Alarm | None, rule: str, value: float, threshold: float, 
 # the hand numbers below use 2 standard errors and one validation below the limit
 SE2 = dataclasses.replace(CFG, falling_validation_se=2.0, falling_validation_count=1)
 ONCE = dataclasses.replace(CFG, falling_validation_count=1)  # the default limit, one validation below it
-ONE_STEP = dataclasses.replace(CFG, component_steps=1)  # a component rule that fires on one step
+ONE_STEP = dataclasses.replace(CFG, component_steps=1, update_kl_steps=8)  # a component rule that fires on one
+# step; the update_kl rule judging 8 updates (the last 2 of them in the later steps of the state test)
 KL4 = dataclasses.replace(CFG, first_step_kl=1e-4)  # the float32 first-step bound
 MAD_ONLY = dataclasses.replace(CFG, grad_spike_factor=1.0)  # the spike bound by median + k MAD alone
 NL2 = dataclasses.replace(CFG, no_learning_se=2.0)  # no-learning hand numbers at 2 standard errors
@@ -98,6 +100,7 @@ def test_defaults_the_hand_numbers_below_assume():
     assert (CFG.no_learning_after, CFG.no_learning_se) == (0.5, 1.0)
     assert (CFG.entropy_surge_ratio, CFG.entropy_surge_steps) == (2.0, 3)
     assert (CFG.falling_success_steps, CFG.falling_success_se, CFG.falling_validation_count) == (5, 5.5, 2)
+    assert (CFG.update_kl_max, CFG.update_kl_steps) == (0.1, 5)
 
 
 # --- NonFinite: any skipped optimizer step (> 0) ---
@@ -781,7 +784,8 @@ def busy(step: int) -> Signals:
                    train_success=0.5 if not late else 0.05, train_count=64,
                    zero_variance_share=0.95, grad_norms=(1.0, 1.1) if not late else (1.0, 30.0),
                    first_ppo_kl=0.01, ppo_kl=0.02 * step, clipfrac=0.0, kl_ref=0.01 * 2 ** step,
-                   mismatch_kl=0.002 * step, reply_mean=10.0 if not late else 50.0, truncation=step / 12,
+                   mismatch_kl=0.002 * step, update_kl=0.01 if not late else 0.5,
+                   reply_mean=10.0 if not late else 50.0, truncation=step / 12,
                    repetition=step / 12, component_shares={"a": step / 12, "b": 1 - step / 12},
                    mi=0.5 if not late else 0.1, val_success=0.55 + 0.005 * step if not late else 0.2,
                    val_count=100,
@@ -980,3 +984,17 @@ def test_k3_kl_by_hand():
     assert k3_kl(old, rollout, mask) == pytest.approx(want, rel=1e-5)
     assert k3_kl(old, old, mask) == 0.0
     assert k3_kl(old, rollout, torch.zeros(2, 3)) == 0.0
+
+
+def test_update_kl_fires_above_its_limit_at_the_step_that_made_the_update():
+    rule = UpdateKl(CFG)
+    assert rule.check(Signals(step=1)) is None  # not measured
+    assert rule.check(Signals(step=1, update_kl=0.1)) is None  # "above": not at the limit
+    check_alarm(rule.check(Signals(step=2, update_kl=0.1 + 1e-9)), "update_kl", 0.1 + 1e-9, 0.1, 2)
+    alarm = rule.check(Signals(step=3, update_kl=2.5))
+    check_alarm(alarm, "update_kl", 2.5, 0.1, 3)
+    assert "2.5" in alarm.message
+    assert rule.check(Signals(step=4)) is None and rule.updates == 3  # a step without a measured update
+    assert rule.due() and rule.check(Signals(step=5, update_kl=0.01)) is None  # the 4th
+    assert rule.check(Signals(step=6, update_kl=2.5)) is not None and not rule.due()  # the 5th: the last judged
+    assert rule.check(Signals(step=7, update_kl=2.5)) is None  # past update_kl_steps (5) updates: not judged

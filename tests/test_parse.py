@@ -217,3 +217,32 @@ def test_free_form_answers(text: str, enable_think: bool, expected: ParsedTurn) 
 def test_free_form_parser_never_raises(text: str, enable_think: bool) -> None:
     parsed = parse_answer(text, enable_think=enable_think)
     assert parsed.format_ok == bool(parsed.actions) and len(parsed.actions) <= 1
+
+
+@pytest.mark.parametrize(
+    ("text", "format_ok"),
+    [
+        ("<answer>6 - 1</answer>", True),
+        ("<answer>6 - 1</answer> \n<|im_end|>", True),  # whitespace and the end-of-turn token are not text
+        ("<answer>6 - 1</answer>6 - 1</answer>", False),  # a policy that writes on past its answer
+        ("<answer>6 - 1</answer>.", False),
+        ("so: <answer>6 - 1</answer>", True),  # text before the answer stays RAGEN's tolerance
+    ],
+)
+def test_answer_only_makes_text_after_the_answer_malformed_and_keeps_the_answer(text: str, format_ok: bool) -> None:
+    strict = parse_answer(text, answer_only=True)
+    assert strict == ParsedTurn(actions=["6 - 1"], format_ok=format_ok)
+    assert parse_answer(text) == ParsedTurn(actions=["6 - 1"], format_ok=True)  # the default tolerates it
+    words = parse_response(text.replace("6 - 1", "Up"), ACTIONS, max_actions=2, answer_only=True)
+    assert words == ParsedTurn(actions=["Up"], format_ok=format_ok)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.lists(_WS_PIECES, max_size=25).map("".join), enable_think=st.booleans())
+def test_answer_only_is_the_regex_match_followed_by_nothing(text: str, enable_think: bool) -> None:
+    match = (_REF_THINK_ANSWER if enable_think else _REF_ANSWER).search(strip_special_tokens(text))
+    strict = parse_response(text, ACTIONS, max_actions=5, enable_think=enable_think, answer_only=True)
+    loose = parse_response(text, ACTIONS, max_actions=5, enable_think=enable_think)
+    assert strict.actions == loose.actions and strict.think == loose.think
+    rest = "" if match is None else strip_special_tokens(text)[match.end():].strip()
+    assert strict.format_ok == (loose.format_ok and not rest)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 
 import pytest
 import torch
@@ -116,3 +117,28 @@ def test_exploded_policy_raises_non_finite_logits_not_a_sampling_crash(tiny):
         rollout(broken, tokenizer, [10], 2, cfg.env, temperature=1.0)
     with pytest.raises(NonFiniteLogits):  # finite weights, but logits / temperature overflow
         rollout(model, tokenizer, [10], 2, cfg.env, temperature=1e-308)
+
+
+def test_answer_only_costs_the_format_penalty_for_text_after_the_answer_and_grades_the_answer_alike(tiny):
+    _, tokenizer, _ = tiny
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def respond(trajs):  # the sum of the puzzle's two numbers; the second reply writes on past its answer
+        replies = []
+        for i, traj in enumerate(trajs):
+            a, b = re.search(r"nums: \[(\d+), (\d+)\]", traj.observation).groups()
+            text = f"<answer>{a} + {b}</answer>" + ("" if i % 2 == 0 else f"{a} + {b}</answer>")
+            replies.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])
+        return replies
+
+    def components(answer_only: bool) -> list[dict[str, float]]:
+        cfg = make_config("countdown-tiny", overrides=[f"env.answer_only={str(answer_only).lower()}"])
+        batch = rollout(None, tokenizer, [3], 2, cfg.env, respond=respond)
+        return [dict(zip(batch.reward_names, row.tolist(), strict=True)) for row in batch.reward_components]
+
+    loose, strict = components(False), components(True)
+    assert [c["format_penalty"] for c in loose] == [0.0, 0.0]  # RAGEN's tolerance
+    assert [c["format_penalty"] for c in strict] == [0.0, pytest.approx(-0.1)]  # text after </answer>
+    assert [c["format"] for c in strict] == [1.0, 1.0]  # the answer itself still counts, graded the same
+    for a, b in zip(loose, strict, strict=True):
+        assert (a["format"], a["correct"]) == (b["format"], b["correct"])

@@ -141,6 +141,9 @@ class EnvConfig:
     """Without think: every turn's prompt ends with `<answer>`, put back before parsing (RAGEN's no-think prompt)."""
     format_penalty: float = -0.1
     """Reward component `format_penalty`, added once per malformed turn (0 = no such component)."""
+    answer_only: bool = False
+    """A reply must end with its `</answer>`: text after it makes the turn malformed (format_penalty; its
+    answer still counts). RAGEN tolerates text around the tags; a policy can then learn to write on past it."""
     reward_weights: dict[str, float] = field(default_factory=dict)
     """Weight of a reward component in the trained score, e.g. env.reward_weights.box=2 (unset: the env's default)."""
     reward_funcs: list[str] = field(default_factory=list)
@@ -937,6 +940,9 @@ def _validate_env(env: EnvConfig) -> None:
         instance = ENVS[env.name](**env.options())
     except (ValueError, TypeError) as e:
         raise ConfigError(f"bad value in env.{env.name}: {e}") from e
+    if env.answer_only and getattr(instance, "full_reply", False):
+        raise ConfigError(f"env.answer_only=true has no effect on env {env.name!r}: it grades the whole reply, not "
+                          "an <answer> tag; leave env.answer_only unset")
     if getattr(instance, "attempts", 1) > env.max_turns:
         raise ConfigError(f"env.{env.name}.attempts={instance.attempts} needs env.max_turns >= {instance.attempts} (one "
                           f"turn per attempt), got env.max_turns={env.max_turns}")

@@ -176,6 +176,7 @@ def health(name: str) -> str:
 
 HEALTH_ZERO_VARIANCE_SHARE = health("zero_variance_share")  # groups with equal rewards / all groups
 HEALTH_REPETITION_RATE = health("repetition_rate")  # replies that repeat their own 4-grams / all replies
+HEALTH_UPDATE_KL = health("update_kl_value")  # KL(policy before || after) the actor update, on its own batch
 
 
 def health_reward_share(component: str) -> str:

@@ -57,6 +57,7 @@ class Signals:
     clipfrac: float | None = None  # the update's mean clipped share of tokens (low + high)
     kl_ref: float | None = None  # the update's KL to the reference model (with the KL term on)
     mismatch_kl: float | None = None  # sampler/trainer KL (k3) of the sampled tokens, when measured
+    update_kl: float | None = None  # KL (k3) of the policy before the update from the policy after it, on its batch
     sampler_is_trainer: bool = True  # the HF engine: the trainer's own model samples (the mismatch must be ~0)
     reply_mean: float | None = None  # mean sampled tokens per reply
     truncation: float | None = None  # share of replies that reached env.max_new_tokens
@@ -980,6 +981,62 @@ class FirstStep(Rule):
         return None
 
 
+class UpdateKl(Rule):
+    """The actor update moved the policy more than `update_kl_max` (KL, per sampled token) on the
+    very batch it trained on, on the run's first `update_kl_steps` actor updates: a destructive
+    first update, seen at the step that made it (the other rules read the next rollout). `due`
+    tells the monitor whether to measure the next update."""
+
+    name = "update_kl"
+    needs = (("update_kl",),)
+
+    @dataclass
+    class Config:
+        update_kl: str = health_action("warn")
+        """On the first update_kl_steps actor updates: the update's KL on its own batch above
+        update_kl_max (rollback goes back to the state before the step)."""
+        update_kl_max: float = within(0.1, 0, inclusive=False)
+        """KL (k3, mean over the batch's sampled tokens) of the policy before the update from the policy
+        after it above which the update is destructive."""
+        update_kl_steps: int = within(5, 0)
+        """First actor updates of a run whose KL is measured (one forward of the batch after the update
+        each; 0: never)."""
+
+    glossary = Entry(
+        fires="On the first `health.update_kl_steps` actor updates of a run: the KL (k3, mean over the "
+              "step's sampled tokens, `health/update_kl_value`) of the policy before the actor update "
+              "from the policy after it, on the batch it trained on, is above `health.update_kl_max`.",
+        means="One update moved the policy far on the very replies it learned from: the update itself is "
+              "destructive, and it is seen at the step that made it, before the next rollout shows the damage "
+              "that every other rule reads. With `health.update_kl=rollback` the run goes back to the state "
+              "before that step (kept in memory, `health.snapshot_every`), with `health.remedy`'s changes.",
+        causes="A learning rate far too high for the model (a blow-up); a loss scale or aggregation that "
+               "makes one step huge (a sum over long replies); advantages without normalisation on a reward "
+               "of large scale.",
+        tries="`health.update_kl=rollback` with `health.remedy=[train.lr*=0.1]`; a lower `train.lr` or "
+              "`train.max_grad_norm`; check the advantages' scale (`critic/advantages/*`).")
+
+    def __init__(self, cfg: HealthConfig):
+        super().__init__(cfg)
+        self.updates = 0  # updates judged so far
+
+    def due(self) -> bool:
+        """Whether the next actor update is one of the first `update_kl_steps`."""
+        return self.updates < self.cfg.update_kl_steps
+
+    def sees(self, x: Signals) -> bool:
+        return x.update_kl is not None
+
+    def check(self, x: Signals) -> Alarm | None:
+        if x.update_kl is None or not self.due():
+            return None
+        self.updates += 1
+        if x.update_kl <= self.cfg.update_kl_max:
+            return None
+        return self.alarm(x, x.update_kl, self.cfg.update_kl_max, f"the update moved the policy by KL "
+                          f"{x.update_kl:.3g} > {self.cfg.update_kl_max:g} on its own batch")
+
+
 class NonFinite(Rule):
     """Optimizer steps skipped for a non-finite gradient (the update skips them in any case)."""
 
@@ -1011,6 +1068,6 @@ class NonFinite(Rule):
 
 # `health.<name>` -> its rule, in the order they are checked
 RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (
-    NonFinite, FirstStep, GradSpike, EntropyCollapse, EntropySurge, RewardVarianceCollapse, PolicyDrift,
+    NonFinite, FirstStep, UpdateKl, GradSpike, EntropyCollapse, EntropySurge, RewardVarianceCollapse, PolicyDrift,
     KlAcceleration, Mismatch, LengthSurge, Truncation, Repetition, RewardComponent, TemplateCollapse, FallingSuccess,
     FallingValidation, NoLearning)}

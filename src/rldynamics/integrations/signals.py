@@ -47,6 +47,7 @@ RLDYNAMICS: Table = {
     "clipfrac": (names.PG_CLIPFRAC, names.PG_CLIPFRAC_LOWER),
     "kl_ref": names.KL_LOSS,
     "mismatch_kl": names.rollout_corr("k3_kl"),
+    "update_kl": names.HEALTH_UPDATE_KL,
     "reply_mean": names.REPLY_MEAN,
     "truncation": names.RESPONSE_CLIP_RATIO,
     "repetition": names.HEALTH_REPETITION_RATE,
@@ -61,7 +62,7 @@ RLDYNAMICS: Table = {
 
 # TRL 1.16 GRPOTrainer's `log_history` / `on_log` names (checked by running it). Not logged by it,
 # so not here: the PPO KL (`ppo_kl`, `first_ppo_kl`), a sampler/trainer k3 KL (its `sampling/*`
-# metrics are log-prob differences and importance ratios), the replies' repetition, reward-component
+# metrics are log-prob differences and importance ratios), the update's KL on its own batch, the replies' repetition, reward-component
 # variance shares, the MI, validation success, skipped optimizer steps.
 TRL: Table = {
     "entropy": "entropy",
@@ -80,7 +81,7 @@ HF_PREFIX = "train/"  # transformers' W&B and TensorBoard callbacks log TRL's x 
 STEP_KEYS = ("step", "_step", "Step", "global_step", "train/global_step")
 
 # quantities that are `Signals` fields as they are
-DIRECT = ("entropy", "zero_variance_share", "ppo_kl", "clipfrac", "kl_ref", "mismatch_kl",
+DIRECT = ("entropy", "zero_variance_share", "ppo_kl", "clipfrac", "kl_ref", "mismatch_kl", "update_kl",
           "reply_mean", "truncation", "repetition", "mi", "train_success")
 MADE_FROM = {"grad_norms": ("grad_norm",), "first_ppo_kl": ("ppo_kl", "num_updates"),
              "non_finite_skips": ("skipped_steps",)}  # a field made of other quantities -> them

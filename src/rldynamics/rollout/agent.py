@@ -206,9 +206,10 @@ def _play_turn(ctx: RolloutContext, traj: Trajectory, response: list[int], turn:
     if full_reply:  # the env grades the whole reply itself (Env protocol, envs/base.py)
         parsed = ParsedTurn(actions=[text], format_ok=True)
     elif env.actions:
-        parsed = parse_response(text, env.actions, max_actions=cfg.max_actions_per_turn, enable_think=cfg.enable_think)
+        parsed = parse_response(text, env.actions, max_actions=cfg.max_actions_per_turn, enable_think=cfg.enable_think,
+                                answer_only=cfg.answer_only)
     else:
-        parsed = parse_answer(text, enable_think=cfg.enable_think)
+        parsed = parse_answer(text, enable_think=cfg.enable_think, answer_only=cfg.answer_only)
     turn_rewards = dict.fromkeys(traj.rewards, 0.0)
     if not parsed.format_ok and "format_penalty" in turn_rewards:
         turn_rewards["format_penalty"] = cfg.format_penalty

@@ -12,6 +12,8 @@ Design choices (docs/reference/ragen_behaviour.md §7, "Action parsing"):
   items are dropped and make the turn malformed.
 - `format_ok` is False when the tags do not match, when an item within the cap was unknown, or when no
   valid action remains. The caller applies the format penalty and the "no valid action" handling.
+- With `answer_only`, text after the matched `</answer>` (special tokens and whitespace aside) also makes
+  `format_ok` False; the actions are parsed as without it (the prompt asks for the answer "with no extra text").
 - Parsing never raises on any response text; only a bad `valid_actions` / `max_actions` raises ValueError.
 - Free-form envs (no action words) use `parse_answer`: the whole stripped answer is the one action.
 - Tags are located with `str.find`, never with a lazy regex over the whole text, so parsing is linear in the
@@ -70,15 +72,16 @@ def _action_lookup(valid_actions: tuple[str, ...]) -> dict[str, str]:
     return lookup
 
 
-def _match(text: str, enable_think: bool) -> tuple[str, str] | None:
-    """(think text, answer text) of the first tag match in `text` (special tokens stripped), or None."""
+def _match(text: str, enable_think: bool) -> tuple[str, str, str] | None:
+    """(think text, answer text, the text after the answer's closing tag) of the first tag match in `text`
+    (special tokens stripped; the think and trailing text stripped), or None."""
     text = strip_special_tokens(text)
     found = _find_think_answer(text) if enable_think else _find_answer(text)
-    return None if found is None else (found[0].strip(), found[1])
+    return None if found is None else (found[0].strip(), found[1], found[2].strip())
 
 
-def _find_answer(text: str, start: int = 0) -> tuple[str, str] | None:
-    """("", answer) of the first `<answer>...</answer>` at or after `start`, or None.
+def _find_answer(text: str, start: int = 0) -> tuple[str, str, str] | None:
+    """("", answer, the rest of the text) of the first `<answer>...</answer>` at or after `start`, or None.
 
     Same match as `re.search(r"<answer>(.*?)</answer>", text, re.DOTALL)`: the first opening tag and the
     first closing tag after it (if the first opening tag has no closing tag, no later one has).
@@ -87,11 +90,12 @@ def _find_answer(text: str, start: int = 0) -> tuple[str, str] | None:
     if i < 0:
         return None
     j = text.find(ANSWER_END, i + len(ANSWER))
-    return None if j < 0 else ("", text[i + len(ANSWER):j])
+    return None if j < 0 else ("", text[i + len(ANSWER):j], text[j + len(ANSWER_END):])
 
 
-def _find_think_answer(text: str) -> tuple[str, str] | None:
-    """(think, answer) of the first `<think>...</think>` + whitespace + `<answer>...</answer>`, or None.
+def _find_think_answer(text: str) -> tuple[str, str, str] | None:
+    """(think, answer, the rest of the text) of the first `<think>...</think>` + whitespace +
+    `<answer>...</answer>`, or None.
 
     Same match as `re.search(r"<think>(.*?)</think>\\s*<answer>(.*?)</answer>", text, re.DOTALL)`: the first
     `<think>`, then the first `</think>` after it that is followed (whitespace allowed) by `<answer>` with a
@@ -107,13 +111,14 @@ def _find_think_answer(text: str) -> tuple[str, str] | None:
         k = _SPACE.match(text, end + len(THINK_END)).end()
         if text.startswith(ANSWER, k):
             found = _find_answer(text, k)
-            return None if found is None else (text[body:end], found[1])
+            return None if found is None else (text[body:end], found[1], found[2])
         end = text.find(THINK_END, end + len(THINK_END))
     return None
 
 
 def parse_response(
-    text: str, valid_actions: tuple[str, ...], *, max_actions: int, enable_think: bool = False
+    text: str, valid_actions: tuple[str, ...], *, max_actions: int, enable_think: bool = False,
+    answer_only: bool = False,
 ) -> ParsedTurn:
     """Parse one response into at most `max_actions` canonical action words (see the module docstring).
 
@@ -122,6 +127,7 @@ def parse_response(
         valid_actions: the env's action words, e.g. ("Up", "Down", "Left", "Right").
         max_actions: the cap on actions per turn (>= 1); extra items are ignored without penalty.
         enable_think: require `<think>...</think>` before the answer and return its text.
+        answer_only: text after the answer's closing tag makes the turn malformed.
     """
     lookup = _action_lookup(tuple(valid_actions))
     if isinstance(max_actions, bool) or not isinstance(max_actions, int) or max_actions < 1:
@@ -129,21 +135,23 @@ def parse_response(
     found = _match(text, enable_think)
     if found is None:
         return ParsedTurn(actions=[], format_ok=False, think="")
-    think, answer = found
+    think, answer, trailing = found
     items = [item.strip() for item in answer.split(ACTION_SEPARATOR)]
     items = [item for item in items if item][:max_actions]
     actions = [lookup[item.casefold()] for item in items if item.casefold() in lookup]
-    format_ok = bool(actions) and len(actions) == len(items)
+    format_ok = bool(actions) and len(actions) == len(items) and not (answer_only and trailing)
     return ParsedTurn(actions=actions, format_ok=format_ok, think=think)
 
 
-def parse_answer(text: str, *, enable_think: bool = False) -> ParsedTurn:
+def parse_answer(text: str, *, enable_think: bool = False, answer_only: bool = False) -> ParsedTurn:
     """Parse a free-form answer (Countdown, math): the stripped `<answer>` text is the one action.
 
-    `format_ok` is True when the tags match and the answer is not empty; never raises.
+    `format_ok` is True when the tags match and the answer is not empty (and, with `answer_only`, nothing
+    follows the closing tag); never raises.
     """
     found = _match(text, enable_think)
     if found is None:
         return ParsedTurn(actions=[], format_ok=False, think="")
-    think, answer = found[0], found[1].strip()
-    return ParsedTurn(actions=[answer] if answer else [], format_ok=bool(answer), think=think)
+    think, answer, trailing = found[0], found[1].strip(), found[2]
+    format_ok = bool(answer) and not (answer_only and trailing)
+    return ParsedTurn(actions=[answer] if answer else [], format_ok=format_ok, think=think)

@@ -26,6 +26,7 @@ entropy since the previous step), `health/zero_variance_share`, `health/repetiti
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from rldynamics import dist
 from rldynamics import metric_names as names
@@ -39,6 +40,7 @@ from rldynamics.analysis.health_rules import (
     NonFinite,
     Repetition,
     Signals,
+    UpdateKl,
 )
 from rldynamics.analysis.health_signals import component_shares, repetition_rate, reply_lengths, token_covariance
 from rldynamics.config import Config
@@ -147,10 +149,11 @@ class Health(Diagnostic):
     def signal_metrics(self, s: Session, record: StepRecord, x: Signals) -> dict[str, float]:
         """The signals no other trainer logs, as metrics."""
         out: dict[str, float] = {}
-        if self.cfg.health.entropy_after_update:
-            after = entropy_after_update(s, record)
-            if after is not None:
-                out[names.ENTROPY_CHANGE_SAME_BATCH] = after - record.prepared.entropy
+        after = after_update(s, record, self.cfg.health.entropy_after_update, self.rules[UpdateKl.name].due())
+        if after.entropy is not None:
+            out[names.ENTROPY_CHANGE_SAME_BATCH] = after.entropy - record.prepared.entropy
+        if after.kl is not None:
+            out[names.HEALTH_UPDATE_KL] = x.update_kl = after.kl
         if x.zero_variance_share is not None:
             out[names.HEALTH_ZERO_VARIANCE_SHARE] = x.zero_variance_share
         if x.repetition is not None:
@@ -266,14 +269,27 @@ def _mismatch_kl(record: StepRecord) -> float | None:
     return k3_kl(old, batch.rollout_logprobs, batch.response_mask)
 
 
-def entropy_after_update(s: Session, record: StepRecord) -> float | None:
-    """The aggregated entropy of the filtered batch's sampled tokens under the updated policy (one no-grad forward),
-    aggregated like the old-log-prob pass's (`Prepared.entropy`); None without an update or that pass."""
-    if record.update is None or record.prepared is None or record.prepared.entropy is None:
-        return None
+@dataclass(frozen=True)
+class AfterUpdate:
+    """The filtered batch under the updated policy (None: not measured)."""
+
+    entropy: float | None = None  # its sampled tokens' entropy, aggregated like the old-log-prob pass's
+    kl: float | None = None  # KL (k3) of the policy before the update from the policy after it, over its tokens
+
+
+def after_update(s: Session, record: StepRecord, entropy: bool, kl: bool) -> AfterUpdate:
+    """The batch's `entropy` and the update's `kl` under the updated policy, from one no-grad forward (none when
+    neither is asked, nothing updated, or the policy before the update is unknown)."""
+    before = record.rollout_policy_logprobs()  # [N, L]
+    entropy = entropy and record.prepared is not None and record.prepared.entropy is not None
+    kl = kl and before is not None
+    if record.update is None or not (entropy or kl):
+        return AfterUpdate()
     batch = record.filtered.batch
-    _, token_entropy = logprob_pass(s.cfg, s.model, batch, with_entropy=True)  # [N, L]
-    return aggregate(token_entropy, batch.response_mask, s.cfg.algo.loss_agg_mode).item()
+    logprobs, *token_entropy = logprob_pass(s.cfg, s.model, batch, with_entropy=entropy)  # [N, L] each
+    return AfterUpdate(
+        entropy=aggregate(token_entropy[0], batch.response_mask, s.cfg.algo.loss_agg_mode).item() if entropy else None,
+        kl=k3_kl(logprobs, before, batch.response_mask) if kl else None)  # r = pi_after / pi_before
 
 
 def entropy_covariance(record: StepRecord) -> float | None:
