@@ -80,3 +80,26 @@ def test_remedy_entries_are_checked_before_any_work():
         make_config(overrides=["health.remedy=[filter.value*=x]"])
     with pytest.raises(ConfigError, match=r"health.remedy entry 'train.lr=-1': train.lr must be >= 0"):
         make_config(overrides=["health.remedy=[train.lr=-1]"])
+
+
+def test_a_destructive_first_update_is_undone_at_the_step_that_made_it(fast_overrides, tmp_path):
+    """lr 3e-2 (100 x the preset's): the update_kl rule sees an early update move the policy on its own batch (step
+    1's groups here have equal rewards: no gradient, KL ~0; step 2's does) and rolls back to the state before step 1,
+    the only one kept; with the remedy the run goes on at 3e-4 and its first updates are judged again (the rule's
+    count came back with the state)."""
+    guard = ["train.lr=3e-2", "train.steps=4", "val.every=0", "checkpoint.every=0", "checkpoint.save_last=false",
+             "health.update_kl=rollback", "health.max_rollbacks=1", "health.remedy=[train.lr*=0.01]"]
+    run = train(make_config(PRESET, overrides=[*fast_overrides, *VARIED, *guard, "log.name=guard"]))
+    fired = [e for e in _events(run / "rolled_back" / "attempt_1") if e["rule"] == "update_kl"]  # an undone step's
+    back = [e for e in _events(run) if e["rule"] == "rollback"]
+    assert not [e for e in _events(run) if e["rule"] == "update_kl"]
+    assert len(fired) == 1 and fired[0]["action"] == "rollback" and fired[0]["value"] > 0.1
+    k = fired[0]["step"]
+    undone = read_metrics(run / "rolled_back" / "attempt_1")
+    assert [r["step"] for r in undone] == list(range(1, k + 1))
+    assert all(r["health/update_kl_value"] <= 0.1 for r in undone[:-1])  # the first destructive update is the one
+    assert [(e["step"], e["from_step"]) for e in back] == [(0, k)]  # undone at step k, back to before step 1
+    assert back[0]["changes"] == {"train.lr": [3e-2, pytest.approx(3e-4)]}
+    rows = [r for r in read_metrics(run) if r["step"] >= 1]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["actor/lr"] for r in rows] == [pytest.approx(3e-4)] * 4
+    assert all(r["health/update_kl_value"] < 0.1 for r in rows)  # measured again at the remedied rate: not destructive
