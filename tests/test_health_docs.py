@@ -95,7 +95,7 @@ def test_each_rule_states_its_constants_and_only_numbers_it_has(rule):
 def test_the_documented_first_step_and_grad_spike_conditions():
     first, spike = fires_when("first_step"), fires_when("grad_spike")
     assert "1e-4" not in first and "`health.first_step_kl` (5e-3)" in first
-    assert "`health.grad_spike_factor` (10)" in spike and "`health.grad_spike_k` (10)" in spike
+    assert "`health.grad_spike_factor` (20)" in spike and "`health.grad_spike_k` (10)" in spike
 
 
 def test_docs_health_settings_rows_are_the_help_config_texts():

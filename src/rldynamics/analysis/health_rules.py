@@ -312,8 +312,9 @@ class GradSpike(Rule):
         """A pre-clip gradient norm above grad_spike_factor x the median of the recent ones and above
         the median + grad_spike_k MAD (optimizer steps without a reward signal, all advantages 0, are
         not judged); skip refuses the step and the console counts every refusal."""
-        grad_spike_factor: float = within(10.0, 1)
-        """Times the recent median that make a spike (3 of 10 default seeds reached 11-17 once)."""
+        grad_spike_factor: float = within(20.0, 1)
+        """Times the recent median that make a spike (healthy runs reached 11-17: 3 of 10 default
+        seeds once, a countdown-tiny seed 15)."""
         grad_spike_k: float = within(10.0, 0, inclusive=False)
         """MADs above the median that make a spike."""
         grad_spike_window: int = within(20, 1)
@@ -321,7 +322,7 @@ class GradSpike(Rule):
 
     glossary = Entry(
         fires="An optimizer step's pre-clip gradient norm is above both `health.grad_spike_factor` "
-              "(10) x the median and the median + `health.grad_spike_k` (10) MAD of the last "
+              "(20) x the median and the median + `health.grad_spike_k` (10) MAD of the last "
               "`health.grad_spike_window` accepted norms (the MAD at least 5 % of the median), "
               "once `health.baseline_steps` norms are known. Optimizer steps without a reward "
               "signal (a mini-batch of groups with equal rewards under GRPO or RLOO: all "
