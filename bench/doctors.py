@@ -2,7 +2,7 @@
 runs (docs/doctors.md).
 
     python bench/doctors.py run [--scenarios sign_flip,...] [--seeds 0-2] [--runs runs]   # the new pathology runs
-    python bench/doctors.py table [--runs runs] [--python /work/doctors-venv/bin/python]    # the tables
+    python bench/doctors.py table [--runs runs] [--python .venv-doctors/bin/python]    # the tables
 
 `run` trains math-tiny (40 steps, validation every 10 on 128 groups) once per seed and scenario of `NEW`, each as its
 own `rldyn train` process into RUNS/doctors/<scenario>/math-tiny/seed<s> (`false_alarms.run_one`: one torch thread,
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", default=",".join(NEW))
     parser.add_argument("--seeds", default="0-2")
     parser.add_argument("--runs", type=Path, default=Path("runs"))
-    parser.add_argument("--python", default="/work/doctors-venv/bin/python",
+    parser.add_argument("--python", default=".venv-doctors/bin/python",
                         help="the Python of a virtual environment holding the four tools")
     args = parser.parse_args(argv)
     if args.what == "run":

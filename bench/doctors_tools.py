@@ -1,7 +1,7 @@
 """The stand-alone RL doctors of bench/doctors.py over converted logs; run by the Python of an environment that holds
 them (rlwatch 0.5.1, rlprobe 0.1.0, rldoctor 0.2.0, rlvr-audit 0.1.0), never by this project's.
 
-    /work/doctors-venv/bin/python bench/doctors_tools.py INPUTS.json > alarms.json
+    .venv-doctors/bin/python bench/doctors_tools.py INPUTS.json > alarms.json
 
 INPUTS.json: a list, per run, of each tool's input as `doctors.convert` writes it. Prints, per run and tool,
 {detector: the first step t at which the tool, fed steps 1..t, reported it at its warning level or above}, each
