@@ -59,7 +59,8 @@ def test_settings_the_demonstrations_do_not_read_leave_the_key_alone():
     then; with several demonstrated turns the weights are in the prompts and do."""
     base = "/a/tiny/0123abcd"
     key = warm_start_key(base, make_config())
-    same = (["env.reward_weights.box=2"], ["env.max_turns=3"], ["env.reward_weights.solved=0.5"])
+    same = (["env.reward_weights.box=2"], ["env.max_turns=3"], ["env.reward_weights.solved=0.5"],
+            ["env.answer_only=true"])  # a demonstration has no text after its answer
     for overrides in same:
         assert warm_start_key(base, make_config(overrides=overrides)) == key, overrides
     longer = make_config(overrides=["env.max_new_tokens=30"])  # in the system prompt

@@ -119,9 +119,11 @@ def _env_key(cfg: Config) -> dict:
     `env.max_turns` is; the reward reaches the prompt only between turns (`Reward: x`), so the
     reward weights count only with several demonstrated turns. A setting that does not count takes
     its default, and a data set split at its default (`train`) is left out, so the keys of warm
-    starts cached before stay valid."""
+    starts cached before stay valid. `answer_only` grades text after the answer, which a
+    demonstration never has."""
     env = to_dict(cfg)["env"]
     env.pop("reward_funcs", None)
+    env.pop("answer_only", None)
     env["max_turns"] = EnvConfig.max_turns
     if cfg.model.warm_start_turns == 1:
         env["reward_weights"] = {}
