@@ -23,7 +23,8 @@ from rldynamics.models.tiny import (
 )
 from rldynamics.rollout.agent import rollout, state_message, system_message
 from rldynamics.rollout.chat import ChatPrompts
-from rldynamics.train.warmstart import solver_policy, tiny_corpus
+from rldynamics.train.sft_data import solver_policy
+from rldynamics.train.warmstart import tiny_corpus
 
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"

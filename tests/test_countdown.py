@@ -26,7 +26,7 @@ from rldynamics.envs.countdown import (
     solve_instance,
 )
 from rldynamics.rollout.agent import rollout
-from rldynamics.train.warmstart import solver_policy
+from rldynamics.train.sft_data import solver_policy
 
 SIX_FOUR_TWO = Instance(numbers=(6, 4, 2), target=3)
 RIGHT, WRONG, INVALID = ({"format": 1.0, "correct": 1.0}, {"format": 1.0, "correct": 0.0},

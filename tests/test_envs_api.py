@@ -16,8 +16,8 @@ from rldynamics.envs import ENVS
 from rldynamics.envs.base import StepResult
 from rldynamics.rollout.agent import rollout
 from rldynamics.rollout.rewards import reward_component_metrics
+from rldynamics.train.sft_data import solver_policy
 from rldynamics.train.trainer import train
-from rldynamics.train.warmstart import solver_policy
 
 
 @dataclass

@@ -16,7 +16,8 @@ from rldynamics.models.loading import load_model_and_tokenizer
 from rldynamics.models.tiny import ensure_tiny_model
 from rldynamics.rollout.agent import env_metric_summary, rollout
 from rldynamics.rollout.sampling import NonFiniteLogits, SamplingGuard, sampling_guard
-from rldynamics.train.warmstart import solver_policy, tiny_corpus
+from rldynamics.train.sft_data import solver_policy
+from rldynamics.train.warmstart import tiny_corpus
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,8 @@ def test_reward_weights_leave_one_turn_demonstrations_unchanged():
 
     from rldynamics.models.tiny import build_tiny_tokenizer
     from rldynamics.rollout.agent import rollout
-    from rldynamics.train.warmstart import solver_policy, tiny_corpus
+    from rldynamics.train.sft_data import solver_policy
+    from rldynamics.train.warmstart import tiny_corpus
 
     batches = []
     for weights in ([], ["env.reward_weights.box=5", "env.reward_weights.solved=0.1"]):

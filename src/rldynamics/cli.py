@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"rldynamics {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_train(sub)
+    _add_sft(sub)
     _add_probe(sub)
     _add_replay(sub)
     _add_eval(sub)
@@ -112,6 +113,33 @@ def _add_train(sub) -> None:
     train.add_argument("--help-config", action="store_true", help="list every config key and exit")
     train.add_argument("--ragen", action="store_true",
                        help="with --help-config: list the RAGEN / verl override names accepted and what they become")
+
+
+SFT_EPILOG = """\
+examples:
+  rldyn sft --preset frozenlake-tiny sft.episodes=2000 sft.noise=0.3 log.name=fl-warm   # the solver, weakened
+  rldyn train --preset frozenlake-tiny model.path=runs/fl-warm/checkpoints/step_63/actor  # then RL from it
+  rldyn sft --preset math-smollm2 sft.data=/data/chats.jsonl sft.success=false  # TRL's `messages` rows
+  rldyn sft --preset countdown-tiny model.path=smollm2 sft.lr=1e-5 sft.epochs=2 checkpoint.every=50
+  rldyn sft log.name=fl-warm checkpoint.resume=latest   # continue a killed fine-tuning
+"""
+
+
+def _add_sft(sub) -> None:
+    sft = sub.add_parser(
+        "sft", help="supervised fine-tuning on demonstrations (a warm start before RL)",
+        description="Fine-tune a model on conversations: the env's own solver playing training puzzles in the exact "
+                    "chat the env plays (never a validation puzzle), or a data set in TRL's conversational format "
+                    "(sft.data). The loss is on the assistant's tokens only; conversations are packed. The held-out "
+                    "validation success is measured before and after (the trainer's validation stage), and "
+                    "checkpoints are the trainer's: train on one with rldyn train model.path=<checkpoint>/actor. "
+                    "Keys: sft.* (rldyn train --help-config), with model.*, env.*, val.*, checkpoint.* and log.*.",
+        epilog=SFT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sft.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. sft.episodes=2000")
+    sft.add_argument("--preset", default=None, help=f"preset of the env, model and validation (default: "
+                                                    f"{DEFAULT_PRESET})")
+    sft.add_argument("--config", default=None, help="YAML file merged after the preset, before overrides")
 
 
 def _add_probe(sub) -> None:
@@ -442,6 +470,26 @@ def _print_start_warnings(cfg, preset: str | None, file: str | None, overrides: 
             print(line, file=sys.stderr)
 
 
+def cmd_sft(args: argparse.Namespace) -> int:
+    from rldynamics.config import make_config
+
+    def config():
+        cfg = make_config(args.preset or DEFAULT_PRESET, args.config, args.overrides)
+        if cfg.checkpoint.resume:  # a resumed fine-tuning keeps its saved settings, changed only where allowed
+            from rldynamics.train.setup import resume_base
+            from rldynamics.train.sft import sft_run_dir
+
+            cfg = make_config(args.preset, args.config, args.overrides, base=resume_base(cfg, sft_run_dir(cfg)))
+        return cfg
+
+    def job(cfg):
+        from rldynamics.train.sft import run_sft
+
+        return run_sft(cfg)
+
+    return _run_job("sft", job, check=config)
+
+
 def cmd_probe(args: argparse.Namespace) -> int:
     def job(_):
         from rldynamics.train.probe import probe_checkpoint
@@ -588,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         build_parser().print_help()
         return 0
-    commands = {"train": cmd_train, "probe": cmd_probe, "replay": cmd_replay, "eval": cmd_eval, "sweep": cmd_sweep, "plot": cmd_plot,
+    commands = {"train": cmd_train, "sft": cmd_sft, "probe": cmd_probe, "replay": cmd_replay, "eval": cmd_eval,
+                "sweep": cmd_sweep, "plot": cmd_plot,
                 "report": cmd_report, "doctor": cmd_doctor, "envs": cmd_envs}
     try:
         return commands[args.command](args)
@@ -602,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
 INTERRUPTED = {  # what a Ctrl-C leaves, per command (any other: nothing)
     "train": "the run directory holds every finished step and checkpoint (continue: the same command with "
              "checkpoint.resume=latest log.name=<run>)",
+    "sft": "the run directory holds every finished step and checkpoint (continue: the same command with "
+           "checkpoint.resume=latest log.name=<run>)",
     "probe": "its run directory holds what was logged before the stop",
     "eval": "nothing was written (the run directory is written only at the end)",
     "plot": "figures already written are complete; run it again for the rest",

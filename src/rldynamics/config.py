@@ -509,6 +509,38 @@ class LogConfig:
 
 
 @dataclass
+class SftConfig:
+    """`rldyn sft`: supervised fine-tuning on demonstrations before RL (docs/sft.md). Steps, checkpoints and logs
+    take `checkpoint.*` and `log.*`; the model `model.*`; validation `val.*` (the trainer's held-out puzzles)."""
+
+    data: str | None = None
+    """Conversations in TRL's format (a `messages` list of {role, content} per row): a .jsonl or .parquet file or a
+    `datasets` save_to_disk directory. null = demonstrations played by the env's own solver (`sft.episodes`)."""
+    episodes: int = within(1000, 1)
+    """Solver demonstrations: episodes of `env.max_turns` turns on training puzzles (never a validation puzzle)."""
+    noise: float = within(0.0, 0, high=1)
+    """Probability that a demonstrated action is replaced by a random one: a weaker warm start (0 = optimal play)."""
+    epochs: int = within(1, 1)
+    """Passes over the demonstrations."""
+    lr: float = within(2e-5, 0, inclusive=False)
+    """AdamW learning rate (constant; no weight decay; gradients clipped at norm 1, as TRL's SFTTrainer)."""
+    batch_size: int = within(8, 1)
+    """Rows per optimizer step: packed rows of `sft.max_length` tokens (sft.packing), else conversations."""
+    micro_batch_size: int = within(1, 1)
+    """Rows per forward/backward (gradient accumulation inside a step; the loss is the step's token mean)."""
+    max_length: int = within(1024, 8)
+    """Tokens per packed row; a longer conversation is refused (raise it)."""
+    packing: bool = True
+    """Pack conversations into rows of `sft.max_length` tokens: position ids restart per conversation and attention
+    never crosses one, so no compute goes to padding (false: one padded row per conversation)."""
+    val_every: int = within(0, 0)
+    """Validate every N steps (loss on the validation puzzles' demonstrations, and the env's success); 0 = before
+    the first step and after the last only."""
+    success: bool = True
+    """Measure the env's success on the validation puzzles (the trainer's validation stage) when validating."""
+
+
+@dataclass
 class Config:
     seed: int = within(0, 0)
     """Seed of model init, sampling and shuffling."""
@@ -527,6 +559,7 @@ class Config:
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     record: RecordConfig = field(default_factory=RecordConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 

@@ -71,6 +71,13 @@ STEP_TIME = "timing_s/step"
 VAL_TIME = "timing_s/val"
 EARLY_STOPPED = "early_stopped/"
 RECORD_BYTES = "record/bytes"  # the size of the step's record file (`records/step_<N>.safetensors`), recorded steps
+SFT_LOSS = "sft/loss"  # `rldyn sft`: the step's NLL per trained (assistant) token, nats
+SFT_VAL_LOSS = "sft/val_loss"  # ... the same on the validation puzzles' demonstrations (or sft.data's held-out rows)
+SFT_TOKENS = "sft/tokens"  # trained tokens of the step
+SFT_PADDING = "sft/padded_share"  # the share of the step's forwarded tokens that are padding
+SFT_GRAD_NORM = "sft/grad_norm"  # pre-clip
+SFT_LR = "sft/lr"
+SFT_EPOCH = "sft/epoch"  # fractional: steps done / steps per epoch
 
 
 ROLLOUT_CORR = "rollout/corr"  # the sampler/trainer mismatch (verl's `rollout_corr/*` names), `algo.rollout_corr`

@@ -49,6 +49,26 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return logprobs, entropy
 
 
+def packed_logprobs(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor:
+    """Log-probs of the `positions` [R, L] tokens of packed rows (0 elsewhere), aligned like `token_logprobs`.
+
+    A packed row holds several sequences one after another, each with position ids 0, 1, 2, ... [R, L]. Without
+    an attention mask, transformers' causal LMs read a restart of the position ids as a new sequence and attend
+    within each sequence only (`transformers.masking_utils.find_packed_sequence_indices`), so every token sees what
+    it would see alone; they do so only without a cache (`use_cache=False`: a model given a cache builds a plain
+    causal mask). A wanted token must not open a sequence (its prediction would come from the one before)."""
+    wanted = positions[:, 1:].bool()  # [R, L-1] token t, predicted at position t-1
+    if (wanted & (position_ids[:, 1:] == 0)).any():
+        raise ValueError("a wanted token opens a packed sequence: it has no prefix in its own sequence")
+    logits = _logits_at(model, input_ids, None, torch.nn.functional.pad(wanted, (0, 1)),
+                        position_ids=position_ids, use_cache=False)  # [M, V]
+    rows, cols = wanted.nonzero(as_tuple=True)  # [M], [M] row-major, the order of the logits
+    logp, _ = _chunked_logprobs(logits, input_ids[rows, cols + 1], 1.0, False)  # [M]
+    grid = logp.new_zeros(wanted.shape).index_put((rows, cols), logp)  # [R, L-1]
+    return torch.nn.functional.pad(grid, (1, 0))  # [R, L]
+
+
 CHUNK_ELEMENTS = 2**25  # float32 logits per chunk of the selected log-softmax (128 MiB)
 
 

@@ -55,6 +55,7 @@ REQUIRED = ("trainer_state.json", "optimizer.pt", "rng.pt")
 ACTOR_CONFIGS = ("actor/config.json", f"actor/{ADAPTER_CONFIG}")  # a whole model's, or a LoRA adapter's: one of them
 CRASH_ENV = "RLDYN_CRASH_AT"
 _STEP_DIR = re.compile(r"step_(\d+)")
+TRAIN_JOB, SFT_JOB = "train", "sft"  # trainer_state.json's `job` (absent: train): the command that wrote it
 
 
 class CheckpointError(ValueError):
@@ -273,8 +274,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def verify_checkpoint(path: str | Path, needs_critic: bool = False) -> dict:
-    """Check a checkpoint before any work; returns its trainer state (with `step`).
+def verify_checkpoint(path: str | Path, needs_critic: bool = False, job: str | None = TRAIN_JOB) -> dict:
+    """Check a checkpoint before any work; returns its trainer state (with `step`). `job`: the command that must
+    have written it (`rldyn train` or `rldyn sft`, which continue only their own), None for any (an evaluation).
 
     Raises CheckpointError naming the file and the problem: a missing or non-directory path, a missing or
     malformed manifest, a missing, empty, truncated or grown file, a malformed `trainer_state.json` or
@@ -294,6 +296,9 @@ def verify_checkpoint(path: str | Path, needs_critic: bool = False) -> dict:
     for rel, (size, _) in files.items():
         _check_size(path / rel, size)
     state = _trainer_state(path / "trainer_state.json")
+    if job is not None and state.get("job", TRAIN_JOB) != job:
+        raise CheckpointError(f"{path}: a checkpoint of `rldyn {state['job']}`, which `rldyn {job}` does not "
+                              f"continue; start from its weights instead: model.path={path / 'actor'}")
     for rel in files:
         _check_structure(path / rel)
     for rel, (_, digest) in files.items():
@@ -398,7 +403,7 @@ def _trainer_state(file: Path) -> dict:
     step = state.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"{file}: 'step' must be an integer >= 0, got {step!r}")
-    if not isinstance(state.get("early_stop"), dict):
+    if state.get("job", TRAIN_JOB) == TRAIN_JOB and not isinstance(state.get("early_stop"), dict):
         raise CheckpointError(f"{file}: missing the 'early_stop' state")
     return state
 

@@ -105,7 +105,7 @@ def evaluate(cfg: Config, run_dir: Path, step: int = 0, checkpoint: Path | None 
     _check_new(run_dir)
     RunLock(run_dir).check()
     if checkpoint is not None:
-        verify_checkpoint(checkpoint)
+        verify_checkpoint(checkpoint, job=None)  # a fine-tuning's checkpoint is evaluated too
     device = resolve_device(cfg.model.device)
     *_, precision = start_compute(cfg, device)
     torch.manual_seed(cfg.seed)

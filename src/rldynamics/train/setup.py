@@ -165,12 +165,13 @@ def resolve_run_dir(cfg: Config) -> Path:
     return Path(cfg.log.run_dir) / name
 
 
-def resume_base(cfg: Config) -> Config:
-    """The saved config of the run that `cfg.checkpoint.resume` continues: what a resumed run starts from."""
+def resume_base(cfg: Config, run_dir: Path | None = None) -> Config:
+    """The saved config of the run that `cfg.checkpoint.resume` continues (in `run_dir`, default the trainer's
+    `resolve_run_dir`): what a resumed run starts from."""
     resume = cfg.checkpoint.resume
     if resume != "latest":
         read_trainer_state(resume)  # a missing path, a file or no trainer state: named before anything else
-    return _saved_config(cfg, resolve_run_dir(cfg))
+    return _saved_config(cfg, run_dir or resolve_run_dir(cfg))
 
 
 def _saved_config(cfg: Config, run_dir: Path) -> Config:

@@ -19,7 +19,6 @@ that differ only in it start from the same weights (`model.warm_start_seed` vari
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -34,14 +33,13 @@ import torch
 from rldynamics.config import Config, EnvConfig, to_dict
 from rldynamics.envs import make_env
 from rldynamics.envs.base import random_action
-from rldynamics.models.forward import token_logprobs
 from rldynamics.models.tiny import save_tokenizer
-from rldynamics.rollout.agent import rollout, state_message, system_message
-from rldynamics.rollout.chat import ChatPrompts
+from rldynamics.rollout.agent import state_message, system_message
 from rldynamics.tracking.console import Lines, progress_bar
 from rldynamics.train.batch_ops import env_seeds
+from rldynamics.train.sft import supervised_step
+from rldynamics.train.sft_data import DEMO_SEED_BASE, demonstrations
 
-DEMO_SEED_BASE = 5_000_000  # disjoint from RAGEN's train (10000+) and validation (123+) seeds
 PACKAGED = Path(__file__).resolve().parent.parent / "models" / "warm"  # <base>-warm-<key>.safetensors
 
 
@@ -68,34 +66,6 @@ def tiny_corpus(env_cfg: EnvConfig, num_seeds: int = 200) -> list[str]:
 def _chatml(role: str, content: str) -> str:
     """One complete ChatML message (the tiny tokenizer's chat format; its corpus is written before it exists)."""
     return f"<|im_start|>{role}\n{content}<|im_end|>\n"
-
-
-def solver_policy(tokenizer, cfg: EnvConfig, noise: float, rng: random.Random):
-    """A `respond` function for `rollout`: the env's optimal plan, each action randomised with prob `noise`.
-
-    The reply is written as the model would continue the prompt: without the opener the prompt already ends
-    with (`ChatPrompts.reply_prefix`)."""
-    chat = ChatPrompts(tokenizer, enable_think=cfg.enable_think, open_answer=cfg.open_answer)
-    closing = chat.closing_ids()
-
-    def respond(trajs) -> list[list[int]]:
-        out = []
-        for traj in trajs:
-            env = traj.env
-            width = cfg.max_actions_per_turn if env.actions else 1
-            try:
-                plan = env.solve()[:width]
-            except (ValueError, AttributeError):  # unsolvable after a noisy push, or no solver: act at random
-                plan = [random_action(env, rng) for _ in range(width)]
-            actions = [random_action(env, rng) if rng.random() < noise else a for a in plan]
-            text = f"<answer>{' || '.join(actions)}</answer>"
-            if cfg.enable_think:
-                text = "<think>I work out the answer step by step.</think>" + text
-            text = text.removeprefix(chat.reply_prefix)
-            out.append(tokenizer(text, add_special_tokens=False)["input_ids"] + closing)
-        return out
-
-    return respond
 
 
 def warm_start_key(base_path: str, cfg: Config) -> str:
@@ -172,14 +142,13 @@ def demo_seeds(cfg: Config) -> list[int]:
 
 
 def supervised_warm_start(model, tokenizer, cfg: Config, batch_size: int = 32, log=print) -> list[float]:
-    """Fit `model` to noisy solver demonstrations (token-mean NLL of the response tokens); returns losses."""
-    rng = random.Random(cfg.model.warm_start_seed)
+    """Fit `model` to noisy solver demonstrations with `rldyn sft`'s step (token-mean NLL of the replies, one padded
+    row per demonstration, `batch_size` per step); returns the steps' losses."""
     seeds = demo_seeds(cfg)
-    env = dataclasses.replace(cfg.env, max_turns=cfg.model.warm_start_turns)
     start = time.perf_counter()
     log(f"warm start: playing {len(seeds)} solver episodes")
-    demos = rollout(None, tokenizer, seeds, 1, env, respond=solver_policy(tokenizer, env, cfg.model.warm_start_noise,
-                                                                         rng))
+    demos = demonstrations(cfg, tokenizer, seeds, cfg.model.warm_start_noise, cfg.model.warm_start_seed,
+                           turns=cfg.model.warm_start_turns, problems=False)
     log(f"warm start: {len(demos)} demonstrations in {time.perf_counter() - start:.0f} s; fitting them")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.model.warm_start_lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(cfg.model.warm_start_seed)
@@ -192,15 +161,9 @@ def supervised_warm_start(model, tokenizer, cfg: Config, batch_size: int = 32, l
             if epoch:
                 epochs.line(epoch, f"NLL {losses[-1]:.3f} nats/token")
             for rows in torch.split(torch.randperm(len(demos), generator=generator), batch_size):
-                mask = demos.response_mask[rows]  # [b, L]
-                logprobs, _ = token_logprobs(model, demos.input_ids[rows], demos.attention_mask[rows],
-                                             positions=mask, shared_prefix=False)  # [b, L] (LM head at `mask` only)
-                loss = -(logprobs * mask).sum() / mask.sum()  # []
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                losses.append(loss.item())
+                step = supervised_step(model, optimizer, [[demos[i]] for i in rows.tolist()],
+                                       tokenizer.pad_token_id, packed=False, micro_batch_size=batch_size)
+                losses.append(step.loss)
                 bar.update(task, advance=1, info=f"NLL {losses[-1]:.3f} nats/token")
         epochs.line(cfg.model.warm_start_epochs, f"NLL {losses[-1]:.3f} nats/token")
     model.eval()
