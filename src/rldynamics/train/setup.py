@@ -154,14 +154,15 @@ def check_world(cfg: Config, ranks: int | None = None, job: str = TRAIN) -> None
             raise ConfigError(dist.too_few_groups(key, value, ranks))
 
 
-def resolve_run_dir(cfg: Config) -> Path:
-    """The run directory: `log.run_dir/log.name` (a new name when unset), or the run of a resumed checkpoint."""
+def resolve_run_dir(cfg: Config, new_name: str | None = None) -> Path:
+    """The run directory: `log.run_dir/log.name` (when unset, `new_name` or `<env>_<model>_<time>`), or the run of a
+    resumed checkpoint."""
     resume = cfg.checkpoint.resume
     if resume and resume != "latest":
         return Path(resume).resolve().parent.parent
     if resume == "latest" and not cfg.log.name:
         raise ConfigError("checkpoint.resume=latest needs log.name=<run name> to know which run to resume")
-    name = cfg.log.name or f"{cfg.env.name}_{Path(cfg.model.path).name}_{time.strftime('%Y%m%d-%H%M%S')}"
+    name = cfg.log.name or new_name or f"{cfg.env.name}_{Path(cfg.model.path).name}_{time.strftime('%Y%m%d-%H%M%S')}"
     return Path(cfg.log.run_dir) / name
 
 

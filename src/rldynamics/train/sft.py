@@ -191,15 +191,12 @@ def step_rows(rows: list[list[Conversation]], batch_size: int, seed: int, step: 
 
 
 def sft_run_dir(cfg: Config) -> Path:
-    """`log.run_dir/log.name`, else `sft_<env or data>_<model>_<time>`; a resumed checkpoint's own run."""
-    resume = cfg.checkpoint.resume
-    if resume and resume != "latest":
-        return Path(resume).resolve().parent.parent
-    if resume == "latest" and not cfg.log.name:
-        raise ConfigError("checkpoint.resume=latest needs log.name=<run name> to know which run to resume")
+    """The trainer's run directory (`train.setup.resolve_run_dir`), named `sft_<env or data>_<model>_<time>` when
+    `log.name` is unset."""
+    from rldynamics.train.setup import resolve_run_dir
+
     what = Path(cfg.sft.data).stem if cfg.sft.data else cfg.env.name
-    return Path(cfg.log.run_dir) / (cfg.log.name or f"sft_{what}_{Path(cfg.model.path).name}_"
-                                                    f"{time.strftime('%Y%m%d-%H%M%S')}")
+    return resolve_run_dir(cfg, f"sft_{what}_{Path(cfg.model.path).name}_{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 def run_sft(cfg: Config) -> Path:
@@ -269,9 +266,11 @@ def run_sft(cfg: Config) -> Path:
             task = bar.add_task("sft", total=steps, completed=state["step"], info="")
             for step in range(state["step"] + 1, steps + 1):
                 model.train()
+                start = time.perf_counter()
                 result = supervised_step(model, optimizer, step_rows(rows, cfg.sft.batch_size, cfg.seed, step),
                                          pad_id, cfg.sft.packing, cfg.sft.micro_batch_size)
-                metrics = {**result.metrics(cfg.sft.lr), names.SFT_EPOCH: step / per_epoch}
+                metrics = {**result.metrics(cfg.sft.lr), names.SFT_EPOCH: step / per_epoch,
+                           names.STEP_TIME: time.perf_counter() - start}
                 last = step == steps
                 if last or (cfg.sft.val_every and step % cfg.sft.val_every == 0):
                     metrics.update(validate())
