@@ -117,11 +117,12 @@ def _add_train(sub) -> None:
 
 SFT_EPILOG = """\
 examples:
-  rldyn sft --preset frozenlake-tiny sft.episodes=2000 sft.noise=0.3 log.name=fl-warm   # the solver, weakened
-  rldyn train --preset frozenlake-tiny model.path=runs/fl-warm/checkpoints/step_63/actor  # then RL from it
-  rldyn sft --preset math-smollm2 sft.data=/data/chats.jsonl sft.success=false  # TRL's `messages` rows
-  rldyn sft --preset countdown-tiny model.path=smollm2 sft.lr=1e-5 sft.epochs=2 checkpoint.every=50
-  rldyn sft log.name=fl-warm checkpoint.resume=latest   # continue a killed fine-tuning
+  rldyn sft --preset frozenlake-smollm2 log.name=fl-warm     # SmolLM2 imitates the solver (30 % random moves)
+  rldyn train --preset frozenlake-smollm2 model.path=runs/fl-warm/checkpoints/step_31/actor   # then RL from it
+  rldyn sft --preset frozenlake-tiny sft.lr=1e-3 sft.episodes=2000 sft.noise=0.3   # the untrained tiny model
+  rldyn sft --preset math-smollm2 sft.data=/data/chats.jsonl sft.success=false      # TRL's `messages` rows
+  rldyn sft --preset frozenlake-smollm2 model.lora.rank=16 checkpoint.save_merged=true   # LoRA; RL from actor_merged/
+  rldyn sft log.name=fl-warm checkpoint.resume=latest        # continue a killed fine-tuning
 """
 
 
