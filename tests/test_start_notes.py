@@ -8,7 +8,13 @@ import pytest
 
 from rldynamics.cli import main
 from rldynamics.config import make_config
-from rldynamics.start_notes import actor_never_updates, no_warm_start, start_warnings, warm_starts
+from rldynamics.start_notes import (
+    actor_never_updates,
+    game_without_sft,
+    no_warm_start,
+    start_warnings,
+    warm_starts,
+)
 
 
 def warnings_of(preset: str, overrides: list[str]) -> list[str]:
@@ -65,3 +71,10 @@ def test_a_warm_start_with_no_solver_to_imitate_is_named_and_skipped(tmp_path):
     assert not warm_starts(cfg) and warm_starts(make_config(None, None, []))
     assert "no solver for the tiny model's warm start" in no_warm_start(cfg)
     assert no_warm_start(make_config(None, None, [*prompts, "model.warm_start_episodes=0"])) is None
+
+
+def test_the_base_smollm2_on_a_game_is_sent_to_rldyn_sft_first(tmp_path):
+    assert "rldyn sft --preset" in game_without_sft(make_config("frozenlake-smollm2"))
+    tuned = str(tmp_path / "runs" / "fl" / "checkpoints" / "step_31" / "actor")
+    assert game_without_sft(make_config("frozenlake-smollm2", overrides=[f"model.path={tuned}"])) is None
+    assert game_without_sft(make_config("math-smollm2")) is None  # it answers math in format

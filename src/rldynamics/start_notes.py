@@ -10,6 +10,9 @@
 
 - `no_warm_start`: the embedded tiny model with `model.warm_start_episodes` > 0 on an env with no solver to imitate
   (`prompts`): the model starts untrained (`warm_starts`).
+- `game_without_sft`: the packaged SmolLM2 itself (not a fine-tuned checkpoint of it) on an agent game: it does not
+  answer in the env's format (FrozenLake: 0 of 64 maps, no valid action; docs/sft.md), so every reward is the format
+  penalty; `rldyn sft` first.
 
 Pure functions of the config (and the preset's file); no torch, so the CLI can say it before any work.
 """
@@ -89,6 +92,18 @@ def no_warm_start(cfg: Config) -> str | None:
             "(model.warm_start_episodes=0 says so)")
 
 
+GAMES = ("sokoban", "frozenlake", "bandit")  # the multi-turn agent games: actions named in <answer>...</answer>
+
+
+def game_without_sft(cfg: Config) -> str | None:
+    """Why RL on this game will see only format penalties, or None."""
+    if cfg.model.path != "smollm2" or cfg.env.name not in GAMES:
+        return None
+    return (f"model.path=smollm2 is the base model, which does not answer {cfg.env.name} in its format (FrozenLake: 0 "
+            "of 64 maps, no valid action), so RL sees only the format penalty; fine-tune it on the env's solver first: "
+            "rldyn sft --preset <this preset> log.name=<name>, then model.path=<its checkpoint>/actor (docs/sft.md)")
+
+
 def user_env(file: str | Path | None, overrides: list[str]) -> dict[str, Any]:
     """The `env` keys the user's config file and overrides set (raw values, merged in that order)."""
     sources = [read_config_file(file)] if file else []
@@ -103,7 +118,7 @@ def start_warnings(cfg: Config, preset: str | None, file: str | Path | None, ove
     """Every warning for a run started with this preset, config file and overrides (one line each)."""
     env = user_env(file, overrides)
     out = [preset_env_switch(preset, cfg, env) if "name" in env else None, actor_never_updates(cfg),
-           no_warm_start(cfg)]
+           no_warm_start(cfg), game_without_sft(cfg)]
     return [f"warning: {line}" for line in out if line]
 
 
