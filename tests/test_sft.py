@@ -134,6 +134,11 @@ def test_no_validation_puzzle_is_among_the_demonstrations(tiny):
 
 def test_a_conversation_set_in_trls_format_is_read_and_bad_rows_are_named(tiny, tmp_path):
     _, tokenizer = tiny
+    (tmp_path / "x.jsonl").write_text('{"prompt": "Say 1."}\n')
+    source = f"env.prompts.source={tmp_path / 'x.jsonl'}"
+    prompts = make_config(None, None, ["env.name=prompts", "env.max_turns=1", source, "env.reward_funcs=[json:dumps]"])
+    with pytest.raises(ConfigError, match="env 'prompts' has no solver to demonstrate; give conversations with sft"):
+        sft_data(prompts, tokenizer)
     good = tmp_path / "chats.jsonl"
     good.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"messages": CHAT[:3]}) + "\n")
     convs = read_conversations(str(good), tokenizer)

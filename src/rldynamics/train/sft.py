@@ -32,6 +32,8 @@ import torch
 
 from rldynamics import metric_names as names
 from rldynamics.config import Config, ConfigError, save_config
+from rldynamics.envs import ENVS
+from rldynamics.envs.base import demonstrable
 from rldynamics.models.forward import packed_logprobs, token_logprobs
 from rldynamics.tracking.console import Lines, progress_bar
 from rldynamics.train.batch_ops import env_seeds, step_seed, val_seeds
@@ -85,6 +87,9 @@ def sft_data(cfg: Config, tokenizer, log=print) -> SftData:
     """The training and validation conversations of `cfg.sft` (a data set, else the env's solver)."""
     if cfg.sft.data:
         return SftData(read_conversations(cfg.sft.data, tokenizer), [])
+    if not demonstrable(ENVS[cfg.env.name]):
+        raise ConfigError(f"env {cfg.env.name!r} has no solver to demonstrate; give conversations with "
+                          "sft.data=<file or datasets directory> (TRL's `messages` format)")
     val = demonstrations(cfg, tokenizer, validation_seeds(cfg), 0.0, cfg.seed)
     held = {c.problem for c in val}
     start = time.perf_counter()
