@@ -40,6 +40,11 @@ def val_seeds(seed_base: int, env_groups: int) -> list[int]:
     return [seed_base + g for g in range(env_groups)]
 
 
+def validation_seeds(cfg: Config) -> list[int]:
+    """The validation puzzles of a run: `val_seeds` on validation's side of `val.held_out`."""
+    return env_seeds(cfg, val_seeds(cfg.val.seed_base, cfg.val.env_groups), validation=True)
+
+
 def env_seeds(cfg: Config, seeds: list[int], validation: bool = False) -> list[int]:
     """`seeds` moved to training's (or validation's) side of `val.held_out`: unchanged when it is 0."""
     return side_seeds(env_first_observation(cfg.env.name, cfg.env.options()), seeds, cfg.val.held_out, validation)

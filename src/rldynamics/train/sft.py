@@ -36,7 +36,7 @@ from rldynamics.envs import ENVS
 from rldynamics.envs.base import demonstrable
 from rldynamics.models.forward import packed_logprobs, token_logprobs
 from rldynamics.tracking.console import Lines, progress_bar
-from rldynamics.train.batch_ops import env_seeds, step_seed, val_seeds
+from rldynamics.train.batch_ops import env_seeds, step_seed, validation_seeds
 from rldynamics.train.sft_data import (
     DEMO_SEED_BASE,
     Conversation,
@@ -57,7 +57,6 @@ class SftData:
 
     train: list[Conversation]
     val: list[Conversation]
-    dropped: int = 0  # demonstrations left out because they play a validation puzzle
 
 
 @dataclass(frozen=True)
@@ -76,11 +75,6 @@ class StepResult:
 
 
 # ---------------------------------------------------------------------------------------------- demonstrations
-
-
-def validation_seeds(cfg: Config) -> list[int]:
-    """The validation puzzles of the trainer (`train.stages.validate`)."""
-    return env_seeds(cfg, val_seeds(cfg.val.seed_base, cfg.val.env_groups), validation=True)
 
 
 def sft_data(cfg: Config, tokenizer, log=print) -> SftData:
@@ -102,7 +96,7 @@ def sft_data(cfg: Config, tokenizer, log=print) -> SftData:
                           "validation alone")
     log(f"sft: {len(kept)} solver demonstrations of {cfg.env.name} (action noise {cfg.sft.noise:g}) in "
         f"{time.perf_counter() - start:.0f} s, {len(demos) - len(kept)} left out for playing a validation puzzle")
-    return SftData(kept, val, len(demos) - len(kept))
+    return SftData(kept, val)
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -121,12 +115,10 @@ def nll_sum(model, rows: list[list[Conversation]], pad_id: int, packed: bool) ->
     if packed:
         ids, positions, trained = packed_tensors(rows, pad_id)  # [R, W] each
         logprobs = packed_logprobs(model, ids, positions, trained)  # [R, W]
-        forwarded = ids.numel()
     else:
         ids, attention, trained = padded_tensors([c for row in rows for c in row], pad_id)  # [N, W] each
         logprobs, _ = token_logprobs(model, ids, attention, positions=trained, shared_prefix=False)  # [N, W]
-        forwarded = ids.numel()
-    return -(logprobs * trained).sum(), int(trained.sum()), forwarded
+    return -(logprobs * trained).sum(), int(trained.sum()), ids.numel()
 
 
 def supervised_step(model, optimizer, rows: list[list[Conversation]], pad_id: int, packed: bool,

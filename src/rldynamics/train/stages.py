@@ -47,7 +47,7 @@ from rldynamics.train.batch_ops import (
     problem_metrics,
     step_seed,
     train_seeds,
-    val_seeds,
+    validation_seeds,
 )
 from rldynamics.train.checkpoint import crash_point
 from rldynamics.train.critic import update_critic
@@ -306,10 +306,8 @@ def validate(s: Session) -> Validation:
     prefix = names.env_prefix(cfg.env.name, validation=True)
     with torch.random.fork_rng(devices=[]):
         try:
-            batch = rollout_groups(cfg, s.model, s.tokenizer,
-                                   env_seeds(cfg, val_seeds(cfg.val.seed_base, cfg.val.env_groups), validation=True),
-                                   cfg.val.group_size, cfg.val.temperature, step_seed(cfg.seed, 0, stream=2),
-                                   engine=s.engine)
+            batch = rollout_groups(cfg, s.model, s.tokenizer, validation_seeds(cfg), cfg.val.group_size,
+                                   cfg.val.temperature, step_seed(cfg.seed, 0, stream=2), engine=s.engine)
         except NonFiniteLogits:
             return Validation(None, {names.env_metric(cfg.env.name, NON_FINITE_LOGITS, validation=True): 1.0})
     metrics = env_metric_summary(batch, prefix, cfg.val.group_size)
