@@ -113,3 +113,87 @@ def test_checkpointed_training_equals_plain_training(fast_overrides):
 def test_float16_is_refused_with_the_fix():
     with pytest.raises(ConfigError, match="model.dtype=bfloat16"):
         make_config(overrides=["model.dtype=float16"])
+
+
+class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the float32 -> bfloat16 copies of tensors shaped like `shapes` (the model's weights)."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.count = shapes, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16
+                and args[0].dtype == torch.float32 and tuple(args[0].shape) in self.shapes):
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def _two_calls(model, ids, attn, mask, once: bool):
+    """The gradients of two calls' summed log-probs (two micro-batches of one step) and the weight casts counted."""
+    import contextlib
+
+    from rldynamics.models.precision import weights_cast_once
+
+    model.zero_grad(set_to_none=True)
+    casts = _Casts({tuple(p.shape) for p in model.parameters() if p.dim() == 2})
+    with casts, (weights_cast_once(model) if once else contextlib.nullcontext()):
+        for rows in (slice(0, 2), slice(2, 4)):
+            lp, _ = token_logprobs(model, ids[rows], attn[rows], positions=mask[rows], shared_prefix=False)
+            (lp * mask[rows]).sum().backward()
+    return [p.grad.clone() for p in model.parameters()], casts.count
+
+
+def test_weights_are_cast_to_bfloat16_once_per_optimizer_step_with_the_same_gradients(setup):
+    """`weights_cast_once` around the micro-batches of a step: each weight matrix is cast once instead of at every
+    call, and the gradients are those of a cast per call (up to bfloat16 rounding of the summed contributions)."""
+    import copy
+
+    model, _, batch = setup
+    mixed = compute_in(copy.deepcopy(model), "bfloat16")
+    ids, attn, mask = batch.input_ids, batch.attention_mask, batch.response_mask
+    matrices = sum(p.dim() == 2 for p in mixed.parameters())
+    per_call, n_each = _two_calls(mixed, ids, attn, mask, once=False)
+    shared, n_once = _two_calls(mixed, ids, attn, mask, once=True)
+    assert n_each == 2 * n_once and n_once == matrices  # embedding and blocks: every matrix, once
+    for a, b in zip(per_call, shared, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-4)
+    assert all(p.grad.dtype == torch.float32 for p in mixed.parameters())
+
+
+def test_bfloat16_on_cpu_attends_in_float32(setup):
+    """The bfloat16 model's attention runs transformers' SDPA on float32 q, k, v (faster there on a CPU, and more
+    exact); the checkpoint it saves names no attention implementation of ours and loads anywhere."""
+    import copy
+    import json
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rldynamics.models.precision import FLOAT32_SDPA
+
+    model, _, batch = setup
+    assert model.config._attn_implementation == "sdpa"
+    mixed = compute_in(copy.deepcopy(model), "bfloat16")
+    assert mixed.config._attn_implementation == FLOAT32_SDPA
+    seen = []
+    module = mixed.model.layers[0].self_attn
+    module.register_forward_hook(lambda m, args, out: seen.append(out[0]))
+    ids, attn = batch.input_ids[:2], batch.attention_mask[:2]
+    with torch.no_grad():
+        low = mixed(input_ids=ids, attention_mask=attn).logits
+    assert low.dtype == torch.bfloat16 and seen[0].dtype == torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 5, 8, generator=g).to(torch.bfloat16) for _ in range(3))
+    from transformers import AttentionInterface
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = AttentionInterface()[FLOAT32_SDPA](module, q, k, v, None, is_causal=True)
+    expected, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), None, is_causal=True)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected.to(torch.bfloat16))
+    with tempfile.TemporaryDirectory() as tmp:
+        mixed.save_pretrained(tmp)
+        assert FLOAT32_SDPA not in json.dumps(json.load(open(f"{tmp}/config.json")))
+        assert AutoModelForCausalLM.from_pretrained(tmp).config._attn_implementation == "sdpa"

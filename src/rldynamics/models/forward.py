@@ -15,7 +15,7 @@ from transformers.cache_utils import DynamicLayer
 
 from rldynamics.algo.losses import entropy_from_logits
 from rldynamics.models.lora import underlying
-from rldynamics.models.precision import checkpointing
+from rldynamics.models.precision import checkpointing, weights_cast_once
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
@@ -285,19 +285,20 @@ def _forwarded_tokens(order: list[int], lengths: list[int], first: list[int], la
 def batch_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, micro_batch_size: int,
                    temperature: float = 1.0, with_entropy: bool = False, positions: torch.Tensor | None = None,
                    shared_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`token_logprobs` over a whole batch in micro-batches (`row_order`), without gradients.
-    ([N, L], [N, L] | None)"""
+    """`token_logprobs` over a whole batch in micro-batches (`row_order`), without gradients, each weight cast to
+    the compute dtype once for all of them (`weights_cast_once`). ([N, L], [N, L] | None)"""
     device = next(model.parameters()).device
     order = (torch.arange(input_ids.shape[0]) if positions is None else
              row_order(input_ids, attention_mask, positions, micro_batch_size, shared_prefix))  # [N]
     logps, ents = [], []
-    for rows in micro_batches(order, micro_batch_size):
-        lp, ent = token_logprobs(model, input_ids[rows].to(device), attention_mask[rows].to(device),
-                                 temperature=temperature, with_entropy=with_entropy,
-                                 positions=None if positions is None else positions[rows].to(device),
-                                 shared_prefix=shared_prefix)
-        logps.append(lp.cpu())
-        ents.append(ent.cpu() if ent is not None else None)
+    with weights_cast_once(model):
+        for rows in micro_batches(order, micro_batch_size):
+            lp, ent = token_logprobs(model, input_ids[rows].to(device), attention_mask[rows].to(device),
+                                     temperature=temperature, with_entropy=with_entropy,
+                                     positions=None if positions is None else positions[rows].to(device),
+                                     shared_prefix=shared_prefix)
+            logps.append(lp.cpu())
+            ents.append(ent.cpu() if ent is not None else None)
     back = torch.argsort(order)  # [N] original row order
     return torch.cat(logps)[back], (torch.cat(ents)[back] if with_entropy else None)  # [N, L]
 

@@ -20,10 +20,13 @@ while checkpointing is on (`checkpointing`), and a block given a non-empty cache
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from rldynamics.models.sharding import is_sharded
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -33,11 +36,60 @@ def compute_in(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
     if dtype == "float32":
         return model
     device = next(model.parameters()).device.type
+    if device == "cpu" and dtype == "bfloat16":
+        attend_in_float32(model)
     model.forward = torch.autocast(device_type=device, dtype=COMPUTE_DTYPES[dtype])(model.forward)
     if hasattr(model, "generate"):  # one autocast around all decode steps: each weight is cast once per generate
         model.generate = torch.autocast(device_type=device, dtype=COMPUTE_DTYPES[dtype])(model.generate)
     model.rldyn_compute_dtype = dtype
     return model
+
+
+FLOAT32_SDPA = "rldyn_sdpa_float32"  # transformers' SDPA attention with its inputs in float32 (`attend_in_float32`)
+
+
+def attend_in_float32(model: torch.nn.Module) -> None:
+    """Make a model that attends with transformers' SDPA compute its attention in float32 (bfloat16 elsewhere).
+
+    On a CPU, PyTorch's fused attention kernel is about 3x slower in bfloat16 than in float32 at a training step's
+    shapes (8 rows x 150 positions, SmolLM2's heads: `bench/attention.py`), so the bfloat16 model attends in
+    float32, which is also the more exact of the two: q, k and v are cast up, the output back down. The keys and
+    values kept for generation stay bfloat16. Other attention implementations are left as they are; the saved
+    config keeps the model's own (transformers does not write the attention implementation)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        with torch.autocast(query.device.type, enabled=False):
+            out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
+                                                  **kwargs)
+        return out.to(query.dtype), weights
+
+    AttentionInterface.register(FLOAT32_SDPA, attention)
+    AttentionMaskInterface.register(FLOAT32_SDPA, sdpa_mask)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: its transformers model
+    if getattr(getattr(base, "config", None), "_attn_implementation", None) == "sdpa":
+        base.set_attn_implementation(FLOAT32_SDPA)
+
+
+def weights_cast_once(model: torch.nn.Module):
+    """A context over several calls of `model` (the micro-batches of one optimizer step) in which each trained
+    float32 weight is cast to the compute dtype once, not at every call.
+
+    Autocast keeps the casts of leaf tensors that require gradients until its outermost context exits. This context
+    is such an outer one, with autocast itself off (what runs between the calls, such as the loss, computes as
+    before); the context `compute_in` puts around each call is an inner one, so the casts made by the first call
+    are reused by the rest. Gradients flow through a shared cast into the float32 weights as through one cast per
+    call (the contributions of one backward pass are summed in the compute dtype before they reach the float32
+    gradient). The weights must not change inside the context: leave it before an optimizer step. Float32 models
+    and FSDP2-sharded ones (whose unsharded weights are gathered and freed at every call) get a context that does
+    nothing."""
+    dtype = getattr(model, "rldyn_compute_dtype", "float32")
+    if dtype == "float32" or is_sharded(model):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=next(model.parameters()).device.type, dtype=COMPUTE_DTYPES[dtype],
+                          enabled=False)
 
 
 def float32_region(model: torch.nn.Module):

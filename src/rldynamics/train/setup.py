@@ -237,7 +237,7 @@ def make_session(cfg: Config, run_dir: Path, start: Start, job: str = TRAIN) -> 
         print(lora.count(model).words(), flush=True)
     actor_shapes = _shapes(model)
     model = wrap(prepare(model, cfg, precision), cfg.model.shard)
-    optimizer = torch.optim.AdamW(lora.trainable(model), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    optimizer = adamw(lora.trainable(model), cfg.train.lr, cfg.train.weight_decay, cfg.train.optim)
     diagnostics = build_diagnostics(cfg, start.state, job)  # a resumed run's diagnostics go on
     ref_model = None
     if cfg.algo.kl_coef > 0 or any(d.needs_reference for d in diagnostics):
@@ -247,7 +247,7 @@ def make_session(cfg: Config, run_dir: Path, start: Start, job: str = TRAIN) -> 
     if cfg.algo.has_critic:
         critic = load_value_model(str(ckpt / "critic") if ckpt else base, device=str(device))
         critic = wrap(prepare(critic, cfg, precision), cfg.model.shard)
-        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic.lr, weight_decay=0.0)
+        critic_optimizer = adamw(critic.parameters(), cfg.critic.lr, 0.0, cfg.train.optim)
     if ckpt is not None:
         load_trainer_state(ckpt, model=model, optimizer=optimizer, critic=critic, critic_optimizer=critic_optimizer)
         set_learning_rates(cfg, optimizer, critic_optimizer)  # a rollback's remedy may have changed them
@@ -269,6 +269,11 @@ def set_learning_rates(cfg: Config, optimizer, critic_optimizer=None) -> None:
     if critic_optimizer is not None:
         for group in critic_optimizer.param_groups:
             group["lr"] = cfg.critic.lr
+
+
+def adamw(params, lr: float, weight_decay: float, optim: str) -> torch.optim.AdamW:
+    """AdamW over `params`, fused (`adamw_torch_fused`) or the per-parameter loop (`adamw_torch`): `train.optim`."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=optim == "adamw_torch_fused")
 
 
 def load_actor(cfg: Config, base: str, checkpoint: Path | None, device: torch.device) -> tuple[torch.nn.Module, object]:

@@ -1,0 +1,75 @@
+"""Forward + backward of one attention call at a training step's shapes, by kernel and dtype, on one thread.
+
+    python bench/attention.py [--rows 8] [--lengths 60,150,600] [--repeats 20]
+
+SmolLM2-135M's attention (9 query heads of 64; the 3 key/value heads are repeated to 9 before the call, as
+transformers does for SDPA), causal; above 150 positions the rows shrink so that a call holds about as many tokens. Kernels: `flash` (PyTorch's fused SDPA kernel with `is_causal`, what
+transformers' `sdpa` attention runs), `math` (SDPA's reference kernel with a boolean mask) and `eager` (two
+matmuls and a float32 softmax). Each is timed in bfloat16 and in float32, and `flash_f32` is the fused kernel
+on bfloat16 inputs cast to float32 and its output cast back (`models.precision.attend_in_float32`, what a
+bfloat16 model attends with on a CPU). Milliseconds per call, the median of `--repeats` after 3 warm-up calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+
+def flash(q, k, v, mask):
+    return sdpa(q, k, v, is_causal=True)
+
+
+def flash_f32(q, k, v, mask):
+    return sdpa(q.float(), k.float(), v.float(), is_causal=True).to(q.dtype)
+
+
+def math(q, k, v, mask):
+    with sdpa_kernel(SDPBackend.MATH):
+        return sdpa(q, k, v, attn_mask=mask)
+
+
+def eager(q, k, v, mask):
+    w = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, H, L, L]
+    w = torch.softmax(w.float().masked_fill(~mask, float("-inf")), -1).to(q.dtype)
+    return w @ v  # [B, H, L, D]
+
+
+def milliseconds(fn, q, k, v, mask, repeats: int) -> float:
+    times = []
+    for i in range(3 + repeats):
+        start = time.perf_counter()
+        fn(q, k, v, mask).float().sum().backward()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--lengths", default="60,150,600")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    kernels = (flash, flash_f32, math, eager)
+    print("| dtype | rows x positions | " + " | ".join(k.__name__ for k in kernels) + " |")
+    print("|---|---|" + "---:|" * len(kernels))
+    for dtype in (torch.bfloat16, torch.float32):
+        for length in map(int, args.lengths.split(",")):
+            rows = max(1, args.rows * 150 // length) if length > 150 else args.rows
+            g = torch.Generator().manual_seed(0)
+            q, k, v = (torch.randn(rows, 9, length, 64, generator=g).to(dtype).requires_grad_() for _ in range(3))
+            mask = torch.ones(length, length, dtype=torch.bool).tril()  # [L, L]
+            cells = [f"{milliseconds(fn, q, k, v, mask, args.repeats):.1f}"
+                     if dtype == torch.bfloat16 or fn is not flash_f32 else "–" for fn in kernels]
+            print(f"| {str(dtype).removeprefix('torch.')} | {rows} x {length} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Seconds per training step of this checkout against another one, paired: the two alternate in one run.
+
+    python bench/paired_steps.py --baseline-src DIR [--rounds 2] [--steps 3] [--preset math-smollm2] [key=value ...]
+
+`DIR` is another checkout's `src/` (a `git worktree` of an earlier commit). Each round runs `rldyn train` from the
+baseline and then from this checkout, in fresh processes, `--steps` steps each on the same preset and overrides
+(validation, checkpoints and the report off); the first step of a process (one-off costs: loading, the first
+compile of kernels) is dropped. Printed: the median seconds of the step and of each phase (`timing_s/*`) per side,
+and baseline / ours. Both sides see the same machine at nearly the same time, so the ratio holds under a load
+that the absolute seconds do not; name the CPU and the load next to any figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+OURS = Path(__file__).resolve().parents[1] / "src"
+QUIET = ["val.every=0", "val.before_train=false", "checkpoint.save_last=false", "log.progress=false",
+         "log.report=false", "record.every=0"]
+
+
+def run_steps(src: Path, preset: str, steps: int, overrides: list[str]) -> list[dict[str, float]]:
+    """The `timing_s/*` values of each step after the first of one `rldyn train` run from `src`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-c", "import sys; from rldynamics.cli import main; sys.exit(main())", "train",
+               "--preset", preset, f"train.steps={steps}", *QUIET, f"log.run_dir={tmp}", *overrides]
+        env = {**os.environ, "PYTHONPATH": str(src)}
+        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+        metrics = next(Path(tmp).glob("*/metrics.jsonl"))  # log.run_dir/<the run's name>/
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [{k.removeprefix("timing_s/"): v for k, v in r.items() if k.startswith("timing_s/")} for r in rows[1:]]
+
+
+def medians(rows: list[dict[str, float]]) -> dict[str, float]:
+    keys = dict.fromkeys(k for r in rows for k in r)
+    return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline-src", type=Path, required=True)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--preset", default="math-smollm2")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    got: dict[str, list[dict[str, float]]] = {"baseline": [], "ours": []}
+    for round_ in range(args.rounds):
+        for side, src in (("baseline", args.baseline_src), ("ours", OURS)):
+            rows = run_steps(src, args.preset, args.steps, args.overrides)
+            got[side] += rows
+            print(f"round {round_ + 1} {side}: " + ", ".join(f"{r['step']:.2f}" for r in rows) + " s/step", flush=True)
+    base, ours = medians(got["baseline"]), medians(got["ours"])
+    print(f"\n{args.preset} {' '.join(args.overrides)}: {len(got['ours'])} steps a side")
+    print("| phase | baseline s | ours s | baseline / ours |\n|---|---:|---:|---:|")
+    for phase in sorted(set(base) | set(ours), key=lambda p: (p != "step", p)):
+        b, o = base.get(phase, 0.0), ours.get(phase, 0.0)
+        if max(b, o) >= 0.05:
+            print(f"| {phase} | {b:.2f} | {o:.2f} | {b / o if o else float('inf'):.2f} |")
+
+
+if __name__ == "__main__":
+    main()

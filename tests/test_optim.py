@@ -1,0 +1,64 @@
+"""AdamW's implementation (`train.optim`): the fused kernel against the per-parameter loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rldynamics.config import ConfigError, make_config
+from rldynamics.tracking.run_dir import read_metrics
+from rldynamics.train.setup import adamw
+from rldynamics.train.trainer import train
+
+SHAPES = [(96, 32), (32,), (64, 96), (500, 32)]  # a block's matrices, a norm, an embedding
+
+
+def _steps(optim: str, steps: int = 3, state: dict | None = None, params=None):
+    """`steps` AdamW steps on seeded parameters and gradients; returns the parameters and the optimizer."""
+    g = torch.Generator().manual_seed(0)
+    params = params or [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in SHAPES]
+    opt = adamw(params, 1e-3, 0.01, optim)
+    if state is not None:
+        opt.load_state_dict(state)
+    grads = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=grads) * 1e-2
+        opt.step()
+    return params, opt
+
+
+def test_fused_adamw_is_the_loop_within_float32_rounding_and_deterministic():
+    loop, _ = _steps("adamw_torch")
+    fused, opt = _steps("adamw_torch_fused")
+    again, _ = _steps("adamw_torch_fused")
+    assert opt.defaults["fused"] is True
+    for a, b, c in zip(loop, fused, again, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-8)  # a few ulps of the weights, not bit for bit
+        assert torch.equal(b, c)  # the same run twice: bit for bit
+    assert any(not torch.equal(a, b) for a, b in zip(loop, fused, strict=True))  # really another kernel
+
+
+def test_a_fused_state_continues_under_the_loop_and_back():
+    """The two keep the same state (step, exp_avg, exp_avg_sq), so a checkpoint of one resumes under the other."""
+    params, fused = _steps("adamw_torch_fused", steps=2)
+    state = fused.state_dict()
+    assert set(state["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    as_loop, _ = _steps("adamw_torch", steps=1, state=state, params=[torch.nn.Parameter(p.detach().clone())
+                                                                      for p in params])
+    on_fused, _ = _steps("adamw_torch_fused", steps=1, state=state, params=[torch.nn.Parameter(p.detach().clone())
+                                                                            for p in params])
+    for a, b in zip(as_loop, on_fused, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-8)
+
+
+def test_train_optim_picks_the_trainers_adamw(fast_overrides):
+    runs = {optim: read_metrics(train(make_config(overrides=[*fast_overrides, f"log.name={optim}",
+                                                             f"train.optim={optim}"])))
+            for optim in ("adamw_torch", "adamw_torch_fused")}
+    loop, fused = runs["adamw_torch"], runs["adamw_torch_fused"]
+    assert len(loop) == len(fused) == 2
+    assert loop[0]["actor/grad_norm"] == fused[0]["actor/grad_norm"]  # the first gradient: same weights
+    assert fused[1]["actor/grad_norm"] == pytest.approx(loop[1]["actor/grad_norm"], rel=1e-3)
+    with pytest.raises(ConfigError, match="train.optim"):
+        make_config(overrides=["train.optim=sgd"])
