@@ -1,13 +1,20 @@
 """Seconds per training step of this checkout against another one, paired: the two alternate in one run.
 
     python bench/paired_steps.py --baseline-src DIR [--rounds 2] [--steps 3] [--preset math-smollm2] [key=value ...]
+    python bench/paired_steps.py --baseline-src DIR --replay runs/<name> --step N [--rounds 3]
 
 `DIR` is another checkout's `src/` (a `git worktree` of an earlier commit). Each round runs `rldyn train` from the
 baseline and then from this checkout, in fresh processes, `--steps` steps each on the same preset and overrides
 (validation, checkpoints and the report off); the first step of a process (one-off costs: loading, the first
 compile of kernels) is dropped. Printed: the median seconds of the step and of each phase (`timing_s/*`) per side,
 and baseline / ours. Both sides see the same machine at nearly the same time, so the ratio holds under a load
-that the absolute seconds do not; name the CPU and the load next to any figure.
+that the absolute seconds do not; name the CPU and the load next to any figure. Fresh runs sample their own
+tokens (each side's weights drift apart after the first update, and so do the reply lengths), so their ratio
+carries the noise of the work itself.
+
+`--replay RUN --step N` times the update alone on identical work: each round replays the recorded step N of a run
+(`rldyn replay`: the same rollout, the same starting weights) from the baseline and then from this checkout, and
+reads the replay's `timing_s/update_actor` (and its other phases).
 """
 
 from __future__ import annotations
@@ -38,6 +45,15 @@ def run_steps(src: Path, preset: str, steps: int, overrides: list[str]) -> list[
     return [{k.removeprefix("timing_s/"): v for k, v in r.items() if k.startswith("timing_s/")} for r in rows[1:]]
 
 
+def replay_step(src: Path, run: Path, step: int) -> list[dict[str, float]]:
+    """The `timing_s/*` values of one `rldyn replay RUN --step N` from `src`."""
+    cmd = [sys.executable, "-c", "import sys; from rldynamics.cli import main; sys.exit(main())", "replay",
+           str(run), "--step", str(step)]
+    subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(src)}, check=True, stdout=subprocess.DEVNULL)
+    row = json.loads((run / "replays" / f"step_{step}" / "metrics.jsonl").read_text().splitlines()[0])
+    return [{k.removeprefix("timing_s/"): v for k, v in row.items() if k.startswith("timing_s/")}]
+
+
 def medians(rows: list[dict[str, float]]) -> dict[str, float]:
     keys = dict.fromkeys(k for r in rows for k in r)
     return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
@@ -49,18 +65,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--preset", default="math-smollm2")
+    parser.add_argument("--replay", type=Path, help="a run directory with a record of --step")
+    parser.add_argument("--step", type=int)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.replay is not None and args.step is None:
+        parser.error("--replay needs --step N (a step with a record in RUN/records/)")
     got: dict[str, list[dict[str, float]]] = {"baseline": [], "ours": []}
     for round_ in range(args.rounds):
         for side, src in (("baseline", args.baseline_src), ("ours", OURS)):
-            rows = run_steps(src, args.preset, args.steps, args.overrides)
+            rows = (replay_step(src, args.replay, args.step) if args.replay else
+                    run_steps(src, args.preset, args.steps, args.overrides))
             got[side] += rows
-            print(f"round {round_ + 1} {side}: " + ", ".join(f"{r['step']:.2f}" for r in rows) + " s/step", flush=True)
+            shown = "update_actor" if args.replay else "step"
+            print(f"round {round_ + 1} {side}: " + ", ".join(f"{r[shown]:.2f}" for r in rows) + f" s ({shown})",
+                  flush=True)
     base, ours = medians(got["baseline"]), medians(got["ours"])
-    print(f"\n{args.preset} {' '.join(args.overrides)}: {len(got['ours'])} steps a side")
+    what = f"replay of {args.replay} step {args.step}" if args.replay else f"{args.preset} {' '.join(args.overrides)}"
+    print(f"\n{what}: {len(got['ours'])} steps a side")
     print("| phase | baseline s | ours s | baseline / ours |\n|---|---:|---:|---:|")
-    for phase in sorted(set(base) | set(ours), key=lambda p: (p != "step", p)):
+    for phase in sorted(set(base) | set(ours), key=lambda p: (p not in ("step", "update_actor"), p)):
         b, o = base.get(phase, 0.0), ours.get(phase, 0.0)
         if max(b, o) >= 0.05:
             print(f"| {phase} | {b:.2f} | {o:.2f} | {b / o if o else float('inf'):.2f} |")

@@ -250,7 +250,7 @@ def make_session(cfg: Config, run_dir: Path, start: Start, job: str = TRAIN) -> 
         critic_optimizer = adamw(critic.parameters(), cfg.critic.lr, 0.0, cfg.train.optim)
     if ckpt is not None:
         load_trainer_state(ckpt, model=model, optimizer=optimizer, critic=critic, critic_optimizer=critic_optimizer)
-        set_learning_rates(cfg, optimizer, critic_optimizer)  # a rollback's remedy may have changed them
+        set_optimizer_settings(cfg, optimizer, critic_optimizer)  # a rollback's remedy may have changed them
     environment = describe(start.step, threads, threads_from, _device_name(device),
                            base if cfg.model.path == "tiny" and dist.is_main() else None)
     trained = sum(p.numel() for p in lora.trainable(model))  # with LoRA: the adapters' alone
@@ -261,14 +261,16 @@ def make_session(cfg: Config, run_dir: Path, start: Start, job: str = TRAIN) -> 
                    diagnostics=diagnostics, attempt=start.attempt, snapshots=Snapshots(cfg, model, critic))
 
 
-def set_learning_rates(cfg: Config, optimizer, critic_optimizer=None) -> None:
-    """The config's learning rates and weight decay in the optimizers (a checkpoint's optimizer state carries the
-    values it was saved with; a rollback's remedy or a replay's what-if may change them)."""
+def set_optimizer_settings(cfg: Config, optimizer, critic_optimizer=None) -> None:
+    """The config's learning rates, weight decay and AdamW implementation in the optimizers (a checkpoint's
+    optimizer state carries the values it was saved with, `fused` included; a rollback's remedy or a replay's
+    what-if may change them, and a checkpoint written before `train.optim` holds the loop's)."""
+    fused = cfg.train.optim == "adamw_torch_fused"
     for group in optimizer.param_groups:
-        group.update(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        group.update(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=fused, foreach=None)
     if critic_optimizer is not None:
         for group in critic_optimizer.param_groups:
-            group["lr"] = cfg.critic.lr
+            group.update(lr=cfg.critic.lr, fused=fused, foreach=None)
 
 
 def adamw(params, lr: float, weight_decay: float, optim: str) -> torch.optim.AdamW:
