@@ -116,7 +116,8 @@ def main() -> None:
         today_sq = sum(r["today"][1] for r in per_record)
         for budget in ("1x", "4x", "unbounded"):
             tokens, sq = sum(r[budget][0] for r in per_record), sum(r[budget][1] for r in per_record)
-            print(f"| {name} | {budget} the longest row | {tokens} | {tokens / forwarded:.3f} | {sq / today_sq:.2f} |")
+            bound = "no bound" if budget == "unbounded" else f"{budget} the longest row"
+            print(f"| {name} | {bound} | {tokens} | {tokens / forwarded:.3f} | {sq / today_sq:.2f} |")
 
 
 if __name__ == "__main__":
