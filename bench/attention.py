@@ -1,13 +1,20 @@
 """Forward + backward of one attention call at a training step's shapes, by kernel and dtype, on one thread.
 
     python bench/attention.py [--rows 8] [--lengths 60,150,600] [--repeats 20]
+    python bench/attention.py --gradient-error       # SmolLM2's gradient in bfloat16, against float32
 
 SmolLM2-135M's attention (9 query heads of 64; the 3 key/value heads are repeated to 9 before the call, as
-transformers does for SDPA), causal; above 150 positions the rows shrink so that a call holds about as many tokens. Kernels: `flash` (PyTorch's fused SDPA kernel with `is_causal`, what
-transformers' `sdpa` attention runs), `math` (SDPA's reference kernel with a boolean mask) and `eager` (two
-matmuls and a float32 softmax). Each is timed in bfloat16 and in float32, and `flash_f32` is the fused kernel
-on bfloat16 inputs cast to float32 and its output cast back (`models.precision.attend_in_float32`, what a
-bfloat16 model attends with on a CPU). Milliseconds per call, the median of `--repeats` after 3 warm-up calls.
+transformers does for SDPA), causal; above 150 positions the rows shrink so that a call holds about as many
+tokens. Kernels: `flash` (PyTorch's fused SDPA kernel with `is_causal`, what transformers' `sdpa` attention runs),
+`math` (SDPA's reference kernel with a boolean mask) and `eager` (two matmuls and a float32 softmax). Each is
+timed in bfloat16 and in float32, and `flash_f32` is the fused kernel on bfloat16 inputs cast to float32 and its
+output cast back (`models.precision.attend_in_float32`, what a bfloat16 model attends with on a CPU).
+Milliseconds per call, the median of `--repeats` after 3 warm-up calls.
+
+`--gradient-error`: the gradient of a log-prob objective (seeded advantages on the last 48 tokens of 8 rows of 150
+seeded tokens) through SmolLM2-135M-Instruct computed in float32, then under bfloat16 autocast with bfloat16
+attention and with float32 attention (`models.precision.compute_in`); printed: each one's relative error against
+float32 and its norm.
 """
 
 from __future__ import annotations
@@ -50,13 +57,53 @@ def milliseconds(fn, q, k, v, mask, repeats: int) -> float:
     return 1000 * statistics.median(times)
 
 
+def gradient_error() -> None:
+    import copy
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from rldynamics.models.forward import token_logprobs
+    from rldynamics.models.precision import compute_in
+    from sizes import model_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        base = AutoModelForCausalLM.from_pretrained(model_dir("smollm2", Path(tmp)), dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, base.config.vocab_size, (8, 150), generator=g)  # [8, 150]
+    attn = torch.ones_like(ids)
+    wanted = torch.zeros_like(ids, dtype=torch.bool)
+    wanted[:, -48:] = True  # [8, 150] the "reply"
+    adv = torch.randn(ids.shape, generator=g)  # [8, 150]
+
+    def grad(model) -> torch.Tensor:
+        lp, _ = token_logprobs(model, ids, attn, positions=wanted)
+        (lp * adv * wanted).sum().backward()
+        return torch.cat([p.grad.flatten().double() for p in model.parameters()])
+
+    exact = grad(base)
+    plain = copy.deepcopy(base)
+    plain.zero_grad(set_to_none=True)
+    plain.forward = torch.autocast("cpu", dtype=torch.bfloat16)(plain.forward)  # bfloat16 attention too
+    ours = compute_in(copy.deepcopy(base), "bfloat16")
+    ours.zero_grad(set_to_none=True)
+    print(f"float32: gradient norm {exact.norm():.3f}")
+    for name, model in (("bfloat16, bfloat16 attention", plain), ("bfloat16, float32 attention", ours)):
+        got = grad(model)
+        print(f"{name}: relative error {float((got - exact).norm() / exact.norm()):.4f}, norm {got.norm():.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--lengths", default="60,150,600")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--gradient-error", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.gradient_error:
+        return gradient_error()
     kernels = (flash, flash_f32, math, eager)
     print("| dtype | rows x positions | " + " | ".join(k.__name__ for k in kernels) + " |")
     print("|---|---|" + "---:|" * len(kernels))

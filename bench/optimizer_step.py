@@ -39,7 +39,7 @@ def run(kind: str, steps: int) -> tuple[list[torch.Tensor], list[float]]:
         start = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - start)
-    return params, times[1:]
+    return [p.detach() for p in params], times[1:]
 
 
 def main() -> None:

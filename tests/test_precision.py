@@ -163,8 +163,8 @@ def test_weights_are_cast_to_bfloat16_once_per_optimizer_step_with_the_same_grad
 
 
 def test_bfloat16_on_cpu_attends_in_float32(setup):
-    """The bfloat16 model's attention runs transformers' SDPA on float32 q, k, v (faster there on a CPU, and more
-    exact); the checkpoint it saves names no attention implementation of ours and loads anywhere."""
+    """The bfloat16 model's attention runs transformers' SDPA on float32 q, k, v (faster there on a CPU); the
+    checkpoint it saves names no attention implementation of ours and loads anywhere."""
     import copy
     import json
     import tempfile

@@ -51,11 +51,12 @@ FLOAT32_SDPA = "rldyn_sdpa_float32"  # transformers' SDPA attention with its inp
 def attend_in_float32(model: torch.nn.Module) -> None:
     """Make a model that attends with transformers' SDPA compute its attention in float32 (bfloat16 elsewhere).
 
-    On a CPU, PyTorch's fused attention kernel is about 3x slower in bfloat16 than in float32 at a training step's
-    shapes (8 rows x 150 positions, SmolLM2's heads: `bench/attention.py`), so the bfloat16 model attends in
-    float32, which is also the more exact of the two: q, k and v are cast up, the output back down. The keys and
-    values kept for generation stay bfloat16. Other attention implementations are left as they are; the saved
-    config keeps the model's own (transformers does not write the attention implementation)."""
+    On a CPU, PyTorch's fused attention kernel is slower in bfloat16 than in float32 at a training step's shapes
+    (SmolLM2's heads, forward and backward: 3.3x at 8 rows x 60 positions, 1.7x at 8 x 150, equal at 2 x 600;
+    `bench/attention.py`), so the bfloat16 model attends in float32 (q, k and v cast up, the output back down),
+    with a gradient as far from float32's as bfloat16 attention's (`bench/attention.py --gradient-error`). The keys and values kept for generation stay bfloat16. Other attention
+    implementations are left as they are; the saved config keeps the model's own (transformers does not write the
+    attention implementation)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -82,8 +83,10 @@ def weights_cast_once(model: torch.nn.Module):
     before); the context `compute_in` puts around each call is an inner one, so the casts made by the first call
     are reused by the rest. Gradients flow through a shared cast into the float32 weights as through one cast per
     call (the contributions of one backward pass are summed in the compute dtype before they reach the float32
-    gradient). The weights must not change inside the context: leave it before an optimizer step. Float32 models
-    and FSDP2-sharded ones (whose unsharded weights are gathered and freed at every call) get a context that does
+    gradient). The weights must not change inside the context (leave it before an optimizer step), and every call
+    inside runs in one grad mode: a cast made under `torch.no_grad` carries no gradient to a later call that needs
+    one. It holds one copy of the trained weights in the compute dtype until it exits. Float32 models and
+    FSDP2-sharded ones (whose unsharded weights are gathered and freed at every call) get a context that does
     nothing."""
     dtype = getattr(model, "rldyn_compute_dtype", "float32")
     if dtype == "float32" or is_sharded(model):
