@@ -54,9 +54,9 @@ def attend_in_float32(model: torch.nn.Module) -> None:
     On a CPU, PyTorch's fused attention kernel is slower in bfloat16 than in float32 at a training step's shapes
     (SmolLM2's heads, forward and backward: 3.3x at 8 rows x 60 positions, 1.7x at 8 x 150, equal at 2 x 600;
     `bench/attention.py`), so the bfloat16 model attends in float32 (q, k and v cast up, the output back down),
-    with a gradient as far from float32's as bfloat16 attention's (`bench/attention.py --gradient-error`). The keys and values kept for generation stay bfloat16. Other attention
-    implementations are left as they are; the saved config keeps the model's own (transformers does not write the
-    attention implementation)."""
+    with a gradient as far from float32's as bfloat16 attention's (`bench/attention.py --gradient-error`). The keys
+    and values kept for generation stay bfloat16. Other attention implementations are left as they are; the saved
+    config keeps the model's own (transformers does not write the attention implementation)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
