@@ -33,12 +33,16 @@ from rldynamics.models.forward import _forwarded_tokens, prefix_groups, row_orde
 from rldynamics.tracking.step_records import RecordedStep, records
 
 
-def counts(record: RecordedStep, micro: int, shared: bool) -> tuple[int, int, int]:
-    """(forwarded, real, distinct) token positions of the kept rows of one record."""
-    kept = torch.as_tensor(record.kept_rows)
-    ids = torch.as_tensor(record.input_ids).long()[kept]  # [M, L]
-    attn = torch.as_tensor(record.attention_mask).long()[kept]  # [M, L]
-    resp = torch.as_tensor(record.response_mask).bool()[kept]  # [M, L]
+def kept(record: RecordedStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The token ids, attention mask and response mask of the rows the filter kept. ([M, L] each)"""
+    rows = torch.as_tensor(record.kept_rows)
+    return (torch.as_tensor(record.input_ids).long()[rows], torch.as_tensor(record.attention_mask).long()[rows],
+            torch.as_tensor(record.response_mask).bool()[rows])
+
+
+def counts(ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor, micro: int,
+           shared: bool) -> tuple[int, int, int]:
+    """(forwarded, real, distinct) token positions of the kept rows [M, L] of one record."""
     order = row_order(ids, attn, resp, micro, shared)
     first, labels = prefix_groups(ids, resp)
     lengths = attn.sum(1).tolist()
@@ -71,24 +75,25 @@ def packed_tokens(first: list[int], labels: list[int], lengths: list[int], rows:
     return sum(widths), sum(w * w for w in widths)
 
 
-def packing(record: RecordedStep, micro: int) -> dict[str, tuple[int, int]]:
-    """Packed tokens and squared widths per budget (`packed_tokens`), and today's (`today`), of one record."""
-    kept = torch.as_tensor(record.kept_rows)
-    ids = torch.as_tensor(record.input_ids).long()[kept]  # [M, L]
-    attn = torch.as_tensor(record.attention_mask).long()[kept]  # [M, L]
-    resp = torch.as_tensor(record.response_mask).bool()[kept]  # [M, L]
+BUDGETS = {"1x the longest row": 1, "4x the longest row": 4, "no bound": None}
+
+
+def packing(ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor,
+            micro: int) -> tuple[dict[str, list[int]], int]:
+    """Packed [tokens, squared widths] per bound of `BUDGETS` (`packed_tokens`) over the micro-batches of the kept
+    rows [M, L] of one record, and the micro-batches' rows x width² padded to their longest row."""
     order = row_order(ids, attn, resp, micro, True).tolist()
     first, labels = prefix_groups(ids, resp)
     first, lengths = first.tolist(), attn.sum(1).tolist()
-    out = dict.fromkeys(("1x", "4x", "unbounded", "today"), (0, 0))
+    out, padded = {name: [0, 0] for name in BUDGETS}, 0
     for start in range(0, len(order), micro):
         rows = order[start:start + micro]
         width = max(lengths[r] for r in rows)
-        for name, budget in (("1x", width), ("4x", 4 * width), ("unbounded", 10**9)):
-            t, sq = packed_tokens(first, labels, lengths, rows, budget)
-            out[name] = (out[name][0] + t, out[name][1] + sq)
-        out["today"] = (0, out["today"][1] + len(rows) * width * width)
-    return out
+        for name, factor in BUDGETS.items():
+            tokens, squares = packed_tokens(first, labels, lengths, rows, 10**9 if factor is None else factor * width)
+            out[name] = [out[name][0] + tokens, out[name][1] + squares]
+        padded += len(rows) * width * width
+    return out, padded
 
 
 def main() -> None:
@@ -102,22 +107,23 @@ def main() -> None:
         cfg = yaml.safe_load((run / "config.yaml").read_text())
         micro, shared = cfg["train"]["micro_batch_size"], cfg["train"]["shared_prefix"]
         totals, steps, rows = [0, 0, 0], 0, 0
+        packed, padded = {name: [0, 0] for name in BUDGETS}, 0
         for path in records(run):
-            record = RecordedStep.read(path)
-            totals = [a + b for a, b in zip(totals, counts(record, micro, shared), strict=True)]
-            steps, rows = steps + 1, rows + len(record.kept_rows)
+            tensors = kept(RecordedStep.read(path))
+            totals = [a + b for a, b in zip(totals, counts(*tensors, micro, shared), strict=True)]
+            steps, rows = steps + 1, rows + len(tensors[0])
+            per_budget, squares = packing(*tensors, micro)
+            packed = {name: [a + b for a, b in zip(packed[name], per_budget[name], strict=True)] for name in BUDGETS}
+            padded += squares
         forwarded, real, distinct = totals
         print(f"| {run.name} | {steps} | {rows} | {forwarded} | {real} | {distinct} | {1 - distinct / forwarded:.1%} "
               f"| {distinct / forwarded:.3f} |")
-        packs.append((run.name, forwarded, [packing(RecordedStep.read(p), micro) for p in records(run)]))
+        packs.append((run.name, forwarded, packed, padded))
     print("\n| run | packed rows of at most | tokens | / today's forwarded | squared widths / rows x width² |")
     print("|---|---|---:|---:|---:|")
-    for name, forwarded, per_record in packs:
-        today_sq = sum(r["today"][1] for r in per_record)
-        for budget in ("1x", "4x", "unbounded"):
-            tokens, sq = sum(r[budget][0] for r in per_record), sum(r[budget][1] for r in per_record)
-            bound = "no bound" if budget == "unbounded" else f"{budget} the longest row"
-            print(f"| {name} | {bound} | {tokens} | {tokens / forwarded:.3f} | {sq / today_sq:.2f} |")
+    for name, forwarded, packed, padded in packs:
+        for bound, (tokens, squares) in packed.items():
+            print(f"| {name} | {bound} | {tokens} | {tokens / forwarded:.3f} | {squares / padded:.2f} |")
 
 
 if __name__ == "__main__":

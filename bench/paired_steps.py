@@ -33,25 +33,29 @@ QUIET = ["val.every=0", "val.before_train=false", "checkpoint.save_last=false", 
          "log.report=false", "record.every=0"]
 
 
+def rldyn(src: Path, *args: str) -> None:
+    """`rldyn ARGS` from the checkout whose `src/` is `src`, in a fresh process (its output dropped)."""
+    cmd = [sys.executable, "-c", "import sys; from rldynamics.cli import main; sys.exit(main())", *args]
+    subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(src)}, check=True, stdout=subprocess.DEVNULL)
+
+
+def timings(row: dict) -> dict[str, float]:
+    return {k.removeprefix("timing_s/"): v for k, v in row.items() if k.startswith("timing_s/")}
+
+
 def run_steps(src: Path, preset: str, steps: int, overrides: list[str]) -> list[dict[str, float]]:
     """The `timing_s/*` values of each step after the first of one `rldyn train` run from `src`."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-c", "import sys; from rldynamics.cli import main; sys.exit(main())", "train",
-               "--preset", preset, f"train.steps={steps}", *QUIET, f"log.run_dir={tmp}", *overrides]
-        env = {**os.environ, "PYTHONPATH": str(src)}
-        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+        rldyn(src, "train", "--preset", preset, f"train.steps={steps}", *QUIET, f"log.run_dir={tmp}", *overrides)
         metrics = next(Path(tmp).glob("*/metrics.jsonl"))  # log.run_dir/<the run's name>/
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [{k.removeprefix("timing_s/"): v for k, v in r.items() if k.startswith("timing_s/")} for r in rows[1:]]
+    return [timings(r) for r in rows[1:]]
 
 
 def replay_step(src: Path, run: Path, step: int) -> list[dict[str, float]]:
     """The `timing_s/*` values of one `rldyn replay RUN --step N` from `src`."""
-    cmd = [sys.executable, "-c", "import sys; from rldynamics.cli import main; sys.exit(main())", "replay",
-           str(run), "--step", str(step)]
-    subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(src)}, check=True, stdout=subprocess.DEVNULL)
-    row = json.loads((run / "replays" / f"step_{step}" / "metrics.jsonl").read_text().splitlines()[0])
-    return [{k.removeprefix("timing_s/"): v for k, v in row.items() if k.startswith("timing_s/")}]
+    rldyn(src, "replay", str(run), "--step", str(step))
+    return [timings(json.loads((run / "replays" / f"step_{step}" / "metrics.jsonl").read_text().splitlines()[0]))]
 
 
 def medians(rows: list[dict[str, float]]) -> dict[str, float]:

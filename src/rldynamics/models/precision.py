@@ -26,6 +26,7 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from rldynamics.models.lora import underlying
 from rldynamics.models.sharding import is_sharded
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -52,11 +53,12 @@ def attend_in_float32(model: torch.nn.Module) -> None:
     """Make a model that attends with transformers' SDPA compute its attention in float32 (bfloat16 elsewhere).
 
     On a CPU, PyTorch's fused attention kernel is slower in bfloat16 than in float32 at a training step's shapes
-    (SmolLM2's heads, forward and backward: 3.3x at 8 rows x 60 positions, 1.7x at 8 x 150, equal at 2 x 600;
-    `bench/attention.py`), so the bfloat16 model attends in float32 (q, k and v cast up, the output back down),
-    with a gradient as far from float32's as bfloat16 attention's (`bench/attention.py --gradient-error`). The keys
-    and values kept for generation stay bfloat16. Other attention implementations are left as they are; the saved
-    config keeps the model's own (transformers does not write the attention implementation)."""
+    (SmolLM2's heads, forward and backward, on an Intel Xeon Sapphire Rapids: 3.3x at 8 rows x 60 positions, 1.7x
+    at 8 x 150, equal at 2 x 600; `bench/attention.py`), so the bfloat16 model attends in float32 (q, k and v cast
+    up, the output back down), with a gradient as far from float32's as bfloat16 attention's (`bench/attention.py
+    --gradient-error`). The keys and values kept for generation stay bfloat16. Other attention implementations are
+    left as they are; the saved config keeps the model's own (transformers does not write the attention
+    implementation)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -69,7 +71,7 @@ def attend_in_float32(model: torch.nn.Module) -> None:
 
     AttentionInterface.register(FLOAT32_SDPA, attention)
     AttentionMaskInterface.register(FLOAT32_SDPA, sdpa_mask)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: its transformers model
+    base = underlying(model)  # a peft model: its transformers model
     if getattr(getattr(base, "config", None), "_attn_implementation", None) == "sdpa":
         base.set_attn_implementation(FLOAT32_SDPA)
 

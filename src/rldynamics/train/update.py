@@ -185,26 +185,19 @@ def _accumulate(model, optimizer, batch: RolloutBatch, mini: torch.Tensor, order
     optimizer.zero_grad(set_to_none=True)
     out = dict.fromkeys(stats, 0.0)
     with weights_cast_once(model):
-        _backward_micro_batches(model, batch, mini, order, loss_of, token_stats, micro_batch_size, agg_mode, out)
+        for positions in dist.rank_chunks(order, micro_batch_size, lockstep=is_sharded(model)):
+            share = 0.0 if positions is None else sub_batch_share(batch.response_mask[mini], positions, agg_mode)
+            if share == 0.0 and not is_sharded(model):
+                continue
+            loss, values = loss_of(mini[order[:1] if positions is None else positions])
+            (share * loss).backward()
+            if share == 0.0:
+                continue
+            tokens = sub_batch_share(batch.response_mask[mini], positions, "token-mean")
+            for k, v in values.items():
+                out[k] += (tokens if k in token_stats else share) * v
     sync_gradients(model)
     return dict(zip(out, dist.global_sum(list(out.values())), strict=True))
-
-
-def _backward_micro_batches(model, batch: RolloutBatch, mini: torch.Tensor, order: torch.Tensor, loss_of: LossFn,
-                            token_stats: tuple[str, ...], micro_batch_size: int, agg_mode: str,
-                            out: dict[str, float]) -> None:
-    """Backward of each micro-batch's share-weighted loss (this rank's), its statistics added to `out`."""
-    for positions in dist.rank_chunks(order, micro_batch_size, lockstep=is_sharded(model)):
-        share = 0.0 if positions is None else sub_batch_share(batch.response_mask[mini], positions, agg_mode)
-        if share == 0.0 and not is_sharded(model):
-            continue
-        loss, values = loss_of(mini[order[:1] if positions is None else positions])
-        (share * loss).backward()
-        if share == 0.0:
-            continue
-        tokens = sub_batch_share(batch.response_mask[mini], positions, "token-mean")
-        for k, v in values.items():
-            out[k] += (tokens if k in token_stats else share) * v
 
 
 def _step(model, optimizer, params: list[torch.Tensor], values: dict[str, float], max_grad_norm: float,
