@@ -151,25 +151,6 @@ def test_the_same_batch_entropy_change_is_read_only_and_zero_without_an_update(f
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.slow
-def test_under_torchrun_a_rollback_rule_stops_the_run(fast_overrides, tmp_path):
-    """Reopening the run on every rank is not supported yet: under torchrun (2 CPU ranks, gloo) a rule whose
-    action is rollback ends the run as an early stop with its reason, and nothing is rolled back."""
-    import os
-
-    from conftest import run_ranks
-
-    overrides = [*fast_overrides, *VARIED, *DIP, "log.name=ranks", "health.entropy_collapse=rollback",
-                 "train.row_seeded_sampling=true"]
-    run_ranks(["-m", "rldynamics.cli", "train", "--preset", PRESET, *overrides], timeout=300,
-              env={"RLDYN_CACHE": os.environ["RLDYN_CACHE"]})
-    run = tmp_path / "runs" / "ranks"
-    rows = read_metrics(run)
-    assert rows[-1]["early_stopped/health_entropy_collapse"] == 1.0
-    assert not (run / "rolled_back").exists()
-    assert [e["action"] for e in _events(run) if e["rule"] == "entropy_collapse"] == ["stop"]
-
-
 def test_the_validation_rules_start_from_the_validation_before_training(fast_overrides):
     """`no_learning` compares each validation with the one before step 1 (not with the first one during training):
     its threshold is that start plus 1 standard error of the difference, each validation's clustered

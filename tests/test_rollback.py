@@ -103,3 +103,35 @@ def test_a_destructive_first_update_is_undone_at_the_step_that_made_it(fast_over
     rows = [r for r in read_metrics(run) if r["step"] >= 1]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["actor/lr"] for r in rows] == [pytest.approx(3e-4)] * 4
     assert all(r["health/update_kl_value"] < 0.1 for r in rows)  # measured again at the remedied rate: not destructive
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_rollback_from_memory_gives_the_one_process_run(fast_overrides, tmp_path):
+    """Two ranks (FSDP2 on gloo, `train.row_seeded_sampling`) roll back as one process does: the state before step 1,
+    kept in memory (gathered from the shards on rank 0), is written as step_0 and every rank reopens from it with the
+    remedy; the undone steps, the steps after, the events and the final weights are the one-process run's. (The
+    optimizer state before any step is kept as it is: torch's gathering would take a zero step and start the
+    moments' step counts at 1.)"""
+    import os
+
+    from conftest import run_ranks
+
+    guard = ["train.lr=3e-2", "train.steps=4", "val.every=0", "checkpoint.every=0", "checkpoint.save_last=true",
+             "health.update_kl=rollback", "health.max_rollbacks=1", "health.remedy=[train.lr*=0.01]",
+             "train.row_seeded_sampling=true"]
+    one = train(make_config(PRESET, overrides=[*fast_overrides, *VARIED, *guard, "log.name=one"]))
+    run_ranks(["-m", "rldynamics.cli", "train", "--preset", PRESET, *fast_overrides, *VARIED, *guard,
+               "log.name=two"], timeout=300, env={"RLDYN_CACHE": os.environ["RLDYN_CACHE"]})
+    two = tmp_path / "runs" / "two"
+    assert _events(two) == _events(one) and [e["step"] for e in _events(one) if e["rule"] == "rollback"] == [0]
+    assert (two / "config_history.jsonl").read_text() == (one / "config_history.jsonl").read_text()
+    for rows_one, rows_two in [(read_metrics(one), read_metrics(two)),
+                               (read_metrics(one / "rolled_back" / "attempt_1"),
+                                read_metrics(two / "rolled_back" / "attempt_1"))]:
+        assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one]
+        for a, b in zip(rows_one, rows_two, strict=True):
+            for key, value in _plain(a).items():
+                if key != "record/bytes":
+                    assert b[key] == pytest.approx(value, rel=1e-3, abs=1e-6), (a["step"], key)
+    wa, wb = (load_file(str(r / "checkpoints" / "step_4" / "actor" / "model.safetensors")) for r in (one, two))
+    assert wa.keys() == wb.keys() and max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5

@@ -102,6 +102,17 @@ def global_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def sum_tensors(*tensors: torch.Tensor) -> None:
+    """Each tensor summed element-wise over ranks, in place (nothing in one process). For tensors whose rows each
+    rank filled for its own rows alone, zeros elsewhere: the sum is the whole, exactly."""
+    if not distributed():
+        return
+    for t in tensors:
+        on = t.to(collective_device())
+        dist.all_reduce(on, op=dist.ReduceOp.SUM)
+        t.copy_(on)
+
+
 def all_true(flag: bool) -> bool:
     """True when ``flag`` is true on every rank."""
     if not distributed():

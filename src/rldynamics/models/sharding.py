@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from rldynamics.dist import all_true, distributed
+from rldynamics.dist import all_true, distributed, on_main
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -123,6 +123,8 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     gathered on rank 0 when sharded (collective; empty elsewhere)."""
     if not is_sharded(model):
         return optimizer.state_dict()
+    if not optimizer.state:  # before the first step: torch's gathering would take a zero step to make the state
+        return optimizer.state_dict() if dist.get_rank() == 0 else {}  # (its step counts then start at 1)
     state = get_optimizer_state_dict(model, optimizer, options=_FULL)
     if not state:
         return {}
@@ -136,6 +138,10 @@ def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
     and each rank receives its shards (collective)."""
     if not is_sharded(model):
         optimizer.load_state_dict(state)
+        return
+    groups = on_main(lambda: None if state["state"] else state["param_groups"])
+    if groups is not None:  # a state from before the first step: the settings alone (torch's loading would step)
+        optimizer.load_state_dict({"state": {}, "param_groups": groups})
         return
     full = {}
     if state is not None:

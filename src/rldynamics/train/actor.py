@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rldynamics import dist
 from rldynamics import metric_names as names
 from rldynamics.algo.advantages import equal_reward_rows
 from rldynamics.algo.losses import weighted_total
@@ -60,8 +61,8 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
                  generator: torch.Generator | None = None, record: bool = False, *, guard: Guard | None = None,
                  trace_groups: bool = False) -> ActorUpdate:
     """PPO epochs over mini-batches with gradient accumulation over micro-batches; returns the update's statistics,
-    metrics and step traces (and with `record`, the log-probs and entropies its forwards computed: one process, one
-    pass).
+    metrics and step traces (and with `record`, the log-probs and entropies its forwards computed, in one pass:
+    each rank computes its own rows, summed over the ranks into the whole batch's).
 
     verl's names: `actor/entropy_loss` is the mean over mini-batches of the aggregated entropy during the update
     (`actor/entropy`, the rollout policy's entropy, is logged by the old-log-prob pass), `actor/kl_coef` the
@@ -95,6 +96,8 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
                                 agg_mode=settings.agg, shared_prefix=train.shared_prefix, guard=guard,
                                 trace_groups=trace_groups,
                                 signal_rows=reward_signal_rows(batch, algo))
+    if record:
+        dist.sum_tensors(own, own_entropy)  # [N, L] each: every row was computed on one rank, zeros elsewhere
     out = {names.actor(k): v for k, v in stats.items()}
     out[names.ACTOR_LR] = optimizer.param_groups[0]["lr"]
     out[names.KL_COEF] = settings.kl_coef

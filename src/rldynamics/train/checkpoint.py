@@ -45,7 +45,13 @@ from safetensors import SafetensorError
 
 from rldynamics import dist
 from rldynamics.models.lora import ADAPTER_CONFIG, is_adapted, save_merged
-from rldynamics.models.sharding import full_optimizer_state, full_state_dict, is_sharded, load_full_optimizer_state
+from rldynamics.models.sharding import (
+    full_optimizer_state,
+    full_state_dict,
+    is_sharded,
+    load_full_optimizer_state,
+    local,
+)
 from rldynamics.models.tiny import save_tokenizer
 from rldynamics.tracking.files import remove, sha256_file, write_file
 
@@ -91,8 +97,9 @@ class TrainingState:
 
 def capture_state(step: int, *, model, optimizer, critic=None, critic_optimizer=None,
                   trainer_state: dict | None = None, copy: bool = False) -> TrainingState:
-    """The state `save_checkpoint` writes (collective when sharded). `copy` (one process only): every tensor copied,
-    so the state stays as it is while training goes on (a snapshot in memory; tied weights stay tied)."""
+    """The state `save_checkpoint` writes (collective when sharded: the whole state on rank 0, none elsewhere).
+    `copy`: every tensor copied, so the state stays as it is while training goes on (a snapshot in memory; tied
+    weights stay tied)."""
     weights = full_state_dict(model)
     optim = {"actor": full_optimizer_state(model, optimizer)}
     critic_weights = full_state_dict(critic) if critic is not None else None
@@ -102,16 +109,15 @@ def capture_state(step: int, *, model, optimizer, critic=None, critic_optimizer=
                           dict(trainer_state or {}))
     if not copy:
         return state
-    if dist.distributed():
-        raise ValueError("an in-memory copy of the training state is made in one process only")
-    return TrainingState(step, _copied(model.state_dict()), copy_module.deepcopy(optim),
-                         _copied(critic.state_dict()) if critic is not None else None,
+    return TrainingState(step, _copied(model.state_dict() if weights is None else weights), copy_module.deepcopy(optim),
+                         _copied(critic.state_dict() if critic_weights is None else critic_weights)
+                         if critic is not None else None,
                          [r.clone() for r in state.rng], copy_module.deepcopy(state.trainer_state))
 
 
 def state_bytes(*modules: torch.nn.Module | None) -> int:
     """About what `capture_state(copy=True)` holds: each module's weights plus two float32 AdamW moments of each
-    trainable parameter."""
+    trainable parameter (whole tensors: the same on every rank when sharded)."""
     total = 0
     for module in (m for m in modules if m is not None):
         total += sum(t.numel() * t.element_size() for t in _unique(module.state_dict()).values())
@@ -132,7 +138,8 @@ def schedule_words(cfg, state_mb: float) -> str:
 
 
 def _points_to(t: torch.Tensor) -> tuple:
-    """What a tensor views: equal for the names of one tied weight."""
+    """What a tensor views (a sharded one: its shard on this rank): equal for the names of one tied weight."""
+    t = local(t)
     return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()
 
 

@@ -5,14 +5,14 @@ critic, RNG, trainer state: `checkpoint.capture_state(copy=True)`) before step 1
 `health.snapshot_every`-th step, the newest `health.snapshots` of the latter, within `health.snapshot_mb` in all.
 A rollback to one of them writes it as the checkpoint of its step (`checkpoints/step_<k>`, the state before step 1
 as `step_0`) and reopens the run from it as a resume does: the same checks and restores, so a rollback from memory
-and one from disk continue identically. One process only (under torchrun a rollback stops the run).
+and one from disk continue identically. Under torchrun every rank takes part in keeping a state (a sharded one is
+gathered, as for a checkpoint); rank 0 holds it and writes it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rldynamics import dist
 from rldynamics.analysis.health_rules import RULES
 from rldynamics.config import Config
 from rldynamics.train.checkpoint import TrainingState, capture_state, state_bytes, write_state
@@ -32,7 +32,7 @@ class Snapshots:
     def __init__(self, cfg: Config, model, critic=None):
         h = cfg.health
         self.every, self.newest = h.snapshot_every, h.snapshots
-        wanted = rolls_back(cfg) and not dist.distributed()  # (one process: sharded weights are not measured)
+        wanted = rolls_back(cfg)
         self.size_mb = state_bytes(model, critic) / 2**20 if wanted else 0.0  # one state
         self.on = wanted and 0 < self.size_mb * (1 + self.newest) <= h.snapshot_mb
         self.start: TrainingState | None = None
@@ -45,7 +45,7 @@ class Snapshots:
             return (f"a rollback can go back to the state before step 1 or one of the last {self.newest} states kept "
                     f"every {self.every} steps, in memory ({total}), or to a checkpoint")
         return (f"a rollback goes back to checkpoints on disk only (states in memory would take {total}; "
-                "health.snapshot_mb allows less, or several ranks run)")
+                "health.snapshot_mb allows less)")
 
     def due(self, step: int, *, start: bool = False) -> bool:
         """Whether the state after `step` is kept (`start`: the state this process began from)."""

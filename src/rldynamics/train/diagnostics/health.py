@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rldynamics import dist
 from rldynamics import metric_names as names
 from rldynamics.algo.losses import aggregate
 from rldynamics.algo.rollout_corr import k3_kl
@@ -183,15 +182,12 @@ class Health(Diagnostic):
 def rollback_target(s: Session, since: int) -> tuple[int | None, str]:
     """The last step before `since` whose state the run keeps (a checkpoint on disk, or a state in memory:
     `train/snapshots.py`, the state before step 1 among them), while rollbacks are left, and "";
-    else None and why the run stops instead (under torchrun always: reopening the run on every rank
-    is not supported yet)."""
+    else None and why the run stops instead. The same on every rank (the same signals, the same kept steps)."""
     allowed = s.cfg.health.max_rollbacks
     if allowed == 0:
         return None, "no rollbacks allowed (health.max_rollbacks=0); stopping"
     if s.attempt >= allowed:
         return None, f"no rollbacks left (health.max_rollbacks={allowed}, all used); stopping"
-    if dist.distributed():
-        return None, "cannot roll back under torchrun (not supported yet); stopping"
     kept = {checkpoint_step(p) for p in checkpoints(s.run_dir)} | set(s.snapshots.steps() if s.snapshots else ())
     before = sorted(k for k in kept if k < since)
     if not before:
