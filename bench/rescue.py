@@ -1,7 +1,8 @@
 """Actions that save runs: a pathology scenario trained under several arms of the health monitor (no action, stop,
 rollback, rollback with a remedy), over seeds; the validation success each arm ends with, with its standard error.
 
-    python bench/rescue.py run [--scenarios lr100] [--arms none,stop,rollback,remedy] [--seeds 0-4] [--parallel 2]
+    python bench/rescue.py run [--scenarios lr100] [--arms none,stop,rollback,remedy,filter] [--seeds 0-4]
+        [--parallel 2]
     python bench/rescue.py table [--out runs/rescue]
 
 Each (scenario, arm, seed) is one `rldyn train` process (one torch thread) into OUT/<scenario>-<arm>/seed<s>
@@ -17,7 +18,8 @@ bonus of 0.5: the entropy rises (the `entropy_surge` rule) and correctness falls
 `control_default` and `control_math`: the same presets and rules without the pathology (an arm that acts there
 is a false alarm).
 Arms (`ARMS`): the rule's action record (no action), stop, rollback (to the newest state kept before the trouble,
-in memory, with new sampling seeds), and rollback with the scenario's remedy.
+in memory, with new sampling seeds), rollback with the scenario's remedy, and RAGEN's reward-variance filter from
+the start (top-p 0.9 of the groups by reward spread, softmax weights) with no action.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ ARMS = {  # name -> the acting rule's settings, given the rule and the scenario'
     "stop": lambda rule, remedy: [f"health.{rule}=stop"],
     "rollback": lambda rule, remedy: [f"health.{rule}=rollback"],
     "remedy": lambda rule, remedy: [f"health.{rule}=rollback", f"health.remedy=[{remedy}]"],
+    "filter": lambda rule, remedy: [f"health.{rule}=record", *RAGEN_FILTER],
 }
+RAGEN_FILTER = ["filter.strategy=top_p", "filter.value=0.9", "filter.prob_mode=softmax"]  # RAGEN's filtered variant
 
 
 def run(scenario: str, arm: str, seed: int, out: Path) -> Path:

@@ -135,3 +135,30 @@ def test_under_torchrun_a_rollback_from_memory_gives_the_one_process_run(fast_ov
                     assert b[key] == pytest.approx(value, rel=1e-3, abs=1e-6), (a["step"], key)
     wa, wb = (load_file(str(r / "checkpoints" / "step_4" / "actor" / "model.safetensors")) for r in (one, two))
     assert wa.keys() == wb.keys() and max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
+
+
+def test_a_reopened_run_keeps_the_states_from_before_the_one_it_went_back_to(fast_overrides):
+    """A second rollback may need to go back further than the first (the trouble it sees began earlier): the run
+    reopened at step 10 keeps the earlier run's state before step 1 and its state of step 5 (not those of step 10
+    or later), and a state carried over writes the checkpoint of its own weights."""
+    from rldynamics.train import setup
+    from rldynamics.train.session import Start
+    from rldynamics.train.snapshots import Snapshots
+
+    cfg = make_config(PRESET, overrides=[*fast_overrides, *BACK, "health.snapshot_every=5", "health.snapshots=3"])
+    s = setup.make_session(cfg, setup.resolve_run_dir(cfg), Start())  # writes nothing
+    first = s.snapshots
+    weights = {}
+    for step in (0, 5, 10, 15):
+        with torch.no_grad():
+            next(s.model.parameters()).add_(1.0)  # a different state at every step
+        weights[step] = {k: v.clone() for k, v in s.model.state_dict().items()}
+        first.keep(s, step, {}, start=step == 0)
+    assert first.steps() == [0, 5, 10, 15]
+    again = Snapshots(cfg, s.model, s.critic)
+    again.carry(first, 10)
+    assert again.steps() == [0, 5]
+    again.keep(s, 10, {}, start=True)  # the reopened run's start: one of the newest, the carried start stays
+    assert again.steps() == [0, 5, 10]
+    written = load_file(str(again.write(s, 5) / "actor" / "model.safetensors"))
+    assert all(torch.equal(written[k], weights[5][k]) for k in written)

@@ -5,7 +5,8 @@ critic, RNG, trainer state: `checkpoint.capture_state(copy=True)`) before step 1
 `health.snapshot_every`-th step, the newest `health.snapshots` of the latter, within `health.snapshot_mb` in all.
 A rollback to one of them writes it as the checkpoint of its step (`checkpoints/step_<k>`, the state before step 1
 as `step_0`) and reopens the run from it as a resume does: the same checks and restores, so a rollback from memory
-and one from disk continue identically. Under torchrun every rank takes part in keeping a state (a sharded one is
+and one from disk continue identically; the reopened run keeps the states from before the one it went back to, so
+a second rollback can go back further. Under torchrun every rank takes part in keeping a state (a sharded one is
 gathered, as for a checkpoint); rank 0 holds it and writes it.
 """
 
@@ -52,13 +53,24 @@ class Snapshots:
         return self.on and (start or step % self.every == 0)
 
     def keep(self, s: Session, step: int, trainer_state: dict, *, start: bool = False) -> None:
-        """Keep the state after `step` (`start`: the state this process began from); see `due`."""
+        """Keep the state after `step` (`start`: the state this process began from, unless states were carried
+        over from before a rollback: then it is one of the newest); see `due`."""
+        if start and self.start is not None and self.start.step == step:
+            return  # carried over: the rollback went back to it
         state = capture_state(step, model=s.model, optimizer=s.optimizer, critic=s.critic,
                               critic_optimizer=s.critic_optimizer, trainer_state=trainer_state, copy=True)
-        if start:
+        if start and self.start is None:
             self.start = state
             return
         self.kept = ([k for k in self.kept if k.step != step] + [state])[-self.newest:] if self.newest else []
+
+    def carry(self, earlier: Snapshots, back: int) -> None:
+        """After a rollback to step `back`, keep what `earlier` (the run before it) kept from before `back`: its start
+        and its states of earlier steps, so that a second rollback can still go back further than the first."""
+        if not self.on:
+            return
+        self.start = earlier.start
+        self.kept = [k for k in earlier.kept if k.step < back][-self.newest:] if self.newest else []
 
     def steps(self) -> list[int]:
         """The steps of the kept states, oldest first."""

@@ -68,13 +68,16 @@ def train(cfg: Config, run_dir: Path | None = None, job: str = TRAIN) -> Path:
     """Run training as configured (into `run_dir` if given; `job` chooses the diagnostics: a replay's retraining
     keeps no records); returns the run directory. A health rollback reopens the run from the checkpoint it goes
     back to (the same checks and restores as a resume)."""
+    kept = None  # the states in memory of the run before a rollback
     while True:
         with opened(cfg, run_dir, job=job, report=False) as (s, start, stopper):
+            if kept is not None:
+                s.snapshots.carry(kept, start.step)
             back = run_steps(s, start, stopper)
         if back is None:
             break
         checkpoint, cfg = back
-        cfg, run_dir = apply_overrides(cfg, [f"checkpoint.resume={checkpoint}"]), s.run_dir
+        cfg, run_dir, kept = apply_overrides(cfg, [f"checkpoint.resume={checkpoint}"]), s.run_dir, s.snapshots
     if s.main and cfg.log.report:
         report_run(s.run_dir)
     if cfg.log.progress:
