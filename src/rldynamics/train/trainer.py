@@ -155,14 +155,19 @@ def _roll_back(s: Session, step: int, back: int) -> tuple[Path, Config]:
     """Go back to the state kept at step `back` (a checkpoint, or a state in memory written as one): the rows of
     the steps after it move to `rolled_back/attempt_<k>/`, and `health.remedy` changes the settings the run goes on
     with (events.jsonl, config_history.jsonl, config.yaml). Returns the checkpoint and the new config."""
-    on_disk = {checkpoint_step(p): p for p in checkpoints(s.run_dir)}
-    checkpoint = on_disk.get(back) or dist.on_main(s.snapshots.write, s, back)
+    checkpoint = dist.on_main(_checkpoint_of, s, back)  # rank 0 alone looks: the others would race its writing
     cfg, changes = apply_remedy(s.cfg)
     said = "; ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items())
     s.console.print(f"[yellow]rolling back to step {back} (steps {back + 1}-{step} kept in rolled_back/)"
                     + (f"; going on with {said}" if said else ""))
     dist.on_main(_archive, s, step, back, cfg, changes)
     return checkpoint, cfg
+
+
+def _checkpoint_of(s: Session, back: int) -> Path:
+    """The checkpoint of step `back`: on disk, or the state kept in memory written as one."""
+    on_disk = {checkpoint_step(p): p for p in checkpoints(s.run_dir)}
+    return on_disk.get(back) or s.snapshots.write(s, back)
 
 
 def _archive(s: Session, step: int, back: int, cfg: Config, changes: dict) -> None:
