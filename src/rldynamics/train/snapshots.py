@@ -62,7 +62,7 @@ class Snapshots:
         if start and self.start is None:
             self.start = state
             return
-        self.kept = ([k for k in self.kept if k.step != step] + [state])[-self.newest:] if self.newest else []
+        self.kept = self._newest([k for k in self.kept if k.step != step] + [state])
 
     def carry(self, earlier: Snapshots, back: int) -> None:
         """After a rollback to step `back`, keep what `earlier` (the run before it) kept from before `back`: its start
@@ -70,7 +70,11 @@ class Snapshots:
         if not self.on:
             return
         self.start = earlier.start
-        self.kept = [k for k in earlier.kept if k.step < back][-self.newest:] if self.newest else []
+        self.kept = self._newest([k for k in earlier.kept if k.step < back])
+
+    def _newest(self, states: list[TrainingState]) -> list[TrainingState]:
+        """The newest `health.snapshots` of `states` (oldest first)."""
+        return states[-self.newest:] if self.newest else []
 
     def steps(self) -> list[int]:
         """The steps of the kept states, oldest first."""
