@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from false_alarms import run_one, seeds_of, validation
-from rldynamics.tracking.run_dir import read_events, read_metrics
+from rldynamics.tracking.run_dir import ROLLED_BACK, read_events, read_metrics
 from rldynamics.train.checkpoint import checkpoint_step, checkpoints
 
 SCENARIOS = {  # name -> (preset, overrides, the rule that acts, the remedy of the `remedy` arm)
@@ -79,6 +79,14 @@ def left_success(run: Path) -> float | None:
     return validation(out)[-1][1]
 
 
+def rollbacks(run: Path) -> list[dict]:
+    """Every rollback the run made, in the order made: a rollback to an earlier step archives the rows after it,
+    earlier rollbacks among them, into `rolled_back/<attempt>/` (each rollback names its own archive)."""
+    found = {e["archive"]: e for d in (run, *sorted((run / ROLLED_BACK).glob("attempt_*"))) for e in read_events(d)
+             if e["rule"] == "rollback"}
+    return [found[a] for a in sorted(found, key=lambda a: int(a.split("_")[1]))]
+
+
 def mean_se(values: list[float]) -> str:
     """`mean ± SE (n=k)` over seeds."""
     mean = statistics.fmean(values) if values else math.nan
@@ -92,10 +100,10 @@ def summary(runs: list[Path]) -> tuple[str, str, str, str]:
     starts = [v[0][1] for r in runs if (v := validation(r)) and v[0][0] == 0]
     ends = [v for r in runs if (v := left_success(r)) is not None]
     last = [max(row["step"] for row in read_metrics(r)) for r in runs]
-    acts = [f"stop by {e['rule']}" if e["action"] == "stop" else
-            f"rollback to {e['step']}" + (f" {e['changes']}" if e.get("changes") else "")
-            for r in runs for e in read_events(r)
-            if (e["action"] == "stop" and e["rule"] != "rollback") or e["rule"] == "rollback"]
+    acts = [f"stop by {e['rule']}" for r in runs for e in read_events(r)
+            if e["action"] == "stop" and e["rule"] != "rollback"]
+    acts += [f"rollback to {e['step']}" + (f" {e['changes']}" if e.get("changes") else "")
+             for r in runs for e in rollbacks(r)]
     counts = {a: acts.count(a) for a in dict.fromkeys(acts)}
     return (mean_se(starts), mean_se(ends), ", ".join(map(str, last)),
             "; ".join(f"{a} x{n}" for a, n in counts.items()) or "none")

@@ -240,3 +240,51 @@ def test_atlas_dates_the_fall_and_the_lead_from_the_logged_rows(atlas, tmp_path)
     assert line.startswith("| blowup | 5 | 40.0 / 0.0 / 0.0 | 40.0 -> 10.0 (± 3.0, step 5) | 4 |")
     margins = atlas.margins(tmp_path / "runs").splitlines()[-1]
     assert margins.startswith("| blowup | 0.438 |")  # entropy 1/s: min 0.2 over the first five's mean 0.457
+
+
+@pytest.fixture(scope="module")
+def echo_trap():
+    yield from _imported("echo_trap")
+
+
+def test_echo_trap_finds_the_peak_the_fall_and_the_freeze_from_the_logged_rows(echo_trap, tmp_path):
+    """Validation 30 % -> 50 % at step 20 -> 20 %: the peak is 3.5 SE above the start, step 30 the first validation
+    2 SE below it (40 % is only 1.4 below); the first-turn MI halves at step 25 (0.4 < 0.5 x 1.0), the entropy at
+    step 30 (0.2 < 0.5 x the first five's mean 1.0); the first warning at step 22 leads the fall by 8 steps."""
+    run = tmp_path / "frozenlake-tiny-none" / "frozenlake-tiny" / "seed0"
+    run.mkdir(parents=True)
+    val = {0: (0.3, 0.04), 10: (0.4, 0.05), 20: (0.5, 0.04), 25: (0.42, 0.04), 30: (0.2, 0.04)}
+    rows = [{"step": s, "actor/entropy": 1.0 if s < 30 else 0.2,
+             "collapse_first_turn_sample/mi_estimate": 1.0 if s < 25 else 0.4} for s in range(1, 31)]
+    rows = [{"step": 0}, *rows]
+    for s, (x, se) in val.items():
+        rows[s].update({"val-env/frozenlake/success": x, "val-env/frozenlake/success_se": se})
+    _write_rows(run / "metrics.jsonl", rows)
+    _write_rows(run / "events.jsonl", [{"step": 5, "rule": "reward_component", "action": "record"},
+                                       {"step": 22, "rule": "entropy_collapse", "action": "warn"}])
+    s = echo_trap.summarize(run)
+    assert (s["peak"], s["peak_step"], s["end"], s["fall_step"]) == ((0.5, 0.04), 20, (0.2, 0.04), 30)
+    assert s["trapped"] and (s["mi_froze"], s["entropy_froze"]) == (25, 30)
+    assert s["first_rule"] == ("entropy_collapse", 22) and s["lead"] == 8
+    assert s["fall_se"] == pytest.approx(0.3 / (0.04 * 2**0.5))
+    assert "| frozenlake-tiny | none | 1 | 30.0 ± nan | 50.0 ± nan | 20.0 ± nan | 1 of 1 |" in echo_trap.table(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def rescue():
+    yield from _imported("rescue")
+
+
+def test_rescue_counts_a_rollback_that_a_later_rollback_archived(rescue, tmp_path):
+    """A rollback to step 15, then one to step 10: the second archives the rows after step 10, the first rollback's
+    event among them (rolled_back/attempt_2); both are counted, in the order made."""
+    run = tmp_path / "run"
+    (run / "rolled_back" / "attempt_2").mkdir(parents=True)
+    (run / "rolled_back" / "attempt_1").mkdir()
+    first = {"step": 15, "rule": "rollback", "action": "rollback", "archive": "attempt_1", "changes": {"x": [1, 0]}}
+    _write_rows(run / "events.jsonl", [{"step": 10, "rule": "rollback", "action": "rollback", "archive": "attempt_2"}])
+    _write_rows(run / "rolled_back" / "attempt_2" / "events.jsonl",
+                [first, {"step": 16, "rule": "entropy_surge", "action": "rollback"}])
+    _write_rows(run / "rolled_back" / "attempt_1" / "events.jsonl", [{"step": 19, "rule": "entropy_surge",
+                                                                      "action": "rollback"}])
+    assert [(e["step"], e["archive"]) for e in rescue.rollbacks(run)] == [(15, "attempt_1"), (10, "attempt_2")]

@@ -132,6 +132,17 @@ def test_no_validation_puzzle_is_among_the_demonstrations(tiny):
         assert not {c.problem for c in data.train} & {c.problem for c in data.val}, preset
 
 
+def test_the_bandit_smollm2_preset_validates_on_arm_boards_it_never_demonstrates(tiny):
+    """RAGEN's 20 arm pairs in both orders are 40 boards; the preset's content split keeps 12-20 of them for
+    validation alone (its 128 episodes see them all) and demonstrates only the others."""
+    _, tokenizer = tiny
+    cfg = make_config("bandit-smollm2", overrides=[*SFT[:4], "env.max_new_tokens=8", "sft.episodes=200"])
+    assert len(cfg.env.bandit.arm_pairs) == 20 and cfg.sft.noise == 1.0
+    data = sft_data(cfg, tokenizer, log=lambda *_: None)
+    train, val = {c.problem for c in data.train}, {c.problem for c in data.val}
+    assert 12 <= len(val) <= 20 and len(train) + len(val) == 40 and not train & val
+
+
 def test_a_conversation_set_in_trls_format_is_read_and_bad_rows_are_named(tiny, tmp_path):
     _, tokenizer = tiny
     (tmp_path / "x.jsonl").write_text('{"prompt": "Say 1."}\n')
