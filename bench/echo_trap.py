@@ -17,7 +17,8 @@ the difference; whether the run was trapped (the peak 2 standard errors above th
 the step the replies froze (the first-turn MI below half its first value, and the policy entropy below half its mean
 over the first five steps); the first health rule above `record` with its step, and its lead (the first validation
 2 standard errors below the peak minus that step: positive = it warned before). Then per scenario and arm the
-means over seeds with their standard errors.
+means over seeds with their standard errors, the mean share of groups with zero reward variance, and the mean share
+of groups the filter kept.
 
 `claims` gives RAGEN-2's two claims over these runs: the filter's effect on final success (filter minus none, per
 scenario, with the standard error of the difference over seeds) and whether the final first-turn MI ranks the runs'
@@ -35,9 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+
 from false_alarms import ABOVE_RECORD, run_one, seeds_of, validation
 from rescue import RAGEN_FILTER
-
 from rldynamics import metric_names as names
 from rldynamics.tracking.run_dir import read_events, read_metrics
 
@@ -47,7 +48,7 @@ SCENARIOS = {  # name -> (preset, overrides)
     "frozenlake-tiny": ("frozenlake-tiny", ["train.lr=1e-3", "train.steps=100", "val.every=10",
                                             "val.env_groups=256"]),
     # SmolLM2-135M-Instruct on the two-armed bandit from its format-only warm start (model.path= the warm start)
-    "bandit-smollm2": ("bandit-smollm2", ["collapse.micro_batch_size=16"]),
+    "bandit-smollm2": ("bandit-smollm2", ["collapse.micro_batch_size=16", "collapse.compute_freq=10"]),
 }
 ARMS = {"none": [], "filter": RAGEN_FILTER}  # no filter (RAGEN's StarPO), RAGEN's top-p 0.9 filter
 COMMON = ["early_stop.enabled=false", "log.progress=false", *COLLAPSE]
@@ -67,7 +68,7 @@ def summarize(run_dir: Path) -> dict:
     """One run's row of the table (see the module docstring)."""
     rows = read_metrics(run_dir)
     val = validation(run_dir)
-    (s0, start, se0), (s1, end, se1) = val[0], val[-1]
+    (_, start, se0), (s1, end, se1) = val[0], val[-1]
     peak_step, peak, peak_se = max(val, key=lambda v: v[1])
     fall_step = next((s for s, x, se in val if s > peak_step and peak - x > SE_FACTOR * math.hypot(se, peak_se)),
                      None)
@@ -86,7 +87,15 @@ def summarize(run_dir: Path) -> dict:
         "first_rule": None if first is None else (first["rule"], first["step"]),
         "lead": None if first is None or fall_step is None else fall_step - first["step"],
         "final_mi": mi[-1][1] if mi else math.nan, "final_entropy": entropy[-1][1] if entropy else math.nan,
+        "zero_variance": _mean_of(rows, names.HEALTH_ZERO_VARIANCE_SHARE),
+        "kept": _mean_of(rows, names.FILTER_KEPT_RATIO),
     }
+
+
+def _mean_of(rows: list[dict], key: str) -> float:
+    """The mean of `key` over the training steps that logged it (nan: none)."""
+    xs = [r[key] for r in rows if r.get("step", 0) >= 1 and math.isfinite(r.get(key, math.nan))]
+    return statistics.fmean(xs) if xs else math.nan
 
 
 def _runs(out: Path, scenario: str, arm: str) -> list[Path]:
@@ -99,6 +108,10 @@ def _pct(value_se: tuple[float, float]) -> str:
     return f"{100 * value_se[0]:.1f} ± {100 * value_se[1]:.1f}"
 
 
+def _share(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.0%}"
+
+
 def _mean_se(xs: list[float]) -> str:
     if not xs:
         return "-"
@@ -109,20 +122,25 @@ def _mean_se(xs: list[float]) -> str:
 def table(out: Path) -> str:
     lines = ["| run | start % | peak % (step) | end % (step) | fall / SE | trapped | MI halved at | entropy halved at "
              "| first rule above record (step) | lead |", "|---|---|---|---|---:|---|---:|---:|---|---:|"]
-    means = ["", "| scenario | arm | seeds | start % | peak % | end % | trapped |", "|---|---|---:|---|---|---|---:|"]
+    means = ["", "| scenario | arm | seeds | start % | peak % | end % | trapped | zero-variance groups | groups kept |",
+             "|---|---|---:|---|---|---|---:|---:|---:|"]
     for scenario in SCENARIOS:
         for arm in ARMS:
             rows = [summarize(r) for r in _runs(out, scenario, arm)]
             for s in rows:
                 rule = "none" if s["first_rule"] is None else f"{s['first_rule'][0]} ({s['first_rule'][1]})"
+                trapped = "yes" if s["trapped"] else "no"
                 lines.append(f"| {s['run']} | {_pct(s['start'])} | {_pct(s['peak'])} ({s['peak_step']}) | "
-                             f"{_pct(s['end'])} ({s['end_step']}) | {s['fall_se']:.1f} | {'yes' if s['trapped'] else 'no'}"
+                             f"{_pct(s['end'])} ({s['end_step']}) | {s['fall_se']:.1f} | {trapped}"
                              f" | {s['mi_froze'] or '-'} | {s['entropy_froze'] or '-'} | {rule} | "
                              f"{'-' if s['lead'] is None else s['lead']} |")
             if rows:
                 means.append(f"| {scenario} | {arm} | {len(rows)} | "
                              + " | ".join(_mean_se([s[k][0] for s in rows]) for k in ("start", "peak", "end"))
-                             + f" | {sum(s['trapped'] for s in rows)} of {len(rows)} |")
+                             + f" | {sum(s['trapped'] for s in rows)} of {len(rows)} | "
+                             + " | ".join(_share(statistics.fmean(s[k] for s in rows))
+                                          for k in ("zero_variance", "kept"))
+                             + " |")
     return "\n".join(lines + means)
 
 

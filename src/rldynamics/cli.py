@@ -119,6 +119,7 @@ SFT_EPILOG = """\
 examples:
   rldyn sft --preset frozenlake-smollm2 log.name=fl-warm     # SmolLM2 imitates the solver (30 % random moves)
   rldyn train --preset frozenlake-smollm2 model.path=runs/fl-warm/checkpoints/step_31/actor   # then RL from it
+  rldyn sft --preset bandit-smollm2 log.name=bandit-warm   # the format and arm names only (every arm random)
   rldyn sft --preset frozenlake-tiny sft.lr=1e-3 sft.episodes=2000 sft.noise=0.3   # the untrained tiny model
   rldyn sft --preset math-smollm2 sft.data=/data/chats.jsonl sft.success=false      # TRL's `messages` rows
   rldyn sft --preset frozenlake-smollm2 model.lora.rank=16 checkpoint.save_merged=true   # LoRA; RL from actor_merged/
