@@ -38,7 +38,6 @@ from pathlib import Path
 import numpy as np
 
 from false_alarms import ABOVE_RECORD, run_one, seeds_of, validation
-from rescue import RAGEN_FILTER
 from rldynamics import metric_names as names
 from rldynamics.tracking.run_dir import read_events, read_metrics
 
@@ -50,7 +49,11 @@ SCENARIOS = {  # name -> (preset, overrides)
     # SmolLM2-135M-Instruct on the two-armed bandit from its format-only warm start (model.path= the warm start)
     "bandit-smollm2": ("bandit-smollm2", ["collapse.micro_batch_size=16", "collapse.compute_freq=10"]),
 }
-ARMS = {"none": [], "filter": RAGEN_FILTER}  # no filter (RAGEN's StarPO), RAGEN's top-p 0.9 filter
+# RAGEN's top-p 0.9 filter in its linear form, zero-variance groups never kept (RAGEN's gradient-analysis setting):
+# the softmax form of `rescue.RAGEN_FILTER` keeps every group wherever reward spreads are below about 1 (softmax
+# weights within e^1 of each other; on bandit-smollm2 it kept 8 of 8 groups at each of its first 6 steps)
+FILTER = ["filter.strategy=top_p", "filter.value=0.9", "filter.prob_mode=linear", "filter.include_zero=false"]
+ARMS = {"none": [], "filter": FILTER}  # no filter (RAGEN's StarPO), RAGEN's filter
 COMMON = ["early_stop.enabled=false", "log.progress=false", *COLLAPSE]
 SE_FACTOR = 2.0  # how many standard errors make a rise, a fall
 
