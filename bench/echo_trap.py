@@ -72,7 +72,7 @@ def summarize(run_dir: Path) -> dict:
     rows = read_metrics(run_dir)
     val = validation(run_dir)
     (_, start, se0), (s1, end, se1) = val[0], val[-1]
-    peak_step, peak, peak_se = max(val, key=lambda v: v[1])
+    peak_step, peak, peak_se = max(val, key=lambda v: v[1])  # the first of equal peaks
     fall_step = next((s for s, x, se in val if s > peak_step and peak - x > SE_FACTOR * math.hypot(se, peak_se)),
                      None)
     mi = [(r["step"], r[names.FIRST_TURN_MI]) for r in rows if math.isfinite(r.get(names.FIRST_TURN_MI, math.nan))]
@@ -83,7 +83,8 @@ def summarize(run_dir: Path) -> dict:
         "run": f"{run_dir.parent.parent.name}/{run_dir.name}", "start": (start, se0), "peak": (peak, peak_se),
         "peak_step": peak_step, "end": (end, se1), "end_step": s1,
         "fall_se": (peak - end) / math.hypot(peak_se, se1) if math.hypot(peak_se, se1) > 0 else 0.0,
-        "trapped": peak - start > SE_FACTOR * math.hypot(peak_se, se0) and fall_step is not None,
+        "trapped": (peak - start > SE_FACTOR * math.hypot(peak_se, se0)
+                    and peak - end > SE_FACTOR * math.hypot(peak_se, se1)),
         "fall_step": fall_step,
         "mi_froze": _first_below(mi, 0.5 * mi[0][1]) if mi and mi[0][1] > 0 else None,
         "entropy_froze": _first_below(entropy, 0.5 * statistics.fmean(x for _, x in entropy[:5])) if entropy else None,
