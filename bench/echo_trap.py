@@ -5,6 +5,7 @@ same seeds with RAGEN's filter (docs/agent-games.md).
         [--out runs/echo_trap] [key=value ...]
     python bench/echo_trap.py table [--out runs/echo_trap]
     python bench/echo_trap.py claims [--out runs/echo_trap]
+    python bench/echo_trap.py replies [--out runs/echo_trap]
 
 Each (scenario, arm, seed) is one `rldyn train` process (one torch thread, `false_alarms.run_one`: a finished run is
 skipped, an interrupted one resumes) into OUT/<scenario>-<arm>/<preset>/seed<s>, with early stopping off, the health
@@ -24,12 +25,17 @@ of groups the filter kept.
 scenario, with the standard error of the difference over seeds) and whether the final first-turn MI ranks the runs'
 final success better than the final policy entropy does (Spearman, with the paired bootstrap interval of the
 difference of the absolute correlations).
+
+`replies` reads the decoded samples each run keeps (`samples.jsonl`, `log.samples_per_step` a step) and prints, per
+run and window of 10 steps, the share of first replies equal to the window's most common one (a frozen template),
+and on Bandit the share that pulled the arm named first (a policy that pulls by position, not by name).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
 import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +45,7 @@ import numpy as np
 
 from false_alarms import ABOVE_RECORD, run_one, seeds_of, validation
 from rldynamics import metric_names as names
-from rldynamics.tracking.run_dir import read_events, read_metrics
+from rldynamics.tracking.run_dir import read_events, read_metrics, read_samples
 
 COLLAPSE = ["collapse.enabled=true", "collapse.multi_turn_enabled=false"]
 SCENARIOS = {  # name -> (preset, overrides)
@@ -179,9 +185,34 @@ def claims(out: Path) -> str:
     return "\n".join(lines)
 
 
+FIRST_REPLY = re.compile(r"<\|im_start\|>assistant\n(.*?)(?:<\|im_end\|>|$)", re.S)  # chatml: SmolLM2's and tiny's
+BANDIT_ARMS = re.compile(r"Arms: (\S+) and (\S+)\.")
+
+
+def replies(out: Path, window: int = 10) -> str:
+    lines = ["| run | steps | samples | most common first reply | pulled the arm named first |",
+             "|---|---|---:|---:|---:|"]
+    for scenario in SCENARIOS:
+        for arm in ARMS:
+            for run_dir in _runs(out, scenario, arm):
+                by_window: dict[int, list[dict]] = {}
+                for sample in read_samples(run_dir):
+                    by_window.setdefault((sample["step"] - 1) // window, []).append(sample)
+                for w, samples in sorted(by_window.items()):
+                    first = [m.group(1).strip() for s in samples if (m := FIRST_REPLY.search(s["text"]))]
+                    common = max(first.count(r) for r in set(first)) / len(first) if first else math.nan
+                    pairs = [(m.group(1), s["text"]) for s in samples if (m := BANDIT_ARMS.search(s["text"]))]
+                    named_first = [f"<answer>{a}</answer>" in FIRST_REPLY.search(t).group(1).replace(" ", "")
+                                   for a, t in pairs if FIRST_REPLY.search(t)]
+                    lines.append(f"| {scenario}-{arm}/{run_dir.name} | {w * window + 1}-{(w + 1) * window} | "
+                                 f"{len(samples)} | {_share(common)} | "
+                                 f"{_share(statistics.fmean(named_first)) if named_first else '-'} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("run", "table", "claims"))
+    parser.add_argument("what", choices=("run", "table", "claims", "replies"))
     parser.add_argument("--scenarios", default="frozenlake-tiny")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--seeds", default="0-4")
@@ -196,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             (args.out / f"{sc}-{arm}").mkdir(parents=True, exist_ok=True)
         with ThreadPoolExecutor(args.parallel) as pool:
             list(pool.map(lambda job: run(*job, args.out, args.extra), jobs))
-    print(claims(args.out) if args.what == "claims" else table(args.out))
+    print({"claims": claims, "replies": replies}.get(args.what, table)(args.out))
     return 0
 
 

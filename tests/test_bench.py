@@ -289,3 +289,16 @@ def test_rescue_counts_a_rollback_that_a_later_rollback_archived(rescue, tmp_pat
     _write_rows(run / "rolled_back" / "attempt_1" / "events.jsonl", [{"step": 19, "rule": "entropy_surge",
                                                                       "action": "rollback"}])
     assert [(e["step"], e["archive"]) for e in rescue.rollbacks(run)] == [(15, "attempt_1"), (10, "attempt_2")]
+
+
+def test_echo_trap_replies_counts_the_common_reply_and_the_arm_named_first(echo_trap, tmp_path):
+    run = tmp_path / "bandit-smollm2-none" / "bandit-smollm2" / "seed0"
+    run.mkdir(parents=True)
+    _write_rows(run / "metrics.jsonl", [{"step": 0, "val-env/bandit/success": 0.5, "val-env/bandit/success_se": 0.1},
+                                        {"step": 1, "val-env/bandit/success": 0.5, "val-env/bandit/success_se": 0.1}])
+    chat = "<|im_start|>user\nArms: {} and {}. Which arm do you pull?<|im_end|>\n<|im_start|>assistant\n{}<|im_end|>"
+    picks = [("Teacher", "Trader", "<answer>Trader</answer>"), ("Nurse", "Pilot", "<answer>Nurse</answer>"),
+             ("Pilot", "Nurse", "<answer> Nurse </answer>"), ("Clerk", "Artist", "<answer>Artist</answer>")]
+    _write_rows(run / "samples.jsonl", [{"step": 1, "text": chat.format(*p)} for p in picks])
+    row = echo_trap.replies(tmp_path).splitlines()[-1]
+    assert row == "| bandit-smollm2-none/seed0 | 1-10 | 4 | 25% | 25% |"  # 4 distinct replies; only Nurse, Pilot
