@@ -21,10 +21,10 @@ over the first five steps); the first health rule above `record` with its step, 
 means over seeds with their standard errors, the mean share of groups with zero reward variance, and the mean share
 of groups the filter kept.
 
-`claims` gives RAGEN-2's two claims over these runs: the filter's effect on final success (filter minus none, per
-scenario, with the standard error of the difference over seeds) and whether the final first-turn MI ranks the runs'
-final success better than the final policy entropy does (Spearman, with the paired bootstrap interval of the
-difference of the absolute correlations).
+`claims` gives RAGEN-2's two claims per scenario: the filter's effect on final success (filter minus none, with the
+standard error of the difference over seeds) and whether the final first-turn MI ranks the runs' final success
+better than the final policy entropy does (Spearman over the scenario's runs of both arms, with the paired
+bootstrap interval of the difference of the absolute correlations).
 
 `replies` reads the decoded samples each run keeps (`samples.jsonl`, `log.samples_per_step` a step) and prints, per
 run and window of 10 steps, the share of first replies equal to the window's most common one (a frozen template),
@@ -157,30 +157,31 @@ def table(out: Path) -> str:
 def claims(out: Path) -> str:
     from rldynamics.plots.collapse import spearman, spearman_interval
 
-    lines, finals = [], []
+    lines = []
     for scenario in SCENARIOS:
-        ends = {arm: [summarize(r)["end"][0] for r in _runs(out, scenario, arm)] for arm in ARMS}
-        if all(len(xs) > 1 for xs in ends.values()):
-            a, b = ends["filter"], ends["none"]
+        runs = {arm: [summarize(r) for r in _runs(out, scenario, arm)] for arm in ARMS}
+        a, b = ([s["end"][0] for s in runs[arm]] for arm in ("filter", "none"))
+        if a or b:
+            lines.append(f"{scenario}:")
+        if len(a) > 1 and len(b) > 1:
             diff = statistics.fmean(a) - statistics.fmean(b)
             se = math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
-            lines.append(f"{scenario}: final success with the filter {_mean_se(a)} %, without {_mean_se(b)} %: "
-                         f"{100 * diff:+.1f} points, {diff / se:+.2f} SE of the difference" if se > 0 else
-                         f"{scenario}: filter {_mean_se(a)} %, none {_mean_se(b)} %")
-        finals += [(s["end"][0], s["final_mi"], s["final_entropy"]) for arm in ARMS
-                   for s in map(summarize, _runs(out, scenario, arm))]
-    ok = np.array([f for f in finals if all(math.isfinite(v) for v in f)])
-    if len(ok) >= 3:
-        lines.append(f"Spearman of the final validation success over {len(ok)} runs with (95 % bootstrap interval):")
+            lines.append(f"  final success with the filter {_mean_se(a)} %, without {_mean_se(b)} %: "
+                         f"{100 * diff:+.1f} points" + (f", {diff / se:+.2f} SE of the difference" if se else ""))
+        ok = np.array([f for f in ((s["end"][0], s["final_mi"], s["final_entropy"]) for arm in ARMS
+                                   for s in runs[arm]) if all(math.isfinite(v) for v in f)])
+        if len(ok) < 3:
+            continue
+        lines.append(f"  Spearman of the final validation success over its {len(ok)} runs (95 % bootstrap interval):")
         for i, what in ((1, "final first-turn MI"), (2, "final policy entropy")):
             lo, hi = spearman_interval(ok[:, 0], ok[:, i], 2000)
-            lines.append(f"  {what}: {spearman(ok[:, 0], ok[:, i]):+.2f} [{lo:+.2f}, {hi:+.2f}]")
+            lines.append(f"    {what}: {spearman(ok[:, 0], ok[:, i]):+.2f} [{lo:+.2f}, {hi:+.2f}]")
         rng = np.random.default_rng(0)
         diffs = np.array([abs(spearman(ok[j, 0], ok[j, 1])) - abs(spearman(ok[j, 0], ok[j, 2]))
                           for j in rng.integers(0, len(ok), (2000, len(ok)))])
         diffs = diffs[np.isfinite(diffs)]
         point = abs(spearman(ok[:, 0], ok[:, 1])) - abs(spearman(ok[:, 0], ok[:, 2]))
-        lines.append(f"  |rho MI| - |rho entropy|: {point:+.2f} [{np.percentile(diffs, 2.5):+.2f}, "
+        lines.append(f"    |rho MI| - |rho entropy|: {point:+.2f} [{np.percentile(diffs, 2.5):+.2f}, "
                      f"{np.percentile(diffs, 97.5):+.2f}] (paired bootstrap over runs)")
     return "\n".join(lines)
 
