@@ -38,12 +38,11 @@ import math
 import re
 import statistics
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from false_alarms import ABOVE_RECORD, run_one, seeds_of, validation
+from false_alarms import ABOVE_RECORD, run_grid, run_one, validation
 from rldynamics import metric_names as names
 from rldynamics.tracking.run_dir import read_events, read_metrics, read_samples
 
@@ -222,12 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("extra", nargs="*", help="key=value for every run")
     args = parser.parse_intermixed_args(argv)
     if args.what == "run":
-        jobs = [(sc, arm, seed) for sc in args.scenarios.split(",") for arm in args.arms.split(",")
-                for seed in seeds_of(args.seeds)]
-        for sc, arm, _ in jobs:
-            (args.out / f"{sc}-{arm}").mkdir(parents=True, exist_ok=True)
-        with ThreadPoolExecutor(args.parallel) as pool:
-            list(pool.map(lambda job: run(*job, args.out, args.extra), jobs))
+        run_grid(args.out, args.scenarios, args.arms, args.seeds, args.parallel,
+                 lambda sc, arm, seed: run(sc, arm, seed, args.out, args.extra))
     print({"claims": claims, "replies": replies}.get(args.what, table)(args.out))
     return 0
 

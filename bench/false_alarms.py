@@ -53,6 +53,16 @@ def run_one(preset: str, seed: int, out: Path, steps: int | None, extra: list[st
     return run
 
 
+def run_grid(out: Path, scenarios: str, arms: str, seeds: str, parallel: int, one) -> None:
+    """`one(scenario, arm, seed)` for every combination of the comma lists (seeds as `seeds_of`), `parallel` at a
+    time, each arm's runs under OUT/<scenario>-<arm>."""
+    jobs = [(sc, arm, seed) for sc in scenarios.split(",") for arm in arms.split(",") for seed in seeds_of(seeds)]
+    for sc, arm, _ in jobs:
+        (out / f"{sc}-{arm}").mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(parallel) as pool:
+        list(pool.map(lambda job: one(*job), jobs))
+
+
 def _done(run: Path) -> bool:
     try:
         rows = read_metrics(run)

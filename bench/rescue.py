@@ -29,10 +29,9 @@ import math
 import statistics
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from false_alarms import run_one, seeds_of, validation
+from false_alarms import run_grid, run_one, validation
 from rldynamics.tracking.run_dir import ROLLED_BACK, read_events, read_metrics
 from rldynamics.train.checkpoint import checkpoint_step, checkpoints
 
@@ -130,12 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/rescue"))
     args = parser.parse_args(argv)
     if args.what == "run":
-        jobs = [(sc, arm, seed) for sc in args.scenarios.split(",") for arm in args.arms.split(",")
-                for seed in seeds_of(args.seeds)]
-        for sc, arm, _ in jobs:
-            (args.out / f"{sc}-{arm}").mkdir(parents=True, exist_ok=True)
-        with ThreadPoolExecutor(args.parallel) as pool:
-            list(pool.map(lambda job: run(*job, args.out), jobs))
+        run_grid(args.out, args.scenarios, args.arms, args.seeds, args.parallel,
+                 lambda sc, arm, seed: run(sc, arm, seed, args.out))
     print(table(args.out))
     return 0
 
