@@ -78,6 +78,7 @@ def summarize(run_dir: Path) -> dict:
     val = validation(run_dir)
     (_, start, se0), (s1, end, se1) = val[0], val[-1]
     peak_step, peak, peak_se = max(val, key=lambda v: v[1])  # the first of equal peaks
+    fall_se = math.hypot(peak_se, se1)  # the standard error of peak minus end
     fall_step = next((s for s, x, se in val if s > peak_step and peak - x > SE_FACTOR * math.hypot(se, peak_se)),
                      None)
     mi = [(r["step"], r[names.FIRST_TURN_MI]) for r in rows if math.isfinite(r.get(names.FIRST_TURN_MI, math.nan))]
@@ -87,9 +88,8 @@ def summarize(run_dir: Path) -> dict:
     return {
         "run": f"{run_dir.parent.parent.name}/{run_dir.name}", "start": (start, se0), "peak": (peak, peak_se),
         "peak_step": peak_step, "end": (end, se1), "end_step": s1,
-        "fall_se": (peak - end) / math.hypot(peak_se, se1) if math.hypot(peak_se, se1) > 0 else 0.0,
-        "trapped": (peak - start > SE_FACTOR * math.hypot(peak_se, se0)
-                    and peak - end > SE_FACTOR * math.hypot(peak_se, se1)),
+        "fall_se": (peak - end) / fall_se if fall_se > 0 else 0.0,
+        "trapped": peak - start > SE_FACTOR * math.hypot(peak_se, se0) and peak - end > SE_FACTOR * fall_se,
         "fall_step": fall_step,
         "mi_froze": _first_below(mi, 0.5 * mi[0][1]) if mi and mi[0][1] > 0 else None,
         "entropy_froze": _first_below(entropy, 0.5 * statistics.fmean(x for _, x in entropy[:5])) if entropy else None,
@@ -189,24 +189,29 @@ FIRST_REPLY = re.compile(r"<\|im_start\|>assistant\n(.*?)(?:<\|im_end\|>|$)", re
 BANDIT_ARMS = re.compile(r"Arms: (\S+) and (\S+)\.")
 
 
+def _reply_shares(samples: list[dict]) -> tuple[float, float]:
+    """The share of first replies equal to the most common one, and (Bandit) the share that pulled the arm named
+    first (nan: no such sample)."""
+    first = [(m.group(1).strip(), s["text"]) for s in samples if (m := FIRST_REPLY.search(s["text"]))]
+    texts = [reply for reply, _ in first]
+    common = max(map(texts.count, set(texts))) / len(texts) if texts else math.nan
+    named_first = [f"<answer>{arms.group(1)}</answer>" in reply.replace(" ", "")
+                   for reply, text in first if (arms := BANDIT_ARMS.search(text))]
+    return common, statistics.fmean(named_first) if named_first else math.nan
+
+
 def replies(out: Path, window: int = 10) -> str:
     lines = ["| run | steps | samples | most common first reply | pulled the arm named first |",
              "|---|---|---:|---:|---:|"]
-    for scenario in SCENARIOS:
-        for arm in ARMS:
-            for run_dir in _runs(out, scenario, arm):
-                by_window: dict[int, list[dict]] = {}
-                for sample in read_samples(run_dir):
-                    by_window.setdefault((sample["step"] - 1) // window, []).append(sample)
-                for w, samples in sorted(by_window.items()):
-                    first = [m.group(1).strip() for s in samples if (m := FIRST_REPLY.search(s["text"]))]
-                    common = max(first.count(r) for r in set(first)) / len(first) if first else math.nan
-                    pairs = [(m.group(1), s["text"]) for s in samples if (m := BANDIT_ARMS.search(s["text"]))]
-                    named_first = [f"<answer>{a}</answer>" in FIRST_REPLY.search(t).group(1).replace(" ", "")
-                                   for a, t in pairs if FIRST_REPLY.search(t)]
-                    lines.append(f"| {scenario}-{arm}/{run_dir.name} | {w * window + 1}-{(w + 1) * window} | "
-                                 f"{len(samples)} | {_share(common)} | "
-                                 f"{_share(statistics.fmean(named_first)) if named_first else '-'} |")
+    runs = [(f"{sc}-{arm}/{r.name}", r) for sc in SCENARIOS for arm in ARMS for r in _runs(out, sc, arm)]
+    for name, run_dir in runs:
+        by_window: dict[int, list[dict]] = {}
+        for sample in read_samples(run_dir):
+            by_window.setdefault((sample["step"] - 1) // window, []).append(sample)
+        for w, samples in sorted(by_window.items()):
+            common, named_first = _reply_shares(samples)
+            lines.append(f"| {name} | {w * window + 1}-{(w + 1) * window} | {len(samples)} | {_share(common)} | "
+                         f"{_share(named_first)} |")
     return "\n".join(lines)
 
 
