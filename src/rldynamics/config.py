@@ -221,6 +221,17 @@ class RolloutConfig:
     """vllm: give the engine the trainer's weights after every N-th step (1 = every step, on-policy, verl's way); N > 1
     samples from weights up to N - 1 steps old (an off-policy setting: the sampler/trainer mismatch that algo.tis_cap
     and algo.mis correct, docs/failure-modes.md). Validation always samples the current weights."""
+    staleness: int = within(0, 0, high=8)
+    """Off-policy lag N: step t's batch is sampled with the weights after update t - 1 - N (the run's first N steps:
+    its starting weights), so it trains on samples exactly N updates old (prime-rl's max_off_policy_steps, here a fixed
+    lag rather than a bound, so a run is the same whether or not its rollouts overlap). 0 = on-policy. The sampler is a
+    copy of the actor holding the lagged weights; checkpoints keep the N earlier versions (sampler.pt), so a resumed
+    run samples exactly what an uninterrupted one would. algo.tis_cap, algo.mis and algo.policy_loss=cispo correct the
+    lag as they correct any sampler/trainer mismatch (docs/staleness.md)."""
+    overlap: bool = False
+    """With rollout.staleness >= 1: step t+1's batch is generated in a second thread while step t's update runs (the
+    two take turns otherwise), on the weights staleness says, so the run equals its sequential control bit for bit.
+    Needs train.row_seeded_sampling=true (each trajectory draws from its own keyed stream, not the process's RNG)."""
     vllm_kv_cache_gib: float = within(1.0, 0, inclusive=False)
     """vllm: memory reserved for the engine's KV cache (GiB, CPU or GPU); bounds the tokens held at once."""
     vllm_sleep: bool = True
@@ -927,6 +938,7 @@ def _validate_fields(cfg: Config) -> Config:
                           "before the optimizer step is taken); choose record, warn, rollback or stop")
     _validate_lora(cfg)
     _validate_algo(cfg)
+    _validate_staleness(cfg)
     bad_steps = [n for n in cfg.record.steps if n < 1]
     if bad_steps:
         raise ConfigError(f"record.steps={cfg.record.steps} holds {bad_steps[0]}: steps are numbered from 1")
@@ -965,6 +977,31 @@ def _validate_algo(cfg: Config) -> None:
     if cfg.algo.clip_low >= 1:
         raise ConfigError(f"algo.clip_low={cfg.algo.clip_low} leaves PPO's ratio no lower bound "
                           "(1 - clip_low); give a value in [0, 1) (algo.clip_high bounds it above)")
+
+
+def separate_analysis_batch(cfg: Config) -> bool:
+    """Whether the gradient analysis draws its own batch rather than reusing the training batch."""
+    a, t = cfg.analysis, cfg.train
+    return (a.env_groups is not None and a.env_groups != t.env_groups) or (
+        a.group_size is not None and a.group_size != t.group_size)
+
+
+def _validate_staleness(cfg: Config) -> None:
+    """The off-policy lag's companions: overlap needs a lag and keyed sampling; the periodic sync is another lag."""
+    r = cfg.rollout
+    if r.overlap and r.staleness == 0:
+        raise ConfigError("rollout.overlap=true needs rollout.staleness >= 1: a batch generated during the update "
+                          "before it cannot come from that update's weights; set rollout.staleness=1")
+    if r.overlap and not cfg.train.row_seeded_sampling:
+        raise ConfigError("rollout.overlap=true needs train.row_seeded_sampling=true: a rollout in a second thread "
+                          "must not draw from the process's RNG, which the update's own passes seed and restore")
+    if r.staleness > 0 and r.engine == "vllm" and cfg.analysis.enabled and separate_analysis_batch(cfg):
+        raise ConfigError("rollout.staleness with rollout.engine=vllm: the engine holds the sampler's lagged weights, "
+                          "so the gradient analysis cannot draw its own batch of the current policy from it; leave "
+                          "analysis.env_groups and analysis.group_size unset (it then analyses the training batch)")
+    if r.staleness > 0 and r.sync_every > 1:
+        raise ConfigError(f"rollout.staleness={r.staleness} with rollout.sync_every={r.sync_every}: both set how old "
+                          "the sampler's weights are; give one of them (staleness: a fixed lag)")
 
 
 def _validate_env(env: EnvConfig) -> None:

@@ -59,6 +59,7 @@ class Signals:
     mismatch_kl: float | None = None  # sampler/trainer KL (k3) of the sampled tokens, when measured
     update_kl: float | None = None  # KL (k3) of the policy before the update from the policy after it, on its batch
     sampler_is_trainer: bool = True  # the HF engine: the trainer's own model samples (the mismatch must be ~0)
+    staleness: int = 0  # updates the sampler's weights are behind the trainer's (rollout.staleness; fewer at first)
     reply_mean: float | None = None  # mean sampled tokens per reply
     truncation: float | None = None  # share of replies that reached env.max_new_tokens
     repetition: float | None = None  # share of replies that repeat their own n-grams
@@ -476,8 +477,8 @@ class Mismatch(Rule):
               "Brings You Off-Policy RL Training\") show the gap biases the gradient silently; Liu, Li et al. 2025 "
               "(\"When Speed Kills Stability\") trace training collapses to it.",
         causes="bfloat16 in the sampler or the trainer (different kernels round differently); different dtypes on "
-               "the two sides (`rollout.vllm_dtype`, `model.dtype`); weights not synced after an update; sampling "
-               "settings applied on one side only.",
+               "the two sides (`rollout.vllm_dtype`, `model.dtype`); weights not synced after an update, or on "
+               "purpose (`rollout.staleness`, `rollout.sync_every`); sampling settings applied on one side only.",
         tries="Truncated importance sampling, `algo.tis_cap` (Yao, Liu et al. 2025); sequence masking, "
               "`algo.mis=true` with the band `algo.mismatch_band` (Liu, Li et al. 2025); more precision on both "
               "sides: Qi et al. 2025 (\"Defeating the Training-Inference Mismatch via FP16\") remove most of the "
@@ -487,8 +488,10 @@ class Mismatch(Rule):
     def check(self, x: Signals) -> Alarm | None:
         if x.mismatch_kl is None or x.mismatch_kl <= self.cfg.mismatch_kl:
             return None
+        behind = (f"; the sampler is {x.staleness} update{'s' if x.staleness > 1 else ''} behind the trainer "
+                  "(rollout.staleness): algo.tis_cap or algo.mis correct it" if x.staleness else "")
         return self.alarm(x, x.mismatch_kl, self.cfg.mismatch_kl,
-                          f"sampler/trainer KL {x.mismatch_kl:.3g} > {self.cfg.mismatch_kl:g}")
+                          f"sampler/trainer KL {x.mismatch_kl:.3g} > {self.cfg.mismatch_kl:g}{behind}")
 
 
 class LengthSurge(Rule):

@@ -8,6 +8,8 @@ Layout of `checkpoints/step_<N>/`:
     optimizer.pt       actor (and critic) optimizer state dicts: tensors and plain containers only
     rng.pt             torch RNG state (`torch`; written by several ranks also `ranks`: every rank's, in order)
     trainer_state.json step, early-stop state, the collapse diagnostics' EMA
+    sampler.pt         rollout.staleness >= 1: the earlier versions of the trained weights that later steps'
+                       rollouts sample with (`train/lagged.py`), version -> {parameter name: tensor}
     manifest.json      size and SHA-256 of every other file; written last
 
 Writes go to a temporary sibling directory (`.tmp_step_<N>_<pid>`) that is renamed into place once the
@@ -58,6 +60,7 @@ from rldynamics.tracking.files import remove, sha256_file, write_file
 MANIFEST = "manifest.json"
 FORMAT = "rldynamics-checkpoint/1"
 REQUIRED = ("trainer_state.json", "optimizer.pt", "rng.pt")
+SAMPLER = "sampler.pt"
 ACTOR_CONFIGS = ("actor/config.json", f"actor/{ADAPTER_CONFIG}")  # a whole model's, or a LoRA adapter's: one of them
 CRASH_ENV = "RLDYN_CRASH_AT"
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -93,26 +96,28 @@ class TrainingState:
     critic_weights: dict[str, torch.Tensor] | None
     rng: list[torch.Tensor]
     trainer_state: dict
+    sampler: dict | None = None  # rollout.staleness >= 1: version -> the trained weights of that step (`sampler.pt`)
 
 
 def capture_state(step: int, *, model, optimizer, critic=None, critic_optimizer=None,
-                  trainer_state: dict | None = None, copy: bool = False) -> TrainingState:
+                  trainer_state: dict | None = None, copy: bool = False, sampler: dict | None = None) -> TrainingState:
     """The state `save_checkpoint` writes (collective when sharded: the whole state on rank 0, none elsewhere).
     `copy`: every tensor copied, so the state stays as it is while training goes on (a snapshot in memory; tied
-    weights stay tied)."""
+    weights stay tied). `sampler`: the lagged sampler's earlier versions (`LaggedPolicy.saved`; they are copies
+    already, never changed in place)."""
     weights = full_state_dict(model)
     optim = {"actor": full_optimizer_state(model, optimizer)}
     critic_weights = full_state_dict(critic) if critic is not None else None
     if critic is not None:
         optim["critic"] = full_optimizer_state(critic, critic_optimizer)
     state = TrainingState(step, weights, optim, critic_weights, dist.gather(torch.get_rng_state()),
-                          dict(trainer_state or {}))
+                          dict(trainer_state or {}), sampler or None)
     if not copy:
         return state
     return TrainingState(step, _copied(model.state_dict() if weights is None else weights), copy_module.deepcopy(optim),
                          _copied(critic.state_dict() if critic_weights is None else critic_weights)
                          if critic is not None else None,
-                         [r.clone() for r in state.rng], copy_module.deepcopy(state.trainer_state))
+                         [r.clone() for r in state.rng], copy_module.deepcopy(state.trainer_state), state.sampler)
 
 
 def state_bytes(*modules: torch.nn.Module | None) -> int:
@@ -155,13 +160,14 @@ def _copied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(directory: Path, step: int, *, model, tokenizer, optimizer, critic=None, critic_optimizer=None,
-                    trainer_state: dict | None = None, keep_last: int = 0, merged: bool = False) -> Path | None:
+                    trainer_state: dict | None = None, keep_last: int = 0, merged: bool = False,
+                    sampler: dict | None = None) -> Path | None:
     """Write `directory/step_<step>` atomically (manifest last, then a rename) and return its path; then keep
     only the newest `keep_last` checkpoints (0 = keep all); `merged`: a LoRA actor's merged export too
     (`actor_merged/`). Several ranks: every rank calls it (the states are gathered collectively); rank 0 writes and
     returns the path, the others return None."""
     state = capture_state(step, model=model, optimizer=optimizer, critic=critic, critic_optimizer=critic_optimizer,
-                          trainer_state=trainer_state)
+                          trainer_state=trainer_state, sampler=sampler)
     if not dist.is_main():
         return None
     final = write_state(directory / f"step_{step}", state, model=model, tokenizer=tokenizer, critic=critic,
@@ -205,6 +211,8 @@ def _write_files(tmp: Path, state: TrainingState, *, model, tokenizer, critic, m
     rng = state.rng
     torch.save({"torch": rng[0], **({"ranks": rng} if len(rng) > 1 else {})}, tmp / "rng.pt")
     write_file(tmp / "trainer_state.json", json.dumps({"step": state.step, **state.trainer_state}, indent=2))
+    if state.sampler:
+        torch.save(state.sampler, tmp / SAMPLER)
     if crash_points:
         crash_point("checkpoint_files", state.step)
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
@@ -313,6 +321,17 @@ def verify_checkpoint(path: str | Path, needs_critic: bool = False, job: str | N
             raise CheckpointError(f"{path / rel}: checksum mismatch (the file changed or was corrupted after the "
                                   "checkpoint was written)")
     return state
+
+
+def read_sampler(path: Path) -> dict:
+    """The lagged sampler's versions a verified checkpoint keeps (`sampler.pt`; empty when it has none)."""
+    file = Path(path) / SAMPLER
+    if not file.is_file():
+        return {}
+    versions = _torch_load(file)
+    if not isinstance(versions, dict) or not all(isinstance(v, int) and isinstance(w, dict) for v, w in versions.items()):
+        raise CheckpointError(f"{file}: expected the sampler's versions (step -> weights)")
+    return versions
 
 
 def read_trainer_state(path: str | Path) -> dict:

@@ -17,6 +17,7 @@ from rldynamics.tracking.run_dir import RunWriter
 
 if TYPE_CHECKING:
     from rldynamics.train.diagnostics.base import Diagnostic
+    from rldynamics.train.lagged import LaggedPolicy
     from rldynamics.train.snapshots import Snapshots
 
 
@@ -57,6 +58,11 @@ class Session:
     diagnostics: list[Diagnostic] = field(default_factory=list)  # read-only parts of the step (`train/diagnostics`)
     attempt: int = 0  # rollbacks the run has made (`rolled_back/attempt_<k>/`): its sampling stream
     snapshots: Snapshots | None = None  # states in memory a rollback can go back to (`train/snapshots.py`)
+    lagged: LaggedPolicy | None = None  # rollout.staleness >= 1: the sampler's lagged weights (`train/lagged.py`)
+
+    def sampler_versions(self, step: int) -> dict | None:
+        """What a checkpoint of `step` keeps of the lagged sampler (`LaggedPolicy.saved`; None on-policy)."""
+        return self.lagged.saved(step) if self.lagged is not None else None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append the metrics row of `step` (rank 0 only)."""

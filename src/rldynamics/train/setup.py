@@ -62,13 +62,15 @@ from rldynamics.train.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_trainer_state,
+    read_sampler,
     read_trainer_state,
     remove_stale,
     verify_checkpoint,
 )
 from rldynamics.train.diagnostics import build_diagnostics
 from rldynamics.train.diagnostics import check_world as check_diagnostics_world
-from rldynamics.train.diagnostics.base import TRAIN
+from rldynamics.train.diagnostics.base import PROBE, TRAIN
+from rldynamics.train.lagged import LaggedPolicy
 from rldynamics.train.session import Session, Start
 from rldynamics.train.snapshots import Snapshots
 from rldynamics.train.warmstart import ensure_warm_start, tiny_corpus
@@ -148,6 +150,9 @@ def check_world(cfg: Config, ranks: int | None = None, job: str = TRAIN) -> None
     ranks = dist.world() if ranks is None else ranks
     if ranks == 1:
         return
+    if cfg.rollout.staleness > 0:
+        raise ConfigError(f"rollout.staleness={cfg.rollout.staleness} runs in one process (its sampler is a copy of "
+                          f"the whole actor); run it without torchrun, or with rollout.staleness=0 on {ranks} ranks")
     check_diagnostics_world(cfg, ranks, job)
     for key, value in {"train.env_groups": cfg.train.env_groups, "val.env_groups": cfg.val.env_groups}.items():
         if value < ranks:
@@ -255,10 +260,25 @@ def make_session(cfg: Config, run_dir: Path, start: Start, job: str = TRAIN) -> 
                            base if cfg.model.path == "tiny" and dist.is_main() else None)
     trained = sum(p.numel() for p in lora.trainable(model))  # with LoRA: the adapters' alone
     environment.update(precision.record(), malloc=malloc, trained_parameters=trained)
+    engine = rollout_engine(cfg, base, model, precision.engine_dtype)
     return Session(cfg=cfg, run_dir=run_dir, writer=None, model=model, tokenizer=tokenizer, optimizer=optimizer,
                    ref_model=ref_model, critic=critic, critic_optimizer=critic_optimizer, main=dist.is_main(),
-                   environment=environment, engine=rollout_engine(cfg, base, model, precision.engine_dtype),
-                   diagnostics=diagnostics, attempt=start.attempt, snapshots=Snapshots(cfg, model, critic))
+                   environment=environment, engine=engine, diagnostics=diagnostics, attempt=start.attempt,
+                   snapshots=Snapshots(cfg, model, critic), lagged=lagged_policy(cfg, model, start, engine, job))
+
+
+def lagged_policy(cfg: Config, model, start: Start, engine, job: str) -> LaggedPolicy | None:
+    """The sampler of a training run with `rollout.staleness` >= 1 (its earlier versions from the resumed
+    checkpoint's `sampler.pt`); None on-policy and for a probe, which samples the weights it probes."""
+    if cfg.rollout.staleness == 0 or job == PROBE:
+        return None
+    history = read_sampler(start.checkpoint) if start.checkpoint is not None else None
+    try:
+        return LaggedPolicy(cfg.rollout.staleness, model, start.step, history, engine)
+    except ValueError as e:
+        raise CheckpointError(f"{start.checkpoint}: {e} (sampler.pt: written by a run with a smaller "
+                              f"rollout.staleness, or none); a run with rollout.staleness={cfg.rollout.staleness} "
+                              f"can start from its weights instead: model.path={start.checkpoint}/actor") from None
 
 
 def set_optimizer_settings(cfg: Config, optimizer, critic_optimizer=None) -> None:

@@ -58,7 +58,8 @@ class Snapshots:
         if start and self.start is not None and self.start.step == step:
             return  # carried over: the rollback went back to it
         state = capture_state(step, model=s.model, optimizer=s.optimizer, critic=s.critic,
-                              critic_optimizer=s.critic_optimizer, trainer_state=trainer_state, copy=True)
+                              critic_optimizer=s.critic_optimizer, trainer_state=trainer_state, copy=True,
+                              sampler=s.sampler_versions(step))
         if start and self.start is None:
             self.start = state
             return

@@ -53,6 +53,7 @@ from rldynamics.train.checkpoint import crash_point
 from rldynamics.train.critic import update_critic
 from rldynamics.train.diagnostics.base import BEFORE_UPDATE, ROLLOUT, Diagnostic, DiagnosticResult, Needs
 from rldynamics.train.early_stop import EarlyStopper
+from rldynamics.train.lagged import version_of
 from rldynamics.train.prepare import Prepared, prepare_update
 from rldynamics.train.session import Session
 from rldynamics.train.sharded import rollout_groups
@@ -80,24 +81,49 @@ class FilterDecision:
 
 
 def roll_out(s: Session, step: int, seed_step: int) -> Rollout:
-    """Roll out the groups of `seed_step`'s env seeds and sampling seed; log their rewards and samples as `step`."""
+    """Roll out the groups of `seed_step`'s env seeds and sampling seed (or take the batch generated ahead for
+    `step`: `generate_ahead`); log their rewards and samples as `step`."""
     cfg = s.cfg
     s.console.phase("rollout")
-    start = time.perf_counter()
-    batch = rollout_groups(cfg, s.model, s.tokenizer,
-                           env_seeds(cfg, train_seeds(cfg.train.seed_base, cfg.train.env_groups, seed_step)),
-                           cfg.train.group_size, cfg.train.temperature, sampling_seed(s, seed_step),
-                           engine=s.engine)
-    metrics = {names.timing("gen"): time.perf_counter() - start}
+    ahead = s.lagged.take(step) if s.lagged is not None else None
+    if ahead is None:
+        start = time.perf_counter()
+        batch = generation(s, step, seed_step)()
+        metrics = {names.timing("gen"): time.perf_counter() - start}
+    else:
+        batch, metrics = ahead.batch, {names.timing("gen"): ahead.seconds, names.timing("gen_wait"): ahead.waited}
+    lag = {}
+    if s.lagged is not None:
+        version = version_of(step, cfg.rollout.staleness)
+        lag = {names.POLICY_VERSION: float(version), names.STALENESS: float(step - 1 - version)}
+    metrics.update(lag)
     metrics.update(env_metric_summary(batch, names.env_prefix(cfg.env.name), cfg.train.group_size))
     metrics.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids))
     rows = reward_rows(batch, step, s.tokenizer)
+    for row in rows if lag else ():
+        row["policy_version"] = int(lag[names.POLICY_VERSION])  # each trajectory: the weights that sampled it
     if s.main:
         s.writer.log_rewards(rows)
     metrics.update(reward_stats(rows, batch.reward_names))
     _log_samples(s, step, batch)
     crash_point("samples", step)
     return Rollout(batch, metrics)
+
+
+def generation(s: Session, step: int, seed_step: int) -> Callable[[], RolloutBatch]:
+    """The rollout of `seed_step`'s seeds as work to run: on the trainer's model, or under `rollout.staleness` on
+    the sampler, which this call sets to `step`'s version (so the work may run in another thread)."""
+    cfg = s.cfg
+    model = s.model if s.lagged is None else s.lagged.model_for(step)
+    seeds = env_seeds(cfg, train_seeds(cfg.train.seed_base, cfg.train.env_groups, seed_step))
+    seed = sampling_seed(s, seed_step)
+    return lambda: rollout_groups(cfg, model, s.tokenizer, seeds, cfg.train.group_size, cfg.train.temperature, seed,
+                                  engine=s.engine)
+
+
+def generate_ahead(s: Session, step: int) -> None:
+    """`rollout.overlap`: start `step`'s rollout in a thread, to run while the step before it updates."""
+    s.lagged.launch(step, generation(s, step, step))
 
 
 def begin(s: Session, due: list[Diagnostic], record: StepRecord, stopper: EarlyStopper) -> FilterDecision:
@@ -228,7 +254,11 @@ def update_phase(s: Session, record: StepRecord, needs: Needs, *, guard=None,
 def sync_engine(s: Session) -> dict[str, float]:
     """Give the rollout engine the updated weights; the sync's timing."""
     start = time.perf_counter()
+    if s.lagged is not None:  # the engine holds the sampler's lagged weights: a rollout ahead may be using it
+        s.lagged.wait()
     s.engine.sync(s.model)
+    if s.lagged is not None:
+        s.lagged.engine_synced(None)  # the trainer's weights: the next rollout syncs the sampler's again
     return {names.timing("weight_sync"): time.perf_counter() - start}
 
 

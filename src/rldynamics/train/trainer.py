@@ -25,6 +25,7 @@ console and the checkpoints. With `train.row_seeded_sampling` a run gives the sa
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,7 +112,8 @@ def run_steps(s: Session, begun: Start, stopper: EarlyStopper) -> tuple[Path, Co
         s.snapshots.keep(s, start, trainer_state(stopper.state_dict(), s.diagnostics), start=True)
     if s.main and cfg.log.progress:
         _say_storage(s)
-    with StepConsole(cfg.train.steps, cfg.env.name, enabled=cfg.log.progress and s.main) as console:
+    with StepConsole(cfg.train.steps, cfg.env.name, enabled=cfg.log.progress and s.main) as console, \
+            _rollouts_closed(s):
         s.console = console
         console.advance(start, before)  # the `step 0` line: the validation before training
         for step in range(start + 1, cfg.train.steps + 1):
@@ -142,6 +144,16 @@ def run_steps(s: Session, begun: Start, stopper: EarlyStopper) -> tuple[Path, Co
                 console.print(f"[yellow]early stop at step {step}: {stop}")
                 break
     return None
+
+
+@contextmanager
+def _rollouts_closed(s: Session):
+    """A rollout generated ahead is waited for and dropped when the steps end (a stop, a rollback, an error)."""
+    try:
+        yield
+    finally:
+        if s.lagged is not None:
+            s.lagged.close()
 
 
 def _say_storage(s: Session) -> None:
@@ -195,7 +207,8 @@ def _save(s: Session, step: int, stopper: EarlyStopper) -> None:
     save_checkpoint(s.run_dir / "checkpoints", step, model=s.model, tokenizer=s.tokenizer, optimizer=s.optimizer,
                     critic=s.critic, critic_optimizer=s.critic_optimizer,
                     trainer_state=trainer_state(stopper.state_dict(), s.diagnostics),
-                    keep_last=s.cfg.checkpoint.keep_last, merged=s.cfg.checkpoint.save_merged)
+                    keep_last=s.cfg.checkpoint.keep_last, merged=s.cfg.checkpoint.save_merged,
+                    sampler=s.sampler_versions(step))
 
 
 def train_step(s: Session, step: int, stopper: EarlyStopper) -> StepResult:
@@ -204,12 +217,16 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> StepResult:
     due = stages.due_diagnostics(s, step)
     record = StepRecord(step=step, seed_step=step)
     stop = stages.begin(s, due, record, stopper).stop
+    if stop is None and _ahead_due(s.cfg, step):  # the next step's rollout runs while this step updates
+        stages.generate_ahead(s, step + 1)
     if stop is None or len(record.filtered.batch) == 0:  # with nothing kept, an analysis of its own batch still runs
         phase = stages.update_phase(s, record, stages.needs_of(due, step), guard=stages.guard_of(due),
                                     before_actor=lambda: stages.before_update(s, due, record))
         stop = phase.stop or stop
-        if stop is None and phase.actor_updated and _sync_due(s, step):
+        if stop is None and _sync_due(s, step, phase.actor_updated):
             record.add(stages.sync_engine(s))
+    if s.lagged is not None:
+        s.lagged.keep(step, s.model)  # the version later steps' rollouts sample with
     if stop is None and _validation_due(s.cfg, step):
         record.validation = validation = stages.validate(s)
         record.add(validation.metrics)
@@ -223,7 +240,16 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> StepResult:
     return StepResult(record.metrics(), stop, back, stages.exit_line(record))
 
 
-def _sync_due(s: Session, step: int) -> bool:
-    """Whether the rollout engine gets the weights after `step`: every `rollout.sync_every` steps and before a
-    validation."""
-    return s.engine is not None and (step % s.cfg.rollout.sync_every == 0 or _validation_due(s.cfg, step))
+def _sync_due(s: Session, step: int, actor_updated: bool) -> bool:
+    """Whether the rollout engine gets the weights after `step`: after an update every `rollout.sync_every` steps and
+    before a validation; under `rollout.staleness` only before a validation (the rollouts sync the sampler's)."""
+    if s.engine is None:
+        return False
+    if s.lagged is not None:
+        return _validation_due(s.cfg, step)
+    return actor_updated and (step % s.cfg.rollout.sync_every == 0 or _validation_due(s.cfg, step))
+
+
+def _ahead_due(cfg: Config, step: int) -> bool:
+    """Whether the rollout of the step after `step` starts before `step`'s update (`rollout.overlap`)."""
+    return cfg.rollout.overlap and step < cfg.train.steps

@@ -37,7 +37,7 @@ from rldynamics.algo.filter import loss_scale
 from rldynamics.algo.rollout_corr import mismatch_metrics
 from rldynamics.analysis.objective import ActorInputs
 from rldynamics.analysis.probe import ProbeResult, ProbeSettings, gradient_probe
-from rldynamics.config import Config, ConfigError
+from rldynamics.config import Config, ConfigError, separate_analysis_batch
 from rldynamics.dist import too_few_groups
 from rldynamics.models.lora import trainable
 from rldynamics.rollout.batch import RolloutBatch
@@ -124,23 +124,16 @@ class GradientAnalysis(Diagnostic):
             self.dumper.close()  # every queued gradient dump is on disk (or its error raised) before the run ends
 
 
-def uses_separate_batch(cfg: Config) -> bool:
-    """Whether the analysis draws its own batch rather than reusing the training batch."""
-    a, t = cfg.analysis, cfg.train
-    return (a.env_groups is not None and a.env_groups != t.env_groups) or (
-        a.group_size is not None and a.group_size != t.group_size)
-
-
 def run_analysis(s: Session, step: int, filtered: Filtered | None, prepared: Prepared | None, seed_step: int,
                  submit: Callable[[Path, dict], None]) -> dict[str, float]:
     """Analyse the filtered training batch, prepared for its update (or a separate batch drawn with the seeds of step
     `seed_step` and prepared here by the same stages), and write the artefacts of `step` (gradient dumps through
     `submit`); returns the metrics."""
     cfg = s.cfg
-    metrics: dict[str, float] = {_own("uses_training_batch"): float(not uses_separate_batch(cfg)),
+    metrics: dict[str, float] = {_own("uses_training_batch"): float(not separate_analysis_batch(cfg)),
                                  _own("parameters"): float(sum(p.numel() for p in trainable(s.model)))}
     passes: list[tuple[str, RolloutBatch, ActorInputs, dict[int, float], float]] = []
-    if uses_separate_batch(cfg):
+    if separate_analysis_batch(cfg):
         passes, drawn = _separate_batch_passes(s, seed_step)
         metrics.update(drawn)
     elif filtered is not None and len(filtered.batch) > 0:

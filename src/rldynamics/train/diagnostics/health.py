@@ -205,7 +205,8 @@ def _refused(rule: str, x: Signals) -> str:
 def signals(cfg: Config, record: StepRecord) -> Signals:
     """The numbers the rules read, from the step's typed results."""
     x = Signals(step=record.step, progress=record.step / cfg.train.steps, first_step=record.step == 1,
-                sampler_is_trainer=cfg.rollout.engine == "hf")
+                sampler_is_trainer=cfg.rollout.engine == "hf",
+                staleness=min(cfg.rollout.staleness, record.step - 1))
     if record.rollout is not None:
         batch = record.rollout
         lengths = reply_lengths(batch.response_mask)
