@@ -15,6 +15,7 @@ from rldynamics.algo.losses import (
     aggregation_weights,
     entropy_from_logits,
     kl_penalty,
+    loss_terms,
     masked_mean,
     policy_loss,
     value_loss,
@@ -311,3 +312,32 @@ def test_value_loss_hand_case():
     torch.testing.assert_close(values.grad, torch.tensor([[0.0, 1.0, 0.0]]))
     with pytest.raises(ValueError, match="clip_range"):
         value_loss(values, old, returns, mask, clip_range=0.0)
+
+
+def test_unclipped_importance_sampling_is_minus_ratio_times_advantage_with_no_bound():
+    logp = torch.tensor([[0.0, -1.0, -2.0]], requires_grad=True)  # [1, 3]
+    old = torch.tensor([[-3.0, -1.0, 0.0]])  # ratios e^3, 1, e^-2: far outside any clip range
+    adv = torch.tensor([[1.0, -2.0, 0.5]])
+    mask = torch.ones(1, 3)
+    settings = PolicyLossSettings(kind="is", agg="token-mean")
+    loss, metrics = policy_loss(logp, old, adv, mask, settings)
+    ratio = [math.exp(3.0), 1.0, math.exp(-2.0)]
+    assert loss.item() == pytest.approx(-(ratio[0] * 1.0 - 2.0 * ratio[1] + 0.5 * ratio[2]) / 3, rel=1e-6)
+    loss.backward()
+    assert logp.grad.tolist()[0] == pytest.approx([-ratio[0] / 3, 2.0 / 3, -0.5 * ratio[2] / 3], rel=1e-6)
+    assert metrics["pg_clipfrac"] == 0.0
+
+
+def test_old_from_the_sampler_puts_the_rollout_log_probs_in_the_ratio():
+    logp = torch.tensor([[-0.5, -1.0]], requires_grad=True)  # [1, 2]
+    trainer = torch.tensor([[-0.5, -1.0]])  # the trainer's own: ratio 1
+    sampler = torch.tensor([[-1.5, -0.2]])  # a lagged sampler's
+    adv, mask, ent = torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), torch.zeros(1, 2)
+    plain = PolicyLossSettings(kind="is", agg="token-mean", entropy_coef=0.0)
+    lagged = PolicyLossSettings(kind="is", agg="token-mean", entropy_coef=0.0, old_from="sampler")
+    on_trainer, _ = loss_terms(logp, ent, trainer, adv, mask, plain, rollout_logprobs=sampler)
+    on_sampler, _ = loss_terms(logp, ent, trainer, adv, mask, lagged, rollout_logprobs=sampler)
+    assert on_trainer["pg"].item() == pytest.approx(-1.0)
+    assert on_sampler["pg"].item() == pytest.approx(-(math.exp(1.0) + math.exp(-0.8)) / 2, rel=1e-6)
+    with pytest.raises(ValueError, match="needs the rollout's sampling log-probs"):
+        loss_terms(logp, ent, trainer, adv, mask, lagged)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from rldynamics.config import ConfigError, HealthConfig, make_config
 from rldynamics.tracking.run_dir import read_metrics
 from rldynamics.tracking.step_records import RecordedStep, record_path
 from rldynamics.train.lagged import version_of
+from rldynamics.train.replay import replay_command
 from rldynamics.train.setup import check_world
 from rldynamics.train.trainer import train
 
@@ -94,6 +96,7 @@ def _sampled_logprobs(model_dir: Path, record: RecordedStep) -> tuple[torch.Tens
 def test_step_3_at_staleness_1_is_sampled_by_the_weights_after_step_1(lagged_runs):
     run = lagged_runs["overlapped"]
     record = RecordedStep.read(record_path(run, 3))
+    assert record.policy_version == 1
     after_1, sampled = _sampled_logprobs(run / "checkpoints/step_1/actor", record)
     after_2, _ = _sampled_logprobs(run / "checkpoints/step_2/actor", record)
     assert (after_1 - sampled).abs().max() < 1e-5
@@ -113,6 +116,16 @@ def test_a_killed_run_resumes_sampling_what_an_uninterrupted_one_does(fast_overr
     assert _plain(read_metrics(resumed)) == _plain(read_metrics(straight))
     a, b = _weights(straight, 5), _weights(resumed, 5)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_step_of_a_lagged_run_replays_to_bit_identical_weights_and_rolls_forward(lagged_runs, tmp_path):
+    run = shutil.copytree(lagged_runs["sequential"], tmp_path / "sequential")
+    for step in (3, 4):
+        summary = json.loads((replay_command(run, step, []) / "replay.json").read_text())
+        assert summary["weights_identical"] is True and summary["metrics_identical"] is True
+    shutil.rmtree(run / "checkpoints/step_2")  # step 3 then starts from a retraining of step 2, lag and all
+    summary = json.loads((replay_command(run, 3, []) / "replay.json").read_text())
+    assert summary["weights_identical"] is True
 
 
 @pytest.mark.parametrize(("overrides", "says"), [

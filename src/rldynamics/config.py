@@ -265,8 +265,13 @@ class AlgoConfig:
     """gae | grpo | rloo | reinforce_pp."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group std (False = Dr.GRPO)."""
-    policy_loss: str = one_of("ppo", "ppo", "cispo")
-    """ppo (dual-clip when clip_c is set) | cispo."""
+    policy_loss: str = one_of("ppo", "ppo", "cispo", "is")
+    """ppo (dual-clip when clip_c is set) | cispo | is (unclipped importance sampling, -ratio x advantage: tinker's
+    importance_sampling loss)."""
+    old_logprobs: str = one_of("trainer", "trainer", "sampler")
+    """Where the ratio's pi_old comes from: trainer (its log-probs before the update, verl's decoupled way: the
+    sampler's lag is left to algo.tis_cap / algo.mis) | sampler (the rollout's sampling log-probs, tinker's way and
+    verl's bypass mode: the ratio, its clip and cispo's weight span the lag; TIS / MIS then have nothing to correct)."""
     clip_low: float = within(0.2, 0, high=1)
     """Lower clip range (ppo): ratio >= 1 - clip_low, in [0, 1)."""
     clip_high: float = within(0.28, 0)
@@ -974,6 +979,9 @@ def _validate_algo(cfg: Config) -> None:
             raise ConfigError(f"{key}=1 with algo.adv_estimator={estimator}: a group-relative "
                               f"baseline needs >= 2 replies per prompt; set {key} >= 2, or "
                               "algo.adv_estimator=reinforce_pp or gae (baselines without groups)")
+    if cfg.algo.old_logprobs == "sampler" and (cfg.algo.tis_cap is not None or cfg.algo.mis):
+        raise ConfigError("algo.old_logprobs=sampler puts the sampler's log-probs in the ratio, which leaves "
+                          "algo.tis_cap and algo.mis nothing to correct; give one of them")
     if cfg.algo.clip_low >= 1:
         raise ConfigError(f"algo.clip_low={cfg.algo.clip_low} leaves PPO's ratio no lower bound "
                           "(1 - clip_low); give a value in [0, 1) (algo.clip_high bounds it above)")

@@ -121,7 +121,9 @@ class PolicyLossSettings:
     :func:`kl_penalty`, ``tis_cap`` / ``mis_band`` by :func:`rollout_correction_weights`.
     """
 
-    kind: str = "ppo"  # a key of POLICY_LOSSES: ppo (dual clip when clip_c is set) | cispo
+    kind: str = "ppo"  # a key of POLICY_LOSSES: ppo (dual clip when clip_c is set) | cispo | is (unclipped)
+    old_from: str = "trainer"  # π_old of the ratio: trainer (its log-probs before the update) | sampler (the
+    # rollout's sampling log-probs: the ratio then spans the sampler's lag, and TIS / MIS have nothing to correct)
     clip_low: float = 0.2  # ppo: ratio >= 1 - clip_low, in [0, 1) (cispo ignores it)
     clip_high: float = 0.28  # >= 0. ppo: ratio <= 1 + clip_high; cispo: the IS weight's cap 1 + clip_high
     clip_c: float | None = 3.0  # ppo dual clip: a token with A < 0 loses at most -A·clip_c; > 1, None = off
@@ -137,6 +139,8 @@ class PolicyLossSettings:
     def __post_init__(self) -> None:
         if self.kind not in POLICY_LOSSES:
             raise ValueError(f"kind must be one of {tuple(POLICY_LOSSES)}, got {self.kind!r}")
+        if self.old_from not in ("trainer", "sampler"):
+            raise ValueError(f"old_from must be trainer or sampler, got {self.old_from!r}")
         if not 0.0 <= self.clip_low < 1.0 or self.clip_high < 0.0:
             raise ValueError(f"clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
         if self.clip_c is not None and self.clip_c <= 1.0:
@@ -205,9 +209,24 @@ def cispo_token_loss(logprobs: torch.Tensor, ratio: torch.Tensor, advantages: to
     return per_token, {"pg_clipfrac": clipfrac, "pg_clipfrac_lower": 0.0}  # [N, T]
 
 
+def is_token_loss(logprobs: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+                  settings: PolicyLossSettings) -> tuple[torch.Tensor, dict[str, float]]:
+    """Unclipped importance sampling (tinker's ``importance_sampling`` loss), per token: ``L = -r·A``, so the
+    gradient is ``-r·A·∇logπ`` with no bound on the ratio (``settings`` is not read).
+
+    Args:
+        logprobs, ratio, advantages, response_mask: ``[N, T]`` each; ``ratio`` = π / π_old (carries the gradient).
+
+    Returns:
+        ``(per-token loss [N, T], {"pg_clipfrac": 0, "pg_clipfrac_lower": 0})``.
+    """
+    return -advantages * ratio, {"pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0}  # [N, T]
+
+
 PolicyTokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PolicyLossSettings],
                            tuple[torch.Tensor, dict[str, float]]]
-POLICY_LOSSES: dict[str, PolicyTokenLoss] = {"ppo": ppo_token_loss, "cispo": cispo_token_loss}  # algo.policy_loss
+POLICY_LOSSES: dict[str, PolicyTokenLoss] = {"ppo": ppo_token_loss, "cispo": cispo_token_loss,
+                                              "is": is_token_loss}  # algo.policy_loss
 
 
 def policy_loss(
@@ -377,8 +396,9 @@ def loss_terms(
     Args:
         logprobs: ``[N, T]`` current-policy token log-probs (carries the gradient).
         entropy: ``[N, T]`` entropy of each predictive distribution (carries the gradient).
-        old_logprobs: ``[N, T]`` behaviour-policy log-probs; ``None`` = the update is on the behaviour policy
-            itself, so ``logprobs`` detached stand in for them (ratio exactly 1).
+        old_logprobs: ``[N, T]`` the trainer's log-probs before the update; ``None`` = the update is on that
+            policy itself, so ``logprobs`` detached stand in for them (ratio exactly 1). With
+            ``settings.old_from == "sampler"`` the ratio's π_old is ``rollout_logprobs`` instead.
         advantages: ``[N, T]``.
         response_mask: ``[N, T]`` tokens that are trained on.
         settings: the policy loss (see :func:`policy_loss`), ``agg``, ``kl_type`` (see :func:`kl_penalty`) and the
@@ -391,8 +411,12 @@ def loss_terms(
     Returns:
         ``({"pg", "entropy", "kl" (with a reference), "reward/<name>" per component}, pg metrics)``.
     """
-    old = logprobs.detach() if old_logprobs is None else old_logprobs  # [N, T]
+    old = logprobs.detach() if old_logprobs is None else old_logprobs  # [N, T] the trainer's
     weights = _correction_weights(old, rollout_logprobs, response_mask, settings)  # [N, T] or None
+    if settings.old_from == "sampler":
+        if rollout_logprobs is None:
+            raise ValueError("old_from='sampler' needs the rollout's sampling log-probs (rollout_logprobs)")
+        old = rollout_logprobs  # [N, T]
 
     def pg_loss(adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         return policy_loss(logprobs, old, adv, response_mask, settings, token_weights=weights)

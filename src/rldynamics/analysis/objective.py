@@ -39,7 +39,7 @@ def policy_loss_settings(cfg: AlgoConfig) -> PolicyLossSettings:
     return PolicyLossSettings(kind=cfg.policy_loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_c,
                               cispo_clip_low=cfg.cispo_clip_low, agg=cfg.loss_agg_mode, kl_type=cfg.kl_type,
                               entropy_coef=cfg.entropy_coef, kl_coef=cfg.kl_coef, tis_cap=cfg.tis_cap,
-                              mis_band=cfg.mismatch_band if cfg.mis else None)
+                              mis_band=cfg.mismatch_band if cfg.mis else None, old_from=cfg.old_logprobs)
 
 
 def actor_terms(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, settings: PolicyLossSettings, *,

@@ -27,7 +27,8 @@ in row-major order; `read_record` returns them unpacked to [N, L] / [M, L] with 
 and the sampler put zeros too). A step's record is therefore about the size of its token ids.
 
 `meta` (JSON): `format`, `step`, `seed_step` (the step whose env and sampling seeds were drawn), `attempt`
-(rollbacks before it), `sampling_seed`, `env_seeds` [N], `reward_names`, `reward_weights`, `env_metrics` [N],
+(rollbacks before it), `sampling_seed`, `policy_version` (with `rollout.staleness`: the step whose weights sampled
+the rollout, 0 = the start), `env_seeds` [N], `reward_names`, `reward_weights`, `env_metrics` [N],
 `reasons` (why it was recorded: `every`, `chosen`, `alarm:<rule>`), `filter` (kept ratio, mean group reward std),
 `passes` (which no-grad passes the step ran: `old_logprobs`, `ref_logprobs`), `update` (per optimizer step: grad
 norm, clipped, skipped, refused by a guard; the step's `actor/*` losses), `weights_after` (SHA-256 of the actor's
@@ -177,6 +178,7 @@ class RecordedStep:
     entropy: np.ndarray | None = None  # [M, L] float32
     attempt: int = 0
     sampling_seed: int | None = None
+    policy_version: int | None = None  # rollout.staleness: the step whose weights sampled the rollout (None: these)
     threads: int | None = None
     reasons: tuple[str, ...] = ()
     kept_ratio: float | None = None  # the filter's
@@ -209,7 +211,8 @@ class RecordedStep:
                    env_seeds=tuple(meta.get("env_seeds", ())), env_metrics=tuple(meta.get("env_metrics", ())),
                    reward_names=tuple(meta.get("reward_names", ())),
                    reward_weights=tuple(meta.get("reward_weights", ())), attempt=meta.get("attempt", 0),
-                   sampling_seed=meta.get("sampling_seed"), threads=meta.get("threads"),
+                   sampling_seed=meta.get("sampling_seed"), policy_version=meta.get("policy_version"),
+                   threads=meta.get("threads"),
                    reasons=tuple(meta.get("reasons", ())),
                    kept_ratio=filt.get("kept_ratio") if filt else None,
                    reward_std=filt.get("reward_std") if filt else None,
@@ -230,6 +233,8 @@ class RecordedStep:
                                 "pieces": {str(k): v for k, v in self.pieces.items()}}
         if self.run_id is not None:
             meta["run"] = {"id": self.run_id, "name": self.run_name}
+        if self.policy_version is not None:
+            meta["policy_version"] = self.policy_version
         if self.kept_ratio is not None:
             meta["filter"] = {"kept_ratio": self.kept_ratio, "reward_std": self.reward_std}
         if self.old_logprobs_pass is not None:

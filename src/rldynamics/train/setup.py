@@ -69,7 +69,7 @@ from rldynamics.train.checkpoint import (
 )
 from rldynamics.train.diagnostics import build_diagnostics
 from rldynamics.train.diagnostics import check_world as check_diagnostics_world
-from rldynamics.train.diagnostics.base import PROBE, TRAIN
+from rldynamics.train.diagnostics.base import ROLL_FORWARD, TRAIN
 from rldynamics.train.lagged import LaggedPolicy
 from rldynamics.train.session import Session, Start
 from rldynamics.train.snapshots import Snapshots
@@ -268,9 +268,10 @@ def make_session(cfg: Config, run_dir: Path, start: Start, job: str = TRAIN) -> 
 
 
 def lagged_policy(cfg: Config, model, start: Start, engine, job: str) -> LaggedPolicy | None:
-    """The sampler of a training run with `rollout.staleness` >= 1 (its earlier versions from the resumed
-    checkpoint's `sampler.pt`); None on-policy and for a probe, which samples the weights it probes."""
-    if cfg.rollout.staleness == 0 or job == PROBE:
+    """The sampler of a training run (or a replay's retraining) with `rollout.staleness` >= 1, its earlier versions
+    from the resumed checkpoint's `sampler.pt`; None on-policy, for a probe (it samples the weights it probes) and for
+    a replay (it takes the recorded rollout)."""
+    if cfg.rollout.staleness == 0 or job not in (TRAIN, ROLL_FORWARD):
         return None
     history = read_sampler(start.checkpoint) if start.checkpoint is not None else None
     try:

@@ -131,6 +131,8 @@ def begin(s: Session, due: list[Diagnostic], record: StepRecord, stopper: EarlyS
     seeds, the ROLLOUT diagnostics, the filter and the early stopper's word on it."""
     rollout = roll_out(s, record.step, record.seed_step)
     record.rollout, record.sampling_seed = rollout.batch, sampling_seed(s, record.seed_step)
+    if s.lagged is not None:
+        record.policy_version = version_of(record.step, s.cfg.rollout.staleness)
     record.add(rollout.metrics)
     run_point(s, due, ROLLOUT, record)
     record.filtered = filter_batch(rollout.batch, s.cfg.filter)

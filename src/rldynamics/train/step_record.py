@@ -26,6 +26,7 @@ class StepRecord:
     step: int  # the step the row is logged at
     seed_step: int  # the step whose env and sampling seeds were drawn (a probe: always 1)
     sampling_seed: int | None = None  # the rollout's sampling seed (set with the rollout)
+    policy_version: int | None = None  # rollout.staleness: the step whose weights sampled it (None: the current)
     rollout: RolloutBatch | None = None  # the whole rollout, before the filter
     filtered: Filtered | None = None  # the filter's outcome
     prepared: Prepared | None = None  # the update's inputs (None: the filter kept nothing)
