@@ -1,7 +1,7 @@
 """How stale may a rollout be? Staleness 0-3 x the policy loss on the tiny model, against the on-policy control
 (docs/staleness.md).
 
-    python bench/staleness.py run [--lags lag0,lag1,lag3] [--arms pg,tis,mis,ppo_sampler,cispo,is] [--seeds 0-4]
+    python bench/staleness.py run [--lags lag0,lag1,lag2,lag3] [--arms pg,tis,mis,ppo_sampler,cispo,is] [--seeds 0-4]
         [--parallel 2] [--out runs/staleness] [key=value ...]
     python bench/staleness.py table [--out runs/staleness]
 
@@ -39,7 +39,7 @@ from rldynamics import metric_names as names
 from rldynamics.tracking.run_dir import read_events, read_metrics
 
 PRESET = "math-tiny"
-SETTINGS = ["train.steps=60", "val.every=20", "val.env_groups=256", "analysis.enabled=false",
+SETTINGS = ["train.steps=100", "analysis.enabled=false",  # the preset's validation: 512 problems every 25 steps
             "early_stop.enabled=false", "log.progress=false", "train.row_seeded_sampling=true"]
 SAMPLER = ["algo.old_logprobs=sampler"]
 ARMS = {  # loss -> overrides
@@ -117,7 +117,7 @@ def table(out: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("run", "table"))
-    parser.add_argument("--lags", default="lag0,lag1,lag3")
+    parser.add_argument("--lags", default="lag0,lag1,lag2,lag3")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--seeds", default="0-4")
     parser.add_argument("--parallel", type=int, default=1)

@@ -123,9 +123,10 @@ def test_a_step_of_a_lagged_run_replays_to_bit_identical_weights_and_rolls_forwa
     for step in (3, 4):
         summary = json.loads((replay_command(run, step, []) / "replay.json").read_text())
         assert summary["weights_identical"] is True and summary["metrics_identical"] is True
-    shutil.rmtree(run / "checkpoints/step_2")  # step 3 then starts from a retraining of step 2, lag and all
+    shutil.rmtree(run / "checkpoints/step_2")  # step 3 then starts from a retraining of step 2
     summary = json.loads((replay_command(run, 3, []) / "replay.json").read_text())
     assert summary["weights_identical"] is True
+    assert (run / "replays/roll_forward/checkpoints/step_2/sampler.pt").is_file()  # it sampled with the lag too
 
 
 @pytest.mark.parametrize(("overrides", "says"), [

@@ -42,6 +42,7 @@ examples:
   rldyn train --preset gsm8k-grpo model.path=/models/Qwen2.5-3B-Instruct env.math.source=/data/gsm8k/train.jsonl
   rldyn train --preset math-tiny env.reward_funcs=[my_rewards:near_20_chars] env.reward_weights.near_20_chars=0.5  # TRL-style
   rldyn train env.name=prompts env.max_turns=1 env.prompts.source=/data/my_set env.reward_funcs=[my_rewards:says_answer,my_rewards:near_20_chars]
+  rldyn train rollout.staleness=1 rollout.overlap=true train.row_seeded_sampling=true  # next rollout during the update
   rldyn train --nproc 8 --preset sokoban-ppo model.path=/models/Qwen2.5-3B   # 8 GPUs, FSDP2 (docs/multi-device.md)
   torchrun --nproc-per-node 8 -m rldynamics.cli train --preset sokoban-ppo   # the same, launched by hand
 """
