@@ -1,11 +1,12 @@
 """How stale may a rollout be? Staleness 0-3 x the policy loss on the tiny model, against the on-policy control
 (docs/staleness.md).
 
-    python bench/staleness.py run [--lags lag0,lag1,lag2,lag3] [--arms pg,tis,mis,ppo_sampler,cispo,is] [--seeds 0-4]
+    python bench/staleness.py run [--preset math-tiny] [--lags lag0,lag1,lag2,lag3] [--arms pg,tis,mis,ppo_sampler,cispo,is] [--seeds 0-4]
         [--parallel 2] [--out runs/staleness] [key=value ...]
     python bench/staleness.py table [--out runs/staleness]
 
-Each (lag, loss, seed) is one `rldyn train` process of `PRESET` (`false_alarms.run_one`: one torch thread, a
+Each (lag, loss, seed) is one `rldyn train` process of `--preset` (default math-tiny; `math-smollm2` for the real
+model, with e.g. `train.steps=20 val.every=10`) (`false_alarms.run_one`: one torch thread, a
 finished run skipped, an interrupted one resumed) into OUT/<lag>-<loss>/<preset>/seed<s>, early stopping off and
 the health rules at their defaults (they warn, never act). A lag of N is `rollout.staleness=N`, sampled with keyed
 streams and taking turns with the update (`rollout.overlap` gives the same runs bit for bit, on two threads). At
@@ -19,7 +20,8 @@ clipped weight with π_old the sampler's; `is` unclipped importance sampling aga
 
 `table` reads the run directories. Per lag and loss: runs, held-out success at the end (mean over seeds ± their
 standard error) and its difference from the lag-0 control in standard errors of the difference; the runs whose
-training success fell (`atlas.fall`: two steps in a row more than 0.1 below the start) and the median step it fell;
+held-out success fell (a validation 2 standard errors of the difference below the run's start) and the median step
+of that validation;
 the first health rule above `record` (the most common one, and the median step) and the median lead (the step
 success fell minus the rule's step: positive = it warned before); the mean sampler/trainer KL (`rollout/corr/k3_kl`).
 """
@@ -33,12 +35,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from atlas import fall
 from false_alarms import ABOVE_RECORD, run_grid, run_one, validation
 from rldynamics import metric_names as names
 from rldynamics.tracking.run_dir import read_events, read_metrics
 
-PRESET = "math-tiny"
+PRESETS = ("math-tiny", "math-smollm2")  # the math env: `atlas.fall` reads its success
 SETTINGS = ["train.steps=100", "analysis.enabled=false",  # the preset's validation: 512 problems every 25 steps
             "early_stop.enabled=false", "log.progress=false", "train.row_seeded_sampling=true"]
 SAMPLER = ["algo.old_logprobs=sampler"]
@@ -51,6 +52,7 @@ ARMS = {  # loss -> overrides
     "is": [*SAMPLER, "algo.policy_loss=is"],
 }
 CONTROL = "lag0-pg"
+SE_FACTOR = 2.0  # standard errors that make a fall
 
 
 def lag_of(name: str) -> int:
@@ -58,18 +60,25 @@ def lag_of(name: str) -> int:
     return int(name.removeprefix("lag"))
 
 
-def run(lag: str, arm: str, seed: int, out: Path, extra: list[str]) -> Path | None:
+def run(preset: str, lag: str, arm: str, seed: int, out: Path, extra: list[str]) -> Path | None:
     if lag_of(lag) == 0 and arm != "pg":
         return None  # the same update as pg at lag 0
-    return run_one(PRESET, seed, out / f"{lag}-{arm}", None,
+    return run_one(preset, seed, out / f"{lag}-{arm}", None,
                    [*SETTINGS, f"rollout.staleness={lag_of(lag)}", *ARMS[arm], *extra])
+
+
+def fell_at(val: list[tuple[int, float, float]]) -> int | None:
+    """The first validation step whose success is `SE_FACTOR` standard errors of the difference below the start's
+    (the standard errors clustered by problem); None: none was."""
+    _, start, start_se = val[0]
+    return next((step for step, x, se in val[1:] if x < start - SE_FACTOR * math.hypot(start_se, se)), None)
 
 
 def summarize(run_dir: Path) -> dict:
     """One run: its final held-out success, the step training success fell, its first rule above record."""
     rows = read_metrics(run_dir)
     val = validation(run_dir)
-    _, fell = fall(rows, env="math", val_start=False)
+    fell = fell_at(val)
     events = [e for e in read_events(run_dir) if e.get("action") in ABOVE_RECORD]
     first = min(events, key=lambda e: e["step"]) if events else None
     kl = [r[names.rollout_corr("k3_kl")] for r in rows if names.rollout_corr("k3_kl") in r]
@@ -78,7 +87,7 @@ def summarize(run_dir: Path) -> dict:
 
 
 def _runs(out: Path, cell: str) -> list[Path]:
-    return sorted(p.parent for p in (out / cell / PRESET).glob("seed*/metrics.jsonl") if len(validation(p.parent)) >= 2)
+    return sorted(p.parent for p in (out / cell).glob("*/seed*/metrics.jsonl") if len(validation(p.parent)) >= 2)
 
 
 def _mean_se(xs: list[float]) -> tuple[float, float]:
@@ -117,6 +126,7 @@ def table(out: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("run", "table"))
+    parser.add_argument("--preset", default=PRESETS[0], choices=PRESETS)
     parser.add_argument("--lags", default="lag0,lag1,lag2,lag3")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--seeds", default="0-4")
@@ -126,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     if args.what == "run":
         run_grid(args.out, args.lags, args.arms, args.seeds, args.parallel,
-                 lambda lag, arm, seed: run(lag, arm, seed, args.out, args.extra))
+                 lambda lag, arm, seed: run(args.preset, lag, arm, seed, args.out, args.extra))
     print(table(args.out))
     return 0
 

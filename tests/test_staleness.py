@@ -22,7 +22,7 @@ from rldynamics.analysis.health_rules import Mismatch, Signals
 from rldynamics.config import ConfigError, HealthConfig, make_config
 from rldynamics.tracking.run_dir import read_metrics
 from rldynamics.tracking.step_records import RecordedStep, record_path
-from rldynamics.train.lagged import version_of
+from rldynamics.train.lagged import LaggedPolicy, version_of
 from rldynamics.train.replay import replay_command
 from rldynamics.train.setup import check_world
 from rldynamics.train.trainer import train
@@ -48,6 +48,23 @@ def test_version_of_lags_by_the_staleness_and_starts_at_the_first_weights():
     assert [version_of(t, 0) for t in range(1, 5)] == [0, 1, 2, 3]
     assert [version_of(t, 1) for t in range(1, 5)] == [0, 0, 1, 2]
     assert [version_of(t, 3) for t in range(1, 7)] == [0, 0, 0, 0, 1, 2]
+
+
+def test_the_sampler_holds_the_lagged_version_and_keeps_only_what_later_steps_need():
+    model = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    lagged = LaggedPolicy(2, model, start=0)
+    for step in (1, 2, 3):
+        assert torch.equal(lagged.model_for(step).weight, torch.zeros(1, 2))  # version 0 until step 4
+        with torch.no_grad():
+            model.weight.fill_(float(step))  # "the update" of step
+        lagged.keep(step, model)
+    assert sorted(lagged.versions) == [1, 2, 3]  # step 4 samples version 1, later steps 2 and 3
+    assert torch.equal(lagged.model_for(4).weight, torch.full((1, 2), 1.0))
+    assert sorted(lagged.saved(3)) == [1, 2] and model.weight.requires_grad
+    assert not lagged.sampler.weight.requires_grad
+    with pytest.raises(ValueError, match=r"versions \[3\] are not kept"):
+        LaggedPolicy(2, model, start=5, history={4: lagged.versions[2]})
 
 
 @pytest.fixture(scope="module")
