@@ -70,6 +70,7 @@ class Rollout:
 
     batch: RolloutBatch  # every group of the step
     metrics: dict[str, float]  # `<env>/*` summaries, reward components and statistics, `timing_s/gen`
+    policy_version: int | None = None  # rollout.staleness: the step whose weights sampled it (None: the current)
 
 
 @dataclass
@@ -92,22 +93,20 @@ def roll_out(s: Session, step: int, seed_step: int) -> Rollout:
         metrics = {names.timing("gen"): time.perf_counter() - start}
     else:
         batch, metrics = ahead.batch, {names.timing("gen"): ahead.seconds, names.timing("gen_wait"): ahead.waited}
-    lag = {}
-    if s.lagged is not None:
-        version = version_of(step, cfg.rollout.staleness)
-        lag = {names.POLICY_VERSION: float(version), names.STALENESS: float(step - 1 - version)}
-    metrics.update(lag)
+    version = version_of(step, cfg.rollout.staleness) if s.lagged is not None else None
+    if version is not None:
+        metrics.update({names.POLICY_VERSION: float(version), names.STALENESS: float(step - 1 - version)})
     metrics.update(env_metric_summary(batch, names.env_prefix(cfg.env.name), cfg.train.group_size))
     metrics.update(reward_component_metrics(batch.reward_components, batch.reward_names, batch.group_ids))
     rows = reward_rows(batch, step, s.tokenizer)
-    for row in rows if lag else ():
-        row["policy_version"] = int(lag[names.POLICY_VERSION])  # each trajectory: the weights that sampled it
+    for row in rows if version is not None else ():
+        row["policy_version"] = version  # each trajectory: the weights that sampled it
     if s.main:
         s.writer.log_rewards(rows)
     metrics.update(reward_stats(rows, batch.reward_names))
     _log_samples(s, step, batch)
     crash_point("samples", step)
-    return Rollout(batch, metrics)
+    return Rollout(batch, metrics, version)
 
 
 def generation(s: Session, step: int, seed_step: int) -> Callable[[], RolloutBatch]:
@@ -131,8 +130,7 @@ def begin(s: Session, due: list[Diagnostic], record: StepRecord, stopper: EarlyS
     seeds, the ROLLOUT diagnostics, the filter and the early stopper's word on it."""
     rollout = roll_out(s, record.step, record.seed_step)
     record.rollout, record.sampling_seed = rollout.batch, sampling_seed(s, record.seed_step)
-    if s.lagged is not None:
-        record.policy_version = version_of(record.step, s.cfg.rollout.staleness)
+    record.policy_version = rollout.policy_version
     record.add(rollout.metrics)
     run_point(s, due, ROLLOUT, record)
     record.filtered = filter_batch(rollout.batch, s.cfg.filter)
