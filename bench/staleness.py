@@ -1,8 +1,8 @@
 """How stale may a rollout be? Staleness 0-3 x the policy loss on the tiny model, against the on-policy control
 (docs/staleness.md).
 
-    python bench/staleness.py run [--preset math-tiny] [--lags lag0,lag1,lag2,lag3] [--arms pg,tis,mis,ppo_sampler,cispo,is] [--seeds 0-4]
-        [--parallel 2] [--out runs/staleness] [key=value ...]
+    python bench/staleness.py run [--preset math-tiny] [--lags lag0,lag1,lag2,lag3]
+        [--arms pg,tis,mis,ppo_sampler,cispo,is] [--seeds 0-4] [--parallel 2] [--out runs/staleness] [key=value ...]
     python bench/staleness.py table [--out runs/staleness]
 
 Each (lag, loss, seed) is one `rldyn train` process of `--preset` (default math-tiny; `math-smollm2` for the real
