@@ -224,7 +224,7 @@ def signals(cfg: Config, record: StepRecord) -> Signals:
         x.zero_variance_share = sum(v <= 1e-8 for v in stds) / len(stds)
     if record.prepared is not None and record.prepared.entropy is not None:
         x.entropy = record.prepared.entropy
-    _update_signals(x, record)
+    _update_signals(x, record, cfg.algo.old_logprobs)
     x.mismatch_kl = _mismatch_kl(record)
     collapse: CollapseResult | None = record.result_of(Collapse)
     x.mi = collapse.mi if collapse is not None else None
@@ -244,7 +244,7 @@ def _validation_signals(x: Signals, cfg: Config, validation) -> None:
     x.val_se = se if se is not None and problems >= 2 else None
 
 
-def _update_signals(x: Signals, record: StepRecord) -> None:
+def _update_signals(x: Signals, record: StepRecord, old_from: str) -> None:
     update = record.update
     if update is None:
         return
@@ -253,7 +253,9 @@ def _update_signals(x: Signals, record: StepRecord) -> None:
     x.grad_norms = tuple(t.grad_norm for t in update.steps if t.signal)
     x.non_finite_skips = sum(not math.isfinite(t.grad_norm) for t in update.steps)
     x.refused = sum(t.skipped and math.isfinite(t.grad_norm) for t in update.steps)
-    x.first_ppo_kl = update.steps[0].stats.get("ppo_kl") if update.steps else None
+    # with the sampler's log-probs as pi_old (algo.old_logprobs=sampler) the first step's PPO KL is the mismatch, not ~0
+    on_trainer = old_from == "trainer"
+    x.first_ppo_kl = update.steps[0].stats.get("ppo_kl") if update.steps and on_trainer else None
     x.ppo_kl, x.clipfrac, x.kl_ref = update.ppo_kl, update.clipfrac_high + update.clipfrac_low, update.kl_loss
 
 
