@@ -329,7 +329,8 @@ def read_sampler(path: Path) -> dict:
     if not file.is_file():
         return {}
     versions = _torch_load(file)
-    if not isinstance(versions, dict) or not all(isinstance(v, int) and isinstance(w, dict) for v, w in versions.items()):
+    if not isinstance(versions, dict) or not all(isinstance(v, int) and isinstance(w, dict)
+                                                 for v, w in versions.items()):
         raise CheckpointError(f"{file}: expected the sampler's versions (step -> weights)")
     return versions
 
