@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from rldynamics.analysis.health_rules import Mismatch, Signals
 from rldynamics.config import ConfigError, HealthConfig, make_config
+from rldynamics.models.precision import compute_in, enable_checkpointing
 from rldynamics.tracking.run_dir import read_metrics
 from rldynamics.tracking.step_records import RecordedStep, record_path
 from rldynamics.train.lagged import LaggedPolicy, version_of
@@ -65,6 +66,40 @@ def test_the_sampler_holds_the_lagged_version_and_keeps_only_what_later_steps_ne
     assert not lagged.sampler.weight.requires_grad
     with pytest.raises(ValueError, match=r"versions \[3\] are not kept"):
         LaggedPolicy(2, model, start=5, history={4: lagged.versions[2]})
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x, **kwargs):  # a transformer block's cache keywords
+        return self.linear(x)
+
+
+class _Net(torch.nn.Module):
+    _no_split_modules = ["_Block"]
+
+    def __init__(self):
+        super().__init__()
+        self.block = _Block()
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def test_the_sampler_of_a_mixed_precision_checkpointed_model_computes_with_its_own_weights():
+    # the wrappers that compute_in and enable_checkpointing put on `forward` must follow a deep copy: closures over
+    # the original's bound methods made a bfloat16 sampler compute with the trainer's current weights
+    model = enable_checkpointing(compute_in(_Net(), "bfloat16"))
+    lagged = LaggedPolicy(1, model, start=0)
+    x = torch.ones(2, 4)
+    before = lagged.model_for(1)(x)
+    with torch.no_grad():
+        model.block.linear.weight.add_(1.0)  # the trainer's update
+    assert torch.equal(lagged.model_for(2)(x), before)  # step 2 still samples version 0
+    assert not torch.equal(model(x), before)
+    assert model(x).dtype == torch.bfloat16 and lagged.sampler(x).dtype == torch.bfloat16
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,30 @@ from rldynamics.models.sharding import is_sharded
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+class BoundWrapper:
+    """A module's bound method wrapped in an object rather than a closure, so that a deep copy of the module (the
+    lagged sampler of `train/lagged.py`) calls the copy's own method: `copy.deepcopy` rebinds a bound method held
+    in an object's attributes to the copied module, but shares a closure's captured method with the original."""
+
+    def __init__(self, method):
+        functools.update_wrapper(self, method)  # its signature, for callers that inspect `forward`
+
+    def __call__(self, *args, **kwargs):
+        return self.__wrapped__(*args, **kwargs)
+
+
+class InAutocast(BoundWrapper):
+    """`method` called under autocast to `dtype` on `device`."""
+
+    def __init__(self, method, device: str, dtype: torch.dtype):
+        super().__init__(method)
+        self.device, self.dtype = device, dtype
+
+    def __call__(self, *args, **kwargs):
+        with torch.autocast(device_type=self.device, dtype=self.dtype):
+            return self.__wrapped__(*args, **kwargs)
+
+
 def compute_in(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
     """Run every call of `model` under autocast in `dtype` (float32: unchanged). Parameters stay as they are."""
     if dtype == "float32":
@@ -39,9 +63,9 @@ def compute_in(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
     device = next(model.parameters()).device.type
     if device == "cpu" and dtype == "bfloat16":
         attend_in_float32(model)
-    model.forward = torch.autocast(device_type=device, dtype=COMPUTE_DTYPES[dtype])(model.forward)
+    model.forward = InAutocast(model.forward, device, COMPUTE_DTYPES[dtype])
     if hasattr(model, "generate"):  # one autocast around all decode steps: each weight is cast once per generate
-        model.generate = torch.autocast(device_type=device, dtype=COMPUTE_DTYPES[dtype])(model.generate)
+        model.generate = InAutocast(model.generate, device, COMPUTE_DTYPES[dtype])
     model.rldyn_compute_dtype = dtype
     return model
 
@@ -113,7 +137,7 @@ def enable_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
         raise ValueError(f"model.gradient_checkpointing=true: {type(model).__name__} lists no transformer block class "
                          "(_no_split_modules), so there is nothing to checkpoint; set model.gradient_checkpointing=false")
     for layer in layers:
-        layer.forward = _checkpointed(layer.forward)
+        layer.forward = _Checkpointed(layer.forward)
     model.rldyn_checkpointing = True
     return model
 
@@ -127,11 +151,11 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
-def _checkpointed(forward):
+class _Checkpointed(BoundWrapper):
     """`forward` of one block, recomputed in backward when gradients are on and it holds no cached positions."""
 
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
+    def __call__(self, *args, **kwargs):
+        forward = self.__wrapped__
         name = "cache" if "cache" in kwargs else "past_key_values"  # transformers 5.24 renamed the keyword
         cache = kwargs.get(name)
         if not torch.is_grad_enabled() or (cache is not None and cache.get_seq_length() > 0):
@@ -140,5 +164,3 @@ def _checkpointed(forward):
         if "use_cache" in kwargs:
             kwargs["use_cache"] = False
         return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=False)
-
-    return run
