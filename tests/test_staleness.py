@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from conftest import FAST
 from rldynamics.analysis.health_rules import Mismatch, Signals
 from rldynamics.config import ConfigError, HealthConfig, make_config
 from rldynamics.models.precision import compute_in, enable_checkpointing
@@ -105,8 +106,6 @@ def test_the_sampler_of_a_mixed_precision_checkpointed_model_computes_with_its_o
 @pytest.fixture(scope="module")
 def lagged_runs(tmp_path_factory, tiny_cache):
     """The default (multi-turn) preset 4 steps at staleness 1, sequential and with the rollouts overlapped."""
-    from tests.conftest import FAST
-
     mp = pytest.MonkeyPatch()
     mp.setenv("RLDYN_CACHE", tiny_cache)
     runs = tmp_path_factory.mktemp("lagged")
