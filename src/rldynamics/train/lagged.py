@@ -84,9 +84,9 @@ class LaggedPolicy:
             self.engine_holds = version
         return self.sampler
 
-    def engine_synced(self, version: int | None) -> None:
-        """The trainer synced the engine with other weights (its own, for a validation: None, no version kept)."""
-        self.engine_holds = version
+    def engine_lent(self) -> None:
+        """The trainer synced the engine with its own weights (for a validation): the next rollout syncs again."""
+        self.engine_holds = None
 
     def keep(self, step: int, model: torch.nn.Module) -> None:
         """Keep the actor's weights after `step` as its version; drop the versions no later step samples with."""

@@ -258,7 +258,7 @@ def sync_engine(s: Session) -> dict[str, float]:
         s.lagged.wait()
     s.engine.sync(s.model)
     if s.lagged is not None:
-        s.lagged.engine_synced(None)  # the trainer's weights: the next rollout syncs the sampler's again
+        s.lagged.engine_lent()  # the trainer's weights: the next rollout syncs the sampler's again
     return {names.timing("weight_sync"): time.perf_counter() - start}
 
 
