@@ -114,7 +114,11 @@ def test_shared_prefix_forward_equals_the_full_forward(setup, data):
     recording = Recording(model)
     lp_s, ent_s, grads_s = _loss_and_grads(recording, ids, attn, mask, positions=mask)
     width = int(attn.sum(1).max())
-    assert recording.shapes == [(2, int(first.max())), (len(ids), int((attn.sum(1) - first).max()))], width
+    suffixes = (attn.sum(1) - first).tolist()
+    packed = len(forward.pack_segments(suffixes, labels, max(suffixes)))
+    if data == "uneven_prefixes":  # suffixes 8, 1, 11 | 10, 6, 5 in rows of 11: [11] [8 1] | [10] [6 5]
+        assert packed == 4
+    assert recording.shapes == [(2, int(first.max())), (packed, max(suffixes))], width
     torch.testing.assert_close(lp_s, lp * mask, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ent_s, ent * mask, rtol=1e-5, atol=1e-6)
     assert (lp_s[mask == 0] == 0).all() and (ent_s[mask == 0] == 0).all()
@@ -126,10 +130,69 @@ def test_shared_prefix_forward_equals_the_full_forward(setup, data):
     torch.testing.assert_close(lp_u, lp_s, rtol=1e-5, atol=1e-6)
 
 
-def test_rows_without_a_shared_prefix_take_one_plain_forward(setup):
-    model, ids, attn, mask = setup
-    rows = torch.tensor([0, 2])  # one row of each group: nothing shared
+def test_rows_without_a_shared_prefix_are_packed_into_one_forward(setup):
+    """Rows of distinct prompts, 12, 5 and 6 tokens: the two short ones share a packed row as wide as the longest,
+    and log-probs, entropies and gradients equal the full forward's."""
+    model = setup[0]
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.zeros(3, 14, dtype=torch.long)
+    attn = torch.zeros(3, 14, dtype=torch.long)
+    mask = torch.zeros(3, 14)
+    for i, (length, prompt) in enumerate([(12, 4), (5, 2), (6, 3)]):
+        ids[i, :length] = torch.randint(3, model.config.vocab_size, (length,), generator=gen)
+        attn[i, :length], mask[i, prompt:length] = 1, 1
+    assert forward.shared_prefix_split(ids, mask[:, 1:].bool()) is None  # nothing shared
+    lp, ent, grads = _loss_and_grads(model, ids, attn, mask)
     recording = Recording(model)
-    with torch.no_grad():
-        token_logprobs(recording, ids[rows], attn[rows], positions=mask[rows])
-    assert recording.shapes == [(2, int(attn[rows].sum(1).max()))]
+    lp_p, ent_p, grads_p = _loss_and_grads(recording, ids, attn, mask, positions=mask)
+    assert recording.shapes == [(2, 12)]  # [12] and [6 5], against 3 x 12 padded
+    torch.testing.assert_close(lp_p, lp * mask, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ent_p, ent * mask, rtol=1e-5, atol=1e-6)
+    for g, g_p in zip(grads, grads_p, strict=True):
+        torch.testing.assert_close(g_p, g, rtol=1e-4, atol=1e-6)
+    recording.shapes.clear()
+    _loss_and_grads(recording, ids, attn, mask, positions=mask, shared_prefix=False)
+    assert recording.shapes == [(3, 12)]  # switched off: whole rows, padded
+
+
+def test_packing_under_eager_attention_equals_the_full_forward(setup):
+    """Eager attention adds its mask to the scores: the packed mask reaches it as 0 / float32's minimum."""
+    import copy
+
+    model = copy.deepcopy(setup[0])
+    model.set_attn_implementation("eager")
+    ids, attn, mask = _uneven_prefix_batch(model.config.vocab_size)
+    assert forward.packs(model)
+    lp, ent, grads = _loss_and_grads(model, ids, attn, mask)
+    lp_p, ent_p, grads_p = _loss_and_grads(model, ids, attn, mask, positions=mask)
+    torch.testing.assert_close(lp_p, lp * mask, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ent_p, ent * mask, rtol=1e-5, atol=1e-6)
+    for g, g_p in zip(grads, grads_p, strict=True):
+        torch.testing.assert_close(g_p, g, rtol=1e-4, atol=1e-6)
+
+
+def test_pack_segments_fits_the_longest_first_into_bins_of_one_group():
+    # lengths 4 3 2 2 1 of groups 0 0 1 0 1 in bins of 5: the 4 alone (the 1 is another group's), 3 + 2, 2 + 1
+    assert forward.pack_segments([4, 3, 2, 2, 1], [0, 0, 1, 0, 1], 5) == [[0], [1, 3], [2, 4]]
+    assert forward.pack_segments([2, 2, 2], [0, 0, 0], 4) == [[0, 1], [2]]  # ties keep the rows' order
+    assert forward.pack_segments([], [], 3) == []
+
+
+def test_packed_mask_keeps_each_token_to_its_prefix_and_its_own_row():
+    row = torch.tensor([[0, 0, 1, -1]])  # [1, 4] row 0's tokens 2 and 3, row 1's token 2, one padding slot
+    token = torch.tensor([[2, 3, 2, 0]])  # [1, 4]
+    prefix = torch.tensor([[1, 1, 0]])  # [1, 3] a 2-token prefix padded to 3
+    allowed = forward.packed_mask(row, token, prefix)[0, 0].int()  # [4, 3 + 4]
+    assert allowed.tolist() == [[1, 1, 0, 1, 0, 0, 0],
+                                [1, 1, 0, 1, 1, 0, 0],
+                                [1, 1, 0, 0, 0, 1, 0],
+                                [0, 0, 0, 0, 0, 0, 1]]  # padding sees only padding
+    assert forward.packed_mask(row, token, None)[0, 0].int().tolist() == [r[3:] for r in allowed.tolist()]
+
+
+def test_a_packed_layout_puts_each_row_after_the_last_in_its_bin():
+    row, token, group = forward.packed_layout(torch.tensor([2, 1, 0]), torch.tensor([5, 3, 1]), [0, 0, 1])
+    assert row.tolist() == [[0, 0, 0], [1, 1, -1], [2, -1, -1]]
+    assert token.tolist() == [[2, 3, 4], [1, 2, 0], [0, 0, 0]] and group.tolist() == [0, 0, 1]
+    row, token, group = forward.packed_layout(torch.tensor([0, 0]), torch.tensor([3, 2]), [0, 0], pack=False)
+    assert row.tolist() == [[0, 0, 0], [1, 1, -1]] and token.tolist() == [[0, 1, 2], [0, 1, 0]]

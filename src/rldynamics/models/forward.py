@@ -15,7 +15,7 @@ from transformers.cache_utils import DynamicLayer
 
 from rldynamics.algo.losses import entropy_from_logits
 from rldynamics.models.lora import underlying
-from rldynamics.models.precision import checkpointing, weights_cast_once
+from rldynamics.models.precision import FLOAT32_SDPA, checkpointing, weights_cast_once
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
@@ -82,11 +82,12 @@ def _selected_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     wanted = wanted & attn[:, 1:].bool()  # [N, W-1] token t, predicted at position t-1
     plain = shared_prefix and caches_plainly(model) and not checkpointing(model)  # a checkpointed block takes no cache
     split = shared_prefix_split(ids, wanted) if plain else None
-    if split is None:
+    pack = shared_prefix and packs(model)
+    if split is None and not pack:
         logits = _logits_at(model, ids, attn, torch.nn.functional.pad(wanted, (0, 1)))  # [M, V]
         rows, cols = wanted.nonzero(as_tuple=True)  # [M], [M] row-major, the order of the logits
     else:
-        logits, rows, cols = _shared_prefix_logits(model, ids, attn, wanted, *split)  # [M, V], [M], [M]
+        logits, rows, cols = _packed_logits(model, ids, attn, wanted, split, pack)  # [M, V], [M], [M]
     logp, ent = _chunked_logprobs(logits, ids[rows, cols + 1], temperature, with_entropy)  # [M], [M] | None
 
     def place(values: torch.Tensor) -> torch.Tensor:
@@ -146,37 +147,131 @@ def caches_plainly(model) -> bool:
     return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
 
 
-def _shared_prefix_logits(model, ids: torch.Tensor, attn: torch.Tensor, wanted: torch.Tensor, first: torch.Tensor,
-                          distinct: torch.Tensor, inverse: torch.Tensor,
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logits at the `wanted` [n, W-1] positions with each distinct prefix forwarded once.
+def pack_segments(lengths: list[int], groups: list[int], capacity: int) -> list[list[int]]:
+    """Segments into bins of at most `capacity` positions, first fit by decreasing length (ties by index), a bin
+    holding segments of one group only (a group's rows share the prefix cache their bin continues).
 
-    The U distinct prefixes (right-padded to the longest, P) are forwarded with a cache; its rows are copied to
-    the n rows (`inverse`), and each row's suffix (its tokens from `first`, left-aligned, S wide) is forwarded on
-    top with its own positions `first + j`. The prefix's last logits predict each row's first response token.
+    Args:
+        lengths: each segment's length (> 0, at most `capacity`).
+        groups: each segment's group.
+    Returns:
+        The bins, each the indices of its segments in the order they are laid out, in the order bins were opened.
+    """
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        at = next((b for b, members in enumerate(bins) if groups[members[0]] == groups[i] and room[b] >= lengths[i]),
+                  None)
+        if at is None:
+            bins.append([])
+            room.append(capacity)
+            at = len(bins) - 1
+        bins[at].append(i)
+        room[at] -= lengths[i]
+    return bins
+
+
+def packed_layout(starts: torch.Tensor, ends: torch.Tensor, groups: list[int], pack: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each row's tokens `starts[i] <= t < ends[i]` go: with `pack`, in packed rows (`pack_segments`,
+    capacity the longest segment); without, one row each, left-aligned. ([n] each)
+
+    Returns (row [B, C]: the row each slot holds, -1 for padding; token [B, C]: the token index it holds, which is
+    also its position id, 0 for padding; bin_group [B]: the group of each packed row).
+    """
+    spans = (ends - starts).tolist()
+    width = max(spans, default=0)
+    bins = pack_segments(spans, groups, width) if pack else [[i] for i in range(len(spans))]
+    row = torch.full((len(bins), width), -1, dtype=torch.long)  # [B, C]
+    token = torch.zeros((len(bins), width), dtype=torch.long)  # [B, C]
+    for b, members in enumerate(bins):
+        at = 0
+        for i in members:
+            row[b, at:at + spans[i]] = i
+            token[b, at:at + spans[i]] = torch.arange(int(starts[i]), int(ends[i]))
+            at += spans[i]
+    return row, token, torch.tensor([groups[members[0]] for members in bins], dtype=torch.long)
+
+
+def packed_mask(row: torch.Tensor, token: torch.Tensor, prefix_attn: torch.Tensor | None) -> torch.Tensor:
+    """The attention a packed layout allows, [B, 1, C, P + C] (True: attend): each slot attends its bin's prefix
+    (`prefix_attn` [B, P], None for P = 0) and the slots of its own row up to its own token; a padding slot attends
+    the padding slots (never a real one, and never nothing, so its softmax stays finite)."""
+    same = row[:, :, None] == row[:, None, :]  # [B, C, C] query, key
+    causal = token[:, None, :] <= token[:, :, None]  # [B, C, C] the key's token not after the query's
+    allowed = same & causal  # [B, C, C]
+    if prefix_attn is not None:
+        seen = prefix_attn.bool()[:, None, :] & (row >= 0)[:, :, None]  # [B, C, P]
+        allowed = torch.cat([seen, allowed], -1)  # [B, C, P + C]
+    return allowed[:, None]  # [B, 1, C, P + C]
+
+
+def _packed_logits(model, ids: torch.Tensor, attn: torch.Tensor, wanted: torch.Tensor,
+                   split: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, pack: bool,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits at the `wanted` [n, W-1] positions of right-padded rows, each distinct prefix forwarded once
+    (`split`, from `shared_prefix_split`) and, with `pack`, the rest of the rows packed without padding.
+
+    With a split, the U distinct prefixes (right-padded to the longest, P) are forwarded with a cache, whose last
+    logits predict each row's first response token; each row's suffix (its tokens from `first`, at positions
+    `first + j`) is forwarded on top of its prefix's cache rows. Without one, whole rows are the segments. With
+    `pack` the segments are laid one after another in packed rows as wide as the longest segment (`packed_layout`),
+    each packed row holding one prefix's rows, and a [B, 1, C, P + C] mask (`packed_mask`) keeps every token to its
+    own prefix and its own row; without it, one row per segment, left-aligned, under a padding mask.
     Returns (logits [M, V], rows [M], cols [M]) with cols indexing `wanted`.
     """
     n, width = ids.shape
-    plen = first[distinct]  # [U]
-    span = torch.arange(int(plen.max()), device=ids.device)  # [P]
-    prefix_attn = (span[None, :] < plen[:, None]).long()  # [U, P] right-padded prefixes
-    last = span[None, :] == plen[:, None] - 1  # [U, P] the position predicting the first response token
-    cache = DynamicCache(config=model.config)
-    head = _logits_at(model, ids[distinct, : span.numel()], prefix_attn, last, **with_cache(model, cache),
-                      use_cache=True)  # [U, V]
-    cache.batch_select_indices(inverse)  # [n, heads, P, dim] per layer, differentiable copies
-    lengths = attn.sum(1)  # [n]
-    suffix = torch.arange(int((lengths - first).max()), device=ids.device)  # [S]
-    cols = first[:, None] + suffix[None, :]  # [n, S] token index of each suffix slot
-    inside = cols < lengths[:, None]  # [n, S]
-    keep = inside & (cols < width - 1) & wanted.gather(1, cols.clamp(max=width - 2))  # [n, S] predicts a wanted token
-    mask = torch.cat([prefix_attn[inverse], inside.long()], 1)  # [n, P + S] the row's prefix, then its suffix
-    tail = _logits_at(model, ids.gather(1, cols.clamp(max=width - 1)), mask, keep, **with_cache(model, cache),
-                      position_ids=cols, use_cache=True)  # [M - n, V]
-    tail_rows, tail_slots = keep.nonzero(as_tuple=True)  # [M - n] row-major, the order of `tail`
+    ends = attn.sum(1)  # [n]
+    if split is None:
+        starts, groups, cache, prefix = torch.zeros_like(ends), [0] * n, None, None
+    else:
+        first, distinct, inverse = split
+        plen = first[distinct]  # [U]
+        span = torch.arange(int(plen.max()), device=ids.device)  # [P]
+        prefix = (span[None, :] < plen[:, None]).long()  # [U, P] right-padded prefixes
+        last = span[None, :] == plen[:, None] - 1  # [U, P] the position predicting the first response token
+        cache = DynamicCache(config=model.config)
+        head = _logits_at(model, ids[distinct, : span.numel()], prefix, last, **with_cache(model, cache),
+                          use_cache=True)  # [U, V]
+        starts, groups = first, inverse.tolist()
+    row, token, bin_group = packed_layout(starts, ends, groups, pack)  # [B, C], [B, C], [B]
+    row, token, bin_group = row.to(ids.device), token.to(ids.device), bin_group.to(ids.device)
+    if cache is not None:
+        cache.batch_select_indices(bin_group)  # [B, heads, P, dim] per layer, differentiable copies
+        prefix = prefix[bin_group]  # [B, P]
+    real = row >= 0  # [B, C]
+    if pack:
+        mask = attention_mask_for(model, packed_mask(row, token, prefix))  # [B, 1, C, P + C]
+    else:
+        mask = real.long() if prefix is None else torch.cat([prefix, real.long()], 1)  # [B, P + C]
+    keep = real & (token < width - 1) & wanted[row.clamp(min=0), token.clamp(max=width - 2)]  # [B, C] predicts one
+    tail = _logits_at(model, ids[row.clamp(min=0), token], mask, keep, **with_cache(model, cache),
+                      position_ids=token, use_cache=cache is not None)  # [M', V]
+    tail_rows, tail_cols = row[keep], token[keep]  # [M'] row-major, the order of `tail`
+    if split is None:
+        return tail, tail_rows, tail_cols
     rows = torch.cat([torch.arange(n, device=ids.device), tail_rows])  # [M]
-    cols = torch.cat([first - 1, first[tail_rows] + tail_slots])  # [M]
+    cols = torch.cat([first - 1, tail_cols])  # [M]
     return torch.cat([head[inverse], tail]), rows, cols  # [M, V], [M], [M]
+
+
+PACKING_ATTENTION = ("sdpa", "eager", FLOAT32_SDPA)  # implementations that take a custom [B, 1, Q, K] mask
+
+
+def packs(model) -> bool:
+    """Whether `model` can forward packed rows (`_packed_logits`): transformers attention that takes a custom
+    [B, 1, Q, K] mask (`PACKING_ATTENTION`), over full-attention layers only (`caches_plainly`: a sliding window
+    would be lost under a custom mask)."""
+    config = getattr(underlying(model), "config", None)
+    return getattr(config, "_attn_implementation", None) in PACKING_ATTENTION and caches_plainly(model)
+
+
+def attention_mask_for(model, allowed: torch.Tensor) -> torch.Tensor:
+    """`allowed` [B, 1, Q, K] (True: attend) as `model`'s attention takes it: SDPA the boolean, eager a float32
+    mask added to the scores (0, or float32's minimum)."""
+    if underlying(model).config._attn_implementation != "eager":
+        return allowed
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
 
 def _takes_mask_keep(model) -> bool:
@@ -268,16 +363,19 @@ def row_order(input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: 
     return grouped if cost[1] < cost[0] else order
 
 
-def _forwarded_tokens(order: list[int], lengths: list[int], first: list[int], labels: list[int], size: int) -> int:
-    """Token positions forwarded when `order` is cut into micro-batches of `size` (shared prefixes forwarded once)."""
+def _forwarded_tokens(order: list[int], lengths: list[int], first: list[int], labels: list[int], size: int,
+                      pack: bool = True) -> int:
+    """Token positions forwarded when `order` is cut into micro-batches of `size`: shared prefixes once each, and
+    the rest packed (`packed_layout`: packed rows as wide as the longest segment) or, without `pack`, padded to it."""
     total = 0
     for start in range(0, len(order), size):
         rows = order[start:start + size]
-        if len({labels[i] for i in rows}) == len(rows):  # nothing shared: whole rows to the longest
-            total += len(rows) * max(lengths[i] for i in rows)
-            continue
-        prefixes = {labels[i]: first[i] for i in rows}
-        total += len(prefixes) * max(prefixes.values()) + len(rows) * max(lengths[i] - first[i] for i in rows)
+        shared = len({labels[i] for i in rows}) < len(rows)
+        spans = [lengths[i] - (first[i] if shared else 0) for i in rows]
+        groups = [labels[i] if shared else 0 for i in rows]
+        bins = len(pack_segments(spans, groups, max(spans))) if pack else len(rows)
+        prefixes = {labels[i]: first[i] for i in rows} if shared else {}
+        total += len(prefixes) * max(prefixes.values(), default=0) + bins * max(spans)
     return total
 
 
