@@ -191,7 +191,7 @@ class UpdateFlops:
             self._step_open = True
         rows, new = kwargs["input_ids"].shape
         mask = kwargs.get("attention_mask")
-        keys = new if mask is None else mask.shape[1]  # with a cache the mask spans the cached positions too
+        keys = new if mask is None else mask.shape[-1]  # with a cache the mask spans the cached positions too (2D or 4D)
         keep = kwargs.get("logits_to_keep", 0)
         if isinstance(keep, torch.Tensor):
             head = int(keep.sum()) if keep.dtype == torch.bool else rows * keep.numel()
