@@ -26,6 +26,7 @@ from rldynamics.config import Config, EnvConfig
 from rldynamics.envs.base import random_action
 from rldynamics.envs.data_source import read_rows
 from rldynamics.envs.split import env_first_observation, problem_key
+from rldynamics.models.forward import pack_segments
 from rldynamics.rollout.agent import rollout
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.rollout.chat import ChatPrompts
@@ -165,17 +166,7 @@ def pack(lengths: list[int], max_length: int) -> list[list[int]]:
     if too_long:
         raise ValueError(f"{len(too_long)} conversation(s) are longer than sft.max_length={max_length} tokens "
                          f"(the longest: {max(too_long)}); raise sft.max_length")
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        row = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
-        if row is None:
-            rows.append([])
-            room.append(max_length)
-            row = len(rows) - 1
-        rows[row].append(i)
-        room[row] -= lengths[i]
-    return rows
+    return pack_segments(lengths, [0] * len(lengths), max_length)
 
 
 def _row(convs: list[Conversation]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
