@@ -34,7 +34,9 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         shared_prefix: with `positions`, rows whose tokens before their first response token are identical
             (the members of a group share their prompt) forward that prefix once: its key/value cache is
             copied to each member's row and only the rest of each row is forwarded (`shared_prefix_split`);
-            gradients flow through the shared prefix. Equal to the unshared forward up to float rounding.
+            gradients flow through the shared prefix. On a model that `packs`, the rest of the rows (whole rows
+            when no prefix is shared) are packed without padding (`_packed_logits`). Equal to the unshared,
+            padded forward up to float rounding.
     Returns:
         logprobs [N, L] and entropy [N, L] (or None), zero in column 0.
     """
