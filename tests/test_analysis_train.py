@@ -180,3 +180,17 @@ def test_probe_refuses_to_pair_the_actor_with_another_reference(fast_overrides, 
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith("rldyn probe: ") and named in err, err
         assert not probes.exists()
+
+
+def test_packed_rows_give_the_analysis_and_the_update_of_padded_rows(fast_overrides):
+    """`train.shared_prefix` (each prompt once, the rest packed without padding) against whole padded rows: the
+    same step-1 batch gives the same gradient analysis and update figures within float tolerance."""
+    extra = [*ANALYSIS, *VARIED, "train.steps=1", "train.micro_batch_size=4", "train.mini_batch_size=8"]
+    packed = train(make_config(overrides=[*fast_overrides, "log.name=packed", *extra]))
+    padded = train(make_config(overrides=[*fast_overrides, "log.name=padded", *extra, "train.shared_prefix=false"]))
+    a, b = read_metrics(packed)[1], read_metrics(padded)[1]
+    figures = {k: v for k, v in a.items() if k.startswith(("grad_norm/", "actor/")) and isinstance(v, float)}
+    assert len(figures) > 20 and a["grad_norm/all/task"] > 0
+    assert {k: b[k] for k in figures} == pytest.approx(figures, rel=1e-4, abs=1e-6, nan_ok=True)
+    for name, weight in _weights(padded, 1).items():
+        torch.testing.assert_close(_weights(packed, 1)[name], weight, rtol=1e-4, atol=1e-6)
