@@ -196,3 +196,51 @@ def test_a_packed_layout_puts_each_row_after_the_last_in_its_bin():
     assert token.tolist() == [[2, 3, 4], [1, 2, 0], [0, 0, 0]] and group.tolist() == [0, 0, 1]
     row, token, group = forward.packed_layout(torch.tensor([0, 0]), torch.tensor([3, 2]), [0, 0], pack=False)
     assert row.tolist() == [[0, 0, 0], [1, 1, -1]] and token.tolist() == [[0, 1, 2], [0, 1, 0]]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "gpt2"])
+def test_packed_critic_values_and_gradients_equal_padded_rows(setup, attention):
+    """The critic's rows (12, 5 and 6 tokens) packed into two rows as wide as the longest give the values and
+    gradients of whole padded rows at every real position, and 0 at padding: under SDPA and eager attention, and on
+    a GPT-2 backbone, whose learned absolute positions (unlike rotary ones) make each row's position ids count."""
+    import copy
+
+    from transformers import GPT2Config, GPT2Model
+
+    from rldynamics.models.loading import ValueModel
+
+    if attention == "gpt2":
+        torch.manual_seed(0)
+        backbone = GPT2Model(GPT2Config(vocab_size=setup[0].config.vocab_size, n_positions=32, n_embd=32, n_layer=1,
+                                        n_head=2, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+                             ).eval()  # eval: no dropout
+    else:
+        backbone = copy.deepcopy(setup[0].model)
+        backbone.set_attn_implementation(attention)
+    critic = ValueModel(backbone, backbone.config.hidden_size)
+    torch.nn.init.normal_(critic.head.weight, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(7)
+    ids, attn = torch.zeros(3, 14, dtype=torch.long), torch.zeros(3, 14, dtype=torch.long)
+    for i, length in enumerate([12, 5, 6]):
+        ids[i, :length] = torch.randint(3, backbone.config.vocab_size, (length,), generator=gen)
+        attn[i, :length] = 1
+    seen = []
+    critic.register_forward_pre_hook(lambda _, args, kwargs: seen.append(tuple(kwargs["input_ids"].shape)),
+                                     with_kwargs=True)
+    real = torch.nn.functional.pad(attn[:, :-1], (1, 0)).bool()  # [3, 14] positions whose prefix is real
+    weights = torch.linspace(-1, 2, 14)  # [14]
+
+    def values_and_grads(pack):
+        critic.zero_grad(set_to_none=True)
+        values = forward.token_values(critic, ids, attn, pack=pack)  # [3, 14]
+        (values * weights * real).sum().backward()
+        return values.detach(), [p.grad.clone() for p in critic.parameters()]
+
+    assert forward.packs(critic)
+    padded, grads = values_and_grads(False)
+    packed, grads_p = values_and_grads(True)
+    assert seen == [(3, 14), (2, 12)]  # whole rows, then [12] and [6 5]
+    assert padded[real].abs().min() > 0 and (packed[~real & (torch.arange(14) > 0)] == 0).all()
+    torch.testing.assert_close(packed[real], padded[real], rtol=1e-5, atol=1e-6)
+    for g, g_p in zip(grads, grads_p, strict=True):
+        torch.testing.assert_close(g_p, g, rtol=1e-4, atol=1e-6)

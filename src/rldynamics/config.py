@@ -204,7 +204,8 @@ class TrainConfig:
     """Shuffle sequences before splitting into mini-batches (seeded)."""
     shared_prefix: bool = True
     """Forward a prompt shared by a group's trajectories once per micro-batch and pack the rest of the rows without
-    padding (update, log-prob passes, analysis); false: every row whole, padded (docs/benchmarks.md)."""
+    padding (update, log-prob passes, analysis; the critic's rows packed alike); false: every row whole, padded
+    (docs/benchmarks.md)."""
     row_seeded_sampling: bool = False
     """Every trajectory samples from its own seeded stream: same run on any number of ranks (docs/multi-device.md)."""
 

@@ -144,7 +144,13 @@ def with_cache(model, cache) -> dict:
 def caches_plainly(model) -> bool:
     """Whether `model` takes a DynamicCache (`cache_kwarg`) whose every layer keeps all positions (no sliding
     window cropping), so a prefix's cache can be extended by the rest of a row."""
-    if cache_kwarg(model) is None or not hasattr(model, "config"):
+    return cache_kwarg(model) is not None and attends_fully(model)
+
+
+def attends_fully(model) -> bool:
+    """Whether every attention layer of `model` sees all earlier positions (no sliding window), read from the
+    cache layers its config asks for."""
+    if not hasattr(model, "config"):
         return False
     return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
 
@@ -261,11 +267,11 @@ PACKING_ATTENTION = ("sdpa", "eager", FLOAT32_SDPA)  # implementations that take
 
 
 def packs(model) -> bool:
-    """Whether `model` can forward packed rows (`_packed_logits`): transformers attention that takes a custom
-    [B, 1, Q, K] mask (`PACKING_ATTENTION`), over full-attention layers only (`caches_plainly`: a sliding window
-    would be lost under a custom mask)."""
+    """Whether `model` (a causal LM, or a critic: `ValueModel`) can forward packed rows (`_packed_logits`,
+    `_packed_values`): transformers attention that takes a custom [B, 1, Q, K] mask (`PACKING_ATTENTION`), over
+    full-attention layers only (`attends_fully`: a sliding window would be lost under a custom mask)."""
     config = getattr(underlying(model), "config", None)
-    return getattr(config, "_attn_implementation", None) in PACKING_ATTENTION and caches_plainly(model)
+    return getattr(config, "_attn_implementation", None) in PACKING_ATTENTION and attends_fully(model)
 
 
 def attention_mask_for(model, allowed: torch.Tensor) -> torch.Tensor:
@@ -325,10 +331,30 @@ def _logprob_chunk(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return logp, (entropy_from_logits(z) if with_entropy else torch.zeros_like(logp))  # [m], [m]
 
 
-def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Critic values V(prefix < t) aligned like `token_logprobs`. [N, L]"""
-    values = critic(input_ids=input_ids, attention_mask=attention_mask).float()  # [N, L]
+def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, pack: bool = True
+                 ) -> torch.Tensor:
+    """Critic values V(prefix < t) aligned like `token_logprobs`, for right-padded rows. With `pack`, on a critic
+    that `packs`, the rows are forwarded packed without padding (`_packed_values`; 0 at padding), else whole and
+    padded (padding holds whatever the critic gives there). [N, L]"""
+    if pack and packs(critic):
+        values = _packed_values(critic, input_ids, attention_mask)  # [N, L]
+    else:
+        values = critic(input_ids=input_ids, attention_mask=attention_mask).float()  # [N, L]
     return torch.nn.functional.pad(values[:, :-1], (1, 0))  # [N, L]
+
+
+def _packed_values(critic, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """The critic's value at every real position of right-padded rows [N, L], the rows laid one after another in
+    packed rows as wide as the longest (`packed_layout`) under a mask that keeps each token to its own row
+    (`packed_mask`), position ids restarting per row. 0 at padding. [N, L]"""
+    n, length = ids.shape
+    ends = attn.sum(1)  # [N]
+    row, token, _ = packed_layout(torch.zeros_like(ends), ends, [0] * n)  # [B, C], [B, C]
+    row, token = row.to(ids.device), token.to(ids.device)
+    real = row >= 0  # [B, C]
+    mask = attention_mask_for(critic, packed_mask(row, token, None))  # [B, 1, C, C]
+    packed = critic(input_ids=ids[row.clamp(min=0), token], attention_mask=mask, position_ids=token).float()  # [B, C]
+    return packed.new_zeros(n, length).index_put((row[real], token[real]), packed[real])  # [N, L]
 
 
 def micro_batches(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
@@ -405,9 +431,9 @@ def batch_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 @torch.no_grad()
 def batch_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                 micro_batch_size: int) -> torch.Tensor:
+                 micro_batch_size: int, pack: bool = True) -> torch.Tensor:
     """`token_values` over a whole batch in micro-batches, without gradients. [N, L]"""
     device = next(critic.parameters()).device
-    out = [token_values(critic, input_ids[rows].to(device), attention_mask[rows].to(device)).cpu()
+    out = [token_values(critic, input_ids[rows].to(device), attention_mask[rows].to(device), pack=pack).cpu()
            for rows in micro_batches(torch.arange(input_ids.shape[0]), micro_batch_size)]
     return torch.cat(out)  # [N, L]

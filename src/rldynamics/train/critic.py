@@ -28,7 +28,8 @@ def update_critic(critic, optimizer, batch: RolloutBatch, old_values: torch.Tens
     device = next(critic.parameters()).device
 
     def loss_of(rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        values = token_values(critic, batch.input_ids[rows].to(device), batch.attention_mask[rows].to(device))  # [n, L]
+        values = token_values(critic, batch.input_ids[rows].to(device), batch.attention_mask[rows].to(device),
+                              pack=train.shared_prefix)  # [n, L]
         loss, metrics = value_loss(values, old_values[rows].to(device), returns[rows].to(device),
                                    batch.response_mask[rows].to(device), clip_range=critic_cfg.clip_range,
                                    agg=algo.loss_agg_mode)

@@ -63,7 +63,8 @@ def prepare_update(s: Session, batch: RolloutBatch, kept_ratio: float, *, old_pa
     if s.critic is not None:
         with timed(m, "values"):
             values, = row_pass((s.critic,), batch, lambda rows: (batch_values(
-                s.critic, batch.input_ids[rows], batch.attention_mask[rows], micro_batch_size=micro),))  # [N, L]
+                s.critic, batch.input_ids[rows], batch.attention_mask[rows], micro_batch_size=micro,
+                pack=cfg.train.shared_prefix),))  # [N, L]
     with timed(m, "adv"):
         advantages, returns = advantages_and_returns(batch, values, cfg.algo)  # [N, L]
         inputs.advantages = advantages * loss_scale(kept_ratio, cfg.filter.loss_scaling)  # [N, L]
