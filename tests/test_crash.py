@@ -57,8 +57,8 @@ def test_killed_at_write_boundaries_then_resumed(fast_overrides, lora):
         pytest.importorskip("peft")
     settings = [*SETTINGS, *(["model.lora.rank=4", "checkpoint.save_merged=true"] if lora else [])]
     # names of one length: a step record's header holds the run's name, so `record/bytes` compares equal
-    straight = train(make_config(overrides=[*fast_overrides, *settings, "log.name=intact"]))
-    run = straight.parent / "killed"
+    intact = train(make_config(overrides=[*fast_overrides, *settings, "log.name=intact"]))
+    run = intact.parent / "killed"
     args = [*fast_overrides, *settings, "log.name=killed"]
     for n, (point, step) in enumerate(KILLS):
         out = _rldyn_train(args + (["checkpoint.resume=latest"] if n else []), crash_at=f"{point}:{step}")
@@ -68,19 +68,19 @@ def test_killed_at_write_boundaries_then_resumed(fast_overrides, lora):
     assert out.returncode == 0, out.stderr
 
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
-    assert _without_timing(read_metrics(run)) == _without_timing(read_metrics(straight))
-    assert _lines(run / "samples.jsonl") == _lines(straight / "samples.jsonl")
+    assert _without_timing(read_metrics(run)) == _without_timing(read_metrics(intact))
+    assert _lines(run / "samples.jsonl") == _lines(intact / "samples.jsonl")
     assert [s["step"] for s in _lines(run / "samples.jsonl")] == [1, 2, 3]
-    assert _lines(run / "rewards.jsonl") == _lines(straight / "rewards.jsonl")
+    assert _lines(run / "rewards.jsonl") == _lines(intact / "rewards.jsonl")
     assert sorted(p.name for p in (run / "analysis").iterdir()) == ["step_1", "step_3"]
     for step in (1, 3):
         assert (run / f"analysis/step_{step}/groups.csv").read_bytes() == \
-            (straight / f"analysis/step_{step}/groups.csv").read_bytes()
+            (intact / f"analysis/step_{step}/groups.csv").read_bytes()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1", "step_2", "step_3"]
     actor = ["actor/adapter_model.safetensors", "actor_merged/model.safetensors"] if lora else [
         "actor/model.safetensors"]
     for part in (*actor, "critic/value_head.safetensors"):
-        a, b = (load_file(str(r / "checkpoints/step_3" / part)) for r in (straight, run))
+        a, b = (load_file(str(r / "checkpoints/step_3" / part)) for r in (intact, run))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

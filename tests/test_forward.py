@@ -198,8 +198,8 @@ def test_a_packed_layout_puts_each_row_after_the_last_in_its_bin():
     assert row.tolist() == [[0, 0, 0], [1, 1, -1]] and token.tolist() == [[0, 1, 2], [0, 1, 0]]
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager", "gpt2"])
-def test_packed_critic_values_and_gradients_equal_padded_rows(setup, attention):
+@pytest.mark.parametrize("kind", ["sdpa", "eager", "gpt2"])
+def test_packed_critic_values_and_gradients_equal_padded_rows(setup, kind):
     """The critic's rows (12, 5 and 6 tokens) packed into two rows as wide as the longest give the values and
     gradients of whole padded rows at every real position, and 0 at padding: under SDPA and eager attention, and on
     a GPT-2 backbone, whose learned absolute positions (unlike rotary ones) make each row's position ids count."""
@@ -209,14 +209,14 @@ def test_packed_critic_values_and_gradients_equal_padded_rows(setup, attention):
 
     from rldynamics.models.loading import ValueModel
 
-    if attention == "gpt2":
+    if kind == "gpt2":
         torch.manual_seed(0)
         backbone = GPT2Model(GPT2Config(vocab_size=setup[0].config.vocab_size, n_positions=32, n_embd=32, n_layer=1,
                                         n_head=2, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
                              ).eval()  # eval: no dropout
     else:
         backbone = copy.deepcopy(setup[0].model)
-        backbone.set_attn_implementation(attention)
+        backbone.set_attn_implementation(kind)
     critic = ValueModel(backbone, backbone.config.hidden_size)
     torch.nn.init.normal_(critic.head.weight, generator=torch.Generator().manual_seed(1))
     gen = torch.Generator().manual_seed(7)
