@@ -122,8 +122,17 @@ def run_ranks(args: list[str], nproc: int = 2, timeout: float = 300, env: dict |
         out, _ = proc.communicate()
         pytest.fail(f"{nproc} ranks ran past {timeout} s: {' '.join(args)}\n{out[-3000:]}")
     if proc.returncode != 0:
-        pytest.fail(f"{nproc} ranks failed (exit {proc.returncode}): {' '.join(args)}\n{out[-5000:]}")
+        pytest.fail(f"{nproc} ranks failed (exit {proc.returncode}): {' '.join(args)}\n{_first_error(out)}"
+                    f"\n[... the end of the output ...]\n{out[-3000:]}")
     return out
+
+
+def _first_error(out: str, width: int = 4000) -> str:
+    """The output from the first rank's first error on (a traceback or a C++ abort), which the tail of a failed
+    torchrun run buries under the other ranks' follow-on errors and the launcher's summary."""
+    marks = [i for i in (out.find("Traceback"), out.find("terminate called"), out.find("Error")) if i >= 0]
+    start = max(0, min(marks) - 200) if marks else 0
+    return out[start:start + width]
 
 
 def require_package(module: str, install: str) -> None:
