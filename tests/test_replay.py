@@ -60,6 +60,18 @@ def test_a_recorded_step_replays_to_bit_identical_weights(fast_overrides, update
     assert weights_digest(model) == meta["weights_after"] == summary["weights_after"]
 
 
+def test_a_step_the_gradient_analysis_ran_on_replays_its_kl_with_the_term_off(fast_overrides):
+    """With the KL term off the analysis still loads the reference (it measures the KL gradient), so the step
+    logged the KL to it (k1: k3 rounds to 0 in float32 this close to the reference); the replay loads the reference
+    for that pass too and logs the same KL, not 0."""
+    run = _run(fast_overrides, "analysed", *ONE_STEP, "train.steps=2", "checkpoint.every=1", "record.every=1",
+               "algo.kl_coef=0", "algo.kl_type=k1", "analysis.enabled=true", "analysis.every=1",
+               "analysis.num_buckets=1")
+    summary = _replayed(run, 2)
+    assert summary["metrics"]["actor/kl_loss"]["recorded"] != 0
+    assert summary["weights_identical"] is True and summary["metrics_identical"] is True, summary["metrics"]
+
+
 def test_a_step_without_a_checkpoint_before_it_is_reached_by_rolling_forward(fast_overrides):
     run = _run(fast_overrides, "roll", *ONE_STEP, "train.steps=3", "record.steps=[3]", "record.every=0",
                "record.state_before_mb=0")  # no state kept beside the record

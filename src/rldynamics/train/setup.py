@@ -67,7 +67,7 @@ from rldynamics.train.checkpoint import (
     remove_stale,
     verify_checkpoint,
 )
-from rldynamics.train.diagnostics import build_diagnostics
+from rldynamics.train.diagnostics import build_diagnostics, needs_reference
 from rldynamics.train.diagnostics import check_world as check_diagnostics_world
 from rldynamics.train.diagnostics.base import ROLL_FORWARD, TRAIN
 from rldynamics.train.lagged import LaggedPolicy
@@ -245,7 +245,7 @@ def make_session(cfg: Config, run_dir: Path, start: Start, job: str = TRAIN) -> 
     optimizer = adamw(lora.trainable(model), cfg.train.lr, cfg.train.weight_decay, cfg.train.optim)
     diagnostics = build_diagnostics(cfg, start.state, job)  # a resumed run's diagnostics go on
     ref_model = None
-    if cfg.algo.kl_coef > 0 or any(d.needs_reference for d in diagnostics):
+    if needs_reference(cfg, job):
         ref_model = model if lora.is_adapted(model) else load_reference(cfg, base, ckpt, actor_shapes, device,
                                                                          precision)
     critic = critic_optimizer = None

@@ -8,7 +8,7 @@ the set-up and the commands do not change.
 from __future__ import annotations
 
 from rldynamics.config import Config
-from rldynamics.train.diagnostics.base import TRAIN, Diagnostic, diagnostic_states, trainer_state
+from rldynamics.train.diagnostics.base import JOBS, TRAIN, Diagnostic, diagnostic_states, trainer_state
 from rldynamics.train.diagnostics.collapse import Collapse
 from rldynamics.train.diagnostics.gradient_analysis import GradientAnalysis
 from rldynamics.train.diagnostics.health import Health
@@ -44,6 +44,14 @@ def job_classes(job: str) -> list[type[Diagnostic]]:
     return [cls for cls in DIAGNOSTICS.values() if job in cls.jobs]
 
 
+def needs_reference(cfg: Config, job: str) -> bool:
+    """Whether a session of `job` loads the reference model: for the KL term, or for a diagnostic that measures
+    against the reference with the term off (the gradient analysis). A replay (a job that runs no diagnostic) runs
+    the passes of the training step it replays, so it loads what the training step's diagnostics load."""
+    classes = job_classes(job if job in JOBS else TRAIN)
+    return cfg.algo.kl_coef > 0 or any(cls.needs_reference and cls.enabled(cfg) for cls in classes)
+
+
 def job_settings(job: str) -> list[str]:
     """The config overrides `job` applies for its diagnostics (the probe turns the gradient analysis on)."""
     return [o for cls in job_classes(job) for o in cls.job_settings.get(job, ())]
@@ -68,4 +76,4 @@ def build_diagnostics(cfg: Config, trainer_state: dict | None = None, job: str =
 
 
 __all__ = ["DIAGNOSTICS", "Diagnostic", "build_diagnostics", "check_world", "diagnostic_states", "job_classes",
-           "job_settings", "trainer_state"]
+           "job_settings", "needs_reference", "trainer_state"]
