@@ -84,19 +84,28 @@ def test_generation_stops_at_its_eos(smollm2):
     assert any(ch.isdigit() for ch in tokenizer.decode(reply))
 
 
-def test_two_steps_with_the_analysis_then_a_bare_reload(smollm2_dir, fast_overrides, tmp_path):
-    """Mixed precision on the real model, GRPO with the gradient analysis every step, and a checkpoint that plain
-    transformers loads, float32, with the same chat template."""
+@pytest.fixture(scope="module")
+def trained(smollm2_dir, tiny_cache, tmp_path_factory):
+    """Two GRPO steps of `math-smollm2` on the real model, mixed precision where the CPU has fast bfloat16, with the
+    gradient analysis every step, a checkpoint and a step record after each step: the run directory."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RLDYN_CACHE", tiny_cache)
+        return train(make_config("math-smollm2", overrides=[
+            f"log.run_dir={tmp_path_factory.mktemp('real_runs')}", f"model.path={smollm2_dir}", *SHORT,
+            "algo.entropy_coef=0.01", "analysis.enabled=true", "analysis.every=1", "analysis.num_buckets=2",
+            "checkpoint.every=1", "record.every=1", "log.name=real"]))
+
+
+def test_two_steps_with_the_analysis_then_a_bare_reload(smollm2_dir, trained):
+    """GRPO with the gradient analysis every step on the real model, and a checkpoint that plain transformers loads,
+    float32, with the same chat template."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    run = train(make_config("math-smollm2", overrides=[
-        f"log.run_dir={tmp_path / 'runs'}", f"model.path={smollm2_dir}", *SHORT, "algo.entropy_coef=0.01",
-        "log.name=on", "analysis.enabled=true", "analysis.every=1", "analysis.num_buckets=2"]))
-    rows = read_metrics(run)
+    rows = read_metrics(trained)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(key in rows[1] for key in ("grad_norm/all/task", "grad_norm/all/raw/kl", "actor/pg_loss"))
-    actor = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_2" / "actor")
-    tokenizer = AutoTokenizer.from_pretrained(run / "checkpoints" / "step_2" / "actor")
+    actor = AutoModelForCausalLM.from_pretrained(trained / "checkpoints" / "step_2" / "actor")
+    tokenizer = AutoTokenizer.from_pretrained(trained / "checkpoints" / "step_2" / "actor")
     assert isinstance(actor, LlamaForCausalLM) and next(actor.parameters()).dtype == torch.float32
     base, base_tokenizer = load_model_and_tokenizer(smollm2_dir)
     assert tokenizer.chat_template == base_tokenizer.chat_template
@@ -144,17 +153,15 @@ def test_activation_checkpointing_keeps_the_gradient(smollm2, sampled_rollout):
     model.zero_grad(set_to_none=True)
 
 
-def test_a_recorded_step_replays_bit_identically_and_is_attributed(smollm2_dir, fast_overrides, tmp_path):
-    """The forensics path on the real model: a step recorded with its checkpoint before it replays to the same weights
-    (mixed precision where the CPU has fast bfloat16), and its gradient is attributed to its replies and tokens."""
+def test_a_recorded_step_replays_bit_identically_and_is_attributed(trained, tiny_cache, monkeypatch):
+    """The forensics path on the real model: a step recorded with its checkpoint before it (and the gradient analysis
+    run on it) replays to the same weights and metrics, and its gradient is attributed to its replies and tokens."""
     import json
 
     from rldynamics.train.replay import replay_command
 
-    run = train(make_config("math-smollm2", overrides=[
-        f"log.run_dir={tmp_path / 'runs'}", f"model.path={smollm2_dir}", *SHORT, "checkpoint.every=1",
-        "record.every=1", "log.name=replayed"]))
-    out = replay_command(run, 2, [], attribute=True)
+    monkeypatch.setenv("RLDYN_CACHE", tiny_cache)
+    out = replay_command(trained, 2, [], attribute=True)
     summary = json.loads((out / "replay.json").read_text())
     assert summary["weights_identical"] is True and summary["metrics_identical"] is True
     data = json.loads((out / "attribution.json").read_text())

@@ -226,10 +226,11 @@ def test_crashing_point_is_recorded_while_the_other_completes(tmp_path, fast_ove
 
 @pytest.mark.slow
 def test_interrupted_sweep_resumes_from_checkpoints(tmp_path, fast_overrides):
-    # Enough steps that the run is still going when the first checkpoint appears, however fast the machine.
+    # Enough steps that the run is still going when the first checkpoint appears, however fast the machine; the
+    # sweep checkpoints at every validation, here every 10th step (a validation every step costs a third more).
     steps = 40
     out = tmp_path / "sw"
-    args = ["sweep", "kl", "--values", "0", "--out", str(out), *FAST, f"train.steps={steps}",
+    args = ["sweep", "kl", "--values", "0", "--out", str(out), *FAST, f"train.steps={steps}", "val.every=10",
             "early_stop.enabled=false"]
     # A test run started in the background (CI) inherits SIGINT ignored; Ctrl-C on a terminal has it on.
     sweep = subprocess.Popen([sys.executable, "-m", "rldynamics.cli", *args], stdout=subprocess.PIPE,
