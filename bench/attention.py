@@ -2,6 +2,7 @@
 
     python bench/attention.py [--rows 8] [--lengths 60,150,600] [--repeats 20]
     python bench/attention.py --gradient-error       # SmolLM2's gradient in bfloat16, against float32
+    python bench/attention.py --gqa [--dtype float32]  # grouped key/value heads under a mask: repeated or not
 
 SmolLM2-135M's attention (9 query heads of 64; the 3 key/value heads are repeated to 9 before the call, as
 transformers does for SDPA), causal; above 150 positions the rows shrink so that a call holds about as many
@@ -15,6 +16,12 @@ Milliseconds per call, the median of `--repeats` after 3 warm-up calls.
 seeded tokens) through SmolLM2-135M-Instruct computed in float32, then under bfloat16 autocast with bfloat16
 attention and with float32 attention (`models.precision.compute_in`); printed: each one's relative error against
 float32 and its norm.
+
+`--gqa`: SmolLM2's 3 key/value heads under a mask (what every forward of a run has: left-padded generation,
+padded or packed rows), repeated to 9 before the call (`repeat_kv`, what transformers' SDPA attention does whenever
+a mask is given) against passed as they are (`enable_gqa=True`, `models.attention.GQA_SDPA`): a training
+micro-batch's forward + backward (`--rows` x 200 positions, causal) and a decode step's forward (16 rows, one query
+over 196 keys, two of them masked), with the largest difference of their outputs.
 """
 
 from __future__ import annotations
@@ -55,6 +62,45 @@ def milliseconds(fn, q, k, v, mask, repeats: int) -> float:
         if i >= 3:
             times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
+
+
+def grouped(dtype: torch.dtype, rows: int, repeats: int) -> None:
+    """Milliseconds per call of masked attention with SmolLM2's grouped heads, repeated against unrepeated."""
+
+    def repeated(q, k, v, mask):
+        k, v = (x[:, :, None].expand(x.shape[0], 3, 3, *x.shape[2:]).reshape(x.shape[0], 9, *x.shape[2:])
+                for x in (k, v))
+        return sdpa(q, k, v, attn_mask=mask)
+
+    def unrepeated(q, k, v, mask):
+        return sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    print("| call | repeat_kv ms | enable_gqa ms | repeat / gqa | largest output difference |")
+    print("|---|---:|---:|---:|---:|")
+    g = torch.Generator().manual_seed(0)
+    for name, (n, queries, keys) in {"training forward + backward": (rows, 200, 200),
+                                     "decode step forward": (16, 1, 196)}.items():
+        q = torch.randn(n, 9, queries, 64, generator=g).to(dtype).requires_grad_(queries > 1)
+        k, v = (torch.randn(n, 3, keys, 64, generator=g).to(dtype).requires_grad_(queries > 1) for _ in range(2))
+        mask = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries).expand(n, 1, queries, keys).clone()
+        mask[:, :, :, :2] = False  # left padding
+        mask[:, :, :2, :2] = True  # a padded query attends to padding, as transformers' masks keep softmax finite
+        times = []
+        for fn in (repeated, unrepeated):
+            if queries > 1:
+                times.append(milliseconds(fn, q, k, v, mask, repeats))
+                continue
+            with torch.no_grad():
+                for _ in range(3):
+                    fn(q, k, v, mask)
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    fn(q, k, v, mask)
+                times.append(1000 * (time.perf_counter() - start) / repeats)
+        with torch.no_grad():
+            diff = (repeated(q, k, v, mask).float() - unrepeated(q, k, v, mask).float()).abs().max().item()
+        print(f"| {name} ({n} x {queries} x {keys}) | {times[0]:.2f} | {times[1]:.2f} | {times[0] / times[1]:.2f} | "
+              f"{diff:.1e} |")
 
 
 def gradient_error() -> None:
@@ -100,10 +146,14 @@ def main() -> None:
     parser.add_argument("--lengths", default="60,150,600")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--gradient-error", action="store_true")
+    parser.add_argument("--gqa", action="store_true")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="with --gqa")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.gradient_error:
         return gradient_error()
+    if args.gqa:
+        return grouped(getattr(torch, args.dtype), args.rows, args.repeats)
     kernels = (flash, flash_f32, math, eager)
     print("| dtype | rows x positions | " + " | ".join(k.__name__ for k in kernels) + " |")
     print("|---|---|" + "---:|" * len(kernels))

@@ -244,3 +244,31 @@ def test_packed_critic_values_and_gradients_equal_padded_rows(setup, kind):
     torch.testing.assert_close(packed[real], padded[real], rtol=1e-5, atol=1e-6)
     for g, g_p in zip(grads, grads_p, strict=True):
         torch.testing.assert_close(g_p, g, rtol=1e-4, atol=1e-6)
+
+
+def test_grouped_heads_attend_as_transformers_repeated_heads_do(setup):
+    """`GQA_SDPA` (the kernel reads each key/value head for its query heads) against transformers' SDPA (a copy of
+    each head per query head) on the tiny model, whose 4 query heads share 2 key/value heads: the same log-probs
+    and entropies bit for bit, the gradients within float32 rounding, and the same greedy continuation from a
+    left-padded batch (a mask at every decode step)."""
+    import copy
+
+    from rldynamics.models.attention import GQA_SDPA
+
+    model, ids, attn, mask = setup
+    assert model.config._attn_implementation == GQA_SDPA and model.config.num_key_value_heads == 2
+    repeated = copy.deepcopy(model)
+    repeated.set_attn_implementation("sdpa")
+    lp, ent, grads = _loss_and_grads(model, ids, attn, mask)
+    lp_r, ent_r, grads_r = _loss_and_grads(repeated, ids, attn, mask)
+    assert torch.equal(lp, lp_r) and torch.equal(ent, ent_r)
+    for g, g_r in zip(grads, grads_r, strict=True):  # an entry near 0 may move by 1e-7: compare whole tensors
+        assert (g - g_r).norm() <= 1e-5 * g_r.norm()
+    prompts = ids[:4, :7].clone()  # [4, 7]: the last two rows left-padded by two below
+    prompt_attn = torch.ones_like(prompts)
+    prompts[2:, :2], prompt_attn[2:, :2] = 0, 0
+    with torch.no_grad():
+        out = [m.generate(input_ids=prompts, attention_mask=prompt_attn, do_sample=False, max_new_tokens=6,
+                          pad_token_id=0) for m in (model, repeated)]
+    assert torch.equal(out[0], out[1])
+    model.zero_grad(set_to_none=True)

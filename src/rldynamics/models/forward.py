@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from rldynamics.algo.losses import entropy_from_logits
+from rldynamics.models.attention import GQA_SDPA
 from rldynamics.models.lora import underlying
 from rldynamics.models.precision import FLOAT32_SDPA, checkpointing, weights_cast_once
 
@@ -263,7 +264,7 @@ def _packed_logits(model, ids: torch.Tensor, attn: torch.Tensor, wanted: torch.T
     return torch.cat([head[inverse], tail]), rows, cols  # [M, V], [M], [M]
 
 
-PACKING_ATTENTION = ("sdpa", "eager", FLOAT32_SDPA)  # implementations that take a custom [B, 1, Q, K] mask
+PACKING_ATTENTION = ("sdpa", "eager", GQA_SDPA, FLOAT32_SDPA)  # implementations that take a custom [B, 1, Q, K] mask
 
 
 def packs(model) -> bool:

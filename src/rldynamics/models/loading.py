@@ -38,6 +38,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from rldynamics.models.attention import attend_grouped
 from rldynamics.models.gguf import ensure_gguf_model, is_gguf_source
 from rldynamics.models.lora import ADAPTER_CONFIG
 from rldynamics.models.precision import float32_region
@@ -78,7 +79,8 @@ def load_model_and_tokenizer(
             anything else is the path of a Jinja template file.
 
     Returns:
-        ``(model, tokenizer)``; the model is in eval mode, the tokenizer pads on the left and has a pad token.
+        ``(model, tokenizer)``; the model is in eval mode (with grouped key/value heads under SDPA, attending with
+        ``attention.GQA_SDPA``), the tokenizer pads on the left and has a pad token.
 
     Raises:
         ValueError: unknown ``dtype``. FileNotFoundError / OSError: the model cannot be found.
@@ -97,7 +99,7 @@ def load_model_and_tokenizer(
         tokenizer.chat_template = _read_chat_template(chat_template)
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model.to(device).eval(), tokenizer
+    return attend_grouped(model.to(device)).eval(), tokenizer
 
 
 def load_value_model(

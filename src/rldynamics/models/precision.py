@@ -26,6 +26,7 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from rldynamics.models.attention import GQA_SDPA, grouped_sdpa_forward
 from rldynamics.models.lora import underlying
 from rldynamics.models.sharding import is_sharded
 
@@ -70,7 +71,7 @@ def compute_in(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
     return model
 
 
-FLOAT32_SDPA = "rldyn_sdpa_float32"  # transformers' SDPA attention with its inputs in float32 (`attend_in_float32`)
+FLOAT32_SDPA = "rldyn_sdpa_float32"  # `attention.GQA_SDPA` with its inputs in float32 (`attend_in_float32`)
 
 
 def attend_in_float32(model: torch.nn.Module) -> None:
@@ -84,19 +85,18 @@ def attend_in_float32(model: torch.nn.Module) -> None:
     left as they are; the saved config keeps the model's own (transformers does not write the attention
     implementation)."""
     from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         with torch.autocast(query.device.type, enabled=False):
-            out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
-                                                  **kwargs)
+            out, weights = grouped_sdpa_forward(module, query.float(), key.float(), value.float(), attention_mask,
+                                                **kwargs)
         return out.to(query.dtype), weights
 
     AttentionInterface.register(FLOAT32_SDPA, attention)
     AttentionMaskInterface.register(FLOAT32_SDPA, sdpa_mask)
     base = underlying(model)  # a peft model: its transformers model
-    if getattr(getattr(base, "config", None), "_attn_implementation", None) == "sdpa":
+    if getattr(getattr(base, "config", None), "_attn_implementation", None) in ("sdpa", GQA_SDPA):
         base.set_attn_implementation(FLOAT32_SDPA)
 
 
