@@ -192,5 +192,11 @@ def test_packed_rows_give_the_analysis_and_the_update_of_padded_rows(fast_overri
     figures = {k: v for k, v in a.items() if k.startswith(("grad_norm/", "actor/")) and isinstance(v, float)}
     assert len(figures) > 20 and a["grad_norm/all/task"] > 0
     assert {k: b[k] for k in figures} == pytest.approx(figures, rel=1e-4, abs=1e-6, nan_ok=True)
+    # Adam's first step moves a weight by lr wherever |gradient| >> eps (1e-8); the few weights whose gradient is of
+    # eps's size move by a fraction of lr that the summation order sets, so they may differ by a fraction of lr (a
+    # packing error would move many weights by ~2 lr)
+    lr = make_config(overrides=fast_overrides).train.lr
+    packed_weights = _weights(packed, 1)
     for name, weight in _weights(padded, 1).items():
-        torch.testing.assert_close(_weights(packed, 1)[name], weight, rtol=1e-4, atol=1e-6)
+        diff = (packed_weights[name] - weight).abs()
+        assert diff.max() < lr / 4 and (diff > 1e-6).float().mean() < 1e-3, name

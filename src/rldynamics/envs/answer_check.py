@@ -231,12 +231,13 @@ class _Spawner:
 
 
 def _read_replies(stream, replies: queue.Queue) -> None:
-    """Forward each JSON line of the worker to `replies`; None at end of stream."""
-    for line in stream:
-        try:
-            replies.put(json.loads(line))
-        except ValueError:  # a line cut short when the worker was killed
-            break
+    """Forward each JSON line of the worker to `replies`; None at end of stream (which this thread then closes)."""
+    with stream:
+        for line in stream:
+            try:
+                replies.put(json.loads(line))
+            except ValueError:  # a line cut short when the worker was killed
+                break
     replies.put(None)
 
 
