@@ -15,8 +15,10 @@ Scenarios (`SCENARIOS`): `lr100`, the default preset with a learning rate 100 x 
 moves the policy far off (PPO KL above `health.drift_kl`: the `policy_drift` rule at step 1) and the replies break;
 the remedy `train.lr*=0.01` goes back to the preset's learning rate. `entropy_bonus`, `math-tiny` with an entropy
 bonus of 0.5: the entropy rises (the `entropy_surge` rule) and correctness falls; the remedy turns the bonus off.
-`control_default` and `control_math`: the same presets and rules without the pathology (an arm that acts there
-is a false alarm).
+`blowup_smollm2`, `math-smollm2` (SmolLM2-135M) at 100 x its learning rate (1e-3) for 10 steps: the first update
+already breaks the replies; the first-update guard (`update_kl`) sees it at step 1 and the remedy goes back to the
+preset's rate from the state before step 1. `control_default`, `control_math` and `control_smollm2`: the same
+presets and rules without the pathology (an arm that acts there is a false alarm).
 Arms (`ARMS`): the rule's action record (no action), stop, rollback (to the newest state kept before the trouble,
 in memory, with new sampling seeds), rollback with the scenario's remedy, and RAGEN's reward-variance filter from
 the start (top-p 0.9 of the groups by reward spread, softmax weights) with no action.
@@ -35,16 +37,22 @@ from false_alarms import run_grid, run_one, validation
 from rldynamics.tracking.run_dir import ROLLED_BACK, read_events, read_metrics
 from rldynamics.train.checkpoint import checkpoint_step, checkpoints
 
+SMOLLM2_SHORT = ["train.steps=10", "val.every=10"]  # about 20 min a run on one core
 SCENARIOS = {  # name -> (preset, overrides, the rule that acts, the remedy of the `remedy` arm)
     "lr100": ("sokoban-tiny", ["train.lr=3e-2", "train.steps=30", "val.every=10", "val.env_groups=128"],
               "policy_drift", "train.lr*=0.01"),
     "entropy_bonus": ("math-tiny", ["algo.entropy_coef=0.5", "train.steps=40", "val.every=10", "val.env_groups=128"],
                       "entropy_surge", "algo.entropy_coef=0.0"),
+    # SmolLM2-135M: the atlas's blow-up (100 x the preset's learning rate, no refused update) caught by the first-update
+    # guard, whose rollback goes back to the state before step 1
+    "blowup_smollm2": ("math-smollm2", ["train.lr=1e-3", "health.grad_spike=warn", *SMOLLM2_SHORT], "update_kl",
+                       "train.lr*=0.01"),
     # healthy controls: the same presets and acting rules without the pathology (no arm should act)
     "control_default": ("sokoban-tiny", ["train.steps=30", "val.every=10", "val.env_groups=128"], "policy_drift",
                         "train.lr*=0.01"),
     "control_math": ("math-tiny", ["train.steps=40", "val.every=10", "val.env_groups=128"], "entropy_surge",
                      "algo.entropy_coef=0.0"),
+    "control_smollm2": ("math-smollm2", SMOLLM2_SHORT, "update_kl", "train.lr*=0.01"),
 }
 ARMS = {  # name -> the acting rule's settings, given the rule and the scenario's remedy
     "none": lambda rule, remedy: [f"health.{rule}=record"],

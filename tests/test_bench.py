@@ -291,6 +291,24 @@ def test_rescue_counts_a_rollback_that_a_later_rollback_archived(rescue, tmp_pat
     assert [(e["step"], e["archive"]) for e in rescue.rollbacks(run)] == [(15, "attempt_1"), (10, "attempt_2")]
 
 
+def test_every_rescue_scenario_and_arm_is_a_valid_run_whose_remedy_changes_what_it_names(rescue):
+    """Each (scenario, arm) is a config `rldyn train` accepts, with the acting rule set as the arm says; each
+    remedy changes a setting (but on `control_math`, whose entropy bonus is already off); the SmolLM2 blow-up's
+    remedy goes back to the preset's own learning rate."""
+    from rldynamics.config import apply_remedy, make_config
+
+    for scenario, (preset, overrides, rule, remedy) in rescue.SCENARIOS.items():
+        for arm, settings in rescue.ARMS.items():
+            cfg = make_config(preset, None, [*overrides, *settings(rule, remedy)])
+            assert getattr(cfg.health, rule) == ("record" if arm in ("none", "filter") else arm.replace(
+                "remedy", "rollback")), (scenario, arm)
+        _, changes = apply_remedy(make_config(preset, None, [*overrides, f"health.remedy=[{remedy}]"]))
+        assert bool(changes) != scenario.startswith("control_math"), (scenario, remedy)  # its bonus is already 0
+    _, overrides, _, remedy = rescue.SCENARIOS["blowup_smollm2"]
+    _, changes = apply_remedy(make_config("math-smollm2", None, [*overrides, f"health.remedy=[{remedy}]"]))
+    assert changes["train.lr"] == pytest.approx((1e-3, make_config("math-smollm2", None, []).train.lr))
+
+
 def test_echo_trap_replies_counts_the_common_reply_and_the_arm_named_first(echo_trap, tmp_path):
     run = tmp_path / "bandit-smollm2-none" / "bandit-smollm2" / "seed0"
     run.mkdir(parents=True)
