@@ -323,6 +323,32 @@ def test_value_model_backbone_matches_causal_lm(tiny_dir):
     assert all(torch.equal(v, lm_state[k]) for k, v in critic.backbone.state_dict().items())
 
 
+def test_value_model_attends_grouped_heads_as_the_repeated_heads_do(tiny_dir):
+    """The critic's backbone (the tiny model: 4 query heads over 2 key/value heads) attends with `GQA_SDPA`, as
+    the actor does, and gives transformers' repeated-head SDPA values and gradients on a left-padded batch."""
+    import copy
+
+    from rldynamics.models.attention import GQA_SDPA
+
+    critic = load_value_model(str(tiny_dir))
+    assert critic.backbone.config._attn_implementation == GQA_SDPA
+    torch.nn.init.normal_(critic.head.weight, generator=torch.Generator().manual_seed(1))  # values that are not 0
+    repeated = copy.deepcopy(critic)
+    repeated.backbone.set_attn_implementation("sdpa")
+    ids = torch.randint(3, critic.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))  # [3, 9]
+    attn = torch.ones_like(ids)
+    attn[1:, :3] = 0  # two rows left-padded: a mask in every layer
+    out = []
+    for model in (critic, repeated):
+        values = model(input_ids=ids, attention_mask=attn)  # [3, 9]
+        (values * attn).sum().backward()
+        out.append((values.detach(), [p.grad.clone() for p in model.parameters()]))
+    (values, grads), (values_r, grads_r) = out
+    assert torch.allclose(values * attn, values_r * attn, rtol=0, atol=1e-6)
+    for g, g_r in zip(grads, grads_r, strict=True):
+        assert (g - g_r).norm() <= 1e-5 * g_r.norm()
+
+
 def test_value_model_save_load_round_trip(tiny_dir, tmp_path):
     critic = load_value_model(str(tiny_dir))
     with torch.no_grad():

@@ -8,8 +8,9 @@ packed rows), and PyTorch's CPU kernel takes grouped heads with a mask (`enable_
 transformers' SDPA attention that passes the grouped heads to the kernel as they are in that case: the same output
 (the kernel reads each key/value head for its query heads instead of a copy), with the key and value gradients
 summed over a group inside the kernel rather than by the copy's backward (a last-bit difference, ~1e-7 relative).
-On SmolLM2's heads (AMD EPYC Zen 3, one thread, `bench/attention.py --gqa`) a decode step's attention (16 rows, 196
-keys) takes 0.73 ms instead of 3.85, a training micro-batch's (8 x 200) forward + backward 57 ms instead of 76.
+On SmolLM2's heads a decode step's attention is about 5x faster, a training micro-batch's forward + backward about
+1.3x (`bench/attention.py --gqa`; the figures, CPU and commit: docs/benchmarks.md). The critic's backbone attends
+the same way.
 
 Everything else is transformers' own function: no mask (it passes grouped heads itself), another device, a paged
 cache or a position bias.

@@ -108,7 +108,8 @@ def load_value_model(
     """Load a critic from ``path``: a causal-LM checkpoint (fresh zero head) or a saved ``ValueModel``.
 
     Args mirror ``load_model_and_tokenizer``. The value head is loaded from ``value_head.safetensors``
-    when the directory has one, and stays float32 whatever ``dtype`` the backbone gets.
+    when the directory has one, and stays float32 whatever ``dtype`` the backbone gets. A backbone with grouped
+    key/value heads under SDPA attends with ``attention.GQA_SDPA``, as the actor does.
     """
     return ValueModel.from_pretrained(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
 
@@ -162,7 +163,8 @@ class ValueModel(nn.Module):
         torch_dtype = _parse_dtype(dtype)
         path = str(path)
         _check_source(path)
-        backbone = AutoModel.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        backbone = attend_grouped(AutoModel.from_pretrained(path, dtype=torch_dtype,
+                                                            trust_remote_code=trust_remote_code))
         model = cls(backbone, backbone.config.get_text_config().hidden_size)
         head_file = Path(path) / VALUE_HEAD_FILE
         if head_file.is_file():
