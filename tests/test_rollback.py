@@ -162,3 +162,29 @@ def test_a_reopened_run_keeps_the_states_from_before_the_one_it_went_back_to(fas
     assert again.steps() == [0, 5, 10]
     written = load_file(str(again.write(s, 5) / "actor" / "model.safetensors"))
     assert all(torch.equal(written[k], weights[5][k]) for k in written)
+
+
+def test_where_not_every_state_fits_the_state_before_step_1_is_kept_first(fast_overrides):
+    """`health.snapshot_mb` for one and a half states keeps the state before step 1 alone (no state of a later step
+    is copied, and the start-up line says which fit); for two and a half, the start and one of the newest; for half
+    a state, none, with a warning that a rollback needs a checkpoint."""
+    from rldynamics.train import setup
+    from rldynamics.train.session import Start
+    from rldynamics.train.snapshots import Snapshots
+
+    cfg = make_config(PRESET, overrides=[*fast_overrides, *BACK, "health.snapshot_every=5", "health.snapshots=3"])
+    s = setup.make_session(cfg, setup.resolve_run_dir(cfg), Start())  # writes nothing
+    size = s.snapshots.size_mb
+    budget = {room: Snapshots(make_config(PRESET, overrides=[*fast_overrides, *BACK, "health.snapshot_every=5",
+                                                             "health.snapshots=3", f"health.snapshot_mb={room * size}"]),
+                              s.model, s.critic) for room in (0.5, 1.5, 2.5)}
+    for snaps in budget.values():
+        for step in (0, 5, 10):
+            if snaps.due(step, start=step == 0):
+                snaps.keep(s, step, {}, start=step == 0)
+    assert [b.steps() for b in budget.values()] == [[], [0], [0, 10]]
+    assert not budget[1.5].due(5) and budget[2.5].due(5)
+    assert budget[0.5].words().startswith("warning: a rollback goes back to checkpoints on disk only")
+    assert "the state before step 1, in memory" in budget[1.5].words()
+    assert "(0 of the health.snapshots=3 fit" in budget[1.5].words()
+    assert "(1 of the health.snapshots=3 fit" in budget[2.5].words()

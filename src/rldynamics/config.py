@@ -440,8 +440,9 @@ class HealthMonitorConfig:
     step 1), so a rollback goes back to it without a checkpoint on disk."""
     snapshots: int = within(2, 0)
     """In-memory states kept besides the state before step 1 (the newest)."""
-    snapshot_mb: float = within(512.0, 0)
-    """Memory the in-memory states may take in all (weights and optimizer state; 0 = checkpoints only)."""
+    snapshot_mb: float = within(2048.0, 0)
+    """Memory the in-memory states may take in all (weights and optimizer state; 0 = checkpoints only); where not
+    all fit, the state before step 1 is kept first (SmolLM2-135M's takes about 1.5 GiB)."""
     baseline_steps: int = within(5, 1)
     """Steps that give a rule its start value (entropy, reply length) or history (gradient norms)."""
 

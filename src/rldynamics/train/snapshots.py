@@ -2,7 +2,9 @@
 
 With a rule whose action is `rollback`, the training loop keeps a copy of the training state (weights, optimizer,
 critic, RNG, trainer state: `checkpoint.capture_state(copy=True)`) before step 1 and after every
-`health.snapshot_every`-th step, the newest `health.snapshots` of the latter, within `health.snapshot_mb` in all.
+`health.snapshot_every`-th step, the newest `health.snapshots` of the latter, within `health.snapshot_mb` in all:
+where fewer fit, the state before step 1 first (the one a blow-up of the first updates needs), then as many of the
+newest as fit.
 A rollback to one of them writes it as the checkpoint of its step (`checkpoints/step_<k>`, the state before step 1
 as `step_0`) and reopens the run from it as a resume does: the same checks and restores, so a rollback from memory
 and one from disk continue identically; the reopened run keeps the states from before the one it went back to, so
@@ -32,25 +34,32 @@ class Snapshots:
 
     def __init__(self, cfg: Config, model, critic=None):
         h = cfg.health
-        self.every, self.newest = h.snapshot_every, h.snapshots
         wanted = rolls_back(cfg)
         self.size_mb = state_bytes(model, critic) / 2**20 if wanted else 0.0  # one state
-        self.on = wanted and 0 < self.size_mb * (1 + self.newest) <= h.snapshot_mb
+        fit = int(h.snapshot_mb // self.size_mb) if self.size_mb > 0 else 0  # states within health.snapshot_mb
+        self.every, self.asked = h.snapshot_every, h.snapshots
+        self.newest = max(0, min(h.snapshots, fit - 1))  # besides the state before step 1
+        self.on = wanted and fit >= 1
         self.start: TrainingState | None = None
         self.kept: list[TrainingState] = []
 
     def words(self) -> str:
         """What a rollback can go back to, for the start-up line of a run that may roll back."""
         total = f"{self.size_mb * (1 + self.newest):.0f} MiB"
-        if self.on:
-            return (f"a rollback can go back to the state before step 1 or one of the last {self.newest} states kept "
-                    f"every {self.every} steps, in memory ({total}), or to a checkpoint")
-        return (f"a rollback goes back to checkpoints on disk only (states in memory would take {total}; "
-                "health.snapshot_mb allows less)")
+        if not self.on:
+            return (f"warning: a rollback goes back to checkpoints on disk only (one state in memory takes "
+                    f"{self.size_mb:.0f} MiB; health.snapshot_mb allows less)")
+        if self.newest == 0:
+            where = "the state before step 1"
+        else:
+            where = f"the state before step 1 or one of the last {self.newest} states kept every {self.every} steps"
+        short = (f" ({self.newest} of the health.snapshots={self.asked} fit within health.snapshot_mb)"
+                 if self.newest < self.asked else "")
+        return f"a rollback can go back to {where}, in memory ({total}){short}, or to a checkpoint"
 
     def due(self, step: int, *, start: bool = False) -> bool:
         """Whether the state after `step` is kept (`start`: the state this process began from)."""
-        return self.on and (start or step % self.every == 0)
+        return self.on and (start or (self.newest > 0 and step % self.every == 0))
 
     def keep(self, s: Session, step: int, trainer_state: dict, *, start: bool = False) -> None:
         """Keep the state after `step` (`start`: the state this process began from, unless states were carried
