@@ -95,7 +95,7 @@ def test_a_rollback_is_an_exact_resume_with_new_seeds(fast_overrides, tmp_path):
     assert _plain(undone[0]) != _plain(rows[-1])  # step k again, with new samples
     rollback = [e for e in _events(a) if e["rule"] == "rollback"]
     assert rollback == [{"step": k - 1, "rule": "rollback", "action": "rollback", "from_step": k,
-                         "archive": "attempt_1", "message": f"steps {k}-{k} rolled back"}]
+                         "archive": "attempt_1", "message": f"step {k} rolled back"}]
     assert rows[-1]["early_stopped/health_entropy_collapse"] == 1.0  # fired again, no rollback left
 
     b = train(make_config(PRESET, overrides=[*fast_overrides, *VARIED, "log.name=b", *back, f"train.steps={k - 1}"]))

@@ -172,10 +172,15 @@ def _roll_back(s: Session, step: int, back: int) -> tuple[Path, Config]:
     checkpoint = dist.on_main(_checkpoint_of, s, back)  # rank 0 alone looks: the others would race its writing
     cfg, changes = apply_remedy(s.cfg)
     said = "; ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items())
-    s.console.print(f"[yellow]rolling back to step {back} (steps {back + 1}-{step} kept in rolled_back/)"
+    s.console.print(f"[yellow]rolling back to step {back} ({_steps(back + 1, step)} kept in rolled_back/)"
                     + (f"; going on with {said}" if said else ""))
     dist.on_main(_archive, s, step, back, cfg, changes)
     return checkpoint, cfg
+
+
+def _steps(first: int, last: int) -> str:
+    """`step 4` or `steps 4-6`."""
+    return f"step {first}" if first == last else f"steps {first}-{last}"
 
 
 def _checkpoint_of(s: Session, back: int) -> Path:
@@ -188,7 +193,7 @@ def _archive(s: Session, step: int, back: int, cfg: Config, changes: dict) -> No
     archive = s.writer.archive_after(back)
     changed = {k: list(v) for k, v in changes.items()}  # key -> [before, after]
     s.writer.log_event({"step": back, "rule": "rollback", "action": "rollback", "from_step": step,
-                        "archive": archive.name, "message": f"steps {back + 1}-{step} rolled back",
+                        "archive": archive.name, "message": f"{_steps(back + 1, step)} rolled back",
                         **({"changes": changed} if changed else {})})
     if changed:
         s.writer.log_config_change({"step": back, "attempt": s.attempt + 1, "changes": changed})
