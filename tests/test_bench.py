@@ -297,11 +297,11 @@ def test_every_rescue_scenario_and_arm_is_a_valid_run_whose_remedy_changes_what_
     remedy goes back to the preset's own learning rate."""
     from rldynamics.config import apply_remedy, make_config
 
+    action = {"none": "record", "stop": "stop", "rollback": "rollback", "remedy": "rollback", "filter": "record"}
     for scenario, (preset, overrides, rule, remedy) in rescue.SCENARIOS.items():
         for arm, settings in rescue.ARMS.items():
             cfg = make_config(preset, None, [*overrides, *settings(rule, remedy)])
-            assert getattr(cfg.health, rule) == ("record" if arm in ("none", "filter") else arm.replace(
-                "remedy", "rollback")), (scenario, arm)
+            assert getattr(cfg.health, rule) == action[arm], (scenario, arm)
         _, changes = apply_remedy(make_config(preset, None, [*overrides, f"health.remedy=[{remedy}]"]))
         assert bool(changes) != scenario.startswith("control_math"), (scenario, remedy)  # its bonus is already 0
     _, overrides, _, remedy = rescue.SCENARIOS["blowup_smollm2"]

@@ -172,10 +172,10 @@ def test_where_not_every_state_fits_the_state_before_step_1_is_kept_first(fast_o
     from rldynamics.train.session import Start
     from rldynamics.train.snapshots import Snapshots
 
-    cfg = make_config(PRESET, overrides=[*fast_overrides, *BACK, "health.snapshot_every=5", "health.snapshots=3"])
+    keys = [*fast_overrides, *BACK, "health.snapshot_every=5", "health.snapshots=3"]
+    cfg = make_config(PRESET, overrides=keys)
     s = setup.make_session(cfg, setup.resolve_run_dir(cfg), Start())  # writes nothing
     size = s.snapshots.size_mb
-    keys = [*fast_overrides, *BACK, "health.snapshot_every=5", "health.snapshots=3"]
     budget = {room: Snapshots(make_config(PRESET, overrides=[*keys, f"health.snapshot_mb={room * size}"]), s.model,
                               s.critic) for room in (0.5, 1.5, 2.5)}
     for snaps in budget.values():
