@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -264,3 +265,16 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_last_one(tmp_
     assert "\n" not in message and f"{directory / 'step_2'} could not be written" in message
     assert f"the last complete checkpoint, {first}, is still there" in message and "unexpected pos" in message
     assert sorted(p.name for p in directory.iterdir()) == ["step_1"] and verify_checkpoint(first)["step"] == 1
+
+
+def test_the_start_up_line_says_what_the_checkpoints_take_and_a_checkpoint_takes_that(fast_overrides, capsys):
+    """With the progress lines off, the run still says how many checkpoints its schedule keeps and their size; the
+    size is what a checkpoint on disk holds (weights and two AdamW moments; the tokenizer and JSON files are small)."""
+    run = train(make_config(overrides=[*fast_overrides, "checkpoint.every=1", "checkpoint.keep_last=0"]))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("checkpoints: "))
+    count, each, total = (float(x) for x in re.match(r"checkpoints: (\d+) of about ([\d.]+) MiB each kept at "
+                                                       r"most \(([\d.]+) MiB", line).groups())
+    on_disk = [sum(f.stat().st_size for f in step.rglob("*") if f.is_file()) / 2**20
+               for step in sorted((run / "checkpoints").iterdir())]
+    assert count == len(on_disk) == 2 and abs(total - 2 * each) <= 0.01
+    assert all(abs(mb - each) <= 0.05 * mb for mb in on_disk), (line, on_disk)

@@ -138,8 +138,13 @@ def schedule_words(cfg, state_mb: float) -> str:
     count = (steps // c.every if c.every > 0 else 0) + (1 if c.save_last and (c.every == 0 or steps % c.every) else 0)
     if c.keep_last > 0:
         count = min(count, c.keep_last)
-    return (f"checkpoints: {count} of about {state_mb:.0f} MiB each kept at most ({count * state_mb:.0f} MiB; "
+    return (f"checkpoints: {count} of about {_mib(state_mb)} MiB each kept at most ({_mib(count * state_mb)} MiB; "
             "checkpoint.every and checkpoint.keep_last set it)")
+
+
+def _mib(mb: float) -> str:
+    """`1539` or `1.85`: whole MiB from 100 on, three significant digits below."""
+    return f"{mb:.0f}" if mb >= 100 else f"{mb:.3g}"
 
 
 def _points_to(t: torch.Tensor) -> tuple:

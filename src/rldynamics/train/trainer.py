@@ -111,7 +111,7 @@ def run_steps(s: Session, begun: Start, stopper: EarlyStopper) -> tuple[Path, Co
     if s.snapshots.due(start, start=True):
         s.snapshots.keep(s, start, trainer_state(stopper.state_dict(), s.diagnostics), start=True)
     if s.main:
-        _say_storage(s, cfg.log.progress)
+        _say_storage(s)
     with StepConsole(cfg.train.steps, cfg.env.name, enabled=cfg.log.progress and s.main) as console, \
             _rollouts_closed(s):
         s.console = console
@@ -156,11 +156,11 @@ def _rollouts_closed(s: Session):
             s.lagged.close()
 
 
-def _say_storage(s: Session, progress: bool) -> None:
-    """What the checkpoints will take on disk (with the progress lines) and, for a run that may roll back, what it
-    can go back to (always: a rule set to roll back that cannot reach the state it needs must be seen)."""
-    if progress:
-        print(schedule_words(s.cfg, state_bytes(s.model, s.critic) / 2**20), flush=True)
+def _say_storage(s: Session) -> None:
+    """What the checkpoints will take on disk and, for a run that may roll back, what it can go back to: printed
+    whatever `log.progress` is (a schedule that fills the disk, or a rule that cannot reach the state it needs,
+    must be seen before the run is under way)."""
+    print(schedule_words(s.cfg, state_bytes(s.model, s.critic) / 2**20), flush=True)
     if rolls_back(s.cfg):
         print(s.snapshots.words(), flush=True)
 
