@@ -169,7 +169,7 @@ def drifted(step: int) -> StepRecord:
 def test_a_rollback_without_a_checkpoint_before_the_trouble_says_why_it_stops(tmp_path):
     s = session(tmp_path, *DRIFT)
     result = Health(s.cfg).run(s, drifted(1))
-    assert result.stop == "health_policy_drift" and result.rollback_to is None
+    assert result.stop == "health_policy_drift" and result.rollback_to is None and result.end_with is None
     [row] = s.writer.events
     assert row["action"] == "stop" and NO_CHECKPOINT in row["message"]
     assert any(NO_CHECKPOINT in line for line in s.console.lines)
@@ -179,11 +179,13 @@ def test_a_rollback_with_none_allowed_or_left_says_why_it_stops(tmp_path):
     (tmp_path / "checkpoints" / "step_2").mkdir(parents=True)
     s = session(tmp_path, *DRIFT, "health.max_rollbacks=0")
     assert Health(s.cfg).run(s, drifted(3)).stop == "health_policy_drift"
-    none = "no rollbacks allowed (health.max_rollbacks=0); stopping"
+    ending = "stopping with the state of step 2, from before the trouble, as the last checkpoint"
+    none = f"no rollbacks allowed (health.max_rollbacks=0); {ending}"
     assert none in s.writer.events[0]["message"]
     s = session(tmp_path, *DRIFT, "health.max_rollbacks=2", attempt=2)
-    assert Health(s.cfg).run(s, drifted(3)).stop == "health_policy_drift"
-    left = "no rollbacks left (health.max_rollbacks=2, all used); stopping"
+    result = Health(s.cfg).run(s, drifted(3))
+    assert result.stop == "health_policy_drift" and result.rollback_to is None and result.end_with == 2
+    left = f"no rollbacks left (health.max_rollbacks=2, all used); {ending}"
     assert left in s.writer.events[0]["message"]
     s = session(tmp_path, *DRIFT)
     result = Health(s.cfg).run(s, drifted(3))

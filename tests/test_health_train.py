@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from rldynamics import metric_names as names
 from rldynamics.config import make_config
 from rldynamics.tracking.run_dir import read_metrics
+from rldynamics.train.checkpoint import checkpoint_step, checkpoints
 from rldynamics.train.trainer import train
 
 TIMING = "timing_s/"
@@ -82,7 +83,7 @@ def test_a_stop_rule_ends_the_run_as_an_early_stop(fast_overrides):
 
 def test_a_rollback_is_an_exact_resume_with_new_seeds(fast_overrides, tmp_path):
     """Run A rolls back when the rule fires at step k (to checkpoint k-1), re-runs step k with the next attempt's
-    sampling seeds, and stops when the rule fires again with no rollback left. Run B reaches checkpoint k-1 alone
+    sampling seeds, and stops when the rule fires again with no rollback left, its last checkpoint the state of step k-1. Run B reaches checkpoint k-1 alone
     and is resumed as attempt 1: its step k is A's second step k, bit for bit."""
     k = _first_firing(fast_overrides, DIP, "entropy_collapse", "probe_back")
     assert k >= 2
@@ -102,7 +103,9 @@ def test_a_rollback_is_an_exact_resume_with_new_seeds(fast_overrides, tmp_path):
     shutil.copytree(a / "rolled_back", b / "rolled_back")  # B is now a run that rolled back once
     train(make_config(PRESET, overrides=[*fast_overrides, *VARIED, "log.name=b", *back, "checkpoint.resume=latest"]))
     assert _plain(read_metrics(b)[-1]) == _plain(rows[-1])
-    wa, wb = _actor(a, k), _actor(b, k)
+    # with no rollback left each run ends with the state from before the trouble as its last checkpoint
+    assert [max(checkpoint_step(p) for p in checkpoints(r)) for r in (a, b)] == [k - 1, k - 1]
+    wa, wb = _actor(a, k - 1), _actor(b, k - 1)
     assert all(torch.equal(wa[key], wb[key]) for key in wa)
 
 

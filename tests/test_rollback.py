@@ -105,6 +105,28 @@ def test_a_destructive_first_update_is_undone_at_the_step_that_made_it(fast_over
     assert all(r["health/update_kl_value"] < 0.1 for r in rows)  # measured again at the remedied rate: not destructive
 
 
+def test_a_rollback_rule_with_no_rollback_left_stops_with_the_state_from_before_the_trouble(fast_overrides,
+                                                                                          tmp_path):
+    """lr 3e-2 with `health.max_rollbacks=0`: the update_kl rule fires at the first destructive update (step k) and
+    stops the run there; its last checkpoint is the state before step 1, kept in memory and written as step_0 (the
+    base model's weights exactly), and no state of a trained step is saved: the policy the run leaves is the one it
+    started with, not the broken one. The rows of the steps it took stay; the event says what it left."""
+    guard = ["train.lr=3e-2", "train.steps=4", "val.every=0", "checkpoint.every=0", "checkpoint.save_last=true",
+             "health.update_kl=rollback", "health.max_rollbacks=0"]
+    cfg = make_config(PRESET, overrides=[*fast_overrides, *VARIED, *guard, "log.name=ends"])
+    run = train(cfg)
+    [fired] = [e for e in _events(run) if e["rule"] == "update_kl"]
+    k = fired["step"]
+    assert fired["action"] == "stop" and fired["value"] > 0.1
+    assert fired["message"].endswith("no rollbacks allowed (health.max_rollbacks=0); stopping with the state of "
+                                     "step 0, from before the trouble, as the last checkpoint")
+    assert read_metrics(run)[-1]["step"] == k and not (run / "rolled_back").exists()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0"]  # not step k's (save_last)
+    written = load_file(str(run / "checkpoints" / "step_0" / "actor" / "model.safetensors"))
+    base = load_file(str(Path(base_model_path(cfg)) / "model.safetensors"))
+    assert written.keys() == base.keys() and all(torch.equal(written[n], base[n]) for n in base)
+
+
 @pytest.mark.slow
 def test_under_torchrun_a_rollback_from_memory_gives_the_one_process_run(fast_overrides, tmp_path):
     """Two ranks (FSDP2 on gloo, `train.row_seeded_sampling`) roll back as one process does: the state before step 1,

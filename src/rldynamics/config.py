@@ -430,7 +430,8 @@ class HealthMonitorConfig:
     old-log-prob pass on every step): actor/entropy_change_same_batch, the realised change actor/entropy_cov
     predicts."""
     max_rollbacks: int = within(2, 0)
-    """Rollbacks a run may make; a rollback rule firing after that stops the run (and says why)."""
+    """Rollbacks a run may make; a rollback rule firing after that stops the run with the state it would have gone
+    back to as its last checkpoint (0: a rollback rule stops at once, leaving the state from before the trouble)."""
     remedy: list[str] = field(default_factory=list)
     """What a rollback changes before the run goes on, each `key=value` or `key*=factor`, applied again at every
     rollback (e.g. [train.lr*=0.5, algo.entropy_coef=0.01]): the learning rates, train.max_grad_norm,

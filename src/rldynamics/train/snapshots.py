@@ -23,9 +23,9 @@ from rldynamics.train.session import Session
 
 
 def rolls_back(cfg: Config) -> bool:
-    """Whether a health rule of `cfg` may roll the run back."""
+    """Whether a health rule of `cfg` may roll the run back (or, with no rollback left, end it with a kept state)."""
     h = cfg.health
-    return h.enabled and h.max_rollbacks > 0 and any(getattr(h, rule) == "rollback" for rule in RULES)
+    return h.enabled and any(getattr(h, rule) == "rollback" for rule in RULES)
 
 
 class Snapshots:

@@ -56,12 +56,14 @@ NOT_SAVED = (stages.NON_FINITE_LOGITS, stages.NON_FINITE_PARAMETERS)  # stops wh
 
 @dataclass(frozen=True)
 class StepResult:
-    """A step's metrics row, its stop reason (None: go on), the checkpoint to roll back to (None: none) and the
-    line of a diagnostic that ends the run right after it (None: none)."""
+    """A step's metrics row, its stop reason (None: go on), the checkpoint to roll back to (None: none), the
+    kept state a stopping run ends with (None: its own) and the line of a diagnostic that ends the run right after
+    it (None: none)."""
 
     metrics: dict[str, float]
     stop: str | None = None
     rollback_to: int | None = None  # the step whose kept state a health rollback goes back to
+    end_with: int | None = None  # the step whose kept state a health stop leaves as the last checkpoint
     exit_line: str | None = None
 
 
@@ -134,7 +136,9 @@ def run_steps(s: Session, begun: Start, stopper: EarlyStopper) -> tuple[Path, Co
             crash_point("logged", step)
             if result.rollback_to is not None and stop is None:
                 return _roll_back(s, step, result.rollback_to)
-            if stop not in NOT_SAVED and _checkpoint_due(cfg, step, stop is not None):
+            if stop is not None and result.end_with is not None:
+                _end_with(s, step, result.end_with)
+            elif stop not in NOT_SAVED and _checkpoint_due(cfg, step, stop is not None):
                 console.phase("checkpoint")
                 _save(s, step, stopper)
             if stop is None and s.snapshots.due(step):
@@ -176,6 +180,15 @@ def _roll_back(s: Session, step: int, back: int) -> tuple[Path, Config]:
                     + (f"; going on with {said}" if said else ""))
     dist.on_main(_archive, s, step, back, cfg, changes)
     return checkpoint, cfg
+
+
+def _end_with(s: Session, step: int, back: int) -> None:
+    """A health rule stopped the run at `step` with no rollback left: the state kept at step `back`, from before
+    the trouble, becomes its last checkpoint (written from memory where it is not on disk); `step`'s state is not
+    saved, so the policy the run leaves is the one before the trouble. The rows of the steps after `back` stay."""
+    checkpoint = dist.on_main(_checkpoint_of, s, back)
+    s.console.print(f"[yellow]the run ends with the state of step {back}, from before the trouble: {checkpoint} "
+                    f"(the state of step {step} is not saved)")
 
 
 def _steps(first: int, last: int) -> str:
@@ -243,8 +256,9 @@ def train_step(s: Session, step: int, stopper: EarlyStopper) -> StepResult:
     ended = stages.run_point(s, due, END, record)  # every step, whatever stopped it
     stop = stop or ended
     targets = [r.rollback_to for r in record.results.values() if r.rollback_to is not None]
-    back = min(targets) if targets else None
-    return StepResult(record.metrics(), stop, back, stages.exit_line(record))
+    ends = [r.end_with for r in record.results.values() if r.end_with is not None]
+    return StepResult(record.metrics(), stop, min(targets, default=None), min(ends, default=None),
+                      stages.exit_line(record))
 
 
 def _sync_due(s: Session, step: int, actor_updated: bool) -> bool:

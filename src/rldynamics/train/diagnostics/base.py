@@ -53,13 +53,15 @@ class Needs:
 @dataclass
 class DiagnosticResult:
     """What a diagnostic returns: its metrics, a reason to end the run after this step (None: go on), the step
-    whose kept state the run goes back to (None: no rollback), the alarms that started at this step (the rules of
+    whose kept state the run goes back to (None: no rollback), the step whose kept state a stopping run ends with
+(None: the state of the step it stops at), the alarms that started at this step (the rules of
     the health monitor whose trouble is new: the step recorder keeps such steps), and `exit_line`: set, the run
     ends right after this step with its row alone (no checkpoint, no early-stop flag), saying this line."""
 
     metrics: dict[str, float]
     stop: str | None = None
     rollback_to: int | None = None
+    end_with: int | None = None  # with `stop`: the step whose kept state becomes the run's last checkpoint
     alarms: list[str] = field(default_factory=list)
     exit_line: str | None = None
 

@@ -10,9 +10,10 @@ else 0); when a rule starts firing it writes one line to `events.jsonl` and acts
 - skip (`health.grad_spike`): the rule is the actor update's guard, refusing a spiking optimizer
   step before it is taken (the weights and optimizer state stay as they were); the event says so,
   and every step that refused optimizer steps prints how many;
-- rollback: the run goes back to its last checkpoint saved before the trouble began and goes on with
-  new sampling seeds (`train/trainer.py`; at most `health.max_rollbacks`); where it cannot, it stops
-  and says why;
+- rollback: the run goes back to the last state it keeps from before the trouble began and goes on with
+  new sampling seeds (`train/trainer.py`; at most `health.max_rollbacks`); with no rollback left it stops
+  with that state as its last checkpoint (the policy it leaves is the one before the trouble), and with no
+  such state it stops where it is; either way it says why;
 - stop: an early stop with `health_<rule>` as its reason (sweeps count it as a failed regime).
 
 Signals no other trainer logs, also logged here: `actor/entropy_cov` (the token covariance of the sampled token's
@@ -125,9 +126,11 @@ class Health(Diagnostic):
         happen stops the run); sets the result's rollback target or stop reason."""
         action, why = self.action(alarm.rule), ""
         if action == "rollback":
-            target, why = rollback_target(s, alarm.since)
+            target, kept, why = rollback_target(s, alarm.since)
             if target is None:
                 action = "stop"
+                if kept is not None and (result.end_with is None or kept < result.end_with):
+                    result.end_with = kept  # the earliest of the rules' states before their trouble
             elif result.rollback_to is None or target < result.rollback_to:
                 result.rollback_to = target  # the earliest of the rules' targets
         if action == "stop":
@@ -179,20 +182,24 @@ class Health(Diagnostic):
         self.fired_at = dict(state.get("fired_at", {}))
 
 
-def rollback_target(s: Session, since: int) -> tuple[int | None, str]:
-    """The last step before `since` whose state the run keeps (a checkpoint on disk, or a state in memory:
-    `train/snapshots.py`, the state before step 1 among them), while rollbacks are left, and "";
-    else None and why the run stops instead. The same on every rank (the same signals, the same kept steps)."""
+def rollback_target(s: Session, since: int) -> tuple[int | None, int | None, str]:
+    """(the step a rollback goes back to, the last step before `since` whose state the run keeps, why the run
+    stops instead). The kept step is a checkpoint on disk or a state in memory (`train/snapshots.py`, the state
+    before step 1 among them); the rollback goes back to it while rollbacks are left (why: ""); with none left
+    the run stops with that state as its last checkpoint; with no kept state both are None and it stops where it
+    is. The same on every rank (the same signals, the same kept steps)."""
     allowed = s.cfg.health.max_rollbacks
-    if allowed == 0:
-        return None, "no rollbacks allowed (health.max_rollbacks=0); stopping"
-    if s.attempt >= allowed:
-        return None, f"no rollbacks left (health.max_rollbacks={allowed}, all used); stopping"
-    kept = {checkpoint_step(p) for p in checkpoints(s.run_dir)} | set(s.snapshots.steps() if s.snapshots else ())
-    before = sorted(k for k in kept if k < since)
+    on_disk = {checkpoint_step(p) for p in checkpoints(s.run_dir)}
+    before = sorted(k for k in on_disk | set(s.snapshots.steps() if s.snapshots else ()) if k < since)
     if not before:
-        return None, f"cannot roll back: no checkpoint or state in memory before step {since}; stopping"
-    return before[-1], ""
+        return None, None, f"cannot roll back: no checkpoint or state in memory before step {since}; stopping"
+    kept = before[-1]
+    ending = f"stopping with the state of step {kept}, from before the trouble, as the last checkpoint"
+    if allowed == 0:
+        return None, kept, f"no rollbacks allowed (health.max_rollbacks=0); {ending}"
+    if s.attempt >= allowed:
+        return None, kept, f"no rollbacks left (health.max_rollbacks={allowed}, all used); {ending}"
+    return kept, kept, ""
 
 
 def _refused(rule: str, x: Signals) -> str:
