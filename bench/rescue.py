@@ -1,7 +1,7 @@
 """Actions that save runs: a pathology scenario trained under several arms of the health monitor (no action, stop,
 rollback, rollback with a remedy), over seeds; the validation success each arm ends with, with its standard error.
 
-    python bench/rescue.py run [--scenarios lr100] [--arms none,stop,rollback,remedy,filter] [--seeds 0-4]
+    python bench/rescue.py run [--scenarios lr100] [--arms none,stop,rollback,back_stop,remedy,filter] [--seeds 0-4]
         [--parallel 2]
     python bench/rescue.py table [--out runs/rescue]
 
@@ -20,7 +20,9 @@ already breaks the replies; the first-update guard (`update_kl`) sees it at step
 preset's rate from the state before step 1. `control_default`, `control_math` and `control_smollm2`: the same
 presets and rules without the pathology (an arm that acts there is a false alarm).
 Arms (`ARMS`): the rule's action record (no action), stop, rollback (to the newest state kept before the trouble,
-in memory, with new sampling seeds), rollback with the scenario's remedy, and RAGEN's reward-variance filter from
+in memory, with new sampling seeds; with no rollback left, a stop with that state as the last checkpoint), a stop
+with the state from before the trouble at once (`back_stop`: a rollback rule with `health.max_rollbacks=0`),
+rollback with the scenario's remedy, and RAGEN's reward-variance filter from
 the start (top-p 0.9 of the groups by reward spread, softmax weights) with no action.
 """
 
@@ -58,6 +60,7 @@ ARMS = {  # name -> the acting rule's settings, given the rule and the scenario'
     "none": lambda rule, remedy: [f"health.{rule}=record"],
     "stop": lambda rule, remedy: [f"health.{rule}=stop"],
     "rollback": lambda rule, remedy: [f"health.{rule}=rollback"],
+    "back_stop": lambda rule, remedy: [f"health.{rule}=rollback", "health.max_rollbacks=0"],
     "remedy": lambda rule, remedy: [f"health.{rule}=rollback", f"health.remedy=[{remedy}]"],
     "filter": lambda rule, remedy: [f"health.{rule}=record", *RAGEN_FILTER],
 }
@@ -72,12 +75,14 @@ def run(scenario: str, arm: str, seed: int, out: Path) -> Path:
 
 
 def left_success(run: Path) -> float | None:
-    """The validation success of the policy `run` leaves: its last validation, or, where its last checkpoint is
-    later (a stop), one validation of that checkpoint (`rldyn eval`, run once into <run>/eval/)."""
-    val = validation(run)
-    last = max((checkpoint_step(p) for p in checkpoints(run)), default=-1)
-    if not val or last <= val[-1][0]:
-        return val[-1][1] if val else None
+    """The validation success of the policy `run` leaves, its last checkpoint: the run's validation of that step,
+    or one validation of the checkpoint (`rldyn eval`, run once into <run>/eval/) where the run did not validate
+    it (a stop after its last validation, or one that left the state of an earlier step); a run without
+    checkpoints, its last validation."""
+    val = {step: success for step, success, _ in validation(run)}
+    last = max((checkpoint_step(p) for p in checkpoints(run)), default=None)
+    if last is None or last in val:
+        return val.get(last, list(val.values())[-1] if val else None)
     out = run / "eval" / f"step_{last}"
     if not (out / "metrics.jsonl").is_file():
         subprocess.run([sys.executable, "-m", "rldynamics.cli", "eval", str(run / "checkpoints" / f"step_{last}"),

@@ -291,13 +291,29 @@ def test_rescue_counts_a_rollback_that_a_later_rollback_archived(rescue, tmp_pat
     assert [(e["step"], e["archive"]) for e in rescue.rollbacks(run)] == [(15, "attempt_1"), (10, "attempt_2")]
 
 
+def test_rescue_judges_the_policy_a_run_leaves_by_its_last_checkpoint(rescue, tmp_path):
+    """A run that validated at steps 0 and 10 and left the state of step 0 as its last checkpoint (a rollback rule
+    with no rollback left) is judged by its step-0 validation; one whose last checkpoint is step 10, by step 10's; one
+    without checkpoints, by its last validation."""
+    run = tmp_path / "run"
+    run.mkdir()
+    val = "val-env/math/success"
+    _write_rows(run / "metrics.jsonl", [{"step": 0, val: 0.4}, {"step": 1, "x": 1.0}, {"step": 10, val: 0.1}])
+    assert rescue.left_success(run) == 0.1
+    (run / "checkpoints" / "step_0").mkdir(parents=True)
+    assert rescue.left_success(run) == 0.4
+    (run / "checkpoints" / "step_10").mkdir()
+    assert rescue.left_success(run) == 0.1
+
+
 def test_every_rescue_scenario_and_arm_is_a_valid_run_whose_remedy_changes_what_it_names(rescue):
     """Each (scenario, arm) is a config `rldyn train` accepts, with the acting rule set as the arm says; each
     remedy changes a setting (but on `control_math`, whose entropy bonus is already off); the SmolLM2 blow-up's
     remedy goes back to the preset's own learning rate."""
     from rldynamics.config import apply_remedy, make_config
 
-    action = {"none": "record", "stop": "stop", "rollback": "rollback", "remedy": "rollback", "filter": "record"}
+    action = {"none": "record", "stop": "stop", "rollback": "rollback", "back_stop": "rollback", "remedy": "rollback",
+              "filter": "record"}
     for scenario, (preset, overrides, rule, remedy) in rescue.SCENARIOS.items():
         for arm, settings in rescue.ARMS.items():
             cfg = make_config(preset, None, [*overrides, *settings(rule, remedy)])
