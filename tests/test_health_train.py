@@ -83,8 +83,9 @@ def test_a_stop_rule_ends_the_run_as_an_early_stop(fast_overrides):
 
 def test_a_rollback_is_an_exact_resume_with_new_seeds(fast_overrides, tmp_path):
     """Run A rolls back when the rule fires at step k (to checkpoint k-1), re-runs step k with the next attempt's
-    sampling seeds, and stops when the rule fires again with no rollback left, its last checkpoint the state of step k-1. Run B reaches checkpoint k-1 alone
-    and is resumed as attempt 1: its step k is A's second step k, bit for bit."""
+    sampling seeds, and stops when the rule fires again with no rollback left, its last checkpoint the state of
+    step k-1. Run B reaches checkpoint k-1 alone and is resumed as attempt 1: its step k is A's second step k, bit
+    for bit."""
     k = _first_firing(fast_overrides, DIP, "entropy_collapse", "probe_back")
     assert k >= 2
     back = [*DIP, "health.entropy_collapse=rollback", "health.max_rollbacks=1"]

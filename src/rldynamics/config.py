@@ -147,8 +147,9 @@ class EnvConfig:
     reward_weights: dict[str, float] = field(default_factory=dict)
     """Weight of a reward component in the trained score, e.g. env.reward_weights.box=2 (unset: the env's default)."""
     reward_funcs: list[str] = field(default_factory=list)
-    """Your reward functions (TRL's reward_funcs signature), each a reward component named after the function, weight
-    env.reward_weights.<name> (default 1): [module:function, path/file.py:function]; single-turn envs (math, prompts)."""
+    """Your reward functions (TRL's reward_funcs signature), each a reward component named after the function,
+    weight env.reward_weights.<name> (default 1): [module:function, path/file.py:function]; single-turn envs (math,
+    prompts)."""
 
     def options(self) -> dict[str, Any]:
         """The selected env's own keys as constructor keyword arguments."""
@@ -1031,8 +1032,8 @@ def _validate_env(env: EnvConfig) -> None:
         raise ConfigError(f"env.answer_only=true has no effect on env {env.name!r}: it grades the whole reply, not "
                           "an <answer> tag; leave env.answer_only unset")
     if getattr(instance, "attempts", 1) > env.max_turns:
-        raise ConfigError(f"env.{env.name}.attempts={instance.attempts} needs env.max_turns >= {instance.attempts} (one "
-                          f"turn per attempt), got env.max_turns={env.max_turns}")
+        raise ConfigError(f"env.{env.name}.attempts={instance.attempts} needs env.max_turns >= {instance.attempts} "
+                          f"(one turn per attempt), got env.max_turns={env.max_turns}")
     names = _check_reward_funcs(instance, env)
     unknown = sorted(set(env.reward_weights) - set(names))
     if unknown:
