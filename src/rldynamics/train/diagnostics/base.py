@@ -54,9 +54,9 @@ class Needs:
 class DiagnosticResult:
     """What a diagnostic returns: its metrics, a reason to end the run after this step (None: go on), the step
     whose kept state the run goes back to (None: no rollback), the step whose kept state a stopping run ends with
-(None: the state of the step it stops at), the alarms that started at this step (the rules of
-    the health monitor whose trouble is new: the step recorder keeps such steps), and `exit_line`: set, the run
-    ends right after this step with its row alone (no checkpoint, no early-stop flag), saying this line."""
+    (None: the state of the step it stops at), the alarms that started at this step (the rules of the health
+    monitor whose trouble is new: the step recorder keeps such steps), and `exit_line`: set, the run ends right
+    after this step with its row alone (no checkpoint, no early-stop flag), saying this line."""
 
     metrics: dict[str, float]
     stop: str | None = None

@@ -123,7 +123,8 @@ class Health(Diagnostic):
 
     def resolve(self, s: Session, alarm: Alarm, result: DiagnosticResult) -> tuple[str, str]:
         """The action carried out, and why it is not the configured one (a rollback that cannot
-        happen stops the run); sets the result's rollback target or stop reason."""
+        happen stops the run); sets the result's rollback target, or its stop reason and the kept
+        state the run ends with."""
         action, why = self.action(alarm.rule), ""
         if action == "rollback":
             target, kept, why = rollback_target(s, alarm.since)
