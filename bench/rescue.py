@@ -1,5 +1,6 @@
 """Actions that save runs: a pathology scenario trained under several arms of the health monitor (no action, stop,
-rollback, rollback with a remedy), over seeds; the validation success each arm ends with, with its standard error.
+rollback, a stop with the state before the trouble, rollback with a remedy, RAGEN's filter), over seeds; the
+validation success each arm ends with, with its standard error.
 
     python bench/rescue.py run [--scenarios lr100] [--arms none,stop,rollback,back_stop,remedy,filter] [--seeds 0-4]
         [--parallel 2]
@@ -37,7 +38,7 @@ from pathlib import Path
 
 from false_alarms import run_grid, run_one, validation
 from rldynamics.tracking.run_dir import ROLLED_BACK, read_events, read_metrics
-from rldynamics.train.checkpoint import checkpoint_step, checkpoints
+from rldynamics.train.checkpoint import checkpoint_step, latest_checkpoint
 
 SMOLLM2_SHORT = ["train.steps=10", "val.every=10"]  # 9-14 min a run, two at a time (AMD EPYC Zen 3, AVX2)
 SCENARIOS = {  # name -> (preset, overrides, the rule that acts, the remedy of the `remedy` arm)
@@ -80,7 +81,8 @@ def left_success(run: Path) -> float | None:
     it (a stop after its last validation, or one that left the state of an earlier step); a run without
     checkpoints, its last validation."""
     val = {step: success for step, success, _ in validation(run)}
-    last = max((checkpoint_step(p) for p in checkpoints(run)), default=None)
+    latest = latest_checkpoint(run)
+    last = checkpoint_step(latest) if latest is not None else None
     if last is None or last in val:
         return val.get(last, list(val.values())[-1] if val else None)
     out = run / "eval" / f"step_{last}"
