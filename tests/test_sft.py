@@ -143,6 +143,19 @@ def test_the_bandit_smollm2_preset_validates_on_arm_boards_it_never_demonstrates
     assert 12 <= len(val) <= 20 and len(train) + len(val) == 40 and not train & val
 
 
+def test_the_sokoban_smollm2_preset_demonstrates_only_rooms_it_never_validates_on(tiny):
+    """RAGEN's CoordSokoban on SmolLM2: 6x6 rooms with one box, every turn's grid and coordinates; the solver's
+    demonstrations (a quarter of the moves random) leave out every room of the 64 validation rooms."""
+    _, tokenizer = tiny
+    cfg = make_config("sokoban-smollm2", overrides=["sft.episodes=300", "log.progress=false"])
+    assert (cfg.env.name, cfg.env.sokoban.observation_format, cfg.sft.noise) == ("sokoban", "grid_coord", 0.25)
+    assert list(cfg.env.sokoban.dim_room) == [6, 6] and cfg.env.sokoban.num_boxes == 1
+    data = sft_data(cfg, tokenizer, log=lambda *_: None)
+    val = {c.problem for c in data.val}
+    assert len(val) == 64 and 250 <= len(data.train) <= 300
+    assert not {c.problem for c in data.train} & val
+
+
 def test_a_conversation_set_in_trls_format_is_read_and_bad_rows_are_named(tiny, tmp_path):
     _, tokenizer = tiny
     (tmp_path / "x.jsonl").write_text('{"prompt": "Say 1."}\n')

@@ -77,4 +77,5 @@ def test_the_base_smollm2_on_a_game_is_sent_to_rldyn_sft_first(tmp_path):
     assert "rldyn sft --preset" in game_without_sft(make_config("frozenlake-smollm2"))
     tuned = str(tmp_path / "runs" / "fl" / "checkpoints" / "step_31" / "actor")
     assert game_without_sft(make_config("frozenlake-smollm2", overrides=[f"model.path={tuned}"])) is None
+    assert "rldyn sft --preset" in game_without_sft(make_config("sokoban-smollm2"))
     assert game_without_sft(make_config("math-smollm2")) is None  # it answers math in format
