@@ -147,12 +147,12 @@ def test_the_sokoban_smollm2_preset_demonstrates_only_rooms_it_never_validates_o
     """RAGEN's CoordSokoban on SmolLM2: 6x6 rooms with one box, every turn's grid and coordinates; the solver's
     demonstrations (a quarter of the moves random) leave out every room of the 64 validation rooms."""
     _, tokenizer = tiny
-    cfg = make_config("sokoban-smollm2", overrides=["sft.episodes=300", "log.progress=false"])
+    cfg = make_config("sokoban-smollm2", overrides=["sft.episodes=100", "log.progress=false"])
     assert (cfg.env.name, cfg.env.sokoban.observation_format, cfg.sft.noise) == ("sokoban", "grid_coord", 0.25)
     assert list(cfg.env.sokoban.dim_room) == [6, 6] and cfg.env.sokoban.num_boxes == 1
     data = sft_data(cfg, tokenizer, log=lambda *_: None)
     val = {c.problem for c in data.val}
-    assert len(val) == 64 and 250 <= len(data.train) <= 300
+    assert len(val) == 64 and 80 <= len(data.train) <= 100
     assert not {c.problem for c in data.train} & val
 
 
