@@ -127,6 +127,29 @@ def test_a_rollback_rule_with_no_rollback_left_stops_with_the_state_from_before_
     assert written.keys() == base.keys() and all(torch.equal(written[n], base[n]) for n in base)
 
 
+def test_checkpoints_saved_after_the_trouble_began_are_set_aside_by_the_stop_and_by_a_rollback(fast_overrides):
+    """`reward_variance_collapse` judges 3 steps in a row (share 0: every step counts), so it fires at step 3 with
+    its trouble since step 1, after checkpoints of steps 1 and 2 were saved. With no rollback left the run ends with
+    the state before step 1 as its only checkpoint, and steps 1-2's checkpoints move to checkpoints_after_trouble/
+    (not `latest`, not lost). With one rollback allowed they first move into the attempt's archive, the run goes
+    on from step 0 and the rule fires again at step 3: that stop sets aside the new attempt's own."""
+    rule = ["train.steps=3", "val.every=0", "checkpoint.every=1", "checkpoint.keep_last=0",
+            "health.reward_variance_collapse=rollback", "health.zero_variance_share=0",
+            "health.zero_variance_steps=3"]
+    stop = train(make_config(PRESET, overrides=[*fast_overrides, *VARIED, *rule, "health.max_rollbacks=0",
+                                                "log.name=stops"]))
+    [fired] = [e for e in _events(stop) if e["rule"] == "reward_variance_collapse"]
+    assert (fired["step"], fired["since"], fired["action"]) == (3, 1, "stop")
+    assert sorted(p.name for p in (stop / "checkpoints").iterdir()) == ["step_0"]
+    assert sorted(p.name for p in (stop / "checkpoints_after_trouble").iterdir()) == ["step_1", "step_2"]
+    back = train(make_config(PRESET, overrides=[*fast_overrides, *VARIED, *rule, "health.max_rollbacks=1",
+                                                "log.name=rolls"]))
+    assert [e["step"] for e in _events(back) if e["rule"] == "rollback"] == [0]
+    for kept in (back / "rolled_back" / "attempt_1" / "checkpoints", back / "checkpoints_after_trouble"):
+        assert sorted(p.name for p in kept.iterdir()) == ["step_1", "step_2"]
+    assert sorted(p.name for p in (back / "checkpoints").iterdir()) == ["step_0"]
+
+
 @pytest.mark.slow
 def test_under_torchrun_a_rollback_from_memory_gives_the_one_process_run(fast_overrides, tmp_path):
     """Two ranks (FSDP2 on gloo, `train.row_seeded_sampling`) roll back as one process does: the state before step 1,

@@ -283,6 +283,16 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
+def set_aside_after(run_dir: Path, step: int, into: Path) -> list[Path]:
+    """Move the published checkpoints of `run_dir` after `step` into the directory `into` (created when there are
+    any): states a rollback undid, or saved after the trouble a stop ends before, stay on disk but are no longer the
+    run's checkpoints (its latest is the state it went back to). Returns their new paths, oldest first."""
+    later = [p for p in checkpoints(run_dir) if checkpoint_step(p) > step]
+    if later:
+        into.mkdir(parents=True, exist_ok=True)
+    return [p.rename(into / p.name) for p in later]
+
+
 def checkpoint_step(path: Path) -> int:
     """The step of a published checkpoint directory (`step_<N>`)."""
     return int(path.name[5:])

@@ -41,6 +41,7 @@ from rldynamics.train.checkpoint import (
     crash_point,
     save_checkpoint,
     schedule_words,
+    set_aside_after,
     state_bytes,
 )
 from rldynamics.train.diagnostics import trainer_state
@@ -52,6 +53,7 @@ from rldynamics.train.snapshots import rolls_back
 from rldynamics.train.step_record import StepRecord
 
 NOT_SAVED = (stages.NON_FINITE_LOGITS, stages.NON_FINITE_PARAMETERS)  # stops whose state is broken: no checkpoint
+AFTER_TROUBLE = "checkpoints_after_trouble"  # where a stop that keeps an earlier state moves the checkpoints after it
 
 
 @dataclass(frozen=True)
@@ -170,25 +172,34 @@ def _say_storage(s: Session) -> None:
 
 
 def _roll_back(s: Session, step: int, back: int) -> tuple[Path, Config]:
-    """Go back to the state kept at step `back` (a checkpoint, or a state in memory written as one): the rows of
-    the steps after it move to `rolled_back/attempt_<k>/`, and `health.remedy` changes the settings the run goes on
-    with (events.jsonl, config_history.jsonl, config.yaml). Returns the checkpoint and the new config."""
-    checkpoint = dist.on_main(_checkpoint_of, s, back)  # rank 0 alone looks: the others would race its writing
+    """Go back to the state kept at step `back` (a checkpoint, or a state in memory written as one): the rows and
+    checkpoints of the steps after it move to `rolled_back/attempt_<k>/`, and `health.remedy` changes the settings
+    the run goes on with (events.jsonl, config_history.jsonl, config.yaml). Returns the checkpoint and the new
+    config."""
     cfg, changes = apply_remedy(s.cfg)
     said = "; ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items())
     s.console.print(f"[yellow]rolling back to step {back} ({_steps(back + 1, step)} kept in rolled_back/)"
                     + (f"; going on with {said}" if said else ""))
-    dist.on_main(_archive, s, step, back, cfg, changes)
+    dist.on_main(_archive, s, step, back, cfg, changes)  # first: its checkpoints after `back` are set aside
+    checkpoint = dist.on_main(_checkpoint_of, s, back)  # rank 0 alone looks: the others would race its writing
     return checkpoint, cfg
 
 
 def _end_with(s: Session, step: int, back: int) -> None:
     """A health rule stopped the run at `step` with no rollback left: the state kept at step `back`, from before
     the trouble, becomes its last checkpoint (written from memory where it is not on disk); `step`'s state is not
-    saved, so the policy the run leaves is the one before the trouble. The rows of the steps after `back` stay."""
+    saved, and checkpoints saved after `back` move to `AFTER_TROUBLE/`, so the policy the run leaves is the one
+    before the trouble. The rows of the steps after `back` stay."""
+    moved = dist.on_main(set_aside_after, s.run_dir, back, s.run_dir / AFTER_TROUBLE)
     checkpoint = dist.on_main(_checkpoint_of, s, back)
+    aside = f"; {_names(moved)}, saved after it, moved to {AFTER_TROUBLE}/" if moved else ""
     s.console.print(f"[yellow]the run ends with the state of step {back}, from before the trouble: {checkpoint} "
-                    f"(the state of step {step} is not saved)")
+                    f"(the state of step {step} is not saved{aside})")
+
+
+def _names(paths: list[Path]) -> str:
+    """`step_10` or `step_10, step_20`."""
+    return ", ".join(p.name for p in paths)
 
 
 def _steps(first: int, last: int) -> str:
@@ -203,7 +214,10 @@ def _checkpoint_of(s: Session, back: int) -> Path:
 
 
 def _archive(s: Session, step: int, back: int, cfg: Config, changes: dict) -> None:
+    """The undone steps' rows and entries, and their checkpoints, into `rolled_back/attempt_<k>/`; the event and
+    the config change."""
     archive = s.writer.archive_after(back)
+    set_aside_after(s.run_dir, back, archive / "checkpoints")
     changed = {k: list(v) for k, v in changes.items()}  # key -> [before, after]
     s.writer.log_event({"step": back, "rule": "rollback", "action": "rollback", "from_step": step,
                         "archive": archive.name, "message": f"{_steps(back + 1, step)} rolled back",
