@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from rldynamics.config import ConfigError, load_config, make_config, save_config
+from rldynamics.plots.data import load_run
+from rldynamics.plots.report import result_lines
 from rldynamics.tracking.run_dir import read_metrics
 from rldynamics.train.setup import base_model_path
 from rldynamics.train.trainer import train
@@ -139,8 +141,11 @@ def test_checkpoints_saved_after_the_trouble_began_are_set_aside_by_the_stop_and
     stop = train(make_config(PRESET, overrides=[*fast_overrides, *VARIED, *rule, "health.max_rollbacks=0",
                                                 "log.name=stops"]))
     [fired] = [e for e in _events(stop) if e["rule"] == "reward_variance_collapse"]
-    assert (fired["step"], fired["since"], fired["action"]) == (3, 1, "stop")
+    assert (fired["step"], fired["since"], fired["action"], fired["ends_with"]) == (3, 1, "stop", 0)
     assert sorted(p.name for p in (stop / "checkpoints").iterdir()) == ["step_0"]
+    [left] = [line for line in result_lines(load_run(stop)) if line.startswith("left: ")]
+    assert left.startswith("left: the state of step 0, from before the trouble, as the last checkpoint "
+                           "(checkpoints/step_0; validation success ")
     assert sorted(p.name for p in (stop / "checkpoints_after_trouble").iterdir()) == ["step_1", "step_2"]
     back = train(make_config(PRESET, overrides=[*fast_overrides, *VARIED, *rule, "health.max_rollbacks=1",
                                                 "log.name=rolls"]))

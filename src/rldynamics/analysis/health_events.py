@@ -61,11 +61,13 @@ def writes_row(new: bool, action: str) -> bool:
     return new or action not in QUIET
 
 
-def alarm_row(step: int, alarm: Alarm, action: str, why: str = "") -> dict:
-    """The events.jsonl row of an alarm; `why` (what its action became and why) ends its message."""
+def alarm_row(step: int, alarm: Alarm, action: str, why: str = "", ends_with: int | None = None) -> dict:
+    """The events.jsonl row of an alarm; `why` (what its action became and why) ends its message; `ends_with`: the
+    step whose kept state a stop leaves as the run's last checkpoint (set only then)."""
     message = f"{alarm.message}; {why}" if why else alarm.message
-    return {"step": step, "rule": alarm.rule, "action": action, "value": alarm.value,
-            "threshold": alarm.threshold, "since": alarm.since, "message": message}
+    row = {"step": step, "rule": alarm.rule, "action": action, "value": alarm.value,
+           "threshold": alarm.threshold, "since": alarm.since, "message": message}
+    return row if ends_with is None else {**row, "ends_with": ends_with}
 
 
 def clear_message(rule: str, fired: int) -> str:

@@ -142,6 +142,7 @@ class HealthEvent:
     from_step: int | None = None
     archive: str | None = None
     undone: str | None = None
+    ends_with: int | None = None  # a stop that leaves the state of this earlier step as the last checkpoint
 
     @property
     def is_rollback(self) -> bool:
@@ -195,10 +196,12 @@ def _event(row: Any, undone: str | None) -> HealthEvent | None:
         return None
     value, threshold = as_float(row.get("value")), as_float(row.get("threshold"))
     since, from_step = _step_of({"step": row.get("since")}), _step_of({"step": row.get("from_step")})
+    ends_with = _step_of({"step": row.get("ends_with")})
     return HealthEvent(step=step, rule=row["rule"], action=row["action"], message=str(row.get("message", "")),
                        value=None if math.isnan(value) else value,
                        threshold=None if math.isnan(threshold) else threshold, since=since, from_step=from_step,
-                       archive=row["archive"] if isinstance(row.get("archive"), str) else None, undone=undone)
+                       archive=row["archive"] if isinstance(row.get("archive"), str) else None, undone=undone,
+                       ends_with=ends_with)
 
 
 def _analysis_metrics(path: Path) -> dict[int, dict[str, Any]]:
@@ -433,6 +436,7 @@ class Headline:
     steps: int | None
     stopped: str
     wall_s: float | None
+    left: int | None = None  # the step whose state a health stop left as the last checkpoint, when not its own
 
 
 def headline(run: RunData) -> Headline:
@@ -453,7 +457,14 @@ def headline(run: RunData) -> Headline:
     times = [t for t in times if math.isfinite(t)]
     return Headline(val=val, last_step=run.rows[-1]["step"] if run.rows else None, steps=steps,
                     stopped=f"early stop at step {stops[0][0]}: {stops[0][1]}" if stops else "",
-                    wall_s=float(sum(times)) if times else None)
+                    wall_s=float(sum(times)) if times else None, left=left_state(run))
+
+
+def left_state(run: RunData) -> int | None:
+    """The step whose state a health stop left as the run's last checkpoint (the earliest its stop events name),
+    or None when the run left its own last state."""
+    kept = [e.ends_with for e in run.events if e.undone is None and e.ends_with is not None]
+    return min(kept) if kept else None
 
 
 def early_stops(run: RunData) -> list[tuple[int, str]]:

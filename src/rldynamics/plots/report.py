@@ -329,6 +329,9 @@ def headline_section(run: RunData) -> str:
         cells.append(("validation success", "not logged", "val.every=0 and val.before_train=false"))
     if h.steps is not None:
         cells.append(("steps", f"{h.last_step} of {h.steps}", h.stopped or "as configured"))
+    if h.left is not None:
+        cells.append(("policy left", f"the state of step {h.left}", f"checkpoints/step_{h.left}, from before the "
+                                                                    "trouble"))
     if h.wall_s is not None:
         cells.append(("wall time", _duration(h.wall_s), "steps and validations (model build and warm start not "
                                                          "counted)"))
@@ -459,10 +462,23 @@ def result_lines(run: RunData, report: Path | None = None) -> list[str]:
         lines.append("result: no validation logged (val.every=0 and val.before_train=false)")
     if h.stopped:
         lines.append(f"stopped: {h.stopped}")
+    if h.left is not None:
+        lines.append(f"left: {left_words(run, h.left)}")
     lines.append(f"health: {verdict(run).text}")
     if report is not None:
         lines.append(f"report: {report}")
     return lines
+
+
+def left_words(run: RunData, step: int) -> str:
+    """What a run that stopped with an earlier state leaves: that state's checkpoint and its validation, if any."""
+    envs = env_names(run)
+    key = naming.val_success(envs[0]) if envs else None
+    val = next((r[key] for r in run.rows if r["step"] == step and isinstance(r.get(key), (int, float))), None)
+    said = (f"validation success {val:.1%}{_val_se(run).get(step, '')} at that step" if val is not None
+            else f"not validated: rldyn eval {run.path / 'checkpoints' / f'step_{step}'}")
+    return (f"the state of step {step}, from before the trouble, as the last checkpoint (checkpoints/step_{step}; "
+            f"{said})")
 
 
 def _val_se(run: RunData) -> dict[int, str]:

@@ -114,7 +114,8 @@ class Health(Diagnostic):
             self.fired_at[alarm.rule] = x.step
         quiet = not writes_row(new, action)
         if s.main and not quiet:
-            s.writer.log_event(alarm_row(x.step, alarm, action, why))
+            ends_with = result.end_with if action == "stop" else None
+            s.writer.log_event(alarm_row(x.step, alarm, action, why, ends_with))
         if s.console is None or action == "record" or (quiet and action != "skip"):
             return
         done = _refused(alarm.rule, x) if action == "skip" else why
