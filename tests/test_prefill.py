@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from rldynamics.config import make_config
 from rldynamics.models.loading import load_model_and_tokenizer
 from rldynamics.models.tiny import ensure_tiny_model
 from rldynamics.rollout.agent import generate
 from rldynamics.rollout.chat import ChatPrompts
-from rldynamics.rollout.prefill import TurnCaches, shared_prompt_cache
+from rldynamics.rollout.prefill import RoomyLayer, TurnCaches, shared_prompt_cache
 from rldynamics.train.warmstart import tiny_corpus
 
 
@@ -111,3 +112,31 @@ def test_a_prompt_that_does_not_continue_its_cache_is_recomputed(setup):
     _, following, _ = _two_turns(model, tokenizer, prompts, caches)
     other = [list(reversed(f)) for f in following]  # no longer starts with the cached ids
     assert caches.batch_cache(list(range(len(other))), other) is None
+
+
+def test_a_roomy_layer_holds_what_a_dynamic_layer_holds_and_copies_only_the_new_positions():
+    gen = torch.Generator().manual_seed(0)
+    plain, roomy = DynamicLayer(), RoomyLayer.of(DynamicLayer(), room=3)
+
+    def both(apply):
+        apply(plain)
+        apply(roomy)
+        assert torch.equal(roomy.keys, plain.keys) and torch.equal(roomy.values, plain.values)
+        assert roomy.get_seq_length() == plain.get_seq_length()
+
+    def update(width, rows=4):
+        k, v = (torch.randn(rows, 2, width, 5, generator=gen) for _ in range(2))  # [B, H, m, D]
+        return lambda layer: layer.update(k, v)
+
+    both(update(6))  # a prefill: room for 3 more
+    buffer = roomy.key_buffer
+    for _ in range(3):
+        both(update(1))  # decode steps write into the room: the same buffer
+        assert roomy.key_buffer is buffer and roomy.keys.data_ptr() == buffer.data_ptr()
+    both(update(1))  # full: a new buffer
+    assert roomy.key_buffer is not buffer and roomy.keys.shape[2] == 10
+    both(lambda layer: layer.crop(-2))  # a view of the buffer: the next update overwrites the cropped positions
+    both(update(2))
+    both(lambda layer: layer.batch_select_indices(torch.tensor([2, 0])))  # not a view: copied into a new buffer
+    both(update(1, rows=2))
+    assert roomy.keys.shape[0] == 2 and roomy.keys.data_ptr() == roomy.key_buffer.data_ptr()

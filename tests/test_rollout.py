@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import random
 import re
 
@@ -15,7 +16,7 @@ from rldynamics.config import make_config
 from rldynamics.models.loading import load_model_and_tokenizer
 from rldynamics.models.tiny import ensure_tiny_model
 from rldynamics.rollout.agent import env_metric_summary, rollout
-from rldynamics.rollout.sampling import NonFiniteLogits, SamplingGuard, sampling_guard
+from rldynamics.rollout.sampling import NonFiniteLogits, SamplingGuard, keyed_gumbel, row_key, sampling_guard
 from rldynamics.train.sft_data import solver_policy
 from rldynamics.train.warmstart import tiny_corpus
 
@@ -143,3 +144,24 @@ def test_answer_only_costs_the_format_penalty_for_text_after_the_answer_and_grad
     assert [c["format"] for c in strict] == [1.0, 1.0]  # the answer itself still counts, graded the same
     for a, b in zip(loose, strict, strict=True):
         assert (a["format"], a["correct"]) == (b["format"], b["correct"])
+
+
+def _lowbias32(x: int) -> int:
+    """Wellons' lowbias32 on a Python int, written out independently of `rollout.sampling`."""
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) % 2**32
+    x ^= x >> 15
+    x = (x * 0x735A2D97) % 2**32
+    return x ^ (x >> 15)
+
+
+def test_keyed_gumbel_noise_is_the_hash_of_key_index_and_id():
+    keys = [row_key(7, row, 3) for row in range(3)]
+    noise = keyed_gumbel(torch.tensor(keys), 2, 50)  # [3, 50]
+    for row, key in enumerate(keys):
+        step = _lowbias32(key ^ _lowbias32(2))
+        for token in (0, 1, 17, 49):
+            bits = _lowbias32(_lowbias32(step ^ token) ^ step)
+            expected = -math.log(-math.log((bits + 0.5) / 2**32))
+            assert noise[row, token].item() == pytest.approx(expected, rel=1e-6)
+    assert torch.equal(keyed_gumbel(torch.tensor(keys), 2, 50), noise)  # the keys tensor is left as it was

@@ -35,12 +35,12 @@ from rldynamics import metric_names
 from rldynamics.config import EnvConfig
 from rldynamics.envs import make_env
 from rldynamics.envs.reward_funcs import ERRORS, load_reward_funcs, score
-from rldynamics.models.forward import with_cache
+from rldynamics.models.forward import caches_plainly, with_cache
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.rollout.chat import ChatPrompts, Conversation
 from rldynamics.rollout.engines import RolloutEngine
 from rldynamics.rollout.parse import ParsedTurn, parse_answer, parse_response
-from rldynamics.rollout.prefill import TurnCaches, shared_prompt_cache
+from rldynamics.rollout.prefill import TurnCaches, shared_prompt_cache, with_room
 from rldynamics.rollout.rewards import resolve_weights, reward_names, weighted_sum
 from rldynamics.rollout.sampling import SampledLogprobs, row_key, sampling_guard
 
@@ -300,8 +300,10 @@ def generate_with_logprobs(model, tokenizer, prompts: list[list[int]], max_new_t
     cache = caches.batch_cache(cache_keys, prompts) if caches is not None and caches.rows else None
     if cache is None:
         cache = shared_prompt_cache(model, input_ids, attention)  # a group's shared prompt is encoded once
-    if cache is None and caches is not None and caches.enabled:
-        cache = DynamicCache(config=model.config)  # filled by generate, then kept for the next turn
+    if cache is None and caches_plainly(model):
+        cache = DynamicCache(config=model.config)  # filled by generate (and with `caches` kept for the next turn)
+    if cache is not None:
+        with_room(cache, max_new_tokens)  # a decode step writes its keys and values; nothing is concatenated
     sampler = {"do_sample": False} if row_keys is not None else {"do_sample": True, "top_p": 1.0, "top_k": 0}
     recorder = SampledLogprobs()
     processors = sampling_guard(temperature, row_keys)

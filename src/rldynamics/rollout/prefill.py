@@ -6,6 +6,9 @@ distinct prompt and copies the key/value cache to every row that has that prompt
 the last prompt token and the new tokens. Positions and attention follow `generate`'s own rules for a
 left-padded batch (position = number of attended tokens before it), so the cache holds what `generate`'s own
 prefill would have computed, up to float rounding of the smaller batch.
+
+`with_room` makes a cache's layers write each decode step's keys and values into spare room (`RoomyLayer`) instead
+of concatenating the whole cache anew at every step.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import inspect
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from rldynamics.models.forward import caches_plainly, with_cache
 from rldynamics.models.lora import underlying
@@ -104,3 +108,54 @@ class TurnCaches:
             return zeros, zeros
         k, v = self.rows[key][1][layer]  # [H, n, D]
         return torch.cat([zeros, k[:, :real]], 1), torch.cat([zeros, v[:, :real]], 1)
+
+
+class RoomyLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values live in a buffer with room for `room` more positions: an update copies
+    only the new positions, where DynamicLayer's `torch.cat` copies the whole cache at every decode step (about a
+    tenth of SmolLM2's generation time on a CPU). `keys` / `values` are views of the buffer's first positions, with
+    the values DynamicLayer would hold, so generation gives the same tokens bit for bit (`tests/test_prefill.py`).
+    An operation that replaces them (`batch_select_indices`, `batch_repeat_interleave`) leaves tensors that are not
+    views of the buffer; the next update copies them into a new one."""
+
+    room = 32
+
+    @classmethod
+    def of(cls, layer: DynamicLayer, room: int) -> RoomyLayer:
+        """The same layer state (initialised or not), updated with room for `room` positions ahead."""
+        roomy = cls()
+        roomy.__dict__.update(layer.__dict__)
+        roomy.room = room
+        return roomy
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = self.get_seq_length()
+        self.keys, self.key_buffer = _appended(self.keys, getattr(self, "key_buffer", None), key_states, n, self.room)
+        self.values, self.value_buffer = _appended(self.values, getattr(self, "value_buffer", None), value_states, n,
+                                                   self.room)
+        return self.keys, self.values
+
+
+def _appended(cached: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor, n: int, room: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`cached` [B, H, n, D] followed by `new` [B, H, m, D] as a view [B, H, n + m, D] of a buffer, that buffer):
+    `buffer` itself when `cached` is its first n positions and m more fit, else a new one with `room` to spare."""
+    b, h, m, d = new.shape
+    fits = (buffer is not None and buffer.shape[:2] == (b, h) and buffer.dtype == new.dtype
+            and n + m <= buffer.shape[2] and (n == 0 or (cached.data_ptr() == buffer.data_ptr()
+                                                          and cached.stride() == buffer.stride())))
+    if not fits:
+        buffer = new.new_empty(b, h, n + m + room, d)  # [B, H, n + m + room, D]
+        if n:
+            buffer[:, :, :n].copy_(cached)
+    buffer[:, :, n:n + m].copy_(new)
+    return buffer[:, :, :n + m], buffer
+
+
+def with_room(cache: DynamicCache, room: int) -> DynamicCache:
+    """`cache` with each plain DynamicLayer made a `RoomyLayer` with room for `room` positions (in place)."""
+    cache.layers = [RoomyLayer.of(layer, room) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache

@@ -56,12 +56,18 @@ MASK32 = 0xFFFFFFFF
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash (a bijection with full avalanche; Wellons' `lowbias32` constants) of int64 values in
-    [0, 2^32); every product stays below 2^63. Same shape as `x`."""
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & MASK32
-    return x ^ (x >> 15)
+    [0, 2^32); every product stays below 2^63. Same shape as `x`, which is left as it was."""
+    return _mix32_(x.clone())
+
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """`_mix32` computed in place in `x` (returned): a [B, V] noise tensor is hashed without a new one per
+    operation."""
+    x.bitwise_xor_(x >> 16)
+    x.mul_(0x21F0AAAD).bitwise_and_(MASK32)
+    x.bitwise_xor_(x >> 15)
+    x.mul_(0x735A2D97).bitwise_and_(MASK32)
+    return x.bitwise_xor_(x >> 15)
 
 
 def row_key(*parts: int) -> int:
@@ -82,10 +88,10 @@ def keyed_gumbel(keys: torch.Tensor, index: int, vocab: int) -> torch.Tensor:
         vocab: V.
     """
     step = _mix32(keys ^ _mix32(torch.tensor(index, dtype=torch.int64, device=keys.device)))  # [B]
-    ids = torch.arange(vocab, dtype=torch.int64, device=keys.device)  # [V]
-    bits = _mix32(_mix32(step[:, None] ^ ids[None, :]) ^ step[:, None])  # [B, V]
-    uniform = (bits.double() + 0.5) / 2.0**32  # [B, V] in (0, 1)
-    return (-torch.log(-torch.log(uniform))).float()  # [B, V]
+    bits = torch.arange(vocab, dtype=torch.int64, device=keys.device)[None, :] ^ step[:, None]  # [B, V]
+    _mix32_(_mix32_(bits).bitwise_xor_(step[:, None]))  # hash(hash(step ^ id) ^ step), in place
+    uniform = bits.double().add_(0.5).div_(2.0**32)  # [B, V] in (0, 1)
+    return uniform.log_().neg_().log_().neg_().float()  # [B, V]: -log(-log(u))
 
 
 class RowSeededNoise(LogitsProcessor):
