@@ -68,9 +68,9 @@ def literal_text(fig: Figure) -> None:
     """Draw every title, label, legend entry and note literally: a `$` in a run or env name never starts
     mathtext (which fails on text such as `$x^$`). Tick labels keep mathtext (log axes format `10^{k}` with it)."""
     texts = fig.findobj(Text)  # makes each axis's ticks; their labels are not formatted here (that is the draw's)
-    ticks = {t for ax in fig.axes for axis in (ax.xaxis, ax.yaxis)
-             for t in (*(label for tick in (*axis.majorTicks, *axis.minorTicks) for label in (tick.label1, tick.label2)),
-                       axis.get_offset_text())}
+    axes = [axis for ax in fig.axes for axis in (ax.xaxis, ax.yaxis)]
+    ticks = {label for axis in axes for tick in (*axis.majorTicks, *axis.minorTicks)
+             for label in (tick.label1, tick.label2)} | {axis.get_offset_text() for axis in axes}
     for text in texts:
         if text not in ticks:
             text.set_parse_math(False)
