@@ -119,6 +119,8 @@ class RoomyLayer(DynamicLayer):
     views of the buffer; the next update copies them into a new one."""
 
     room = 32
+    key_buffer: torch.Tensor | None = None  # [B, H, capacity, D]; None until the first update
+    value_buffer: torch.Tensor | None = None
 
     @classmethod
     def of(cls, layer: DynamicLayer, room: int) -> RoomyLayer:
@@ -133,9 +135,8 @@ class RoomyLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = self.get_seq_length()
-        self.keys, self.key_buffer = _appended(self.keys, getattr(self, "key_buffer", None), key_states, n, self.room)
-        self.values, self.value_buffer = _appended(self.values, getattr(self, "value_buffer", None), value_states, n,
-                                                   self.room)
+        self.keys, self.key_buffer = _appended(self.keys, self.key_buffer, key_states, n, self.room)
+        self.values, self.value_buffer = _appended(self.values, self.value_buffer, value_states, n, self.room)
         return self.keys, self.values
 
 
