@@ -165,5 +165,9 @@ def test_a_recorded_step_replays_bit_identically_and_is_attributed(trained, tiny
     summary = json.loads((out / "replay.json").read_text())
     assert summary["weights_identical"] is True and summary["metrics_identical"] is True
     data = json.loads((out / "attribution.json").read_text())
-    assert len(data["rows"]) == 4 and sum(r["share"] for r in data["rows"]) == pytest.approx(1.0, abs=1e-2)
-    assert data["grad_norm"] == pytest.approx(summary["metrics"]["actor/grad_norm"]["recorded"], rel=1e-2)
+    # the shares sum to 1 to the compute dtype's rounding (analysis/attribution.py): the replies' gradients are
+    # separate backward passes, summed in float64, against the batch's; SmolLM2 in bfloat16 summed to 1.021
+    dtype = json.loads((trained / "environment.jsonl").read_text().splitlines()[0])["compute_dtype"]
+    tolerance = {"float32": 1e-2, "bfloat16": 5e-2}[dtype]
+    assert len(data["rows"]) == 4 and sum(r["share"] for r in data["rows"]) == pytest.approx(1.0, abs=tolerance)
+    assert data["grad_norm"] == pytest.approx(summary["metrics"]["actor/grad_norm"]["recorded"], rel=tolerance)

@@ -24,7 +24,8 @@ How it is computed: one pass of backwards for g (micro-batches of ``micro_batch_
 measures how closely that sum rebuilds g: float rounding only); one forward-mode pass in micro-batches for the
 tokens. Every dot product and norm accumulates in float64 from float32 gradients. In bfloat16 compute
 (``models.precision.compute_in``) the identities hold to bfloat16 rounding (a tiny Llama: Σ_i g_i within 4e-3 of g,
-relative, the rows' token scores within 6e-4 of their shares).
+relative, the rows' token scores within 6e-4 of their shares; SmolLM2-135M on a recorded step of 4 rows: the shares
+summed to 1.021).
 
 Forward-mode AD has no rule for the fused attention kernels (CPU SDPA raises NotImplementedError), so the
 forward-mode pass runs with the model switched to eager attention and back (``eager_attention``), and under
