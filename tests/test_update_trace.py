@@ -136,6 +136,33 @@ def test_plain_sgd_update_is_lr_times_the_clipped_gradient(model, data):
                                                                                rel=1e-5, abs=rounding)
 
 
+def test_the_traced_change_is_the_norm_of_after_minus_before_bit_for_bit(model, data):
+    """Each group's traced change equals the float32 norm of (weights after - weights before) computed apart from
+    the trainer, bit for bit: AdamW, one step per mini-batch, the weights read before and after each step."""
+    from rldynamics.train import update as update_module
+
+    snapshots = []
+    real_step = update_module._traced_step
+
+    def spy(optimizer, params, groups):
+        before = [p.detach().clone() for p in params]
+        out = real_step(optimizer, params, groups)
+        snapshots.append((before, [p.detach().clone() for p in params], out))
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(update_module, "_traced_step", spy)
+        _, result, _ = run(model, data, trace_groups=True)
+    names_ = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(snapshots) == len(result.steps) == 6
+    for (before, after, traced), step in zip(snapshots, result.steps, strict=True):
+        expected = dict.fromkeys(TRACED_GROUPS, 0.0)
+        for name, b, a in zip(names_, before, after, strict=True):
+            norm = float(torch.linalg.vector_norm(a - b, dtype=torch.float32))
+            expected[parameter_group(name)] += norm * norm
+        assert traced == step.group_update_sq == expected and all(v > 0 for v in expected.values())
+
+
 # ---- the guard --------------------------------------------------------------------------------------------------
 
 

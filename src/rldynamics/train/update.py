@@ -220,12 +220,15 @@ def _step(model, optimizer, params: list[torch.Tensor], values: dict[str, float]
 
 
 def _traced_step(optimizer, params: list[torch.Tensor], groups: _Groups | None) -> dict[str, float]:
-    """`optimizer.step()`; with `groups`, the squared norm per group of the change it applied."""
-    before = [local(p).detach().clone() for p in params] if groups else None
+    """`optimizer.step()`; with `groups`, the squared norm per group of the change it applied.
+
+    The change is written into the float32 copy taken before the step (before - after, whose norm is that of
+    after - before: negation is exact), so no second model's worth of memory is allocated and faulted in per step."""
+    before = [local(p).detach().to(torch.float32, copy=True) for p in params] if groups else None
     optimizer.step()
     if groups is None:
         return {}
-    return groups.squares([_norm(local(p).detach().float() - b.float()) for p, b in zip(params, before, strict=True)])
+    return groups.squares([_norm(b.sub_(local(p).detach())) for p, b in zip(params, before, strict=True)])
 
 
 def _norm(tensor: torch.Tensor | None, like: torch.Tensor | None = None) -> torch.Tensor:
