@@ -223,7 +223,7 @@ def _traced_step(optimizer, params: list[torch.Tensor], groups: _Groups | None) 
     """`optimizer.step()`; with `groups`, the squared norm per group of the change it applied.
 
     The change is written into the float32 copy taken before the step (before - after, whose norm is that of
-    after - before: negation is exact), so no second model's worth of memory is allocated and faulted in per step."""
+    after - before: negation is exact), so it needs no tensor of its own."""
     before = [local(p).detach().to(torch.float32, copy=True) for p in params] if groups else None
     optimizer.step()
     if groups is None:
