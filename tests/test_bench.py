@@ -336,3 +336,19 @@ def test_echo_trap_replies_counts_the_common_reply_and_the_arm_named_first(echo_
     _write_rows(run / "samples.jsonl", [{"step": 1, "text": chat.format(*p)} for p in picks])
     row = echo_trap.replies(tmp_path).splitlines()[-1]
     assert row == "| bandit-smollm2-none/seed0 | 1-10 | 4 | 25% | 25% |"  # 4 distinct replies; only Nurse, Pilot
+
+
+@pytest.fixture(scope="module")
+def compile_bench():
+    yield from _imported("compile")
+
+
+@pytest.mark.parametrize("arm", ["mlp", "block"])
+def test_compile_bench_compiles_exactly_its_regions_of_every_block(compile_bench, tiny_tokenizer, arm):
+    """`bench/compile.py` finds the decoder blocks of a loaded model and marks only its arm's modules for
+    compilation (lazily: nothing compiles until a call)."""
+    model = build_tiny_model(tokenizer=tiny_tokenizer, num_layers=2)
+    compile_bench.compile_regions(model, arm)
+    compiled = {name for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None}
+    per_block = ["mlp", "input_layernorm", "post_attention_layernorm"] if arm == "mlp" else [""]
+    assert compiled == {f"model.layers.{i}" + (f".{p}" if p else "") for i in range(2) for p in per_block}
