@@ -57,13 +57,14 @@ def worker(arm: str, args: list[str]) -> None:
     from rldynamics.train import setup
 
     prepare = setup.prepare
-    prepared = []
+    actor_done = arm == "eager"  # the actor is the first model prepared (then the reference, a critic)
 
     def prepare_and_compile(model, cfg, precision):
+        nonlocal actor_done
         model = prepare(model, cfg, precision)
-        if not prepared and arm != "eager":
+        if not actor_done:
             compile_regions(model, arm)
-        prepared.append(model)
+            actor_done = True
         return model
 
     setup.prepare = prepare_and_compile

@@ -158,6 +158,7 @@ def test_a_recorded_step_replays_bit_identically_and_is_attributed(trained, tiny
     run on it) replays to the same weights and metrics, and its gradient is attributed to its replies and tokens."""
     import json
 
+    from rldynamics.tracking.environment import read_environment
     from rldynamics.train.replay import replay_command
 
     monkeypatch.setenv("RLDYN_CACHE", tiny_cache)
@@ -167,7 +168,7 @@ def test_a_recorded_step_replays_bit_identically_and_is_attributed(trained, tiny
     data = json.loads((out / "attribution.json").read_text())
     # the shares sum to 1 to the compute dtype's rounding (analysis/attribution.py): the replies' gradients are
     # separate backward passes, summed in float64, against the batch's; SmolLM2 in bfloat16 summed to 1.021
-    dtype = json.loads((trained / "environment.jsonl").read_text().splitlines()[0])["compute_dtype"]
+    dtype = read_environment(trained)[0]["compute_dtype"]
     tolerance = {"float32": 1e-2, "bfloat16": 5e-2}[dtype]
     assert len(data["rows"]) == 4 and sum(r["share"] for r in data["rows"]) == pytest.approx(1.0, abs=tolerance)
     assert data["grad_norm"] == pytest.approx(summary["metrics"]["actor/grad_norm"]["recorded"], rel=tolerance)
