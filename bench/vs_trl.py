@@ -195,7 +195,8 @@ class UpdateFlops:
             self.flops.append(0)
             self.tokens.append(0)
             self._step_open = True
-        rows, new = kwargs["input_ids"].shape
+        given = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
+        rows, new = given.shape[:2]  # ids [rows, new], or their embeddings [rows, new, hidden]
         mask = kwargs.get("attention_mask")
         keys = new if mask is None else mask.shape[-1]  # with a cache the mask spans the cached positions (2D or 4D)
         keep = kwargs.get("logits_to_keep", 0)

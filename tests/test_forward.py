@@ -65,17 +65,24 @@ def test_chunked_log_softmax_matches_one_chunk(setup, monkeypatch):
 
 
 class Recording(torch.nn.Module):
-    """A causal LM that records the shape of every `input_ids` it is given."""
+    """A causal LM that records the [N, L] shape of every input it is given (`input_ids` or `inputs_embeds`) and
+    which of the two it was."""
 
     def __init__(self, model):
         super().__init__()
-        self.model, self.config, self.shapes = model, model.config, []
+        self.model, self.config, self.shapes, self.embedded = model, model.config, [], []
 
-    def forward(self, input_ids, attention_mask, logits_to_keep=0, past_key_values=None, position_ids=None,
-                use_cache=None):
-        self.shapes.append(tuple(input_ids.shape))
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep,
-                          past_key_values=past_key_values, position_ids=position_ids, use_cache=use_cache)
+    def get_input_embeddings(self):
+        return self.model.get_input_embeddings()
+
+    def forward(self, input_ids=None, attention_mask=None, logits_to_keep=0, past_key_values=None,
+                position_ids=None, use_cache=None, inputs_embeds=None):
+        given = input_ids if input_ids is not None else inputs_embeds
+        self.shapes.append(tuple(given.shape[:2]))
+        self.embedded.append(inputs_embeds is not None)
+        return self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                          logits_to_keep=logits_to_keep, past_key_values=past_key_values, position_ids=position_ids,
+                          use_cache=use_cache)
 
 
 def _uneven_prefix_batch(vocab: int):
@@ -111,14 +118,19 @@ def test_shared_prefix_forward_equals_the_full_forward(setup, data):
     first, labels = forward.prefix_groups(ids, mask)
     assert len(set(labels)) == 2 < len(labels)  # two distinct prompts, shared by the rows of each group
     lp, ent, grads = _loss_and_grads(model, ids, attn, mask)
-    recording = Recording(model)
-    lp_s, ent_s, grads_s = _loss_and_grads(recording, ids, attn, mask, positions=mask)
+    recording, lookups = Recording(model), []
+    hook = model.get_input_embeddings().register_forward_hook(lambda *_: lookups.append(1))
+    try:
+        lp_s, ent_s, grads_s = _loss_and_grads(recording, ids, attn, mask, positions=mask)
+    finally:
+        hook.remove()
     width = int(attn.sum(1).max())
     suffixes = (attn.sum(1) - first).tolist()
     packed = len(forward.pack_segments(suffixes, labels, max(suffixes)))
     if data == "uneven_prefixes":  # suffixes 8, 1, 11 | 10, 6, 5 in rows of 11: [11] [8 1] | [10] [6 5]
         assert packed == 4
     assert recording.shapes == [(2, int(first.max())), (packed, max(suffixes))], width
+    assert recording.embedded == [True, True] and len(lookups) == 1  # one embedding lookup for both calls
     torch.testing.assert_close(lp_s, lp * mask, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ent_s, ent * mask, rtol=1e-5, atol=1e-6)
     assert (lp_s[mask == 0] == 0).all() and (ent_s[mask == 0] == 0).all()

@@ -240,12 +240,13 @@ def _packed_logits(model, ids: torch.Tensor, attn: torch.Tensor, wanted: torch.T
         prefix = (span[None, :] < plen[:, None]).long()  # [U, P] right-padded prefixes
         last = span[None, :] == plen[:, None] - 1  # [U, P] the position predicting the first response token
         cache = DynamicCache(config=model.config)
-        head = _logits_at(model, ids[distinct, : span.numel()], prefix, last, **with_cache(model, cache),
-                          use_cache=True)  # [U, V]
         starts, groups = first, inverse.tolist()
     row, token, bin_group = packed_layout(starts, ends, groups, pack)  # [B, C], [B, C], [B]
     row, token, bin_group = row.to(ids.device), token.to(ids.device), bin_group.to(ids.device)
-    if cache is not None:
+    tail_in = {"input_ids": ids[row.clamp(min=0), token]}  # [B, C]
+    if cache is not None:  # both calls' tokens embedded in one lookup (`embedded_together`)
+        head_in, tail_in = embedded_together(model, ids[distinct, : span.numel()], tail_in["input_ids"])
+        head = _logits_at(model, head_in, prefix, last, **with_cache(model, cache), use_cache=True)  # [U, V]
         cache.batch_select_indices(bin_group)  # [B, heads, P, dim] per layer, differentiable copies
         prefix = prefix[bin_group]  # [B, P]
     real = row >= 0  # [B, C]
@@ -254,8 +255,8 @@ def _packed_logits(model, ids: torch.Tensor, attn: torch.Tensor, wanted: torch.T
     else:
         mask = real.long() if prefix is None else torch.cat([prefix, real.long()], 1)  # [B, P + C]
     keep = real & (token < width - 1) & wanted[row.clamp(min=0), token.clamp(max=width - 2)]  # [B, C] predicts one
-    tail = _logits_at(model, ids[row.clamp(min=0), token], mask, keep, **with_cache(model, cache),
-                      position_ids=token, use_cache=cache is not None)  # [M', V]
+    tail = _logits_at(model, tail_in, mask, keep, **with_cache(model, cache), position_ids=token,
+                      use_cache=cache is not None)  # [M', V]
     tail_rows, tail_cols = row[keep], token[keep]  # [M'] row-major, the order of `tail`
     if split is None:
         return tail, tail_rows, tail_cols
@@ -293,16 +294,34 @@ def _takes_mask_keep(model) -> bool:
             and hasattr(transformers.modeling_utils, "slice_logits_to_keep"))
 
 
-def _logits_at(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor,
-               **kwargs) -> torch.Tensor:
+def _logits_at(model, inputs: torch.Tensor | dict[str, torch.Tensor], attention_mask: torch.Tensor,
+               keep: torch.Tensor, **kwargs) -> torch.Tensor:
     """Logits [M, V] at the `keep` [N, L] positions, row by row; the LM head runs only there when the model
-    takes a boolean `logits_to_keep` (transformers' causal LMs), else the full logits are indexed. `kwargs` go
-    to the model (a cache and positions)."""
+    takes a boolean `logits_to_keep` (transformers' causal LMs), else the full logits are indexed. `inputs` is
+    the token ids [N, L] or `{"input_ids": ...}` or `{"inputs_embeds": [N, L, H]}` (`embedded_together`);
+    `kwargs` go to the model (a cache and positions)."""
+    inputs = inputs if isinstance(inputs, dict) else {"input_ids": inputs}
     if _takes_mask_keep(model):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, **kwargs).logits
+        logits = model(**inputs, attention_mask=attention_mask, logits_to_keep=keep, **kwargs).logits
         if logits.dim() == 2 and logits.shape[0] == int(keep.sum()):
             return logits  # [M, V]
-    return model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits[keep]  # [M, V]
+    return model(**inputs, attention_mask=attention_mask, **kwargs).logits[keep]  # [M, V]
+
+
+def embedded_together(model, *ids: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """The inputs of several calls of `model` (token ids [n_i, l_i] each) embedded in one lookup, when gradients
+    flow into a trained input embedding: its backward then writes one dense [vocabulary, hidden] gradient for all
+    the calls instead of one per call (SmolLM2's is 49,152 x 576 float32, zero-filled and added each time).
+    Otherwise, or for a model without `get_input_embeddings`, the ids as they are. One dict of model inputs per
+    call (`inputs_embeds` [n_i, l_i, H], or `input_ids`)."""
+    base = underlying(model)
+    embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    trained = embed is not None and any(p.requires_grad for p in embed.parameters())
+    if not (trained and torch.is_grad_enabled()):
+        return [{"input_ids": i} for i in ids]
+    flat = embed(torch.cat([i.flatten() for i in ids]))  # [sum n_i l_i, H]
+    parts = flat.split([i.numel() for i in ids])
+    return [{"inputs_embeds": part.view(*i.shape, -1)} for i, part in zip(ids, parts, strict=True)]
 
 
 def _chunked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
