@@ -9,13 +9,13 @@ import torch
 
 from conftest import micro_model_batch
 from rldynamics import metric_names as names
-from rldynamics.algo.losses import term_coefs, weighted_total
+from rldynamics.algo.losses import aggregate, term_coefs, weighted_total
 from rldynamics.algo.rollout_corr import batch_mismatch
 from rldynamics.algo.shares import sub_batch_share
 from rldynamics.analysis.objective import ActorInputs
 from rldynamics.config import make_config
 from rldynamics.models.forward import batch_logprobs
-from rldynamics.train.actor import single_pass, update_actor
+from rldynamics.train.actor import rows_after_first_step, update_actor, update_mini_batches
 from rldynamics.train.early_stop import EarlyStopper
 
 
@@ -162,7 +162,7 @@ def test_a_recording_update_gives_the_old_pass_log_probs_and_mismatch(setup):
     model, batch, inputs = setup
     cfg = make_config(overrides=[f"train.mini_batch_size={len(batch)}", "train.ppo_epochs=1",
                                  "train.micro_batch_size=4", "algo.tis_cap=2.0"])
-    assert single_pass(cfg.train, len(batch))
+    assert len(update_mini_batches(cfg.train, len(batch), None)) == 1  # one pass on the rollout policy
     own = ActorInputs(old_logprobs=None, advantages=inputs.advantages)
     updates, models = [], []
     for record in (False, True):
@@ -185,7 +185,53 @@ def test_a_recording_update_gives_the_old_pass_log_probs_and_mismatch(setup):
     assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
 
 
-def test_single_pass_needs_one_epoch_and_one_mini_batch():
-    train = make_config(overrides=["train.ppo_epochs=1", "train.mini_batch_size=8"]).train
-    assert single_pass(train, 8) and not single_pass(train, 9)
-    assert not single_pass(make_config(overrides=["train.ppo_epochs=2", "train.mini_batch_size=8"]).train, 8)
+def test_only_the_rows_after_the_first_optimizer_step_need_an_old_log_prob_pass():
+    def later(overrides: list[str], rows: int, seed: int | None = None) -> list[int]:
+        train = make_config(overrides=overrides).train
+        gen = None if seed is None else torch.Generator().manual_seed(seed)
+        return rows_after_first_step(update_mini_batches(train, rows, gen), rows).tolist()
+
+    in_order = ["train.shuffle=false", "train.mini_batch_size=8"]
+    assert later([*in_order, "train.ppo_epochs=1"], 8) == []  # one pass on the rollout policy
+    assert later([*in_order, "train.ppo_epochs=3"], 8) == []  # each epoch one step over every row
+    assert later([*in_order, "train.ppo_epochs=1"], 11) == [8, 9, 10]
+    shuffled = ["train.shuffle=true", "train.mini_batch_size=4", "train.ppo_epochs=2"]
+    first = update_mini_batches(make_config(overrides=shuffled).train, 8, torch.Generator().manual_seed(5))[0]
+    assert later(shuffled, 8, seed=5) == sorted(set(range(8)) - set(first.tolist())) and len(first) == 4
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo", "cispo"])
+def test_an_update_that_takes_its_first_steps_old_log_probs_matches_the_old_pass(setup, policy_loss):
+    """Two epochs of two mini-batches: the first optimizer step's own log-probs stand in for the old-log-prob pass
+    over its rows and a pass over the other rows alone gives the rest. Same parameters and statistics as with the
+    whole pass (float rounding apart), the merged log-probs and entropies are the pass's, and so is the entropy."""
+    model, batch, inputs = setup
+    cfg = make_config(overrides=["train.mini_batch_size=4", "train.ppo_epochs=2", "train.micro_batch_size=3",
+                                 "algo.loss_agg_mode=seq-mean-token-mean", "algo.entropy_coef=0.01",
+                                 f"algo.policy_loss={policy_loss}"])
+    old, entropy = batch_logprobs(model, batch.input_ids, batch.attention_mask, micro_batch_size=6,
+                                  with_entropy=True, positions=batch.response_mask)  # [N, L] each
+    minis = update_mini_batches(cfg.train, len(batch), torch.Generator().manual_seed(9))
+    later = rows_after_first_step(minis, len(batch))  # [K]
+    assert len(minis) == 4 and 0 < len(later) < len(batch)
+    rest = torch.zeros(len(batch), dtype=torch.bool)  # [N]
+    rest[later] = True
+    later_old = (old * rest[:, None], entropy * rest[:, None])  # [N, L] each: the rest's pass, 0 at the first rows
+    updates, models = [], []
+    for inp, given in ((ActorInputs(old, inputs.advantages), None), (ActorInputs(None, inputs.advantages), later_old)):
+        m = copy.deepcopy(model)
+        updates.append(update_actor(m, torch.optim.SGD(m.parameters(), lr=1.0), batch, inp, cfg.algo, cfg.train,
+                                    torch.Generator().manual_seed(9), later_old=given))
+        models.append(m)
+    with_pass, merged = updates
+    for p, q in zip(*(m.parameters() for m in models), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7)
+    for key in (names.PG_LOSS, names.actor("entropy_loss"), names.ACTOR_GRAD_NORM, names.actor("ppo_kl")):
+        assert merged.metrics[key] == pytest.approx(with_pass.metrics[key], rel=1e-4, abs=1e-7)
+    assert with_pass.logprobs is None and with_pass.rollout_entropy is None
+    mask = batch.response_mask.bool()  # [N, L]
+    torch.testing.assert_close(merged.logprobs[mask], old[mask], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged.token_entropy[mask], entropy[mask], rtol=1e-5, atol=1e-6)
+    want = aggregate(entropy, batch.response_mask, cfg.algo.loss_agg_mode).item()
+    assert merged.rollout_entropy == pytest.approx(want, rel=1e-5)
+    assert merged.steps[0].stats["ppo_kl"] == 0.0  # the first step: ratio exactly 1

@@ -35,15 +35,19 @@ class Prepared:
     returns: torch.Tensor | None  # GAE returns [N, L] (None for the other estimators)
     entropy: float | None  # the rollout policy's aggregated entropy (None when the old-log-prob pass was skipped)
     token_entropy: torch.Tensor | None = None  # [N, L] its entropy at each sampled token (None likewise)
+    later_old: tuple[torch.Tensor, torch.Tensor] | None = None  # [N, L] each: old log-probs and entropies of only the
+    # rows after the update's first optimizer step (0 elsewhere), when the update takes the first step's own
     metrics: dict[str, float] = field(default_factory=dict)  # timings, `actor/entropy`, `rollout/ref_log_prob`
 
 
 def prepare_update(s: Session, batch: RolloutBatch, kept_ratio: float, *, old_pass: bool = True,
-                   ref_pass: bool = True) -> Prepared:
+                   ref_pass: bool = True, later_rows: torch.Tensor | None = None) -> Prepared:
     """Old / reference log-probs, critic values, advantages (scaled by the filter's `kept_ratio`) and returns.
 
-    `old_pass=False` skips the old-log-prob forward for an on-policy update (`actor.single_pass`): the update
-    then uses its own detached log-probs (`ActorInputs.old_logprobs` None) and `actor/entropy` comes from it.
+    `old_pass=False` skips the old-log-prob forward over the whole batch: the update takes its first optimizer
+    step's own detached log-probs as the old ones of that step's rows (`ActorInputs.old_logprobs` None), and
+    `actor/entropy` comes from it. `later_rows` [K]: the rows after that first step, whose old log-probs and
+    entropies a pass over them alone gives the update (`Prepared.later_old`), also when the whole pass runs too.
     `ref_pass=False` skips the reference forward where nothing reads it (KL off and no analysis this step).
     """
     cfg, m = s.cfg, {}
@@ -55,6 +59,10 @@ def prepare_update(s: Session, batch: RolloutBatch, kept_ratio: float, *, old_pa
             inputs.old_logprobs, token_entropy = logprob_pass(cfg, s.model, batch, with_entropy=True)  # [N, L] each
         entropy = aggregate(token_entropy, batch.response_mask, cfg.algo.loss_agg_mode).item()
         m[names.ENTROPY] = entropy
+    later_old = None
+    if later_rows is not None:
+        with timed(m, "old_log_prob"):
+            later_old = rows_logprob_pass(cfg, s.model, batch, later_rows)  # [N, L] each
     if s.ref_model is not None and ref_pass:
         with timed(m, "ref"), as_reference(s.ref_model):  # with LoRA: the actor with its adapters off
             inputs.ref_logprobs, = logprob_pass(cfg, s.ref_model, batch, with_entropy=False)  # [N, L]
@@ -69,7 +77,15 @@ def prepare_update(s: Session, batch: RolloutBatch, kept_ratio: float, *, old_pa
         advantages, returns = advantages_and_returns(batch, values, cfg.algo)  # [N, L]
         inputs.advantages = advantages * loss_scale(kept_ratio, cfg.filter.loss_scaling)  # [N, L]
     return Prepared(inputs=inputs, values=values, returns=returns, entropy=entropy, token_entropy=token_entropy,
-                    metrics=m)
+                    later_old=later_old, metrics=m)
+
+
+def rows_logprob_pass(cfg: Config, model, batch: RolloutBatch, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`logprob_pass` with entropies over the `rows` [K] of `batch` alone; 0 at the other rows. ([N, L], [N, L])"""
+    logprobs, entropy = torch.zeros(batch.response_mask.shape), torch.zeros(batch.response_mask.shape)  # [N, L]
+    if len(rows):
+        logprobs[rows], entropy[rows] = logprob_pass(cfg, model, batch.select(rows), with_entropy=True)  # [K, L]
+    return logprobs, entropy
 
 
 def logprob_pass(cfg: Config, model, batch: RolloutBatch, *, with_entropy: bool) -> tuple[torch.Tensor, ...]:

@@ -37,7 +37,7 @@ from rldynamics.rollout.agent import env_metric_summary
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.rollout.rewards import reward_component_metrics, reward_rows, reward_stats
 from rldynamics.rollout.sampling import NonFiniteLogits
-from rldynamics.train.actor import ActorUpdate, single_pass, update_actor
+from rldynamics.train.actor import ActorUpdate, rows_after_first_step, update_actor, update_mini_batches
 from rldynamics.train.batch_ops import (
     Filtered,
     Validation,
@@ -154,10 +154,12 @@ def stop_after_filter(stopper: EarlyStopper, filtered: Filtered) -> FilterDecisi
         names.filter_metric(names.ROLLOUT, "consecutive_empty_after_filter_steps"): float(stopper.empty)})
 
 
-def prepare(s: Session, filtered: Filtered, *, old_pass: bool = True, ref_pass: bool = True) -> Prepared:
+def prepare(s: Session, filtered: Filtered, *, old_pass: bool = True, ref_pass: bool = True,
+            later_rows: torch.Tensor | None = None) -> Prepared:
     """The update's inputs of the filtered batch (`prepare_update`) with the batch summaries (`data_metrics`)."""
     s.console.phase("log-probs")
-    prepared = prepare_update(s, filtered.batch, filtered.kept_ratio, old_pass=old_pass, ref_pass=ref_pass)
+    prepared = prepare_update(s, filtered.batch, filtered.kept_ratio, old_pass=old_pass, ref_pass=ref_pass,
+                              later_rows=later_rows)
     summaries = data_metrics(filtered.batch, prepared.inputs.advantages, prepared.returns, prepared.values)
     return replace(prepared, metrics={**prepared.metrics, **summaries})
 
@@ -173,16 +175,18 @@ def critic_update(s: Session, batch: RolloutBatch, prepared: Prepared) -> dict[s
 
 
 def actor_update(s: Session, step: int, batch: RolloutBatch, prepared: Prepared, *, record: bool,
-                 guard=None, layer_traces: bool = False) -> ActorUpdate:
+                 guard=None, layer_traces: bool = False, own_old: bool = False) -> ActorUpdate:
     """The actor's PPO epochs on the batch (`update_actor`, mini-batches shuffled by (seed, step)); with `record`
     the update keeps its own log-probs of the sampled tokens; `guard` may refuse an optimizer step;
-    `layer_traces` adds per-layer norms to its optimizer-step traces."""
+    `layer_traces` adds per-layer norms to its optimizer-step traces; `own_old`: the update takes its first
+    step's own log-probs as old ones (`UpdatePlan.own_old`), whether or not a whole old-log-prob pass ran."""
     cfg = s.cfg
     s.console.phase("actor")
     start = time.perf_counter()
-    update = update_actor(s.model, s.optimizer, batch, prepared.inputs, cfg.algo, cfg.train,
-                          torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1)), record=record,
-                          guard=guard, trace_groups=layer_traces)
+    inputs = replace(prepared.inputs, old_logprobs=None) if own_old else prepared.inputs
+    update = update_actor(s.model, s.optimizer, batch, inputs, cfg.algo, cfg.train,
+                          update_generator(cfg, step), record=record, guard=guard, trace_groups=layer_traces,
+                          later_old=prepared.later_old)
     update.metrics[names.timing("update_actor")] = time.perf_counter() - start
     return update
 
@@ -191,7 +195,10 @@ def actor_update(s: Session, step: int, batch: RolloutBatch, prepared: Prepared,
 class UpdatePlan:
     """The update phase's decisions for one step."""
 
-    old_pass: bool  # the old-log-prob pass runs (else a single-pass update takes its own log-probs)
+    old_pass: bool  # the old-log-prob pass runs over every row (for the update, or for a diagnostic)
+    own_old: bool  # the update takes its first optimizer step's own log-probs as that step's rows' old ones
+    later_rows: torch.Tensor | None  # [K] with `own_old` and several optimizer steps: the rows after the first
+    # step (`actor.rows_after_first_step`), whose old log-probs a pass over them alone gives (none when K = 0)
     ref_pass: bool  # the reference pass runs (where the session has a reference model)
     keep_logprobs: bool  # the actor update keeps its own log-probs of the sampled tokens
     layer_traces: bool  # the optimizer-step traces carry per-layer norms
@@ -201,13 +208,25 @@ class UpdatePlan:
 def plan_update(cfg: Config, step: int, rows: int, needs: Needs) -> UpdatePlan:
     """What the update of `step` on `rows` kept trajectories runs, given what the due diagnostics `needs`.
 
-    An on-policy single-pass update needs no old-log-prob pass: its own forward gives the rollout policy's
-    log-probs, unless a diagnostic asks for the pass. The actor waits for `critic.warmup_steps` steps so that it
+    The update's first optimizer step sees the parameters that sampled the batch, so its forwards give the old
+    log-probs of its rows, and the old-log-prob pass runs over the other rows only (none in a one-step update, half
+    with the default's two mini-batches); not with LoRA dropout and several steps (the dropout acting in the
+    update's forwards would make the first step's log-probs noisy old ones for the later steps). The whole pass
+    runs where a diagnostic asks for it, for the diagnostic alone: the update computes as without it, so a
+    diagnostic never changes the trained weights. The actor waits for `critic.warmup_steps` steps so that it
     learns from a critic that predicts something."""
-    own_old = single_pass(cfg.train, rows) and not needs.old_logprobs
-    return UpdatePlan(old_pass=not own_old, ref_pass=cfg.algo.kl_coef > 0 or needs.ref_logprobs,
+    minis = update_mini_batches(cfg.train, rows, update_generator(cfg, step))
+    own_old = len(minis) == 1 or cfg.model.lora.rank == 0 or cfg.model.lora.dropout == 0
+    later = rows_after_first_step(minis, rows) if own_old and len(minis) > 1 else None
+    return UpdatePlan(old_pass=needs.old_logprobs or not own_old, own_old=own_old, later_rows=later,
+                      ref_pass=cfg.algo.kl_coef > 0 or needs.ref_logprobs,
                       keep_logprobs=own_old and needs.update_logprobs, layer_traces=needs.layer_traces,
                       actor=step > cfg.critic.warmup_steps)
+
+
+def update_generator(cfg: Config, step: int) -> torch.Generator:
+    """The generator of `step`'s actor update (its mini-batch shuffle, its LoRA dropout), the same for every call."""
+    return torch.Generator().manual_seed(step_seed(cfg.seed, step, stream=1))
 
 
 @dataclass(frozen=True)
@@ -230,7 +249,8 @@ def update_phase(s: Session, record: StepRecord, needs: Needs, *, guard=None,
     if len(batch) == 0:
         return UpdateOutcome(None, before_actor())
     plan = plan_update(cfg, record.step, len(batch), needs)
-    record.prepared = prepared = prepare(s, record.filtered, old_pass=plan.old_pass, ref_pass=plan.ref_pass)
+    record.prepared = prepared = prepare(s, record.filtered, old_pass=plan.old_pass, ref_pass=plan.ref_pass,
+                                         later_rows=plan.later_rows)
     record.add(prepared.metrics)
     if s.critic is not None:
         record.add(critic_update(s, batch, prepared))
@@ -241,10 +261,10 @@ def update_phase(s: Session, record: StepRecord, needs: Needs, *, guard=None,
     if stop is not None:
         return UpdateOutcome(plan, stop)
     record.update = update = actor_update(s, record.step, batch, prepared, record=plan.keep_logprobs, guard=guard,
-                                          layer_traces=plan.layer_traces)
+                                          layer_traces=plan.layer_traces, own_old=plan.own_old)
     record.add(update.metrics)
-    if prepared.entropy is None:  # one step on the rollout policy: its entropy is the update's
-        record.add({names.ENTROPY: update.entropy})
+    if prepared.entropy is None:  # the rollout policy's entropy came from the update's forwards
+        record.add({names.ENTROPY: update.entropy if update.rollout_entropy is None else update.rollout_entropy})
     if not all_finite(s.model, s.critic):  # an optimizer step overflowed: nothing left to train or save
         record.add({names.actor(NON_FINITE_PARAMETERS): 1.0})
         return UpdateOutcome(plan, NON_FINITE_PARAMETERS, actor_updated=True)

@@ -161,10 +161,10 @@ def optimize(model, optimizer, batch: RolloutBatch, minis: list[torch.Tensor], l
                              agg_mode)
         signal = signal_rows is None or bool(signal_rows[mini].any())
         traces.append(_step(model, optimizer, params, values, max_grad_norm, guard, groups, signal))
-    return _mean_stats(traces), traces
+    return mean_stats(traces), traces
 
 
-def _mean_stats(traces: list[StepTrace]) -> dict[str, float]:
+def mean_stats(traces: list[StepTrace]) -> dict[str, float]:
     """The mean over steps of each statistic, `skipped_steps` (a count) and `num_updates`."""
     sums: dict[str, float] = {}
     for trace in traces:
