@@ -25,8 +25,9 @@ from rldynamics.rollout.batch import RolloutBatch
 class ActorInputs:
     """Per-token tensors the actor loss needs besides the rollout itself (all [N, L], on CPU).
 
-    `old_logprobs` None means the update is on-policy (`train.actor.single_pass`): the loss uses its own
-    log-probs, detached, as the old ones (ratio exactly 1), so no separate old-log-prob pass is needed.
+    `old_logprobs` None means the loss is on the rollout policy itself (the first optimizer step of an update,
+    `train.actor.update_actor`): it uses its own log-probs, detached, as the old ones (ratio exactly 1), so no
+    separate old-log-prob pass is needed for its rows.
     """
 
     old_logprobs: torch.Tensor | None

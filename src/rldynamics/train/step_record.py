@@ -51,7 +51,7 @@ class StepRecord:
 
     def rollout_policy_logprobs(self) -> torch.Tensor | None:
         """The trainer's log-probs [N, L] of the filtered batch's sampled tokens under the rollout policy: from the
-        old-log-prob pass, else from a single-pass update's own forward (None when neither ran)."""
+        whole old-log-prob pass, else from the update's own (`ActorUpdate.logprobs`; None when neither ran)."""
         if self.prepared is not None and self.prepared.inputs.old_logprobs is not None:
             return self.prepared.inputs.old_logprobs
         return self.update.logprobs if self.update is not None else None

@@ -68,7 +68,7 @@ class StepRecorder(Diagnostic):
         return bool(self.scheduled(step)) or (self.cfg.record.on_alarm and self.cfg.health.enabled)
 
     def needs(self, step: int) -> Needs:
-        return Needs(update_logprobs=True)  # the trainer's log-probs of a single-pass update: kept, not recomputed
+        return Needs(update_logprobs=True)  # the trainer's log-probs the update took itself: kept, not recomputed
 
     def run(self, s: Session, record: StepRecord) -> DiagnosticResult:
         reasons = self.scheduled(record.step)
