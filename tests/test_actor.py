@@ -28,9 +28,11 @@ def setup(tmp_path_factory):
 
 
 def _update(model, batch, inputs, overrides):
-    cfg = make_config(overrides=["train.mini_batch_size=6", "train.lr=1e-2", *overrides])
+    """The model after one update by SGD with lr 1 (its change is the clipped gradient itself: AdamW would magnify
+    the float rounding of gradients near 0 into changes of up to its lr) and the update's metrics."""
+    cfg = make_config(overrides=["train.mini_batch_size=6", *overrides])
     model = copy.deepcopy(model)
-    metrics = update_actor(model, torch.optim.AdamW(model.parameters(), lr=cfg.train.lr), batch, inputs, cfg.algo,
+    metrics = update_actor(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, inputs, cfg.algo,
                            cfg.train).metrics
     return model, metrics
 

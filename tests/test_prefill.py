@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
 from rldynamics.config import make_config
@@ -12,6 +13,7 @@ from rldynamics.models.tiny import ensure_tiny_model
 from rldynamics.rollout.agent import generate
 from rldynamics.rollout.chat import ChatPrompts
 from rldynamics.rollout.prefill import RoomyLayer, TurnCaches, shared_prompt_cache
+from rldynamics.rollout.sampling import CdfSampling
 from rldynamics.train.warmstart import tiny_corpus
 
 
@@ -58,8 +60,9 @@ def test_generate_samples_what_plain_generate_samples(setup):
     shared = generate(model, tokenizer, prompts, 12, 1.0, stop_ids)
     ids, attn = _left_pad(prompts, tokenizer.pad_token_id)
     torch.manual_seed(3)
-    out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                         max_new_tokens=12, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
+    out = model.generate(input_ids=ids, attention_mask=attn, do_sample=False, temperature=1.0, max_new_tokens=12,
+                         eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
+                         logits_processor=LogitsProcessorList([CdfSampling()]))  # the sampler `generate` uses
     plain = [[t for t in row] for row in out[:, ids.shape[1]:].tolist()]
     plain = [row[:next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))] for row in plain]
     assert shared == plain

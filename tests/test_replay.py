@@ -167,11 +167,13 @@ def test_a_resume_drops_and_pruning_removes_records(tmp_path):
 
 
 def test_a_planted_outlier_reads_first_in_the_attribution(fast_overrides, capsys):
-    """One reply's reward made huge in the record: its advantage dominates, and the attribution puts that reply
-    first among the replies and its group first among the groups; the shares add up to the whole gradient."""
+    """One reply's reward made huge in the record, every other reply's 0: its advantage dominates (twice each of
+    its group mates', the other group none), and the attribution puts that reply first among the replies and its
+    group first among the groups; the shares add up to the whole gradient."""
     run = _run(fast_overrides, "outlier", *ONE_STEP, "train.steps=2", "checkpoint.every=1", "record.every=1")
     tensors, meta = read_record(record_path(run, 2))
     planted = 4
+    tensors["scores"][:] = 0.0
     tensors["scores"][planted] = 50.0
     write_record(run, 2, tensors, {k: v for k, v in meta.items() if k not in ("format", "step")})
     assert main(["replay", str(run), "--step", "2", "--attribute"]) == 0

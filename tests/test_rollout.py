@@ -16,7 +16,14 @@ from rldynamics.config import make_config
 from rldynamics.models.loading import load_model_and_tokenizer
 from rldynamics.models.tiny import ensure_tiny_model
 from rldynamics.rollout.agent import env_metric_summary, rollout
-from rldynamics.rollout.sampling import NonFiniteLogits, SamplingGuard, keyed_gumbel, row_key, sampling_guard
+from rldynamics.rollout.sampling import (
+    CdfSampling,
+    NonFiniteLogits,
+    SamplingGuard,
+    keyed_gumbel,
+    row_key,
+    sampling_guard,
+)
 from rldynamics.train.sft_data import solver_policy
 from rldynamics.train.warmstart import tiny_corpus
 
@@ -100,6 +107,31 @@ def test_sampling_guard_samples_exactly_like_hf_temperature(tiny):
         outs.append(model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True, top_k=0,
                                    top_p=1.0, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id, **kwargs))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_cdf_sampling_draws_each_token_with_its_probability():
+    """400,000 rows of one distribution with a masked token and a tail of 7e-15: every row keeps one finite score
+    (0, at its token); token frequencies match softmax within 4 standard errors; the masked token is never drawn;
+    a seed gives the same tokens again."""
+    scores = torch.tensor([0.0, 1.0, 2.0, -float("inf"), -30.0, 0.5]).repeat(400_000, 1)  # [B, V]
+    torch.manual_seed(0)
+    out = CdfSampling()(None, scores)  # [B, V]
+    assert ((out == 0).sum(1) == 1).all() and (torch.isinf(out).sum(1) == 5).all()
+    picked = out.argmax(1)  # [B]
+    counts = torch.bincount(picked, minlength=6).double()  # [V]
+    p = torch.softmax(scores[0].double(), -1)  # [V]
+    se = (p * (1 - p) / len(scores)).sqrt()  # [V]
+    assert ((counts / len(scores) - p).abs() <= 4 * se + 1e-12).all() and counts[3] == 0
+    torch.manual_seed(0)
+    assert torch.equal(CdfSampling()(None, scores).argmax(1), picked)
+
+
+def test_cdf_sampling_takes_the_only_finite_token_and_the_last_one_at_the_top_of_the_range(monkeypatch):
+    inf = float("inf")
+    scores = torch.tensor([[-inf, -inf, 3.0, -inf], [0.0, 0.0, -inf, -inf]])  # [B, V]
+    assert CdfSampling()(None, scores).argmax(1).tolist()[0] == 2
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(*a[0], dtype=k.get("dtype")))  # u at the total
+    assert CdfSampling()(None, scores).argmax(1).tolist() == [2, 1]  # never the zero-weight ids after the last
 
 
 @pytest.mark.parametrize("row", [[0.0, float("nan"), 1.0], [0.0, float("inf"), 1.0], [-float("inf")] * 3])

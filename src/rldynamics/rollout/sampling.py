@@ -5,6 +5,10 @@
   a temperature so small that logits / temperature overflow), and on CUDA the same condition is a device-side
   assert that poisons the process. `SamplingGuard` divides the scores by the temperature itself (so it sees what
   is sampled from) and raises `NonFiniteLogits` first, which the trainer handles like a non-finite gradient.
+- Sampling from the global torch RNG (the default): `CdfSampling` draws each row's token by inverting its cumulative
+  distribution with one uniform variate, an exact sample of softmax(z / T) like HF's `torch.multinomial`, which on a
+  CPU draws an exponential variate for every vocabulary entry (SmolLM2, 32 rows: 40 ms a decode step against 4 ms).
+  It leaves only the drawn token's score finite, so `generate` runs greedy.
 - Row-seeded sampling (`train.row_seeded_sampling`): HF's sampler draws every row of a batch from one torch RNG
   stream, so the tokens of a row depend on which other rows are generated with it (a rank of a multi-process run
   holds other rows than a single process). `RowSeededNoise` makes each row's draws a function of its own key
@@ -49,6 +53,24 @@ def sampling_guard(temperature: float, row_keys: list[int] | None = None) -> Log
     if row_keys is not None:
         processors.append(RowSeededNoise(row_keys))
     return LogitsProcessorList(processors)
+
+
+class CdfSampling(LogitsProcessor):
+    """Draws each row's next token from softmax(scores) and returns scores that are -inf except 0 at the drawn token
+    (run `generate` greedy: it then takes that token). Placed last, after the temperature and the recorder.
+
+    One uniform variate u of the global torch RNG per row, scaled to the row's total weight, picks the first token
+    whose cumulative weight exceeds it: an exact sample (weights exp(z - max z) and their running sum in float64,
+    so a token's chance is its probability to float64 rounding; a token of weight 0 is never drawn)."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        weights = (scores - scores.amax(-1, keepdim=True)).double().exp_()  # [B, V], 0 where a score is -inf
+        cdf = weights.cumsum_(-1)  # [B, V] non-decreasing, last entry the row's total
+        total = cdf[:, -1:]  # [B, 1]
+        u = torch.rand(total.shape, dtype=torch.float64, device=cdf.device) * total  # [B, 1] in [0, total]
+        u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # below the total, whatever rounding did
+        picked = torch.searchsorted(cdf, u, right=True)  # [B, 1] first id with cdf > u: its weight is > 0
+        return torch.full_like(scores, -torch.inf).scatter_(-1, picked, 0.0)  # [B, V]
 
 
 MASK32 = 0xFFFFFFFF
