@@ -2,6 +2,7 @@
 
     python bench/paired_steps.py --baseline-src DIR [--rounds 2] [--steps 3] [--preset math-smollm2] [key=value ...]
     python bench/paired_steps.py --baseline-src DIR --replay runs/<name> --step N [--rounds 3]
+    python bench/paired_steps.py --baseline-set train.micro_batch_size=8 [--rounds 2] [key=value ...]
 
 `DIR` is another checkout's `src/` (a `git worktree` of an earlier commit). Each round runs `rldyn train` from the
 baseline and then from this checkout, in fresh processes, `--steps` steps each on the same preset and overrides
@@ -11,6 +12,9 @@ and baseline / ours. Both sides see the same machine at nearly the same time, so
 that the absolute seconds do not; name the CPU and the load next to any figure. Fresh runs sample their own
 tokens (each side's weights drift apart after the first update, and so do the reply lengths), so their ratio
 carries the noise of the work itself.
+
+`--baseline-set KEY=VALUE` (repeatable) adds overrides to the baseline's runs alone: two settings of one checkout
+compared the same way (`--baseline-src` defaults to this checkout's `src/`).
 
 `--replay RUN --step N` times the update alone on identical work: each round replays the recorded step N of a run
 (`rldyn replay`: the same rollout, the same starting weights) from the baseline and then from this checkout, and
@@ -65,7 +69,9 @@ def medians(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline-src", type=Path, required=True)
+    parser.add_argument("--baseline-src", type=Path, default=OURS)
+    parser.add_argument("--baseline-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override of the baseline's runs alone (repeatable)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--preset", default="math-smollm2")
@@ -75,17 +81,22 @@ def main() -> None:
     args = parser.parse_args()
     if args.replay is not None and args.step is None:
         parser.error("--replay needs --step N (a step with a record in RUN/records/)")
+    if args.replay is not None and args.baseline_set:
+        parser.error("--baseline-set applies to training runs; a replay runs the recorded step's own config")
+    if args.baseline_src == OURS and not args.baseline_set:
+        parser.error("give --baseline-src DIR (another checkout's src/) or --baseline-set KEY=VALUE")
     got: dict[str, list[dict[str, float]]] = {"baseline": [], "ours": []}
     for round_ in range(args.rounds):
-        for side, src in (("baseline", args.baseline_src), ("ours", OURS)):
+        for side, src, extra in (("baseline", args.baseline_src, args.baseline_set), ("ours", OURS, [])):
             rows = (replay_step(src, args.replay, args.step) if args.replay else
-                    run_steps(src, args.preset, args.steps, args.overrides))
+                    run_steps(src, args.preset, args.steps, [*args.overrides, *extra]))
             got[side] += rows
             shown = "update_actor" if args.replay else "step"
             print(f"round {round_ + 1} {side}: " + ", ".join(f"{r[shown]:.2f}" for r in rows) + f" s ({shown})",
                   flush=True)
     base, ours = medians(got["baseline"]), medians(got["ours"])
     what = f"replay of {args.replay} step {args.step}" if args.replay else f"{args.preset} {' '.join(args.overrides)}"
+    what += f" (baseline also {' '.join(args.baseline_set)})" if args.baseline_set else ""
     print(f"\n{what}: {len(got['ours'])} steps a side")
     print("| phase | baseline s | ours s | baseline / ours |\n|---|---:|---:|---:|")
     for phase in sorted(set(base) | set(ours), key=lambda p: (p not in ("step", "update_actor"), p)):
