@@ -113,20 +113,18 @@ def test_a_rollback_is_an_exact_resume_with_new_seeds(fast_overrides, tmp_path):
 @pytest.mark.slow
 def test_a_learning_rate_100_times_the_presets_is_caught_and_stopped(fast_overrides, tmp_path):
     """The default preset with lr 3e-2 (its 3e-4 x 100): the first update moves the policy far off (its KL on its
-    own batch and the PPO KL in the second epoch far above their limits: update_kl and policy-drift warnings at
-    step 1), the replies break (every reward the format penalty) and the entropy collapses;
-    `health.entropy_collapse=stop` ends the run as an early stop with that reason."""
+    own batch and the PPO KL in the second epoch far above their limits: update_kl and policy-drift at step 1);
+    with `health.policy_drift=stop` the run ends there as an early stop with that reason. (Left to run, the broken
+    policy's entropy collapses or runs up to the uniform one's, depending on the sampled replies.)"""
     run = train(make_config(overrides=[f"log.run_dir={tmp_path}", "log.name=lr100", "log.progress=false",
                                        "log.report=false", "train.lr=3e-2", "train.steps=12", "val.every=0",
                                        "val.before_train=false", "train.env_groups=4", "env.max_new_tokens=24",
-                                       "health.entropy_collapse=stop"]))  # broken replies run to the cap: keep it short
+                                       "health.policy_drift=stop"]))  # broken replies run to the cap: keep it short
     rows = read_metrics(run)
     events = _events(run)
     assert [(e["rule"], e["step"], e["action"]) for e in events[:2]] == [("update_kl", 1, "warn"),
-                                                                         ("policy_drift", 1, "warn")]
-    assert rows[-1]["early_stopped/health_entropy_collapse"] == 1.0 and rows[-1]["step"] < 12
-    assert rows[-1]["actor/entropy"] < 0.1 * sum(r["actor/entropy"] for r in rows[:5]) / 5
-    assert [e["action"] for e in events if e["rule"] == "entropy_collapse"] == ["stop"]
+                                                                         ("policy_drift", 1, "stop")]
+    assert rows[-1]["early_stopped/health_policy_drift"] == 1.0 and rows[-1]["step"] == 1
 
 
 @pytest.mark.slow
