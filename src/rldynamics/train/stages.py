@@ -215,13 +215,13 @@ def plan_update(cfg: Config, step: int, rows: int, needs: Needs) -> UpdatePlan:
     runs where a diagnostic asks for it, for the diagnostic alone: the update computes as without it, so a
     diagnostic never changes the trained weights. The actor waits for `critic.warmup_steps` steps so that it
     learns from a critic that predicts something."""
+    actor = step > cfg.critic.warmup_steps
     minis = update_mini_batches(cfg.train, rows, update_generator(cfg, step))
     own_old = len(minis) == 1 or cfg.model.lora.rank == 0 or cfg.model.lora.dropout == 0
-    later = rows_after_first_step(minis, rows) if own_old and len(minis) > 1 else None
+    later = rows_after_first_step(minis, rows) if own_old and len(minis) > 1 and actor else None
     return UpdatePlan(old_pass=needs.old_logprobs or not own_old, own_old=own_old, later_rows=later,
                       ref_pass=cfg.algo.kl_coef > 0 or needs.ref_logprobs,
-                      keep_logprobs=own_old and needs.update_logprobs, layer_traces=needs.layer_traces,
-                      actor=step > cfg.critic.warmup_steps)
+                      keep_logprobs=own_old and needs.update_logprobs, layer_traces=needs.layer_traces, actor=actor)
 
 
 def update_generator(cfg: Config, step: int) -> torch.Generator:
