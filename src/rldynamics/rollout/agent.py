@@ -42,7 +42,7 @@ from rldynamics.rollout.engines import RolloutEngine
 from rldynamics.rollout.parse import ParsedTurn, parse_answer, parse_response
 from rldynamics.rollout.prefill import TurnCaches, shared_prompt_cache, with_room
 from rldynamics.rollout.rewards import resolve_weights, reward_names, weighted_sum
-from rldynamics.rollout.sampling import CdfSampling, SampledLogprobs, row_key, sampling_guard
+from rldynamics.rollout.sampling import SampledLogprobs, row_key, sampling_processors
 
 SYSTEM_PREFIX = "You're a helpful assistant. "
 INVALID_NOTE = "No valid action provided previously. Environment state remains the same. Please try again.\n"
@@ -305,13 +305,10 @@ def generate_with_logprobs(model, tokenizer, prompts: list[list[int]], max_new_t
     if cache is not None:
         with_room(cache, max_new_tokens)  # a decode step writes its keys and values; nothing is concatenated
     recorder = SampledLogprobs()
-    processors = sampling_guard(temperature, row_keys)
-    processors.insert(1, recorder)  # after the temperature, before any row noise: the distribution sampled from
-    if row_keys is None:
-        processors.append(CdfSampling())  # the global RNG's draw, left as the one finite score
     out = model.generate(
         input_ids=input_ids, attention_mask=attention, temperature=1.0, max_new_tokens=max_new_tokens,
-        eos_token_id=stop_ids, pad_token_id=pad, logits_processor=processors, do_sample=False,
+        eos_token_id=stop_ids, pad_token_id=pad, logits_processor=sampling_processors(temperature, row_keys, recorder),
+        do_sample=False,
         **with_cache(model, cache),
     )  # [B, W + new]: the guard applies the temperature, the last processor samples, and greedy takes its token
     sampled_logprobs = recorder.finish(out).tolist()  # [B, new]

@@ -43,16 +43,19 @@ class SamplingGuard(LogitsProcessor):
         return scores
 
 
-def sampling_guard(temperature: float, row_keys: list[int] | None = None) -> LogitsProcessorList:
-    """The `logits_processor` argument of `generate` (pass `temperature=1.0` there: the guard applies it).
+def sampling_guard(temperature: float) -> LogitsProcessorList:
+    """The guard alone as `generate`'s `logits_processor` (pass `temperature=1.0` there: the guard applies it)."""
+    return LogitsProcessorList([SamplingGuard(temperature)])
 
-    With `row_keys` (one per row of the batch, `row_key`) the processors end with `RowSeededNoise`: run
-    `generate` greedy (`do_sample=False`) and each row is sampled from its own keyed stream.
-    """
-    processors = [SamplingGuard(temperature)]
-    if row_keys is not None:
-        processors.append(RowSeededNoise(row_keys))
-    return LogitsProcessorList(processors)
+
+def sampling_processors(temperature: float, row_keys: list[int] | None = None,
+                        recorder: LogitsProcessor | None = None) -> LogitsProcessorList:
+    """The `logits_processor` argument of a sampling `generate` run greedy (`do_sample=False`, `temperature=1.0`):
+    the guard (it applies the temperature), then `recorder` (it sees the distribution sampled from), then the draw:
+    with `row_keys` (one per row, `row_key`) each row's keyed Gumbel noise (`RowSeededNoise`), else one draw per row
+    from the global torch RNG (`CdfSampling`)."""
+    draw = RowSeededNoise(row_keys) if row_keys is not None else CdfSampling()
+    return LogitsProcessorList([SamplingGuard(temperature), *([recorder] if recorder else []), draw])
 
 
 class CdfSampling(LogitsProcessor):

@@ -75,17 +75,18 @@ class ActorUpdate:
 def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, algo: AlgoConfig, train: TrainConfig,
                  generator: torch.Generator | None = None, record: bool = False, *, guard: Guard | None = None,
                  trace_groups: bool = False, later_old: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 ) -> ActorUpdate:
+                 minis: list[torch.Tensor] | None = None) -> ActorUpdate:
     """PPO epochs over mini-batches with gradient accumulation over micro-batches; returns the update's statistics,
     metrics and step traces (and with `record`, the log-probs and entropies its forwards computed, in one pass:
     each rank computes its own rows, summed over the ranks into the whole batch's).
 
-    `later_old` (with `inputs.old_logprobs` None): the old log-probs and entropies [N, L] of the rows after the
-    first optimizer step (`rows_after_first_step`; other rows 0). The first step is then on the rollout policy
-    itself (its own detached log-probs as the old ones), and every later step takes as old log-probs the first
-    step's own for its rows and `later_old` for the rest: an old-log-prob pass over the first step's rows is not
-    needed. The update then returns the merged log-probs and entropies (`logprobs`, `token_entropy`) and the
-    rollout policy's aggregated entropy (`rollout_entropy`).
+    `minis`: the mini-batches (`update_mini_batches`; None: drawn here from `generator`, as a plan that chose
+    `later_old`'s rows from them would have). `later_old` (with `inputs.old_logprobs` None): the old log-probs and
+    entropies [N, L] of the rows after the first optimizer step of `minis` (`rows_after_first_step`; other rows
+    0). The first step is then on the rollout policy itself (its own detached log-probs as the old ones), and
+    every later step takes as old log-probs the first step's own for its rows and `later_old` for the rest: an
+    old-log-prob pass over the first step's rows is not needed. The update then returns the merged log-probs and
+    entropies (`logprobs`, `token_entropy`) and the rollout policy's aggregated entropy (`rollout_entropy`).
 
     verl's names: `actor/entropy_loss` is the mean over mini-batches of the aggregated entropy during the update
     (`actor/entropy`, the rollout policy's entropy, is logged by the old-log-prob pass), `actor/kl_coef` the
@@ -122,7 +123,7 @@ def update_actor(model, optimizer, batch: RolloutBatch, inputs: ActorInputs, alg
             dist.sum_tensors(own, own_entropy)  # [N, L] each: every row was computed on one rank, zeros elsewhere
         return steps
 
-    minis = update_mini_batches(train, len(batch), generator)
+    minis = update_mini_batches(train, len(batch), generator) if minis is None else minis
     seed = generator.initial_seed() if generator is not None else None
     rollout_entropy = None
     with adapter_dropout(model, seed):  # `model.lora.dropout` acts in the update's forwards alone, seeded by the step

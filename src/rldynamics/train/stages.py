@@ -175,18 +175,20 @@ def critic_update(s: Session, batch: RolloutBatch, prepared: Prepared) -> dict[s
 
 
 def actor_update(s: Session, step: int, batch: RolloutBatch, prepared: Prepared, *, record: bool,
-                 guard=None, layer_traces: bool = False, own_old: bool = False) -> ActorUpdate:
-    """The actor's PPO epochs on the batch (`update_actor`, mini-batches shuffled by (seed, step)); with `record`
-    the update keeps its own log-probs of the sampled tokens; `guard` may refuse an optimizer step;
-    `layer_traces` adds per-layer norms to its optimizer-step traces; `own_old`: the update takes its first
-    step's own log-probs as old ones (`UpdatePlan.own_old`), whether or not a whole old-log-prob pass ran."""
+                 guard=None, layer_traces: bool = False, own_old: bool = False,
+                 minis: list[torch.Tensor] | None = None) -> ActorUpdate:
+    """The actor's PPO epochs on the batch (`update_actor`, mini-batches shuffled by (seed, step), or `minis`, the
+    plan's); with `record` the update keeps its own log-probs of the sampled tokens; `guard` may refuse an
+    optimizer step; `layer_traces` adds per-layer norms to its optimizer-step traces; `own_old`: the update takes
+    its first step's own log-probs as old ones (`UpdatePlan.own_old`), whether or not a whole old-log-prob pass
+    ran."""
     cfg = s.cfg
     s.console.phase("actor")
     start = time.perf_counter()
     inputs = replace(prepared.inputs, old_logprobs=None) if own_old else prepared.inputs
     update = update_actor(s.model, s.optimizer, batch, inputs, cfg.algo, cfg.train,
                           update_generator(cfg, step), record=record, guard=guard, trace_groups=layer_traces,
-                          later_old=prepared.later_old)
+                          later_old=prepared.later_old, minis=minis)
     update.metrics[names.timing("update_actor")] = time.perf_counter() - start
     return update
 
@@ -197,6 +199,7 @@ class UpdatePlan:
 
     old_pass: bool  # the old-log-prob pass runs over every row (for the update, or for a diagnostic)
     own_old: bool  # the update takes its first optimizer step's own log-probs as that step's rows' old ones
+    minis: list[torch.Tensor]  # the update's mini-batches (`actor.update_mini_batches`), one optimizer step each
     later_rows: torch.Tensor | None  # [K] with `own_old` and several optimizer steps: the rows after the first
     # step (`actor.rows_after_first_step`), whose old log-probs a pass over them alone gives (none when K = 0)
     ref_pass: bool  # the reference pass runs (where the session has a reference model)
@@ -219,7 +222,7 @@ def plan_update(cfg: Config, step: int, rows: int, needs: Needs) -> UpdatePlan:
     minis = update_mini_batches(cfg.train, rows, update_generator(cfg, step))
     own_old = len(minis) == 1 or cfg.model.lora.rank == 0 or cfg.model.lora.dropout == 0
     later = rows_after_first_step(minis, rows) if own_old and len(minis) > 1 and actor else None
-    return UpdatePlan(old_pass=needs.old_logprobs or not own_old, own_old=own_old, later_rows=later,
+    return UpdatePlan(old_pass=needs.old_logprobs or not own_old, own_old=own_old, minis=minis, later_rows=later,
                       ref_pass=cfg.algo.kl_coef > 0 or needs.ref_logprobs,
                       keep_logprobs=own_old and needs.update_logprobs, layer_traces=needs.layer_traces, actor=actor)
 
@@ -261,7 +264,7 @@ def update_phase(s: Session, record: StepRecord, needs: Needs, *, guard=None,
     if stop is not None:
         return UpdateOutcome(plan, stop)
     record.update = update = actor_update(s, record.step, batch, prepared, record=plan.keep_logprobs, guard=guard,
-                                          layer_traces=plan.layer_traces, own_old=plan.own_old)
+                                          layer_traces=plan.layer_traces, own_old=plan.own_old, minis=plan.minis)
     record.add(update.metrics)
     if prepared.entropy is None:  # the rollout policy's entropy came from the update's forwards
         record.add({names.ENTROPY: update.entropy if update.rollout_entropy is None else update.rollout_entropy})
