@@ -10,6 +10,13 @@ import torch
 # torch's threads in the test processes: 2 in one process (-n0); 1 in each worker of a parallel run (pytest -q: 2
 # workers on 2 cores, and more threads than cores stall torch's thread team, `rldynamics.threads`)
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+# `rldyn train` started by a test (in this process or a child) runs as one process on the run's default thread count:
+# an exported thread count keeps `--nproc auto` at one rank (`rldynamics.threads.auto_ranks`); tests of several ranks
+# ask for them
+if "OMP_NUM_THREADS" not in os.environ:
+    from rldynamics.threads import default_threads, usable_cores
+
+    os.environ["OMP_NUM_THREADS"] = str(default_threads(usable_cores()))
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown where xdist is not loaded (-p no:xdist)

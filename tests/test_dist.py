@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 from conftest import FAST, run_ranks
 from rldynamics import metric_names as names
 from rldynamics.config import make_config
+from rldynamics.threads import usable_cores
 from rldynamics.tracking.run_dir import read_metrics
 from rldynamics.train.trainer import train
 
@@ -170,3 +171,41 @@ def test_closing_the_group_ends_its_threads(tmp_path):
     script.write_text(CLOSE_WORKER)
     out = run_ranks([str(script)], timeout=300)
     assert out.count("threads after close: 1") == 2, out
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="--nproc auto starts two ranks on 2 usable cores or more")
+def test_nproc_auto_trains_on_two_replicas_and_a_replay_runs_on_them_again(tmp_path, tiny_cache):
+    """`rldyn train` with no thread count chosen: two ranks (replicas, the line saying so first); `rldyn replay` of a
+    recorded step starts two ranks again, rolls the run forward on them and ends with the run's weights bit for bit;
+    `--attribute` (one process) is then served from the kept roll-forward, and without one it is refused, saying what
+    to run first."""
+    import subprocess
+    import sys
+
+    from rldynamics.sweep.launch import THREAD_VARS
+
+    env = {**{k: v for k, v in os.environ.items() if k not in THREAD_VARS}, "RLDYN_CACHE": tiny_cache}
+
+    def rldyn(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rldynamics.cli", *args], capture_output=True, text=True,
+                              timeout=300, env=env)
+
+    done = rldyn("train", *FAST, "train.steps=3", "val.every=0", "record.every=1", f"log.run_dir={tmp_path}",
+                 "log.name=auto")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[0].startswith("2 ranks of "), done.stdout[:500]
+    run = tmp_path / "auto"
+    assert "shard: false" in (run / "config.yaml").read_text()
+    refused = rldyn("replay", str(run), "--step", "3", "--attribute")
+    assert refused.returncode == 2 and "was trained on 2 ranks" in refused.stderr, refused.stderr[-2000:]
+    replayed = rldyn("replay", str(run), "--step", "3")
+    assert replayed.returncode == 0, replayed.stderr[-2000:]
+    assert "(2 ranks of " in replayed.stdout
+    summary = json.loads((run / "replays" / "step_3" / "replay.json").read_text())
+    assert summary["weights_identical"] is True and summary["ranks"] == {"recorded": 2, "replayed": 2}
+    attributed = rldyn("replay", str(run), "--step", "3", "--attribute")
+    assert attributed.returncode == 0, attributed.stderr[-2000:]
+    summary = json.loads((run / "replays" / "step_3" / "replay.json").read_text())
+    norm = summary["metrics"][names.ACTOR_GRAD_NORM]  # the same start, sums in another order
+    assert summary["weights_identical"] is None and norm["replayed"] == pytest.approx(norm["recorded"], rel=1e-4)
+    assert "not compared (the run trained the step on 2 ranks" in attributed.stdout

@@ -10,7 +10,7 @@ import torch
 
 from rldynamics.config import make_config
 from rldynamics.sweep.launch import make_slots
-from rldynamics.threads import choose_threads
+from rldynamics.threads import auto_ranks, choose_threads, rank_threads
 from rldynamics.tracking.environment import read_environment, weights_sha256
 from rldynamics.train.trainer import train
 
@@ -23,6 +23,29 @@ from rldynamics.train.trainer import train
 ])
 def test_thread_count_precedence(setting, environ, cores, expected):
     assert choose_threads(setting, environ, cores)[0] == expected
+
+
+@pytest.mark.parametrize("cores, chosen, ranks, threads", [
+    (2, False, 2, 1), (1, False, 1, None), (2, True, 1, None), (4, False, 2, 1), (8, False, 2, 2), (64, False, 2, 4)])
+def test_nproc_auto_takes_two_ranks_on_two_cores_unless_a_thread_count_is_chosen(cores, chosen, ranks, threads):
+    assert auto_ranks(cores, threads_chosen=chosen) == ranks
+    if threads:
+        assert rank_threads(cores, ranks) == threads  # half of each rank's share, at least 1
+
+
+@pytest.mark.parametrize("overrides, environ, ranks", [
+    ([], {}, 2), (["model.threads=1"], {}, 1), ([], {"OMP_NUM_THREADS": "1"}, 1), ([], {"WORLD_SIZE": "2"}, 1),
+    (["rollout.engine=vllm"], {}, 1), (["train.env_groups=1"], {}, 1), (["rollout.staleness=1"], {}, 1),
+    (["model.device=cuda"], {}, 1)])
+def test_nproc_auto_is_one_process_where_two_ranks_do_not_apply(overrides, environ, ranks, monkeypatch):
+    from rldynamics import cli, threads
+
+    for key in ("OMP_NUM_THREADS", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    assert cli._auto_nproc(make_config(overrides=overrides))[0] == ranks
 
 
 def test_sweep_slots_honour_an_exported_thread_count(monkeypatch):

@@ -9,6 +9,12 @@ machine shared with other work (load average about 8), three forward + backward 
 (batch 32 x 160 tokens) took 0.6-1.0 s on 1 thread and 7.3-7.7 s on 2 (docs/training.md, "CPU threads"). Half of
 the cores leaves the other half to the rest of the machine; the cap of 4 is where the default model's 64-wide
 matrices leave a larger team little to split.
+
+Ranks (`rldyn train --nproc auto`, the default; `auto_ranks`): two processes meet only where a step gathers or sums
+(a few times a step, not after every parallel region), so on a CPU a second rank uses a second core without the
+team's fragility: on an idle 2-core machine the default job's step took 1.8x less time on two ranks than on one
+process, and beside one other 1-thread job the same time as one process (docs/training.md, "CPU threads and ranks").
+Each rank then computes on half of its share of the cores (`rank_threads`).
 """
 
 from __future__ import annotations
@@ -44,3 +50,17 @@ def choose_threads(setting: int, environ: Mapping[str, str] = os.environ, cores:
         return exported, f"OMP_NUM_THREADS={exported}"
     cores = cores or usable_cores()
     return default_threads(cores), f"half of the {cores} usable cores, at most {MAX_DEFAULT}; model.threads=N sets it"
+
+
+AUTO_RANKS = 2
+
+
+def auto_ranks(cores: int, threads_chosen: bool) -> int:
+    """Ranks `--nproc auto` starts on a CPU: `AUTO_RANKS` where that many cores are usable and no thread count was
+    chosen (`model.threads`, an exported `OMP_NUM_THREADS`: the user's budget, a sweep's slot), else 1."""
+    return AUTO_RANKS if cores >= AUTO_RANKS and not threads_chosen else 1
+
+
+def rank_threads(cores: int, ranks: int) -> int:
+    """Threads of each of `ranks` ranks on `cores` cores: half of a rank's share (`default_threads`), at least 1."""
+    return default_threads(cores // ranks)

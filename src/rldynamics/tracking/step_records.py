@@ -32,8 +32,9 @@ the rollout, 0 = the start), `env_seeds` [N], `reward_names`, `reward_weights`, 
 `reasons` (why it was recorded: `every`, `chosen`, `alarm:<rule>`), `filter` (kept ratio, mean group reward std),
 `passes` (which no-grad passes the step ran: `old_logprobs`, `ref_logprobs`), `update` (per optimizer step: grad
 norm, clipped, skipped, refused by a guard; the step's `actor/*` losses), `weights_after` (SHA-256 of the actor's
-weights after the step, `weights_digest`), `threads` (torch's CPU threads), `pieces` (token id -> its text decoded
-alone, for every id in the record: what the sample browser shows token by token), `state_before` (whether
+weights after the step, `weights_digest`), `threads` (torch's CPU threads of each rank), `ranks` (how many
+trained the step; 1 where absent), `pieces` (token id -> its text decoded alone, for every id in the record: what
+the sample browser shows token by token), `state_before` (whether
 `records/step_<N>.before/` holds the state the step started from), `run` (the run that wrote it:
 `id`, its directory's `run_id`, and `name`; absent from records written before records named it).
 
@@ -180,6 +181,7 @@ class RecordedStep:
     sampling_seed: int | None = None
     policy_version: int | None = None  # rollout.staleness: the step whose weights sampled the rollout (None: these)
     threads: int | None = None
+    ranks: int = 1  # the ranks that trained the step (torchrun, `rldyn train --nproc`)
     reasons: tuple[str, ...] = ()
     kept_ratio: float | None = None  # the filter's
     reward_std: float | None = None  # mean group reward std before the filter
@@ -212,7 +214,7 @@ class RecordedStep:
                    reward_names=tuple(meta.get("reward_names", ())),
                    reward_weights=tuple(meta.get("reward_weights", ())), attempt=meta.get("attempt", 0),
                    sampling_seed=meta.get("sampling_seed"), policy_version=meta.get("policy_version"),
-                   threads=meta.get("threads"),
+                   threads=meta.get("threads"), ranks=int(meta.get("ranks", 1)),
                    reasons=tuple(meta.get("reasons", ())),
                    kept_ratio=filt.get("kept_ratio") if filt else None,
                    reward_std=filt.get("reward_std") if filt else None,
@@ -229,7 +231,7 @@ class RecordedStep:
         meta: dict[str, Any] = {"seed_step": self.seed_step, "attempt": self.attempt,
                                 "env_seeds": list(self.env_seeds), "reward_names": list(self.reward_names),
                                 "reward_weights": list(self.reward_weights), "env_metrics": list(self.env_metrics),
-                                "threads": self.threads, "sampling_seed": self.sampling_seed,
+                                "threads": self.threads, "ranks": self.ranks, "sampling_seed": self.sampling_seed,
                                 "pieces": {str(k): v for k, v in self.pieces.items()}}
         if self.run_id is not None:
             meta["run"] = {"id": self.run_id, "name": self.run_name}

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import torch
 
+from rldynamics import dist
 from rldynamics.models.sharding import full_state_dict
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.tracking.step_records import OptimizerStepRecord, RecordedStep, run_identity
@@ -34,7 +35,7 @@ def recorded_step(s: Session, record: StepRecord, reasons: list[str], weights_af
         trainer_logprobs=_f32(logprobs) if logprobs is not None else None,
         entropy=_f32(entropy) if entropy is not None else None,
         attempt=s.attempt, sampling_seed=record.sampling_seed, policy_version=record.policy_version,
-        threads=torch.get_num_threads(), reasons=tuple(reasons),
+        threads=torch.get_num_threads(), ranks=dist.world(), reasons=tuple(reasons),
         kept_ratio=filtered.kept_ratio if filtered is not None else None,
         reward_std=filtered.reward_std if filtered is not None else None,
         old_logprobs_pass=prepared.inputs.old_logprobs is not None if prepared is not None else None,

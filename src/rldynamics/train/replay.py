@@ -16,6 +16,11 @@ N-1 by training those steps again (`replays/roll_forward/`, a run directory of i
 every step is seeded by (seed, step), so this repeats the run exactly where a resume does (the HF engine; not across
 a health rollback, whose steps drew other samples).
 
+A step trained on W ranks (torchrun, `rldyn train --nproc`, the default `--nproc auto` on a CPU of 2 cores or
+more) is replayed on W ranks (`rldyn replay` starts them), so its gradient sums run in the run's order and the weights
+can again be bit-identical; with `--attribute` the replay runs in one process (the attribution holds whole per-row
+gradients) and the weights are not compared (`weights_identical` is null).
+
 A record is replayed only in the run that wrote it (`check_record`): one naming another run
 (`RecordedStep.run_id`, the run directory's `run_id`) is refused, and so is one whose rollout has another
 shape (train.env_groups x train.group_size rows) or another sampling seed than the run draws at
@@ -50,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+from rldynamics import dist
 from rldynamics import metric_names as names
 from rldynamics.config import (
     Config,
@@ -128,16 +134,18 @@ def replay_command(run_dir: str | Path, step: int, overrides: list[str], attribu
         cfg = replay_config(run_cfg, start, step, record, [])
         as_recorded = run_replay(cfg, tmp, record, attribute=attribute)
         summary = {"step": step, "start": str(start) if start else "base model (step 0)",
-                   "threads": record.threads, **verdict(as_recorded, record, read_row(run_dir, step))}
-        write_file(tmp / "replay.json", json.dumps(summary, indent=1))
+                   "threads": record.threads, "ranks": {"recorded": record.ranks, "replayed": dist.world()},
+                   **verdict(as_recorded, record, read_row(run_dir, step))}
+        dist.on_main(write_file, tmp / "replay.json", json.dumps(summary, indent=1))
     if overrides:
         out = replay_dir(run_dir, step, slug(overrides))
         with staged(out) as tmp:
             cfg = replay_config(run_cfg, start, step, record, overrides)
             what_if = run_replay(cfg, tmp, record, attribute=False)
             summary["what_if"] = {"overrides": overrides, **compare_updates(as_recorded, what_if)}
-            write_file(tmp / "replay.json", json.dumps(summary, indent=1))
-    print(summary_lines(summary))
+            dist.on_main(write_file, tmp / "replay.json", json.dumps(summary, indent=1))
+    if dist.is_main():
+        print(summary_lines(summary))
     if attribute:
         refresh_report(run_dir)
     return out
@@ -198,18 +206,24 @@ def staged(out: Path, keep: tuple[str, ...] = ()) -> Iterator[Path]:
     """Yields a temporary sibling of `out` to write a replay into; publishes it as `out`
     (`publish`) when the block ends without an error and removes it otherwise, so `out` only ever
     holds a complete replay."""
+    tmp = dist.on_main(_cleared, out)  # several ranks: rank 0 alone touches the files
+    try:
+        yield tmp
+    except BaseException:
+        if dist.is_main() and tmp.exists():
+            remove(tmp)
+        raise
+    dist.on_main(publish, tmp, out, keep)
+
+
+def _cleared(out: Path) -> Path:
+    """The temporary sibling of `out`, with what a killed replay left put right."""
     tmp, old = out.with_name(f".{out.name}.partial"), out.with_name(f".{out.name}.old")
     if tmp.exists():
         remove(tmp)  # left by a killed replay
     if old.exists() and not out.exists():
         os.replace(old, out)  # a replay killed between `publish`'s renames
-    try:
-        yield tmp
-    except BaseException:
-        if tmp.exists():
-            remove(tmp)
-        raise
-    publish(tmp, out, keep)
+    return tmp
 
 
 def publish(tmp: Path, out: Path, keep: tuple[str, ...] = ()) -> Path:
@@ -239,10 +253,17 @@ def start_checkpoint(run_dir: Path, cfg: Config, step: int, record: RecordedStep
         return at[step - 1]
     if record.state_before and state_before_path(run_dir, step).is_dir():
         return state_before_path(run_dir, step)  # kept beside the record
-    scratch = run_dir / REPLAYS_DIR / ROLL_FORWARD
+    ranks = "" if record.ranks == 1 else f"_{record.ranks}_ranks"  # rolled forward on the run's ranks
+    scratch = run_dir / REPLAYS_DIR / f"{ROLL_FORWARD}{ranks}"
     done = {checkpoint_step(p): p for p in checkpoints(scratch)} if scratch.is_dir() else {}
     if step - 1 in done:
         return done[step - 1]
+    if record.ranks != dist.world():
+        here = "one process" if dist.world() == 1 else f"{dist.world()} ranks"
+        raise ConfigError(f"{run_dir}: step {step} was trained on {record.ranks} ranks and the run keeps no state "
+                          f"before it; rolling forward in {here} would draw other samples than its ranks did. Replay "
+                          f"it without --attribute first (rldyn replay {run_dir} --step {step}: it rolls forward on "
+                          f"{record.ranks} ranks and keeps the state), then add --attribute")
     if record.attempt > 0:
         raise ConfigError(f"{run_dir}: step {step} was trained after a health rollback and the run has no checkpoint "
                           f"at step {step - 1}; rolling forward would draw other samples than the run did. Record "
@@ -258,15 +279,15 @@ def roll_forward(cfg: Config, origin: Path | None, last: int, scratch: Path) -> 
     from rldynamics.train.trainer import train
 
     first = checkpoint_step(origin) if origin else 0
-    print(f"no checkpoint at step {last}: training steps {first + 1}-{last} again from "
-          f"{origin or 'the base model'} into {scratch}")
-    if scratch.exists():
-        remove(scratch)
+    if dist.is_main():
+        print(f"no checkpoint at step {last}: training steps {first + 1}-{last} again from "
+              f"{origin or 'the base model'} into {scratch}")
+    dist.on_main(lambda: scratch.exists() and remove(scratch))
     keys = [f"checkpoint.resume={origin}"] if origin else []
     keys += [f"train.steps={last}", "checkpoint.every=0", "checkpoint.save_last=true", "checkpoint.keep_last=1",
              "log.report=false", "val.before_train=false", "val.every=0"]
     train(apply_overrides(cfg, keys), scratch, job=ROLL_FORWARD)
-    found = {checkpoint_step(p): p for p in checkpoints(scratch)}
+    found = dist.on_main(lambda: {checkpoint_step(p): p for p in checkpoints(scratch)})  # once rank 0 has written it
     if last not in found:
         raise RuntimeError(f"rolling {scratch} forward stopped before step {last} (an early stop or a health stop): "
                            "the recorded step cannot be reached this way")
@@ -321,8 +342,12 @@ def refusals(record: RecordedStep):
 
 
 def flat_weights(model: torch.nn.Module) -> torch.Tensor:
-    """The trainable weights as one float32 vector. [P]"""
-    return torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters() if p.requires_grad])
+    """The trainable weights as one float32 vector (FSDP2 shards gathered: a collective). [P]"""
+    return torch.cat([_whole(p.detach()).float().reshape(-1).cpu() for p in model.parameters() if p.requires_grad])
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def read_row(run_dir: Path, step: int) -> dict:
@@ -338,7 +363,7 @@ def verdict(replayed: Replayed, record: RecordedStep, row: dict) -> dict:
     metrics = {k: {"recorded": recorded.get(k), "replayed": replayed.metrics.get(k)} for k in COMPARED
                if k in recorded or k in replayed.metrics}
     same = all(_same(m["recorded"], m["replayed"]) for m in metrics.values())
-    expected = record.weights_after
+    expected = record.weights_after if record.ranks == dist.world() else None  # other ranks sum in another order
     return {"weights_identical": None if expected is None else replayed.digest == expected,
             "weights_after": replayed.digest, "metrics_identical": same, "metrics": metrics,
             "kept_rows_identical": replayed.kept_rows == record.kept_rows.tolist(),
@@ -472,12 +497,18 @@ def slug(overrides: list[str]) -> str:
 
 def summary_lines(summary: dict) -> str:
     """What the console says about a replay."""
-    lines = [f"replay of step {summary['step']} from {summary['start']} ({summary['threads']} threads):"]
+    ranks = summary.get("ranks", {}).get("replayed", 1)
+    on = f"{ranks} ranks of {summary['threads']} threads" if ranks > 1 else f"{summary['threads']} threads"
+    lines = [f"replay of step {summary['step']} from {summary['start']} ({on}):"]
     for key, m in summary["metrics"].items():
         lines.append(f"  {key}: recorded {_num(m['recorded'])}, replayed {_num(m['replayed'])}")
-    same = summary["weights_identical"]
-    words = ("bit-identical to the run's" if same else "not recorded" if same is None
-             else "DIFFERENT from the run's (another machine, thread count or library version?)")
+    same, ranks = summary["weights_identical"], summary.get("ranks", {"recorded": 1, "replayed": 1})
+    if ranks["recorded"] != ranks["replayed"]:
+        words = (f"not compared (the run trained the step on {ranks['recorded']} ranks, this replay ran on "
+                 f"{ranks['replayed']}, which sums its gradient in another order)")
+    else:
+        words = ("bit-identical to the run's" if same else "not recorded" if same is None
+                 else "DIFFERENT from the run's (another machine, thread count or library version?)")
     lines.append(f"  weights after the step: {words}")
     if "what_if" in summary:
         w = summary["what_if"]
