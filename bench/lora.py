@@ -52,7 +52,7 @@ def mean(values: list[float]) -> float:
 def measure(mode: str, extra: list[str], steps: int, out: Path) -> dict:
     """Train, then probe, one mode; its figures."""
     cli = [sys.executable, "-m", "rldynamics.cli"]
-    train_peak = peak_of([*cli, "train", "--preset", PRESET, *SMALL, f"train.steps={steps}",
+    train_peak = peak_of([*cli, "train", "--nproc", "1", "--preset", PRESET, *SMALL, f"train.steps={steps}",
                           f"checkpoint.every={steps}", f"log.run_dir={out}", f"log.name={mode}", *extra])
     run = out / mode
     trained = [r for r in rows(run) if names.STEP_TIME in r][1:]

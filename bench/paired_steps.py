@@ -32,15 +32,23 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rldynamics.threads import default_threads, usable_cores
+
 OURS = Path(__file__).resolve().parents[1] / "src"
 QUIET = ["val.every=0", "val.before_train=false", "checkpoint.save_last=false", "log.progress=false",
          "log.report=false", "record.every=0"]
 
 
+def one_process_env() -> dict[str, str]:
+    """The environment with the default thread count exported: `rldyn train` then runs in one process (its
+    `--nproc auto` takes two ranks only where no thread count is chosen), as in checkouts older than that rule."""
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(default_threads(usable_cores()))}
+
+
 def rldyn(src: Path, *args: str) -> None:
-    """`rldyn ARGS` from the checkout whose `src/` is `src`, in a fresh process (its output dropped)."""
+    """`rldyn ARGS` from the checkout whose `src/` is `src`, in a fresh process of its own (its output dropped)."""
     cmd = [sys.executable, "-c", "import sys; from rldynamics.cli import main; sys.exit(main())", *args]
-    subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(src)}, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, env={**one_process_env(), "PYTHONPATH": str(src)}, check=True, stdout=subprocess.DEVNULL)
 
 
 def timings(row: dict) -> dict[str, float]:

@@ -90,3 +90,15 @@ def test_weights_hash_is_the_files_sha256(tmp_path):
     assert weights_sha256(tmp_path) == hashlib.sha256(b"x").hexdigest()  # what sha256sum prints
     (tmp_path / "model.safetensors").write_bytes(b"y")
     assert weights_sha256(tmp_path) == hashlib.sha256(b"y").hexdigest()
+
+
+def test_nproc_auto_resumes_a_one_process_run_in_one_process(fast_overrides, monkeypatch):
+    """A resumed run keeps the ranks its checkpoint was written on, so it goes on as the uninterrupted run would."""
+    from rldynamics import cli, threads
+
+    train(make_config(overrides=[*fast_overrides, "train.steps=1", "log.name=r", "checkpoint.every=1"]))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    resumed = make_config(overrides=[*fast_overrides, "train.steps=2", "log.name=r", "checkpoint.resume=latest"])
+    assert cli._auto_nproc(resumed) == (1, None)
+    assert cli._auto_nproc(make_config(overrides=[*fast_overrides, "log.name=new"]))[0] == 2

@@ -33,8 +33,9 @@ examples:
   rldyn train analysis.every=5                      # gradient analysis every 5 steps (default: 50, RAGEN's)
   rldyn train health.entropy_collapse=stop health.grad_spike=rollback   # health rules' actions (docs/health.md)
   rldyn train health.policy_drift=rollback health.remedy=[train.lr*=0.5]  # roll back, then go on at half the lr
-  rldyn train model.threads=2                       # torch CPU threads (default: OMP_NUM_THREADS, else half the
-                                                    # cores, at most 4)
+  rldyn train --nproc 1                             # one process (default on a CPU of 2+ cores: 2 ranks, --nproc auto)
+  rldyn train model.threads=2                       # one process on 2 torch threads (default: OMP_NUM_THREADS, else
+                                                    # half the cores, at most 4)
   rldyn train --preset math-tiny                    # math word problems (rldynamic's reward components), CPU
   rldyn train --preset math-smollm2                 # a real pretrained model (SmolLM2-135M-Instruct) on this CPU
   rldyn train model.path=/models/my.gguf model.dtype=bfloat16 model.gradient_checkpointing=true  # GGUF, mixed precision
@@ -387,8 +388,13 @@ def _auto_nproc(cfg) -> tuple[int, int | None]:
     ranks = auto_ranks(cores, threads_chosen=cfg.model.threads > 0 or explicit_threads() is not None)
     if ranks == 1 or "WORLD_SIZE" in os.environ or cfg.rollout.engine != "hf" or not _on_cpu(cfg.model.device):
         return 1, None
-    from rldynamics.train.setup import check_world
+    from rldynamics.train.checkpoint import latest_checkpoint, saved_ranks
+    from rldynamics.train.setup import check_world, resolve_run_dir
 
+    resume = cfg.checkpoint.resume  # a resumed run keeps its ranks, and so goes on as it would have
+    path = None if not resume else latest_checkpoint(resolve_run_dir(cfg)) if resume == "latest" else Path(resume)
+    if path is not None and path.is_dir() and saved_ranks(path) != ranks:
+        return 1, None
     try:
         check_world(cfg, ranks)
     except ConfigError:

@@ -304,6 +304,15 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def saved_ranks(path: Path) -> int:
+    """How many ranks wrote the checkpoint at `path` (its RNG file holds one state per rank; 1 where it cannot be
+    read, which `verify_checkpoint` then reports)."""
+    try:
+        return max(1, len(_torch_load(path / "rng.pt").get("ranks", [])))
+    except (CheckpointError, AttributeError):
+        return 1
+
+
 def verify_checkpoint(path: str | Path, needs_critic: bool = False, job: str | None = TRAIN_JOB) -> dict:
     """Check a checkpoint before any work; returns its trainer state (with `step`). `job`: the command that must
     have written it (`rldyn train` or `rldyn sft`, which continue only their own), None for any (an evaluation).
