@@ -520,10 +520,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     nproc, threads = args.nproc, None
     if nproc == "auto":
-        code, chosen = _one_line_errors("train", print, lambda: _auto_nproc(config(launcher=True)))
-        if code:
-            return code
-        nproc, threads = chosen
+        from rldynamics.config import ConfigError
+
+        try:
+            nproc, threads = _auto_nproc(config(launcher=True))
+        except (ConfigError, OSError, ValueError, ImportError):  # bad input: one process reports it, as always
+            nproc = 1
         if nproc > 1 and not _sets_shard(args.overrides, args.config):  # replicas: one machine's CPU ranks
             args.argv = ["model.shard=false", *args.argv]
     if nproc != 1:  # the launcher checks what it can, once, then starts the ranks
