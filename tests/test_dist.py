@@ -190,22 +190,21 @@ def test_nproc_auto_trains_on_two_replicas_and_a_replay_runs_on_them_again(tmp_p
         return subprocess.run([sys.executable, "-m", "rldynamics.cli", *args], capture_output=True, text=True,
                               timeout=300, env=env)
 
-    done = rldyn("train", *FAST, "train.steps=3", "val.every=0", "record.every=1", f"log.run_dir={tmp_path}",
-                 "log.name=auto")
+    done = rldyn("train", *FAST, "val.every=0", "record.every=1", f"log.run_dir={tmp_path}", "log.name=auto")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[0].startswith("2 ranks of "), done.stdout[:500]
     run = tmp_path / "auto"
     assert "shard: false" in (run / "config.yaml").read_text()
-    refused = rldyn("replay", str(run), "--step", "3", "--attribute")
+    refused = rldyn("replay", str(run), "--step", "2", "--attribute")
     assert refused.returncode == 2 and "was trained on 2 ranks" in refused.stderr, refused.stderr[-2000:]
-    replayed = rldyn("replay", str(run), "--step", "3")
+    replayed = rldyn("replay", str(run), "--step", "2")
     assert replayed.returncode == 0, replayed.stderr[-2000:]
     assert "(2 ranks of " in replayed.stdout
-    summary = json.loads((run / "replays" / "step_3" / "replay.json").read_text())
+    summary = json.loads((run / "replays" / "step_2" / "replay.json").read_text())
     assert summary["weights_identical"] is True and summary["ranks"] == {"recorded": 2, "replayed": 2}
-    attributed = rldyn("replay", str(run), "--step", "3", "--attribute")
+    attributed = rldyn("replay", str(run), "--step", "2", "--attribute")
     assert attributed.returncode == 0, attributed.stderr[-2000:]
-    summary = json.loads((run / "replays" / "step_3" / "replay.json").read_text())
+    summary = json.loads((run / "replays" / "step_2" / "replay.json").read_text())
     norm = summary["metrics"][names.ACTOR_GRAD_NORM]  # the same start, sums in another order
     assert summary["weights_identical"] is None and norm["replayed"] == pytest.approx(norm["recorded"], rel=1e-4)
     assert "not compared (the run trained the step on 2 ranks" in attributed.stdout
