@@ -43,8 +43,8 @@ def opened(cfg: Config, run_dir: Path | None = None, *, job: str = TRAIN, report
                 d.close()
         if s.main:
             s.writer.close()
-            if report and cfg.log.report:
-                report_run(s.run_dir)
+        if report and cfg.log.report:
+            report_on_ranks(s.run_dir)
 
 
 def _open(s: Session, start: Start, held: ExitStack) -> None:
@@ -57,15 +57,26 @@ def _open(s: Session, start: Start, held: ExitStack) -> None:
         print(f"note: {s.run_dir} has no checkpoint yet; training it again from step 0")
 
 
-def report_run(run_dir: Path) -> None:
-    """Figures and the HTML report of the finished run (plotting reads only the run directory).
+def report_on_ranks(run_dir: Path) -> None:
+    """`report_run` once every rank is past rank 0's last write: rank 0 writes the report, and with several ranks
+    rank 1 draws the figures beside it (in one process, both)."""
+    dist.on_main(lambda: None)
+    report_run(run_dir, figures=dist.rank() == min(1, dist.world() - 1), page=dist.is_main())
+    dist.all_true(True)  # and both are done before anything is said of them
+
+
+def report_run(run_dir: Path, figures: bool = True, page: bool = True) -> None:
+    """The figures (`plots/`) and the HTML report of the finished run, each where asked: they read only the run
+    directory and not each other, so two ranks draw them side by side.
 
     The run is complete before this; a figure that cannot be drawn is reported in one line and never fails it."""
     from rldynamics.plots.cli import plot_command, report_command
 
     try:
-        plot_command(run_dir, list_files=False)
-        report_command(run_dir, quiet=True)
+        if figures:
+            plot_command(run_dir, list_files=False)
+        if page:
+            report_command(run_dir, quiet=True)
     except Exception as e:  # noqa: BLE001 (the training result must not be lost to a plotting problem)
         print(f"warning: the figures or report of {run_dir} could not be written ({e.__class__.__name__}: "
               f"{str(e).splitlines()[0] if str(e) else ''}); the run directory is complete, retry with "

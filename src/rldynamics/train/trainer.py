@@ -47,7 +47,7 @@ from rldynamics.train.checkpoint import (
 from rldynamics.train.diagnostics import trainer_state
 from rldynamics.train.diagnostics.base import END, TRAIN
 from rldynamics.train.early_stop import EarlyStopper
-from rldynamics.train.lifecycle import opened, report_run
+from rldynamics.train.lifecycle import opened, report_on_ranks
 from rldynamics.train.session import Session, Start
 from rldynamics.train.snapshots import rolls_back
 from rldynamics.train.step_record import StepRecord
@@ -83,8 +83,8 @@ def train(cfg: Config, run_dir: Path | None = None, job: str = TRAIN) -> Path:
             break
         checkpoint, cfg = back
         cfg, run_dir, kept = apply_overrides(cfg, [f"checkpoint.resume={checkpoint}"]), s.run_dir, s.snapshots
-    if s.main and cfg.log.report:
-        report_run(s.run_dir)
+    if cfg.log.report:
+        report_on_ranks(s.run_dir)
     if cfg.log.progress:
         dist.on_main(_say_result, s.run_dir)
     return s.run_dir
