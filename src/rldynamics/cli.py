@@ -359,6 +359,13 @@ def _one_line_errors(command: str, say, fn) -> tuple[int, object]:
     return 2, None
 
 
+def _a_rank() -> bool:
+    """This process is a rank of a torchrun job (its environment names the world), not a launcher."""
+    import os
+
+    return "WORLD_SIZE" in os.environ
+
+
 def _main_rank() -> bool:
     """This process prints: one process, or rank 0 under torchrun (read from its RANK variable, before torch)."""
     import os
@@ -379,14 +386,12 @@ def _auto_nproc(cfg) -> tuple[int, int | None]:
     """`--nproc auto`: (ranks, each rank's torch threads or None) for this run (`threads.auto_ranks`); says why when it
     starts several. One process under torchrun (this is a rank), on a GPU, with the vLLM engine (an engine per rank)
     or where the run cannot take two ranks (`setup.check_world`)."""
-    import os
-
     from rldynamics.config import ConfigError
     from rldynamics.threads import auto_ranks, explicit_threads, rank_threads, usable_cores
 
     cores = usable_cores()
     ranks = auto_ranks(cores, threads_chosen=cfg.model.threads > 0 or explicit_threads() is not None)
-    if ranks == 1 or "WORLD_SIZE" in os.environ or cfg.rollout.engine != "hf" or not _on_cpu(cfg.model.device):
+    if ranks == 1 or _a_rank() or cfg.rollout.engine != "hf" or not _on_cpu(cfg.model.device):
         return 1, None
     from rldynamics.train.checkpoint import latest_checkpoint, saved_ranks
     from rldynamics.train.setup import check_world, resolve_run_dir
@@ -418,9 +423,7 @@ def _sets_shard(overrides: list[str], file: str | None) -> bool:
 def _recorded_ranks(run_dir: str, step: int) -> tuple[int, int | None]:
     """(ranks, threads) that trained `run_dir`'s recorded `step`; (1, None) under torchrun (this is a rank), or where
     the record cannot be read (the replay itself then says why)."""
-    import os
-
-    if "WORLD_SIZE" in os.environ:
+    if _a_rank():
         return 1, None
     from rldynamics.tracking.step_records import RecordedStep, record_path
 
@@ -518,7 +521,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             _print_start_warnings(cfg, args.preset or DEFAULT_PRESET, args.config, args.overrides)
         return cfg
 
-    nproc, threads = args.nproc, None
+    nproc, threads, rank_argv = args.nproc, None, _without_nproc(args.argv)
     if nproc == "auto":
         from rldynamics.config import ConfigError
 
@@ -527,12 +530,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         except (ConfigError, OSError, ValueError, ImportError):  # bad input: one process reports it, as always
             nproc = 1
         if nproc > 1 and not _sets_shard(args.overrides, args.config):  # replicas: one machine's CPU ranks
-            args.argv = ["model.shard=false", *args.argv]
+            rank_argv = ["model.shard=false", *rank_argv]
     if nproc != 1:  # the launcher checks what it can, once, then starts the ranks
         from rldynamics.train.setup import check_world
 
         return _run_job("train", lambda _: None, check=lambda: check_world(config(launcher=True), nproc)) or (
-            _launch(nproc, _without_nproc(args.argv), threads))
+            _launch(nproc, rank_argv, threads))
 
     def job(cfg):
         from rldynamics.train.trainer import train

@@ -60,6 +60,12 @@ def close(finished: bool = False) -> None:
         dist.destroy_process_group()
 
 
+def barrier() -> None:
+    """Every rank waits here until all have come (nothing in one process)."""
+    if distributed():
+        dist.barrier()
+
+
 def distributed() -> bool:
     """True when running under an initialised ``torch.distributed`` process group of several ranks (the colocated
     vLLM engine makes a group of one of its own, which is not a multi-rank run and is not ours to destroy)."""

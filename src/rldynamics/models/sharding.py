@@ -86,8 +86,12 @@ def sync_gradients(model: torch.nn.Module) -> None:
 
 def clip_gradients(params: list[torch.Tensor], max_norm: float) -> float:
     """`clip_grad_norm_` over all ranks' parameters (sharded ones included); returns the global pre-clip norm."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return float(whole_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+
+
+def whole_tensor(t: torch.Tensor) -> torch.Tensor:
+    """`t` whole: a DTensor (an FSDP2 shard) gathered from every rank (a collective), any other tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -60,9 +60,9 @@ def _open(s: Session, start: Start, held: ExitStack) -> None:
 def report_on_ranks(run_dir: Path) -> None:
     """`report_run` once every rank is past rank 0's last write: rank 0 writes the report, and with several ranks
     rank 1 draws the figures beside it (in one process, both)."""
-    dist.on_main(lambda: None)
+    dist.barrier()
     report_run(run_dir, figures=dist.rank() == min(1, dist.world() - 1), page=dist.is_main())
-    dist.all_true(True)  # and both are done before anything is said of them
+    dist.barrier()  # both are done before anything is said of them
 
 
 def report_run(run_dir: Path, figures: bool = True, page: bool = True) -> None:

@@ -65,6 +65,7 @@ from rldynamics.config import (
     config_diff,
     load_config,
 )
+from rldynamics.models.sharding import whole_tensor
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.tracking.console import StepConsole
 from rldynamics.tracking.files import remove, write_file
@@ -343,11 +344,8 @@ def refusals(record: RecordedStep):
 
 def flat_weights(model: torch.nn.Module) -> torch.Tensor:
     """The trainable weights as one float32 vector (FSDP2 shards gathered: a collective). [P]"""
-    return torch.cat([_whole(p.detach()).float().reshape(-1).cpu() for p in model.parameters() if p.requires_grad])
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return torch.cat([whole_tensor(p.detach()).float().reshape(-1).cpu() for p in model.parameters()
+                      if p.requires_grad])
 
 
 def read_row(run_dir: Path, step: int) -> dict:
@@ -497,12 +495,13 @@ def slug(overrides: list[str]) -> str:
 
 def summary_lines(summary: dict) -> str:
     """What the console says about a replay."""
-    ranks = summary.get("ranks", {}).get("replayed", 1)
-    on = f"{ranks} ranks of {summary['threads']} threads" if ranks > 1 else f"{summary['threads']} threads"
+    ranks = summary["ranks"]
+    threads = f"{summary['threads']} threads"
+    on = f"{ranks['replayed']} ranks of {threads}" if ranks["replayed"] > 1 else threads
     lines = [f"replay of step {summary['step']} from {summary['start']} ({on}):"]
     for key, m in summary["metrics"].items():
         lines.append(f"  {key}: recorded {_num(m['recorded'])}, replayed {_num(m['replayed'])}")
-    same, ranks = summary["weights_identical"], summary.get("ranks", {"recorded": 1, "replayed": 1})
+    same = summary["weights_identical"]
     if ranks["recorded"] != ranks["replayed"]:
         words = (f"not compared (the run trained the step on {ranks['recorded']} ranks, this replay ran on "
                  f"{ranks['replayed']}, which sums its gradient in another order)")
