@@ -4,7 +4,8 @@ checkpoints that resume exactly on the same number of ranks and work on another;
 The runs are small (tiny 1-layer model, 2 groups x 3 one-turn math replies, 3 steps) but exercise every part:
 sharded rollouts and validation, the critic (GAE whitening over the global batch), the KL reference, the gradient
 analysis with reward components, the collapse diagnostics (their cross-scoring rows split over the ranks), per-step
-checkpoints. `train.row_seeded_sampling=true` makes the batches
+checkpoints, the mismatch metrics (`algo.tis_cap`) from the update's own log-probs at step 2, where no analysis
+asks for the old-log-prob pass. `train.row_seeded_sampling=true` makes the batches
 independent of how rows are split over ranks. `train.shared_prefix=false`: an FSDP2-sharded update forwards whole
 rows (`analysis.objective.actor_terms`), so the one-process run does too, and both compute the same sums.
 
@@ -44,7 +45,7 @@ RUN = [*FAST, "train.steps=3", "train.group_size=3", "train.mini_batch_size=64",
        "tiny.layers=1",
        "tiny.hidden_size=32", "env.max_turns=1", "env.max_new_tokens=10", "env.math.length_target=20",
        "val.env_groups=2", "val.every=3", "val.before_train=false", "algo.adv_estimator=gae", "algo.kl_coef=0.01",
-       "algo.entropy_coef=0.001", "analysis.enabled=true", "analysis.every=1", "analysis.reward_grad=true",
+       "algo.entropy_coef=0.001", "algo.tis_cap=2.0", "analysis.enabled=true", "analysis.every=2", "analysis.reward_grad=true",
        "analysis.num_buckets=2", "checkpoint.every=1", "log.samples_per_step=100", "collapse.enabled=true",
        "collapse.compute_freq=1", "collapse.bootstrap_resamples=20"]
 
@@ -87,6 +88,9 @@ def test_two_ranks_give_the_one_process_run(runs):
     assert "reward_grad/all/cos_total/length" in a[0] and "val-env/math/success" in a[2]
     assert "collapse_first_turn_sample/mi_estimate" in a[0] and "collapse_trajectory_sample/mi_estimate" in a[0]
     assert a[0]["critic/score/max"] > a[0]["critic/score/min"]  # rewards that vary: a fair test (module docstring)
+    assert "grad_norm/all/task" not in a[1] and "rollout/corr/k3_kl" in a[1]
+    # step 2: the mismatch metrics from the update's own log-probs, summed over the ranks, with no old-log-prob pass
+    assert [names.timing("old_log_prob") in row for row in read_metrics(two)] == [True, False, True]
     for x, y in zip(a, b, strict=True):
         for key, value in x.items():
             # a collapse z-score divides an MI near 0 (equal to 1e-6 here) by a marginal std of a few hundredths, so

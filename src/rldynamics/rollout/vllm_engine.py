@@ -14,7 +14,8 @@ Design choices:
 - Multi-turn: vLLM's prefix caching keeps the KV blocks of every conversation, so a turn encodes only its new
   tokens; nothing is held per trajectory here (`drop` does nothing).
 - Weight sync: `sync(model)` loads the trainer's parameters (FSDP2-sharded ones gathered once per sync, one
-  all-gather per block, as for the trainer's own no-grad passes) into the engine's model in place (the worker's
+  all-gather per block, as for the trainer's own no-grad passes), cast to the engine's dtype, into the engine's
+  model in place (the worker's
   `reload_weights` with the parameters as the weights iterator: the model's own `load_weights` maps HF names and
   fuses q/k/v, then the CPU kernels' weight layout is rebuilt), with no disk round trip. A tied LM head is
   pointed at the new embedding again and its kernel weights rebuilt (the reload restores the head's old ones);
@@ -29,6 +30,9 @@ Design choices:
   size 1, vLLM's `external_launcher` on the ranks' process group) and samples its own groups; vLLM makes its groups
   inside ours, and its shutdown destroys them, ours included, so the engine is closed when the process leaves the
   group (`dist.before_leaving`), after the ranks waited for each other.
+- AMX: on a CPU with AMX tiles the CPU build's attention uses them, and Linux kills a process that runs one
+  without having asked for them first (SIGILL). torch asks at its first bfloat16 matmul; a float32 trainer with a
+  bfloat16 engine has run none before the engine's first forward, so the engine asks itself.
 - Threads: the CPU build replaces `torch.set_num_threads` by a no-op once it has bound its threads; the engine
   keeps the trainer's thread count (set before it, `model.threads`) and puts the function back.
 - Memory on a GPU (`rollout.vllm_sleep`): between rollouts the engine sleeps (vLLM's sleep level 1: weights
@@ -63,6 +67,8 @@ class VllmEngine:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
+        if torch.cpu._is_amx_tile_supported():  # the CPU build's attention runs AMX tiles, which Linux lets a process
+            torch.cpu._init_amx()  # use once it asked; torch asks at its first bfloat16 matmul, maybe none yet
         self.sleeps = sleep and torch.cuda.is_available()  # vLLM has no sleep mode on CPU
         self.sleeping: set[str] = set()  # the parts now asleep: "weights", "kv_cache"
         self.adapted: weakref.ref | None = None  # the LoRA model last synced: its next sync sends its adapted blocks
@@ -140,10 +146,13 @@ class VllmEngine:
             logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}").setLevel(logging.ERROR)
         adapted = lora.is_adapted(model)
         blocks = adapted and self.adapted is not None and self.adapted() is model  # the rest is already its base
+        dtype = self.llm.llm_engine.model_config.dtype  # cast here, one tensor at a time: vLLM would cast each
+        # float32 weight into its bfloat16 parameter alike (round to nearest), warning once per weight and sync
         with gathered(model):
             weights = (lora.merged_weights(model, adapted_blocks=blocks) if adapted  # base + adapters, new tensors
                        else [(name, p.detach()) for name, p in model.named_parameters()])  # full, even if sharded
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+            cast = ((name, w.to(dtype)) for name, w in weights)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": cast})
         if getattr(model.config, "tie_word_embeddings", False) and not blocks:
             self.llm.llm_engine.apply_model(_tie_head)  # the reload leaves the head on the old embedding tensor
         self.adapted = weakref.ref(model) if adapted else None

@@ -9,7 +9,6 @@ update holds only its rows, so there it asks for the old-log-prob pass.
 
 from __future__ import annotations
 
-from rldynamics import dist
 from rldynamics.algo.rollout_corr import batch_mismatch, measures_mismatch
 from rldynamics.config import Config
 from rldynamics.train.diagnostics.base import END, Diagnostic, DiagnosticResult, Needs, StepRecord
@@ -26,7 +25,7 @@ class Mismatch(Diagnostic):
         return measures_mismatch(cfg)
 
     def needs(self, step: int) -> Needs:
-        return Needs(old_logprobs=dist.distributed(), update_logprobs=True)
+        return Needs(update_logprobs=True)
 
     def run(self, s: Session, record: StepRecord) -> DiagnosticResult:
         if record.filtered is None:
