@@ -3,6 +3,7 @@
     python bench/paired_steps.py --baseline-src DIR [--rounds 2] [--steps 3] [--preset math-smollm2] [key=value ...]
     python bench/paired_steps.py --baseline-src DIR --replay runs/<name> --step N [--rounds 3]
     python bench/paired_steps.py --baseline-set train.micro_batch_size=8 [--rounds 2] [key=value ...]
+    python bench/paired_steps.py --baseline-src DIR --nproc 2 [--rounds 2] [key=value ...]
 
 `DIR` is another checkout's `src/` (a `git worktree` of an earlier commit). Each round runs `rldyn train` from the
 baseline and then from this checkout, in fresh processes, `--steps` steps each on the same preset and overrides
@@ -15,6 +16,10 @@ carries the noise of the work itself.
 
 `--baseline-set KEY=VALUE` (repeatable) adds overrides to the baseline's runs alone: two settings of one checkout
 compared the same way (`--baseline-src` defaults to this checkout's `src/`).
+
+`--nproc N` trains this checkout's side on N ranks (`rldyn train --nproc N`: replicas on gloo unless the overrides set
+`model.shard`), the baseline's in one process: what the ranks buy on this machine's cores, which one process
+leaves idle. Each rank's step is timed; the ranks wait for each other, so rank 0's timings are the step's.
 
 `--replay RUN --step N` times the update alone on identical work: each round replays the recorded step N of a run
 (`rldyn replay`: the same rollout, the same starting weights) from the baseline and then from this checkout, and
@@ -46,7 +51,8 @@ def one_process_env() -> dict[str, str]:
 
 
 def rldyn(src: Path, *args: str) -> None:
-    """`rldyn ARGS` from the checkout whose `src/` is `src`, in a fresh process of its own (its output dropped)."""
+    """`rldyn ARGS` from the checkout whose `src/` is `src`, in a fresh process of its own (its output dropped); with
+    `--nproc N` among ARGS it starts the N ranks itself."""
     cmd = [sys.executable, "-c", "import sys; from rldynamics.cli import main; sys.exit(main())", *args]
     subprocess.run(cmd, env={**one_process_env(), "PYTHONPATH": str(src)}, check=True, stdout=subprocess.DEVNULL)
 
@@ -55,10 +61,14 @@ def timings(row: dict) -> dict[str, float]:
     return {k.removeprefix("timing_s/"): v for k, v in row.items() if k.startswith("timing_s/")}
 
 
-def run_steps(src: Path, preset: str, steps: int, overrides: list[str]) -> list[dict[str, float]]:
-    """The `timing_s/*` values of each step after the first of one `rldyn train` run from `src`."""
+def run_steps(src: Path, preset: str, steps: int, overrides: list[str], nproc: int = 1) -> list[dict[str, float]]:
+    """The `timing_s/*` values of each step after the first of one `rldyn train` run from `src` (on `nproc` ranks:
+    replicas unless `overrides` set `model.shard`)."""
+    ranks = [] if nproc == 1 else ["--nproc", str(nproc)]
+    if nproc > 1 and not any(o.startswith("model.shard=") for o in overrides):
+        overrides = ["model.shard=false", *overrides]
     with tempfile.TemporaryDirectory() as tmp:
-        rldyn(src, "train", "--preset", preset, f"train.steps={steps}", *QUIET, f"log.run_dir={tmp}", *overrides)
+        rldyn(src, "train", *ranks, "--preset", preset, f"train.steps={steps}", *QUIET, f"log.run_dir={tmp}", *overrides)
         metrics = next(Path(tmp).glob("*/metrics.jsonl"))  # log.run_dir/<the run's name>/
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return [timings(r) for r in rows[1:]]
@@ -85,19 +95,23 @@ def main() -> None:
     parser.add_argument("--preset", default="math-smollm2")
     parser.add_argument("--replay", type=Path, help="a run directory with a record of --step")
     parser.add_argument("--step", type=int)
+    parser.add_argument("--nproc", type=int, default=1, help="ranks of this checkout's runs (the baseline's: 1)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.replay is not None and args.step is None:
         parser.error("--replay needs --step N (a step with a record in RUN/records/)")
     if args.replay is not None and args.baseline_set:
         parser.error("--baseline-set applies to training runs; a replay runs the recorded step's own config")
+    if args.replay is not None and args.nproc != 1:
+        parser.error("--nproc applies to training runs; a replay runs on the ranks its record names")
     if args.baseline_src == OURS and not args.baseline_set:
         parser.error("give --baseline-src DIR (another checkout's src/) or --baseline-set KEY=VALUE")
     got: dict[str, list[dict[str, float]]] = {"baseline": [], "ours": []}
     for round_ in range(args.rounds):
-        for side, src, extra in (("baseline", args.baseline_src, args.baseline_set), ("ours", OURS, [])):
+        for side, src, extra, nproc in (("baseline", args.baseline_src, args.baseline_set, 1),
+                                        ("ours", OURS, [], args.nproc)):
             rows = (replay_step(src, args.replay, args.step) if args.replay else
-                    run_steps(src, args.preset, args.steps, [*args.overrides, *extra]))
+                    run_steps(src, args.preset, args.steps, [*args.overrides, *extra], nproc))
             got[side] += rows
             shown = "update_actor" if args.replay else "step"
             print(f"round {round_ + 1} {side}: " + ", ".join(f"{r[shown]:.2f}" for r in rows) + f" s ({shown})",
@@ -105,6 +119,7 @@ def main() -> None:
     base, ours = medians(got["baseline"]), medians(got["ours"])
     what = f"replay of {args.replay} step {args.step}" if args.replay else f"{args.preset} {' '.join(args.overrides)}"
     what += f" (baseline also {' '.join(args.baseline_set)})" if args.baseline_set else ""
+    what += f" (ours on {args.nproc} ranks)" if args.nproc > 1 else ""
     print(f"\n{what}: {len(got['ours'])} steps a side")
     print("| phase | baseline s | ours s | baseline / ours |\n|---|---:|---:|---:|")
     for phase in sorted(set(base) | set(ours), key=lambda p: (p not in ("step", "update_actor"), p)):
