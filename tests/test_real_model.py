@@ -72,23 +72,6 @@ def test_multi_turn_prompts_keep_the_sampled_tokens(smollm2, sampled_rollout):
     assert "You are a helpful AI assistant named SmolLM" not in stream  # our system prompt replaces the default
 
 
-def test_generation_with_packed_weights_samples_the_same_tokens_and_logprobs(smollm2, monkeypatch):
-    """Float32 generation multiplies against weights packed once per call (`models.packed`): the same tokens, and the
-    same sampler log-probs within float rounding, as with the plain products (torch's MKL hidden: nothing packed)."""
-    from rldynamics.rollout.agent import generate_with_logprobs
-    model, tokenizer = smollm2
-    prompts = [tokenizer("What is 2 + 3?")["input_ids"]] * 3 + [tokenizer("Name a colour.")["input_ids"]]
-    runs = []
-    for mkl in (True, False):
-        monkeypatch.setattr(torch.backends.mkl, "is_available", lambda mkl=mkl: mkl)
-        runs.append(generate_with_logprobs(model, tokenizer, prompts, 12, 1.0, [tokenizer.eos_token_id],
-                                           row_keys=[1, 2, 3, 4]))
-    (tokens, logprobs), (plain_tokens, plain_logprobs) = runs
-    assert tokens == plain_tokens and len(tokens[0]) > 1
-    for row, plain_row in zip(logprobs, plain_logprobs, strict=True):
-        assert row == pytest.approx(plain_row, abs=1e-4)
-
-
 def test_generation_stops_at_its_eos(smollm2):
     model, tokenizer = smollm2
     chat = ChatPrompts(tokenizer, model=model)

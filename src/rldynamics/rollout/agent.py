@@ -36,7 +36,6 @@ from rldynamics.config import EnvConfig
 from rldynamics.envs import make_env
 from rldynamics.envs.reward_funcs import ERRORS, load_reward_funcs, score
 from rldynamics.models.forward import caches_plainly, with_cache
-from rldynamics.models.packed import packed_linears
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.rollout.chat import ChatPrompts, Conversation
 from rldynamics.rollout.engines import RolloutEngine
@@ -299,20 +298,19 @@ def generate_with_logprobs(model, tokenizer, prompts: list[list[int]], max_new_t
     device = next(model.parameters()).device
     input_ids, attention = input_ids.to(device), attention.to(device)
     cache = caches.batch_cache(cache_keys, prompts) if caches is not None and caches.rows else None
+    if cache is None:
+        cache = shared_prompt_cache(model, input_ids, attention)  # a group's shared prompt is encoded once
+    if cache is None and caches_plainly(model):
+        cache = DynamicCache(config=model.config)  # filled by generate (and with `caches` kept for the next turn)
+    if cache is not None:
+        with_room(cache, max_new_tokens)  # a decode step writes its keys and values; nothing is concatenated
     recorder = SampledLogprobs()
-    with packed_linears(model, len(prompts)):  # float32 on a CPU: each weight packed once, not at every decode step
-        if cache is None:
-            cache = shared_prompt_cache(model, input_ids, attention)  # a group's shared prompt is encoded once
-        if cache is None and caches_plainly(model):
-            cache = DynamicCache(config=model.config)  # filled by generate (with `caches` kept for the next turn)
-        if cache is not None:
-            with_room(cache, max_new_tokens)  # a decode step writes its keys and values; nothing is concatenated
-        out = model.generate(
-            input_ids=input_ids, attention_mask=attention, temperature=1.0, max_new_tokens=max_new_tokens,
-            eos_token_id=stop_ids, pad_token_id=pad,
-            logits_processor=sampling_processors(temperature, row_keys, recorder), do_sample=False,
-            **with_cache(model, cache),
-        )  # [B, W + new]: the guard applies the temperature, the last processor samples, and greedy takes its token
+    out = model.generate(
+        input_ids=input_ids, attention_mask=attention, temperature=1.0, max_new_tokens=max_new_tokens,
+        eos_token_id=stop_ids, pad_token_id=pad, logits_processor=sampling_processors(temperature, row_keys, recorder),
+        do_sample=False,
+        **with_cache(model, cache),
+    )  # [B, W + new]: the guard applies the temperature, the last processor samples, and greedy takes its token
     sampled_logprobs = recorder.finish(out).tolist()  # [B, new]
     stops = set(stop_ids)
     responses, logprobs = [], []
