@@ -48,6 +48,19 @@ def test_nproc_auto_is_one_process_where_two_ranks_do_not_apply(overrides, envir
     assert cli._auto_nproc(make_config(overrides=overrides))[0] == ranks
 
 
+def test_nproc_auto_with_vllm_stays_one_process_and_names_two_ranks(monkeypatch, capsys):
+    from rldynamics import cli, threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    assert cli._auto_nproc(make_config(overrides=["rollout.engine=vllm"])) == (1, None)
+    assert capsys.readouterr().out == ("one process with the vllm engine (--nproc auto); --nproc 2 trains on 2 ranks, "
+                                       "an engine and a replica each: faster, about twice the memory\n")
+    monkeypatch.setattr(threads, "usable_cores", lambda: 1)
+    assert cli._auto_nproc(make_config(overrides=["rollout.engine=vllm"])) == (1, None)
+    assert capsys.readouterr().out == ""  # one core: nothing to offer
+
+
 def test_sweep_slots_honour_an_exported_thread_count(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert [s.env["OMP_NUM_THREADS"] for s in make_slots(parallel=1, cores=8)] == ["1"]

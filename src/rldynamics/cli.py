@@ -113,7 +113,8 @@ def _add_train(sub) -> None:
                        help="ranks on this machine: runs `torchrun --standalone --nproc-per-node W` over this command "
                             "(one GPU per rank; gloo on CPU); see docs/multi-device.md. auto (the default): 2 on a "
                             "CPU with 2 or more usable cores, the HF engine and no thread count set (model.threads, "
-                            "OMP_NUM_THREADS), when the run can take two ranks; else 1")
+                            "OMP_NUM_THREADS), when the run can take two ranks; else 1 (with vLLM: --nproc 2, an engine "
+                            "per rank, about twice the memory)")
     train.add_argument("--help-config", action="store_true", help="list every config key and exit")
     train.add_argument("--ragen", action="store_true",
                        help="with --help-config: list the RAGEN / verl override names accepted and what they become")
@@ -392,6 +393,9 @@ def _auto_nproc(cfg) -> tuple[int, int | None]:
     cores = usable_cores()
     ranks = auto_ranks(cores, threads_chosen=cfg.model.threads > 0 or explicit_threads() is not None)
     if ranks == 1 or _a_rank() or cfg.rollout.engine != "hf" or not _on_cpu(cfg.model.device):
+        if ranks > 1 and not _a_rank() and _on_cpu(cfg.model.device):  # vLLM: the memory is the user's call
+            print(f"one process with the {cfg.rollout.engine} engine (--nproc auto); --nproc {ranks} trains on {ranks} "
+                  "ranks, an engine and a replica each: faster, about twice the memory")
         return 1, None
     from rldynamics.train.checkpoint import latest_checkpoint, saved_ranks
     from rldynamics.train.setup import check_world, resolve_run_dir
