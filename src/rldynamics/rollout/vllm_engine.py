@@ -57,6 +57,14 @@ from rldynamics.models.sharding import gathered
 from rldynamics.rollout.engines import check_installed
 
 
+DTYPE_LOGGER = "vllm.model_executor.models.utils"  # "Attempted to load weight ... with dtype ...", per weight
+
+
+def _not_a_dtype_cast(record: logging.LogRecord) -> bool:
+    """A logging filter: False for vLLM's warning that a weight is cast to its parameter's dtype."""
+    return not str(record.msg).startswith("Attempted to load weight %s with dtype")
+
+
 class VllmEngine:
     """A vLLM `LLM` on the model directory `path`, sampling as the HF engine does and synced from the trainer."""
 
@@ -74,6 +82,9 @@ class VllmEngine:
         self.adapted: weakref.ref | None = None  # the LoRA model last synced: its next sync sends its adapted blocks
         set_num_threads = torch.set_num_threads
         try:
+            # a float32 checkpoint loaded into a bfloat16 engine: vLLM rounds each weight and warns once per weight (a
+            # filter: vLLM's logging config, applied while the engine is built, resets its loggers' levels)
+            logging.getLogger(DTYPE_LOGGER).addFilter(_not_a_dtype_cast)
             self.llm = LLM(model=path, dtype=dtype, seed=seed, enforce_eager=True, enable_prefix_caching=True,
                            # whole prefills: the CPU build rewinds a partly prefilled request's seeded generator,
                            # which its CPU generators refuse ("CPU Generator does not use offset")
@@ -147,7 +158,7 @@ class VllmEngine:
         adapted = lora.is_adapted(model)
         blocks = adapted and self.adapted is not None and self.adapted() is model  # the rest is already its base
         dtype = self.llm.llm_engine.model_config.dtype  # cast here, one tensor at a time: vLLM would cast each
-        # float32 weight into its bfloat16 parameter alike (round to nearest), warning once per weight and sync
+        # float32 weight into its bfloat16 parameter alike (round to nearest)
         with gathered(model):
             weights = (lora.merged_weights(model, adapted_blocks=blocks) if adapted  # base + adapters, new tensors
                        else [(name, p.detach()) for name, p in model.named_parameters()])  # full, even if sharded
