@@ -68,7 +68,8 @@ def run_steps(src: Path, preset: str, steps: int, overrides: list[str], nproc: i
     if nproc > 1 and not any(o.startswith("model.shard=") for o in overrides):
         overrides = ["model.shard=false", *overrides]
     with tempfile.TemporaryDirectory() as tmp:
-        rldyn(src, "train", *ranks, "--preset", preset, f"train.steps={steps}", *QUIET, f"log.run_dir={tmp}", *overrides)
+        rldyn(src, "train", *ranks, "--preset", preset, f"train.steps={steps}", *QUIET, f"log.run_dir={tmp}",
+              *overrides)
         metrics = next(Path(tmp).glob("*/metrics.jsonl"))  # log.run_dir/<the run's name>/
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return [timings(r) for r in rows[1:]]

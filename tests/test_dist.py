@@ -45,9 +45,9 @@ RUN = [*FAST, "train.steps=3", "train.group_size=3", "train.mini_batch_size=64",
        "tiny.layers=1",
        "tiny.hidden_size=32", "env.max_turns=1", "env.max_new_tokens=10", "env.math.length_target=20",
        "val.env_groups=2", "val.every=3", "val.before_train=false", "algo.adv_estimator=gae", "algo.kl_coef=0.01",
-       "algo.entropy_coef=0.001", "algo.tis_cap=2.0", "analysis.enabled=true", "analysis.every=2", "analysis.reward_grad=true",
-       "analysis.num_buckets=2", "checkpoint.every=1", "log.samples_per_step=100", "collapse.enabled=true",
-       "collapse.compute_freq=1", "collapse.bootstrap_resamples=20"]
+       "algo.entropy_coef=0.001", "algo.tis_cap=2.0", "analysis.enabled=true", "analysis.every=2",
+       "analysis.reward_grad=true", "analysis.num_buckets=2", "checkpoint.every=1", "log.samples_per_step=100",
+       "collapse.enabled=true", "collapse.compute_freq=1", "collapse.bootstrap_resamples=20"]
 
 
 def _weights(run, step: int) -> dict[str, torch.Tensor]:

@@ -113,8 +113,8 @@ def _add_train(sub) -> None:
                        help="ranks on this machine: runs `torchrun --standalone --nproc-per-node W` over this command "
                             "(one GPU per rank; gloo on CPU); see docs/multi-device.md. auto (the default): 2 on a "
                             "CPU with 2 or more usable cores, the HF engine and no thread count set (model.threads, "
-                            "OMP_NUM_THREADS), when the run can take two ranks; else 1 (with vLLM: --nproc 2, an engine "
-                            "per rank, about twice the memory)")
+                            "OMP_NUM_THREADS), when the run can take two ranks; else 1 (with vLLM: --nproc 2, an "
+                            "engine per rank, about twice the memory)")
     train.add_argument("--help-config", action="store_true", help="list every config key and exit")
     train.add_argument("--ragen", action="store_true",
                        help="with --help-config: list the RAGEN / verl override names accepted and what they become")
@@ -385,8 +385,8 @@ def _nproc_arg(value: str) -> int | str:
 
 def _auto_nproc(cfg) -> tuple[int, int | None]:
     """`--nproc auto`: (ranks, each rank's torch threads or None) for this run (`threads.auto_ranks`); says why when it
-    starts several. One process under torchrun (this is a rank), on a GPU, with the vLLM engine (an engine per rank)
-    or where the run cannot take two ranks (`setup.check_world`)."""
+    starts several. One process under torchrun (this is a rank), on a GPU, with the vLLM engine (an engine per rank:
+    it says that `--nproc` would give several) or where the run cannot take two ranks (`setup.check_world`)."""
     from rldynamics.config import ConfigError
     from rldynamics.threads import auto_ranks, explicit_threads, rank_threads, usable_cores
 

@@ -110,8 +110,8 @@ def _sequence_fractions(ratio: torch.Tensor, log_ratio: torch.Tensor, mask: torc
 def measures_mismatch(cfg) -> bool:
     """Whether a step logs the mismatch metrics: a rollout engine other than the trainer's own model, lagged
     weights (`rollout.staleness`), or corrections on. Their old log-probs come from the old-log-prob pass or from the
-    update's own (`train.actor.ActorUpdate.logprobs`: its first optimizer step's forwards and a
-    pass over the other rows, no extra pass)."""
+    update's own (`train.actor.ActorUpdate.logprobs`: its first optimizer step's forwards and a pass over the other
+    rows, no extra pass; on several ranks summed over them)."""
     return (cfg.rollout.engine != "hf" or cfg.rollout.staleness > 0 or cfg.algo.tis_cap is not None
             or cfg.algo.mis)
 

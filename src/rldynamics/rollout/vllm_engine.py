@@ -15,9 +15,9 @@ Design choices:
   tokens; nothing is held per trajectory here (`drop` does nothing).
 - Weight sync: `sync(model)` loads the trainer's parameters (FSDP2-sharded ones gathered once per sync, one
   all-gather per block, as for the trainer's own no-grad passes), cast to the engine's dtype, into the engine's
-  model in place (the worker's
-  `reload_weights` with the parameters as the weights iterator: the model's own `load_weights` maps HF names and
-  fuses q/k/v, then the CPU kernels' weight layout is rebuilt), with no disk round trip. A tied LM head is
+  model in place (the worker's `reload_weights` with the parameters as the weights iterator: the model's own
+  `load_weights` maps HF names and fuses q/k/v, then the CPU kernels' weight layout is rebuilt), with no disk round
+  trip. A tied LM head is
   pointed at the new embedding again and its kernel weights rebuilt (the reload restores the head's old ones);
   then the prefix cache is reset (its blocks hold keys and values of the old weights). The trainer calls it
   after every optimizer step; the engine is built once per run (`rollout.engines.rollout_engine`).
@@ -55,7 +55,6 @@ from rldynamics.config import ConfigError
 from rldynamics.models import lora
 from rldynamics.models.sharding import gathered
 from rldynamics.rollout.engines import check_installed
-
 
 DTYPE_LOGGER = "vllm.model_executor.models.utils"  # "Attempted to load weight ... with dtype ...", per weight
 

@@ -2,9 +2,9 @@
 
 Due on every step of a run that measures it (`algo.rollout_corr.measures_mismatch`: a rollout engine other than
 the trainer's own model, or a correction on). It compares the sampler's log-probs of the sampled tokens with the
-trainer's under the rollout policy: from the old-log-prob pass, or, in one process, from the update's own (its
-first optimizer step's forwards and the pass over the other rows: no extra pass). Under torchrun each rank's
-update holds only its rows, so there it asks for the old-log-prob pass.
+trainer's under the rollout policy: from the old-log-prob pass where one runs for another reason, else from the
+update's own (its first optimizer step's forwards and the pass over the other rows: no extra pass; under torchrun
+each rank computes its own rows and the update sums them over the ranks into the whole batch's).
 """
 
 from __future__ import annotations
