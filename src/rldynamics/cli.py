@@ -392,10 +392,11 @@ def _auto_nproc(cfg) -> tuple[int, int | None]:
 
     cores = usable_cores()
     ranks = auto_ranks(cores, threads_chosen=cfg.model.threads > 0 or explicit_threads() is not None)
-    if ranks == 1 or _a_rank() or cfg.rollout.engine != "hf" or not _on_cpu(cfg.model.device):
-        if ranks > 1 and not _a_rank() and _on_cpu(cfg.model.device):  # vLLM: the memory is the user's call
-            print(f"one process with the {cfg.rollout.engine} engine (--nproc auto); --nproc {ranks} trains on {ranks} "
-                  "ranks, an engine and a replica each: faster, about twice the memory")
+    if ranks == 1 or _a_rank() or not _on_cpu(cfg.model.device):
+        return 1, None
+    if cfg.rollout.engine != "hf":  # vLLM: an engine per rank, so the memory is the user's call
+        print(f"one process with the {cfg.rollout.engine} engine (--nproc auto); --nproc {ranks} trains on {ranks} "
+              "ranks, an engine and a replica each: faster, about twice the memory")
         return 1, None
     from rldynamics.train.checkpoint import latest_checkpoint, saved_ranks
     from rldynamics.train.setup import check_world, resolve_run_dir

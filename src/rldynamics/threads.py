@@ -13,7 +13,7 @@ matrices leave a larger team little to split.
 Ranks (`rldyn train --nproc auto`, the default; `auto_ranks`): two processes meet only where a step gathers or sums
 (a few times a step, not after every parallel region), so on a CPU a second rank uses a second core without the
 team's fragility: on an idle 2-core machine the default job's step took 1.8x less time on two ranks than on one
-process, and beside one other 1-thread job the same time as one process (docs/training.md, "CPU threads and ranks").
+process, and beside one other 1-thread job the same time as one process (docs/training.md, "CPU ranks and threads").
 Each rank then computes on half of its share of the cores (`rank_threads`).
 """
 
