@@ -54,8 +54,9 @@ def test_nproc_auto_with_vllm_stays_one_process_and_names_two_ranks(monkeypatch,
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads, "usable_cores", lambda: 2)
     assert cli._auto_nproc(make_config(overrides=["rollout.engine=vllm"])) == (1, None)
-    assert capsys.readouterr().out == ("one process with the vllm engine (--nproc auto); --nproc 2 trains on 2 ranks, "
-                                       "an engine and a replica each: faster, about twice the memory\n")
+    assert capsys.readouterr().out == ("one process with the vllm engine (--nproc auto); --nproc 2 model.shard=false "
+                                       "trains on 2 ranks, an engine and a replica each: faster, about twice the "
+                                       "memory\n")
     monkeypatch.setattr(threads, "usable_cores", lambda: 1)
     assert cli._auto_nproc(make_config(overrides=["rollout.engine=vllm"])) == (1, None)
     assert capsys.readouterr().out == ""  # one core: nothing to offer

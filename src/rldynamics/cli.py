@@ -113,8 +113,8 @@ def _add_train(sub) -> None:
                        help="ranks on this machine: runs `torchrun --standalone --nproc-per-node W` over this command "
                             "(one GPU per rank; gloo on CPU); see docs/multi-device.md. auto (the default): 2 on a "
                             "CPU with 2 or more usable cores, the HF engine and no thread count set (model.threads, "
-                            "OMP_NUM_THREADS), when the run can take two ranks; else 1 (with vLLM: --nproc 2, an "
-                            "engine per rank, about twice the memory)")
+                            "OMP_NUM_THREADS), when the run can take two ranks; else 1 (with vLLM: --nproc 2 "
+                            "model.shard=false, an engine and a replica per rank, about twice the memory)")
     train.add_argument("--help-config", action="store_true", help="list every config key and exit")
     train.add_argument("--ragen", action="store_true",
                        help="with --help-config: list the RAGEN / verl override names accepted and what they become")
@@ -395,8 +395,8 @@ def _auto_nproc(cfg) -> tuple[int, int | None]:
     if ranks == 1 or _a_rank() or not _on_cpu(cfg.model.device):
         return 1, None
     if cfg.rollout.engine != "hf":  # vLLM: an engine per rank, so the memory is the user's call
-        print(f"one process with the {cfg.rollout.engine} engine (--nproc auto); --nproc {ranks} trains on {ranks} "
-              "ranks, an engine and a replica each: faster, about twice the memory")
+        print(f"one process with the {cfg.rollout.engine} engine (--nproc auto); --nproc {ranks} model.shard=false "
+              f"trains on {ranks} ranks, an engine and a replica each: faster, about twice the memory")
         return 1, None
     from rldynamics.train.checkpoint import latest_checkpoint, saved_ranks
     from rldynamics.train.setup import check_world, resolve_run_dir
