@@ -42,6 +42,12 @@ def engine32(tiny128) -> VllmEngine:
     return VllmEngine(tiny128, dtype="float32", kv_cache_gib=0.25)
 
 
+@pytest.fixture(scope="module")
+def compiled32(tiny128) -> VllmEngine:
+    """The engine compiled (`rollout.vllm_compile`, the run's default): vLLM's torch.compile with inductor."""
+    return VllmEngine(tiny128, dtype="float32", kv_cache_gib=0.25, compile=True)
+
+
 def _score(engine: VllmEngine, ids: list[int], start: int) -> torch.Tensor:
     """The engine's log-probs of the given tokens ids[start:] (prompt log-probs): a fixed continuation. [len - start]"""
     from vllm import SamplingParams
@@ -130,9 +136,12 @@ def test_multiturn_layout_matches_hf_for_the_same_replies(tiny128, engine32):
     assert (ours.rollout_logprobs[mask] - old[mask]).abs().max() < 1e-4
 
 
-def test_engine_follows_the_trainer_after_an_optimizer_step(tiny128, engine32):
+@pytest.mark.parametrize("kind", ["engine32", "compiled32"])
+def test_engine_follows_the_trainer_after_an_optimizer_step(tiny128, kind, request):
     """After an optimizer step and `sync`, the engine's log-probs of a fixed continuation are the trainer's new ones;
-    before the sync (a missed sync) they are still the old ones, far from the new."""
+    before the sync (a missed sync) they are still the old ones, far from the new. Compiled too: its graph reads the
+    weights the sync loads in place (none is folded into it as a constant)."""
+    engine32 = request.getfixturevalue(kind)
     model, tokenizer = load_model_and_tokenizer(tiny128)
     engine32.sync(model)
     prompt = tokenizer("Turn 1:\nState:\n", add_special_tokens=False)["input_ids"]
@@ -284,7 +293,8 @@ def test_an_engine_synced_every_third_step_samples_older_weights(tiny_cache, tmp
     cfg = make_config(overrides=[*FAST, f"log.run_dir={tmp_path}", "log.name=stale", "rollout.engine=vllm",
                                  "tiny.hidden_size=128", "rollout.vllm_kv_cache_gib=0.25", "model.dtype=float32",
                                  "rollout.vllm_dtype=float32", "train.steps=4", "val.every=0", "train.lr=1e-2",
-                                 "rollout.sync_every=3", "algo.entropy_coef=0.5"])  # a gradient whatever the rewards
+                                 "rollout.sync_every=3", "rollout.vllm_compile=false",
+                                 "algo.entropy_coef=0.5"])  # a gradient whatever the rewards
     rows = {r["step"]: r for r in map(json.loads, (train(cfg) / "metrics.jsonl").read_text().splitlines())}
     k3 = {step: rows[step]["rollout/corr/k3_kl"] for step in (1, 2, 3, 4)}
     assert k3[1] < 1e-6 and k3[4] < 1e-6  # the engine holds the trainer's weights: the first step, after the sync
@@ -306,7 +316,8 @@ def test_a_resumed_lora_run_samples_its_adapted_policy(tiny_cache, tmp_path, mon
     run = [*FAST, "train.group_size=3", "train.mini_batch_size=6", "train.micro_batch_size=3", "train.lr=1e-2",
            "env.max_turns=1", "env.max_new_tokens=10", "env.math.length_target=20", "val.every=0",
            "tiny.hidden_size=128", "rollout.engine=vllm", "rollout.vllm_dtype=float32",
-           "rollout.vllm_kv_cache_gib=0.25", "model.lora.rank=8", "checkpoint.every=1", f"log.run_dir={tmp_path}",
+           "rollout.vllm_kv_cache_gib=0.25", "rollout.vllm_compile=false", "model.lora.rank=8", "checkpoint.every=1",
+           f"log.run_dir={tmp_path}",
            "log.name=lora"]
     train(make_config("math-tiny", overrides=run))
     resumed = train(make_config("math-tiny", overrides=[*run, "train.steps=3", "checkpoint.resume=latest"]))

@@ -220,6 +220,10 @@ class RolloutConfig:
     vllm_dtype: str = one_of("auto", "auto", "float32", "bfloat16")
     """vllm: the engine's weights and compute dtype, auto | float32 | bfloat16 (auto: model.dtype's rule; the trainer
     keeps model.dtype)."""
+    vllm_compile: bool = True
+    """vllm: compile the engine's model (vLLM's torch.compile with inductor: fused norms and activations; on a GPU
+    also CUDA graphs); false: eager (vLLM's enforce_eager). Compiling costs the engine's start (on CPU about 50 s the
+    first time for SmolLM2-135M, about 14 s once cached) and buys generation time at every step (docs/vllm.md)."""
     sync_every: int = within(1, 1)
     """vllm: give the engine the trainer's weights after every N-th step (1 = every step, on-policy, verl's way); N > 1
     samples from weights up to N - 1 steps old (an off-policy setting: the sampler/trainer mismatch that algo.tis_cap

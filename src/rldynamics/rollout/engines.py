@@ -73,11 +73,11 @@ class EngineEntry:
 
 
 def _vllm(cfg: Config, path: str, dtype: str) -> RolloutEngine:
-    """A `VllmEngine` on `path` in `dtype`, with the run's KV cache, seed and sleep settings."""
+    """A `VllmEngine` on `path` in `dtype`, with the run's KV cache, seed, sleep and compile settings."""
     from rldynamics.rollout.vllm_engine import VllmEngine
 
     return VllmEngine(path, dtype=dtype, kv_cache_gib=cfg.rollout.vllm_kv_cache_gib, seed=cfg.seed,
-                      sleep=cfg.rollout.vllm_sleep)
+                      sleep=cfg.rollout.vllm_sleep, compile=cfg.rollout.vllm_compile)
 
 
 # `rollout.engine` -> its entry; its choices are the config field's (a test holds the two together)

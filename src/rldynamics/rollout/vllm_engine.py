@@ -56,24 +56,31 @@ from rldynamics.models import lora
 from rldynamics.models.sharding import gathered
 from rldynamics.rollout.engines import check_installed
 
-DTYPE_LOGGER = "vllm.model_executor.models.utils"  # "Attempted to load weight ... with dtype ...", per weight
+# vLLM's messages that say nothing a user can act on -> the logger that writes them, dropped while an engine is built
+NOISE = {
+    "Attempted to load weight %s with dtype": "vllm.model_executor.models.utils",  # a float32 checkpoint in bfloat16,
+    # once per weight
+    "CPU backend doesn't allow to use `torch.set_num_threads`": "vllm.v1.worker.cpu_worker",  # inductor compiling
+}
 
 
-def _not_a_dtype_cast(record: logging.LogRecord) -> bool:
-    """A logging filter: False for vLLM's warning that a weight is cast to its parameter's dtype."""
-    return not str(record.msg).startswith("Attempted to load weight %s with dtype")
+def _not_noise(record: logging.LogRecord) -> bool:
+    """A logging filter: False for the messages of `NOISE`."""
+    return not str(record.msg).startswith(tuple(NOISE))
 
 
 class VllmEngine:
     """A vLLM `LLM` on the model directory `path`, sampling as the HF engine does and synced from the trainer."""
 
     def __init__(self, path: str, *, dtype: str = "bfloat16", kv_cache_gib: float = 1.0, seed: int = 0,
-                 max_model_len: int | None = None, sleep: bool = False):
+                 max_model_len: int | None = None, sleep: bool = False, compile: bool = False):
         check_installed("vllm")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
+        if compile:  # vLLM 0.32's own cache of compiled graphs fails to load under torch 2.13 ("'function' object has
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")  # no attribute 'finalize_loading'"); inductor's loads
         if torch.cpu._is_amx_tile_supported():  # the CPU build's attention runs AMX tiles, which Linux lets a process
             torch.cpu._init_amx()  # use once it asked; torch asks at its first bfloat16 matmul, maybe none yet
         self.sleeps = sleep and torch.cuda.is_available()  # vLLM has no sleep mode on CPU
@@ -81,10 +88,9 @@ class VllmEngine:
         self.adapted: weakref.ref | None = None  # the LoRA model last synced: its next sync sends its adapted blocks
         set_num_threads = torch.set_num_threads
         try:
-            # a float32 checkpoint loaded into a bfloat16 engine: vLLM rounds each weight and warns once per weight (a
-            # filter: vLLM's logging config, applied while the engine is built, resets its loggers' levels)
-            logging.getLogger(DTYPE_LOGGER).addFilter(_not_a_dtype_cast)
-            self.llm = LLM(model=path, dtype=dtype, seed=seed, enforce_eager=True, enable_prefix_caching=True,
+            for logger in set(NOISE.values()):  # a filter: vLLM's logging config, applied while the engine is built,
+                logging.getLogger(logger).addFilter(_not_noise)  # resets its loggers' levels
+            self.llm = LLM(model=path, dtype=dtype, seed=seed, enforce_eager=not compile, enable_prefix_caching=True,
                            # whole prefills: the CPU build rewinds a partly prefilled request's seeded generator,
                            # which its CPU generators refuse ("CPU Generator does not use offset")
                            enable_chunked_prefill=False,
