@@ -25,6 +25,11 @@ Design choices:
   tensors, the base's names), all of them at an adapted model's first sync, then only the blocks holding adapters
   (layers sent nothing keep their weights; a block goes whole, since vLLM fuses q/k/v and gate/up). vLLM's own
   LoRA (`enable_lora`) runs on the CPU build but generated 3.5x slower or more than merged weights (docs/vllm.md).
+- Compiled (`rollout.vllm_compile`, `compile=True`): vLLM traces the model once (dynamic shapes) and inductor fuses
+  the norms and activations, which the CPU build runs as separate torch operations when eager; the graph takes the
+  weights as inputs, so a sync is read by the next forward with no recompilation. vLLM's own cache of compiled
+  graphs is switched off (`VLLM_USE_AOT_COMPILE=0`: under torch 2.13 it fails to load what it saved); inductor's
+  cache keeps later starts short.
 - One process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the engine's model lives in the trainer's process, as in TRL's
   `vllm_mode="colocate"` and verl's hybrid engine. Under torchrun every rank builds its own engine (tensor parallel
   size 1, vLLM's `external_launcher` on the ranks' process group) and samples its own groups; vLLM makes its groups
@@ -81,6 +86,9 @@ class VllmEngine:
 
         if compile:  # vLLM 0.32's own cache of compiled graphs fails to load under torch 2.13 ("'function' object has
             os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")  # no attribute 'finalize_loading'"); inductor's loads
+            if dist.is_main():
+                print("vllm engine: compiling the model (rollout.vllm_compile=true): about a minute the first time, "
+                      "seconds once cached", flush=True)
         if torch.cpu._is_amx_tile_supported():  # the CPU build's attention runs AMX tiles, which Linux lets a process
             torch.cpu._init_amx()  # use once it asked; torch asks at its first bfloat16 matmul, maybe none yet
         self.sleeps = sleep and torch.cuda.is_available()  # vLLM has no sleep mode on CPU
