@@ -38,28 +38,59 @@ def test_nproc_auto_takes_two_ranks_on_two_cores_unless_a_thread_count_is_chosen
     (["rollout.engine=vllm"], {}, 1), (["train.env_groups=1"], {}, 1), (["rollout.staleness=1"], {}, 1),
     (["model.device=cuda"], {}, 1)])
 def test_nproc_auto_is_one_process_where_two_ranks_do_not_apply(overrides, environ, ranks, monkeypatch):
-    from rldynamics import cli, threads
+    from rldynamics import cli, memory, threads
 
     for key in ("OMP_NUM_THREADS", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
     for key, value in environ.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(memory, "available_memory", lambda: 4 * 2**30)  # too little for two engines and replicas
     assert cli._auto_nproc(make_config(overrides=overrides))[0] == ranks
 
 
-def test_nproc_auto_with_vllm_stays_one_process_and_names_two_ranks(monkeypatch, capsys):
-    from rldynamics import cli, threads
+def test_nproc_auto_with_vllm_takes_two_ranks_where_the_memory_holds_an_engine_each(monkeypatch, capsys):
+    """An engine and a replica per rank: two ranks where the machine's available memory holds twice the estimate of
+    one (`engine_rank_bytes`: 3 GiB for the tiny model, 1 GiB of it the KV cache) and a quarter more, else one process
+    with a line that gives both figures and what `--nproc 2` would do; the same without figures for a model it cannot
+    count."""
+    from rldynamics import cli, memory, threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads, "usable_cores", lambda: 2)
-    assert cli._auto_nproc(make_config(overrides=["rollout.engine=vllm"])) == (1, None)
-    assert capsys.readouterr().out == ("one process with the vllm engine (--nproc auto); --nproc 2 model.shard=false "
-                                       "trains on 2 ranks, an engine and a replica each: faster, about twice the "
-                                       "memory\n")
+    vllm = make_config(overrides=["rollout.engine=vllm", "tiny.hidden_size=128"])
+    monkeypatch.setattr(memory, "available_memory", lambda: 7.5 * 2**30)
+    assert cli._auto_nproc(vllm) == (2, 1)
+    assert capsys.readouterr().out == ("2 ranks of 1 torch thread on the 2 usable cores, an engine each (about 3.0 "
+                                       "GiB a rank, 7.5 available) (--nproc auto; --nproc 1 runs one process)\n")
+    monkeypatch.setattr(memory, "available_memory", lambda: 7.4 * 2**30)
+    assert cli._auto_nproc(vllm) == (1, None)
+    assert capsys.readouterr().out == ("one process with the vllm engine (--nproc auto: 2 would need about 6.0 GiB "
+                                       "and a quarter to spare, 7.4 available); --nproc 2 model.shard=false trains "
+                                       "on 2 ranks, an engine and a replica each: faster, about 2 times the memory\n")
+    hub = make_config(overrides=["rollout.engine=vllm", "model.path=HuggingFaceTB/SmolLM2-135M"])
+    assert cli._auto_nproc(hub) == (1, None)
+    assert capsys.readouterr().out.startswith("one process with the vllm engine (--nproc auto); --nproc 2 ")
     monkeypatch.setattr(threads, "usable_cores", lambda: 1)
-    assert cli._auto_nproc(make_config(overrides=["rollout.engine=vllm"])) == (1, None)
+    assert cli._auto_nproc(vllm) == (1, None)
     assert capsys.readouterr().out == ""  # one core: nothing to offer
+
+
+def test_parameters_are_counted_from_the_safetensors_headers(tmp_path):
+    """`parameter_count` reads a directory's safetensors headers: the parameters the loaded model has (a tied head
+    counted once), over several shard files too, and None for a directory without weights."""
+    from safetensors.torch import save_file
+
+    from rldynamics.models.loading import parameter_count
+    from rldynamics.models.tiny import build_tiny_model, build_tiny_tokenizer
+
+    model = build_tiny_model(build_tiny_tokenizer(["a b c"]), hidden_size=32, num_layers=1)
+    model.save_pretrained(tmp_path / "tiny")
+    assert parameter_count(tmp_path / "tiny") == sum(p.numel() for p in model.parameters())
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, str(tmp_path / "model-00001.safetensors"))
+    save_file({"c": torch.zeros(2, 2, 2)}, str(tmp_path / "model-00002.safetensors"), metadata={"format": "pt"})
+    assert parameter_count(tmp_path) == 12 + 5 + 8
+    assert parameter_count(tmp_path / "tiny" / "missing") is None
 
 
 def test_sweep_slots_honour_an_exported_thread_count(monkeypatch):

@@ -112,9 +112,9 @@ def _add_train(sub) -> None:
     train.add_argument("--nproc", type=_nproc_arg, default="auto", metavar="W",
                        help="ranks on this machine: runs `torchrun --standalone --nproc-per-node W` over this command "
                             "(one GPU per rank; gloo on CPU); see docs/multi-device.md. auto (the default): 2 on a "
-                            "CPU with 2 or more usable cores, the HF engine and no thread count set (model.threads, "
-                            "OMP_NUM_THREADS), when the run can take two ranks; else 1 (with vLLM: --nproc 2 "
-                            "model.shard=false, an engine and a replica per rank, about twice the memory)")
+                            "CPU with 2 or more usable cores and no thread count set (model.threads, OMP_NUM_THREADS), "
+                            "when the run can take two ranks (with vLLM: an engine and a replica per rank, where the "
+                            "available memory holds them); else 1")
     train.add_argument("--help-config", action="store_true", help="list every config key and exit")
     train.add_argument("--ragen", action="store_true",
                        help="with --help-config: list the RAGEN / verl override names accepted and what they become")
@@ -385,19 +385,30 @@ def _nproc_arg(value: str) -> int | str:
 
 def _auto_nproc(cfg) -> tuple[int, int | None]:
     """`--nproc auto`: (ranks, each rank's torch threads or None) for this run (`threads.auto_ranks`); says why when it
-    starts several. One process under torchrun (this is a rank), on a GPU, with the vLLM engine (an engine per rank:
-    it says that `--nproc` would give several) or where the run cannot take two ranks (`setup.check_world`)."""
+    starts several. One process under torchrun (this is a rank), on a GPU, with the vLLM engine where the machine's
+    available memory does not hold an engine and a replica per rank (it says so, and what `--nproc` would give), or
+    where the run cannot take two ranks (`setup.check_world`)."""
     from rldynamics.config import ConfigError
+    from rldynamics.memory import available_memory
+    from rldynamics.rollout.engines import RANK_MEMORY_HEADROOM
     from rldynamics.threads import auto_ranks, explicit_threads, rank_threads, usable_cores
 
     cores = usable_cores()
     ranks = auto_ranks(cores, threads_chosen=cfg.model.threads > 0 or explicit_threads() is not None)
     if ranks == 1 or _a_rank() or not _on_cpu(cfg.model.device):
         return 1, None
-    if cfg.rollout.engine != "hf":  # vLLM: an engine per rank, so the memory is the user's call
-        print(f"one process with the {cfg.rollout.engine} engine (--nproc auto); --nproc {ranks} model.shard=false "
-              f"trains on {ranks} ranks, an engine and a replica each: faster, about twice the memory")
-        return 1, None
+    engines = ""
+    if cfg.rollout.engine != "hf":  # an engine per rank: as many ranks as the memory holds
+        need, available = _engine_rank_memory(cfg), available_memory()
+        if need is None or available is None or ranks * need * RANK_MEMORY_HEADROOM > available:
+            known = "" if need is None or available is None else \
+                (f": {ranks} would need about {ranks * need / 2**30:.1f} GiB and a quarter to spare, "
+                 f"{available / 2**30:.1f} available")
+            print(f"one process with the {cfg.rollout.engine} engine (--nproc auto{known}); --nproc {ranks} "
+                  f"model.shard=false trains on {ranks} ranks, an engine and a replica each: faster, about {ranks} "
+                  "times the memory")
+            return 1, None
+        engines = f", an engine each (about {need / 2**30:.1f} GiB a rank, {available / 2**30:.1f} available)"
     from rldynamics.train.checkpoint import latest_checkpoint, saved_ranks
     from rldynamics.train.setup import check_world, resolve_run_dir
 
@@ -410,9 +421,25 @@ def _auto_nproc(cfg) -> tuple[int, int | None]:
     except ConfigError:
         return 1, None
     threads = rank_threads(cores, ranks)
-    print(f"{ranks} ranks of {threads} torch thread{'s' if threads > 1 else ''} on the {cores} usable cores "
+    print(f"{ranks} ranks of {threads} torch thread{'s' if threads > 1 else ''} on the {cores} usable cores{engines} "
           "(--nproc auto; --nproc 1 runs one process)")
     return ranks, threads
+
+
+def _engine_rank_memory(cfg) -> int | None:
+    """Bytes one rank would hold with its own engine (`rollout.engines.engine_rank_bytes`), from the parameters of
+    `model.path` (the embedded tiny model: none to speak of; a GGUF source: its converted directory, converted here
+    if the run has not yet); None where they cannot be counted (a hub name: nothing local to read)."""
+    from rldynamics.models.gguf import ensure_gguf_model, is_gguf_source
+    from rldynamics.models.loading import parameter_count
+    from rldynamics.rollout.engines import engine_rank_bytes
+
+    path = cfg.model.path
+    try:
+        parameters = 0 if path == "tiny" else parameter_count(ensure_gguf_model(path) if is_gguf_source(path) else path)
+    except Exception:  # noqa: BLE001 (the run reports a model it cannot load, with its own words)
+        return None
+    return None if parameters is None else engine_rank_bytes(parameters, cfg.rollout.vllm_kv_cache_gib)
 
 
 def _sets_shard(overrides: list[str], file: str | None) -> bool:

@@ -10,6 +10,9 @@ threshold to 1 GiB, which is what vLLM's CPU docs get by preloading tcmalloc. Th
 heap instead of returning it between steps.
 
 Set `RLDYN_KEEP_MEMORY=0` to leave malloc as it is.
+
+`available_memory` is what the machine can still give (Linux's MemAvailable), which `--nproc auto` weighs before it
+starts a vLLM engine per rank.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from pathlib import Path
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters (malloc.h)
 TRIM_THRESHOLD = 1 << 30  # bytes of free heap top kept before malloc gives memory back
@@ -38,3 +42,15 @@ def keep_freed_memory(environ: dict[str, str] | None = None) -> str:
     if mallopt(M_MMAP_MAX, 0) != 1 or mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1:
         return "malloc's defaults (mallopt refused)"
     return "kept"
+
+
+def available_memory(meminfo: str = "/proc/meminfo") -> int | None:
+    """Bytes the machine can give to new work without swapping (Linux's `MemAvailable`); None where unknown."""
+    try:
+        lines = Path(meminfo).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024  # kB
+    return None

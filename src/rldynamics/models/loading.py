@@ -20,6 +20,7 @@ Design choices:
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 from collections.abc import Callable, Iterable
@@ -62,6 +63,18 @@ def resolve_model_path(path: str, corpus_fn: Callable[[], Iterable[str]], cache_
     if is_gguf_source(path):
         return str(ensure_gguf_model(path, cache_dir))
     return path
+
+
+def parameter_count(directory: str | Path) -> int | None:
+    """Parameters a model directory's safetensors files hold, read from their headers (no weights loaded); None where
+    the directory has none."""
+    files = sorted(Path(directory).glob("*.safetensors")) if Path(directory).is_dir() else []
+    total = 0
+    for file in files:
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))  # 8-byte length, then a JSON header
+        total += sum(math.prod(entry["shape"]) for key, entry in header.items() if key != "__metadata__")
+    return total if files else None
 
 
 def load_model_and_tokenizer(

@@ -88,6 +88,21 @@ ENGINES: dict[str, EngineEntry] = {
 }
 
 
+# The peak resident memory of one CPU rank training beside its own vLLM engine (`--nproc auto` weighs it): per
+# parameter, float32 weights, gradients and AdamW's two moments (16 bytes), the compute-dtype copy and the health
+# monitor's copy before a step (up to 8) and the engine's weights (up to 4, float32); then the engine's KV cache and
+# 2 GiB for the libraries and a micro-batch's activations and logits. A rank of `math-smollm2` on two ranks (135 M
+# parameters, 1 GiB of KV cache) peaked at 6.6 GB (docs/vllm.md); this says 7.0.
+RANK_BYTES_PER_PARAMETER = 28
+RANK_RUNTIME_BYTES = 2 * 2**30
+RANK_MEMORY_HEADROOM = 1.25  # `--nproc auto` wants a quarter more than the estimate: it held within 5 % on one preset
+
+
+def engine_rank_bytes(parameters: int, kv_cache_gib: float) -> int:
+    """Estimated peak resident memory of one CPU rank training a model of `parameters` beside its own engine."""
+    return parameters * RANK_BYTES_PER_PARAMETER + int(kv_cache_gib * 2**30) + RANK_RUNTIME_BYTES
+
+
 def check_installed(engine: str) -> None:
     """ModuleNotFoundError naming the install lines when the module `rollout.engine=<engine>` needs is not
     importable."""
