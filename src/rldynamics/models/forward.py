@@ -290,22 +290,33 @@ def _takes_mask_keep(model) -> bool:
     mask, after running the body: a cache passed in would already hold the call's keys and values)."""
     import transformers.modeling_utils
 
-    return ("logits_to_keep" in inspect.signature(underlying(model).forward).parameters
-            and hasattr(transformers.modeling_utils, "slice_logits_to_keep"))
+    return _takes_keep(model) and hasattr(transformers.modeling_utils, "slice_logits_to_keep")
 
 
 def _logits_at(model, inputs: torch.Tensor | dict[str, torch.Tensor], attention_mask: torch.Tensor,
                keep: torch.Tensor, **kwargs) -> torch.Tensor:
     """Logits [M, V] at the `keep` [N, L] positions, row by row; the LM head runs only there when the model
-    takes a boolean `logits_to_keep` (transformers' causal LMs), else the full logits are indexed. `inputs` is
-    the token ids [N, L] or `{"input_ids": ...}` or `{"inputs_embeds": [N, L, H]}` (`embedded_together`);
-    `kwargs` go to the model (a cache and positions)."""
+    takes a boolean `logits_to_keep` (transformers' causal LMs), else only at the columns some row keeps (the
+    1-D `logits_to_keep` of indices that older transformers take: a forward of shared prefixes wants one column
+    of each, and the LM head of SmolLM2 over a whole prefix cost a few percent of an update), else at all of them.
+    `inputs` is the token ids [N, L] or `{"input_ids": ...}` or `{"inputs_embeds": [N, L, H]}`
+    (`embedded_together`); `kwargs` go to the model (a cache and positions)."""
     inputs = inputs if isinstance(inputs, dict) else {"input_ids": inputs}
     if _takes_mask_keep(model):
         logits = model(**inputs, attention_mask=attention_mask, logits_to_keep=keep, **kwargs).logits
         if logits.dim() == 2 and logits.shape[0] == int(keep.sum()):
             return logits  # [M, V]
+    columns = keep.any(0).nonzero().flatten()  # [K] ascending, so the rows' order stays row-major
+    if _takes_keep(model) and columns.numel() < keep.shape[1]:
+        logits = model(**inputs, attention_mask=attention_mask, logits_to_keep=columns, **kwargs).logits  # [N, K, V]
+        return logits[keep[:, columns]]  # [M, V]
     return model(**inputs, attention_mask=attention_mask, **kwargs).logits[keep]  # [M, V]
+
+
+def _takes_keep(model) -> bool:
+    """Whether `model`'s forward takes `logits_to_keep` (transformers' causal LMs: an int, or a 1-D tensor of the
+    sequence positions whose logits it computes)."""
+    return "logits_to_keep" in inspect.signature(underlying(model).forward).parameters
 
 
 def embedded_together(model, *ids: torch.Tensor) -> list[dict[str, torch.Tensor]]:
