@@ -247,6 +247,30 @@ engine.close()
     assert "EQUAL True" in out and "SYNC" in out and "Attempted to load weight" not in out, out[-3000:]
 
 
+def test_a_compiled_engine_without_a_cxx_compiler_is_one_line_naming_eager(tiny128, tmp_path):
+    """Compiling needs a C++ compiler (inductor's): without one the engine fails at its start with one line that
+    says so and names `rollout.vllm_compile=false` (a fresh process and an empty inductor cache, so nothing compiled
+    earlier is reused)."""
+    import os
+    import subprocess
+    import sys
+    code = f"""
+from rldynamics.config import ConfigError
+from rldynamics.rollout.vllm_engine import VllmEngine
+try:
+    VllmEngine({tiny128!r}, dtype="float32", kv_cache_gib=0.25, compile=True)
+except ConfigError as e:
+    print("ERROR", e)
+"""
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-g++"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("ERROR")),
+                done.stdout[-2000:] + done.stderr[-2000:])
+    assert line.startswith("ERROR rollout.engine=vllm: vLLM could not compile the model at "), line
+    assert "no-such-g++" in line and line.endswith("rollout.vllm_compile=false runs it eager (compiling needs a C++ "
+                                                   "compiler: gcc or clang)"), line
+
+
 def test_seeded_rollouts_are_reproducible(tiny128, engine32):
     model, tokenizer = load_model_and_tokenizer(tiny128)
     cfg = make_config(overrides=ENV)

@@ -108,7 +108,7 @@ class VllmEngine:
             dist.before_leaving(self.close)  # its shutdown destroys the process group: the last thing done in it
             self.generate([[0]], 1, 1.0, [], row_keys=[0])  # kernels that refuse the model fail here, not mid-run
         except Exception as e:  # noqa: BLE001 (vLLM raises plain ValueErrors / RuntimeErrors; name the cause)
-            raise ConfigError(_load_error(path, dtype, e)) from e
+            raise ConfigError(_load_error(path, dtype, e, compile)) from e
         finally:
             torch.set_num_threads = set_num_threads  # the CPU build made it a no-op
 
@@ -198,11 +198,15 @@ def _tie_head(engine_model: torch.nn.Module) -> None:
     head.quant_method.process_weights_after_loading(head)
 
 
-def _load_error(path: str, dtype: str, e: Exception) -> str:
-    """One line: why vLLM could not serve the model at `path`, and what to do."""
+def _load_error(path: str, dtype: str, e: Exception, compile: bool = False) -> str:
+    """One line: why vLLM could not serve the model at `path` (compiled with `compile`), and what to do."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [e.__class__.__name__]
     first = next((line for line in lines if "not supported" in line), lines[0])  # pydantic puts the cause 2nd
     first = first.split(". Supported architectures")[0][:300]
+    if compile and ("Inductor" in e.__class__.__name__ or "InductorError" in first or "Compiler" in first):
+        return (f"rollout.engine=vllm: vLLM could not compile the model at {path} ({e.__class__.__name__}: "
+                f"{first[:200]}); rollout.vllm_compile=false runs it eager (compiling needs a C++ compiler: gcc or "
+                "clang)")
     if "Unsupported CPU attention" in first:
         return (f"rollout.engine=vllm: vLLM's CPU attention cannot run the model at {path} in {dtype} ({first}); "
                 "its head size must be one the CPU kernels have (the tiny model: tiny.hidden_size=128, head "
