@@ -284,3 +284,27 @@ def test_grouped_heads_attend_as_transformers_repeated_heads_do(setup):
                           pad_token_id=0) for m in (model, repeated)]
     assert torch.equal(out[0], out[1])
     model.zero_grad(set_to_none=True)
+
+
+
+def test_logits_at_kept_positions_run_the_head_only_at_kept_columns(setup, monkeypatch):
+    """`_logits_at` returns the full forward's logits at the kept positions, row-major. Where transformers takes no
+    boolean `logits_to_keep` (before 5.23; forced here) the LM head runs at the columns some row keeps (the 1-D
+    `logits_to_keep` of positions), not at every position."""
+    model, ids, attn, _ = setup
+    n, width = ids.shape
+    keep = torch.zeros(n, width, dtype=torch.bool)  # [N, L] rows keeping different columns
+    keep[0, 1:3] = True
+    keep[1:, 4] = True
+    keep[-1, width - 2] = True
+    full = model(input_ids=ids, attention_mask=attn).logits[keep]  # [M, V]
+    head_rows = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: head_rows.append(args[0].shape[:-1].numel()))
+    monkeypatch.setattr(forward, "_takes_mask_keep", lambda m: False)
+    try:
+        got = forward._logits_at(model, ids, attn, keep)  # [M, V]
+    finally:
+        hook.remove()
+    assert torch.allclose(got, full, atol=1e-5, rtol=1e-5)
+    assert head_rows == [n * 4] and n * 4 < n * width  # the columns 1, 2, 4 and L - 2, on every row
