@@ -39,13 +39,13 @@ def tiny128(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def engine32(tiny128) -> VllmEngine:
-    return VllmEngine(tiny128, dtype="float32", kv_cache_gib=0.25)
+    return VllmEngine(tiny128, dtype="float32", kv_cache_gib=0.25, compile=False)  # eager: quicker to build
 
 
 @pytest.fixture(scope="module")
 def compiled32(tiny128) -> VllmEngine:
     """The engine compiled (`rollout.vllm_compile`, the run's default): vLLM's torch.compile with inductor."""
-    return VllmEngine(tiny128, dtype="float32", kv_cache_gib=0.25, compile=True)
+    return VllmEngine(tiny128, dtype="float32", kv_cache_gib=0.25)
 
 
 def _score(engine: VllmEngine, ids: list[int], start: int) -> torch.Tensor:
@@ -87,7 +87,7 @@ def test_greedy_tokens_agree_with_hf_on_smollm2_float32(smollm2_dir):
         env = make_env("sokoban", **cfg.env.options())
         _, text = chat.start(system_message(env, cfg.env), state_message(env, 1, env.reset(seed), 10))
         prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    engine = VllmEngine(smollm2_dir, dtype="float32", kv_cache_gib=0.5)  # 8192-token context: 0.35 GiB
+    engine = VllmEngine(smollm2_dir, dtype="float32", kv_cache_gib=0.5, compile=False)  # 8192-token context: 0.35 GiB
     ours, _ = engine.generate(prompts, 24, 0.0, chat.stop_ids)
     agree = 0
     for prompt, got in zip(prompts, ours, strict=True):
@@ -205,7 +205,8 @@ def test_mismatch_is_zero_in_float32_and_positive_in_bfloat16(tiny128, engine32)
     cfg = make_config(overrides=ENV)
     engine32.sync(model)
     k3 = {}
-    for name, engine in (("float32", engine32), ("bfloat16", VllmEngine(tiny128, dtype="bfloat16", kv_cache_gib=0.25))):
+    for name, engine in (("float32", engine32), ("bfloat16", VllmEngine(tiny128, dtype="bfloat16", kv_cache_gib=0.25,
+                                                                                 compile=False))):
         batch = rollout(model, tokenizer, [5, 6], 4, cfg.env, temperature=1.0, row_seed=3, engine=engine)
         old, _ = batch_logprobs(model, batch.input_ids, batch.attention_mask, micro_batch_size=8,
                                 positions=batch.response_mask)  # [N, L]
@@ -232,7 +233,7 @@ model, _ = load_model_and_tokenizer({tiny128!r})
 with torch.no_grad():
     for p in model.parameters():  # not the file's weights
         p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 1e-2)
-engine = VllmEngine({tiny128!r}, dtype="bfloat16", kv_cache_gib=0.25)
+engine = VllmEngine({tiny128!r}, dtype="bfloat16", kv_cache_gib=0.25, compile=False)
 print("SYNC")
 engine.sync(model)
 synced = engine.llm.llm_engine.apply_model(lambda m: m.model.embed_tokens.weight.detach().clone())

@@ -78,7 +78,7 @@ class VllmEngine:
     """A vLLM `LLM` on the model directory `path`, sampling as the HF engine does and synced from the trainer."""
 
     def __init__(self, path: str, *, dtype: str = "bfloat16", kv_cache_gib: float = 1.0, seed: int = 0,
-                 max_model_len: int | None = None, sleep: bool = False, compile: bool = False):
+                 max_model_len: int | None = None, sleep: bool = False, compile: bool = True):
         check_installed("vllm")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
