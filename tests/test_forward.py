@@ -286,7 +286,6 @@ def test_grouped_heads_attend_as_transformers_repeated_heads_do(setup):
     model.zero_grad(set_to_none=True)
 
 
-
 def test_logits_at_kept_positions_run_the_head_only_at_kept_columns(setup, monkeypatch):
     """`_logits_at` returns the full forward's logits at the kept positions, row-major. Where transformers takes no
     boolean `logits_to_keep` (before 5.23; forced here) the LM head runs at the columns some row keeps (the 1-D

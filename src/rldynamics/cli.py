@@ -390,7 +390,7 @@ def _auto_nproc(cfg) -> tuple[int, int | None]:
     where the run cannot take two ranks (`setup.check_world`)."""
     from rldynamics.config import ConfigError
     from rldynamics.memory import available_memory
-    from rldynamics.rollout.engines import RANK_MEMORY_HEADROOM
+    from rldynamics.rollout.engines import RANK_MEMORY_HEADROOM, engine_rank_memory
     from rldynamics.threads import auto_ranks, explicit_threads, rank_threads, usable_cores
 
     cores = usable_cores()
@@ -399,7 +399,7 @@ def _auto_nproc(cfg) -> tuple[int, int | None]:
         return 1, None
     engines = ""
     if cfg.rollout.engine != "hf":  # an engine per rank: as many ranks as the memory holds
-        need, available = _engine_rank_memory(cfg), available_memory()
+        need, available = engine_rank_memory(cfg), available_memory()
         if need is None or available is None or ranks * need * RANK_MEMORY_HEADROOM > available:
             known = "" if need is None or available is None else \
                 (f": {ranks} would need about {ranks * need / 2**30:.1f} GiB and a quarter to spare, "
@@ -424,22 +424,6 @@ def _auto_nproc(cfg) -> tuple[int, int | None]:
     print(f"{ranks} ranks of {threads} torch thread{'s' if threads > 1 else ''} on the {cores} usable cores{engines} "
           "(--nproc auto; --nproc 1 runs one process)")
     return ranks, threads
-
-
-def _engine_rank_memory(cfg) -> int | None:
-    """Bytes one rank would hold with its own engine (`rollout.engines.engine_rank_bytes`), from the parameters of
-    `model.path` (the embedded tiny model: none to speak of; a GGUF source: its converted directory, converted here
-    if the run has not yet); None where they cannot be counted (a hub name: nothing local to read)."""
-    from rldynamics.models.gguf import ensure_gguf_model, is_gguf_source
-    from rldynamics.models.loading import parameter_count
-    from rldynamics.rollout.engines import engine_rank_bytes
-
-    path = cfg.model.path
-    try:
-        parameters = 0 if path == "tiny" else parameter_count(ensure_gguf_model(path) if is_gguf_source(path) else path)
-    except Exception:  # noqa: BLE001 (the run reports a model it cannot load, with its own words)
-        return None
-    return None if parameters is None else engine_rank_bytes(parameters, cfg.rollout.vllm_kv_cache_gib)
 
 
 def _sets_shard(overrides: list[str], file: str | None) -> bool:

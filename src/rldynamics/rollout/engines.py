@@ -103,6 +103,21 @@ def engine_rank_bytes(parameters: int, kv_cache_gib: float) -> int:
     return parameters * RANK_BYTES_PER_PARAMETER + int(kv_cache_gib * 2**30) + RANK_RUNTIME_BYTES
 
 
+def engine_rank_memory(cfg: Config) -> int | None:
+    """`engine_rank_bytes` for the run's model (`model.path`: the embedded tiny model has none to speak of; a GGUF
+    source is counted in its converted directory, converted here if no run has yet) and KV cache; None where the
+    parameters cannot be counted before loading (a hub name: nothing local to read)."""
+    from rldynamics.models.gguf import ensure_gguf_model, is_gguf_source
+    from rldynamics.models.loading import parameter_count
+
+    path = cfg.model.path
+    try:
+        parameters = 0 if path == "tiny" else parameter_count(ensure_gguf_model(path) if is_gguf_source(path) else path)
+    except Exception:  # noqa: BLE001 (the run reports a model it cannot load, with its own words)
+        return None
+    return None if parameters is None else engine_rank_bytes(parameters, cfg.rollout.vllm_kv_cache_gib)
+
+
 def check_installed(engine: str) -> None:
     """ModuleNotFoundError naming the install lines when the module `rollout.engine=<engine>` needs is not
     importable."""

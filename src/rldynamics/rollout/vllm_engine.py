@@ -203,7 +203,7 @@ def _load_error(path: str, dtype: str, e: Exception, compile: bool = False) -> s
     lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [e.__class__.__name__]
     first = next((line for line in lines if "not supported" in line), lines[0])  # pydantic puts the cause 2nd
     first = first.split(". Supported architectures")[0][:300]
-    if compile and ("Inductor" in e.__class__.__name__ or "InductorError" in first or "Compiler" in first):
+    if compile and ("Inductor" in e.__class__.__name__ or "Compiler" in first):
         return (f"rollout.engine=vllm: vLLM could not compile the model at {path} ({e.__class__.__name__}: "
                 f"{first[:200]}); rollout.vllm_compile=false runs it eager (compiling needs a C++ compiler: gcc or "
                 "clang)")
