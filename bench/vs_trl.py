@@ -44,7 +44,7 @@ ours; > 1 means we are faster), our per-phase medians, and the FLOP rate of our 
   (2 FLOPs per multiply-add, backward twice the forward): `body` = the parameters outside the input embedding
   and the LM head, `attn` = query heads x head dim; the last term is the attention scores and their weighted sum
   over the full `new` x `keys` rectangle (PaLM's 6N + 12LHQT, Chowdhery et al. 2022, appendix B). The shapes
-  are those of the update's actual forward calls (read by a pre-hook on the model), so padding counts and a
+  are those of the update's actual forward calls (read by hooks on the model and its LM head), so padding counts and a
   shared prompt counts once per micro-batch (the median positions per step are printed too). Norms,
   activations, softmax and the optimizer step are not counted.
 - matmul FLOP/s: `torch.matmul` of two square matrices (of `--dtype`) as wide as the model's MLP (its largest
@@ -184,6 +184,13 @@ class UpdateFlops:
             self._handles[0].remove()
             self.shape = model_shape(module)
             self._handles.append(module.register_forward_pre_hook(self._count, with_kwargs=True))
+            self._handles.append(module.get_output_embeddings().register_forward_hook(self._count_head))
+
+    def _count_head(self, module, args, out) -> None:
+        """The LM head's term, at the positions it actually ran on (its input [..., hidden] after any hook that
+        narrowed it, `models.forward._head_at`)."""
+        if self._step_open:
+            self.flops[-1] += forward_backward_flops(self.shape, 0, 0, 0, head=args[0].shape[:-1].numel())
 
     def _count(self, module, args, kwargs) -> None:
         import torch
@@ -199,12 +206,7 @@ class UpdateFlops:
         rows, new = given.shape[:2]  # ids [rows, new], or their embeddings [rows, new, hidden]
         mask = kwargs.get("attention_mask")
         keys = new if mask is None else mask.shape[-1]  # with a cache the mask spans the cached positions (2D or 4D)
-        keep = kwargs.get("logits_to_keep", 0)
-        if isinstance(keep, torch.Tensor):
-            head = int(keep.sum()) if keep.dtype == torch.bool else rows * keep.numel()
-        else:
-            head = rows * (keep or new)
-        self.flops[-1] += forward_backward_flops(self.shape, rows, new, keys, head)
+        self.flops[-1] += forward_backward_flops(self.shape, rows, new, keys, head=0)
         self.tokens[-1] += rows * new
 
 

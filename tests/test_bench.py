@@ -162,8 +162,7 @@ def test_update_flops_counts_the_update_forwards_per_step(vs_trl, tiny_tokenizer
     shape, fb = counter.shape, vs_trl.forward_backward_flops
     assert shape == vs_trl.model_shape(model)
     assert counter.tokens == [2 * 5 + 4 * 3, 4 * 8]
-    # the head at the kept positions (transformers >= 5.23) or at the columns some row keeps (older ones): here the
-    # rows keep the same columns, so both count the same: the last prefix position, then the suffix's first two
+    # the head at the kept positions: the last prefix position, then the suffix's first two
     assert counter.flops == [fb(shape, rows=2, new=5, keys=5, head=2) + fb(shape, rows=4, new=3, keys=8, head=8),
                              fb(shape, rows=4, new=8, keys=8, head=12)]
     model(input_ids=ids, attention_mask=attn).logits.sum().backward()

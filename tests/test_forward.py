@@ -286,10 +286,10 @@ def test_grouped_heads_attend_as_transformers_repeated_heads_do(setup):
     model.zero_grad(set_to_none=True)
 
 
-def test_logits_at_kept_positions_run_the_head_only_at_kept_columns(setup, monkeypatch):
+def test_logits_at_kept_positions_run_the_head_only_there(setup, monkeypatch):
     """`_logits_at` returns the full forward's logits at the kept positions, row-major. Where transformers takes no
-    boolean `logits_to_keep` (before 5.23; forced here) the LM head runs at the columns some row keeps (the 1-D
-    `logits_to_keep` of positions), not at every position."""
+    boolean `logits_to_keep` (before 5.23; forced here) the LM head still runs at the kept positions alone: not at
+    every position, nor at every row of the columns some row keeps."""
     model, ids, attn, _ = setup
     n, width = ids.shape
     keep = torch.zeros(n, width, dtype=torch.bool)  # [N, L] rows keeping different columns
@@ -303,7 +303,32 @@ def test_logits_at_kept_positions_run_the_head_only_at_kept_columns(setup, monke
     monkeypatch.setattr(forward, "_takes_mask_keep", lambda m: False)
     try:
         got = forward._logits_at(model, ids, attn, keep)  # [M, V]
+        every = forward._logits_at(model, ids, attn, torch.ones_like(keep))  # [N L, V] no column left out
     finally:
         hook.remove()
     assert torch.allclose(got, full, atol=1e-5, rtol=1e-5)
-    assert head_rows == [n * 4] and n * 4 < n * width  # the columns 1, 2, 4 and L - 2, on every row
+    assert torch.allclose(every, model(input_ids=ids, attention_mask=attn).logits.flatten(0, 1), atol=1e-5, rtol=1e-5)
+    assert head_rows == [int(keep.sum()), n * width] and int(keep.sum()) == n + 2
+
+
+def test_logits_at_kept_positions_keep_what_follows_the_head(monkeypatch):
+    """A model that transforms its logits after the head (Gemma 2's soft cap, tanh(z / c) c) gives the same
+    logits at the kept positions as its whole forward: the head's input is narrowed, the model's forward runs."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=0.5,
+                          attn_implementation="eager")
+    model = Gemma2ForCausalLM(config).eval()
+    ids = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(0))  # [3, 7]
+    attn = torch.ones_like(ids)
+    keep = torch.zeros(3, 7, dtype=torch.bool)  # [3, 7]
+    keep[0, 1:3], keep[1:, 4] = True, True
+    monkeypatch.setattr(forward, "_takes_mask_keep", lambda m: False)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=attn).logits[keep]  # [4, 50]
+        got = forward._logits_at(model, ids, attn, keep)  # [4, 50]
+        model.config.final_logit_softcapping = None
+        uncapped = model(input_ids=ids, attention_mask=attn).logits[keep]  # [4, 50]
+    assert not torch.allclose(uncapped, full, atol=1e-4)  # the cap binds
+    assert got.shape == (4, 50) and torch.allclose(got, full, atol=1e-6)

