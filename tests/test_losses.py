@@ -14,6 +14,7 @@ from rldynamics.algo.losses import (
     aggregate,
     aggregation_weights,
     entropy_from_logits,
+    entropy_from_logprobs,
     kl_penalty,
     loss_terms,
     masked_mean,
@@ -276,6 +277,21 @@ def test_entropy_manual_values():
     z = torch.randn(3, 11, generator=gen, dtype=torch.float64)
     p = torch.softmax(z, -1)
     torch.testing.assert_close(entropy_from_logits(z), (-(p * p.log()).sum(-1)).float())
+
+
+def test_entropy_of_a_peaked_distribution_keeps_its_digits():
+    """One logit 20 above 999 others: H is about 4.3e-5. In float32, logsumexp(z) - sum(p z) subtracts two numbers
+    near 20 (float32's spacing there is 1.9e-6) and is 7 % off; -sum(p log p) adds small positive terms (0.4 % off:
+    the float32 log-softmax of the top entry sets that)."""
+    z = torch.zeros(1, 1000, dtype=torch.float64)
+    z[0, 0] = 20.0
+    p = torch.softmax(z, -1)
+    exact = -(p * p.log()).sum(-1)  # [1] float64
+    got = entropy_from_logits(z.float())
+    assert float(exact) == pytest.approx(4.3e-5, rel=0.05)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-2, atol=0)
+    logp = torch.log_softmax(z.float(), -1)
+    torch.testing.assert_close(entropy_from_logprobs(logp).double(), exact, rtol=1e-2, atol=0)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 2, 5, 7, 100])

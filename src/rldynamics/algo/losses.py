@@ -454,8 +454,18 @@ def weighted_total(terms: dict[str, torch.Tensor], coefs: dict[str, float]) -> t
     return sum(coefs[name] * value for name, value in terms.items() if coefs[name] != 0.0)  # pg always has 1
 
 
+def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy ``H = -Σ p·log p`` from log-probabilities ``[..., V]`` (a log-softmax), in their dtype: ``[...]``.
+
+    Every term is non-negative, so a peaked distribution's small entropy carries no cancellation (``logsumexp(z) -
+    Σ softmax(z)·z`` subtracts two numbers near ``max z``), and a caller that has the log-softmax already (the
+    log-probs of the sampled tokens) pays one exp and one product over the vocabulary, not a second softmax.
+    """
+    return -(logp.exp() * logp).sum(-1)  # [...]
+
+
 def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
-    """Entropy of the softmax distribution, ``H = logsumexp(z) - Σ softmax(z)·z``, in float32.
+    """Entropy of the softmax distribution (`entropy_from_logprobs` of its log-softmax), in float32.
 
     Args:
         logits: ``[..., V]``.
@@ -472,9 +482,7 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> 
     step = chunk_size or max(flat.shape[0], 1)
     parts = []
     for start in range(0, flat.shape[0], step):
-        z = flat[start : start + step].float()  # [m, V]
-        probs = torch.softmax(z, dim=-1)  # [m, V]
-        parts.append(torch.logsumexp(z, dim=-1) - (probs * z).sum(-1))  # [m]
+        parts.append(entropy_from_logprobs(torch.log_softmax(flat[start : start + step].float(), dim=-1)))  # [m]
     if not parts:
         return torch.zeros(lead_shape, dtype=torch.float32, device=logits.device)  # [...]
     return torch.cat(parts).reshape(lead_shape)  # [...]

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from rldynamics.algo.losses import entropy_from_logits
+from rldynamics.algo.losses import entropy_from_logits, entropy_from_logprobs
 from rldynamics.models.attention import GQA_SDPA
 from rldynamics.models.lora import underlying
 from rldynamics.models.precision import FLOAT32_SDPA, checkpointing, weights_cast_once
@@ -385,9 +385,9 @@ def _chunked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: 
 
 def _logprob_chunk(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    z = logits.float() / temperature  # [m, V]
-    logp = torch.log_softmax(z, dim=-1).gather(-1, targets[:, None]).squeeze(-1)  # [m]
-    return logp, (entropy_from_logits(z) if with_entropy else torch.zeros_like(logp))  # [m], [m]
+    every = torch.log_softmax(logits.float() / temperature, dim=-1)  # [m, V]
+    logp = every.gather(-1, targets[:, None]).squeeze(-1)  # [m]
+    return logp, (entropy_from_logprobs(every) if with_entropy else torch.zeros_like(logp))  # [m], [m]
 
 
 def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, pack: bool = True
