@@ -441,8 +441,10 @@ def test_per_group_gradients_rebuild_the_bucket_gradient(model, data, mode):
     grouped = probe(model, data, algo=algo, keep_gradients=True, num_buckets=2, sketch_dim=0, per_group=True,
                     resamples=50)
     for key, value in plain.gradients.items():  # g_b = Σ_j s_j g_j, whatever the aggregation mode
-        # a float32 sum over the bucket's groups rounds by up to about (groups x eps) of the largest entry
-        torch.testing.assert_close(grouped.gradients[key], value, rtol=1e-5, atol=4e-6 * float(value.abs().max()))
+        # float32 rounding: the entropy gradient of this random-init model's near-uniform distributions, -p (log p +
+        # H), cancels terms near log V; each way of computing it lies up to about 1e-5 of its largest entry from a
+        # float64 probe (measured 8.5e-6), a missing or misweighted group far more
+        torch.testing.assert_close(grouped.gradients[key], value, rtol=1e-5, atol=1e-5 * float(value.abs().max()))
     assert set(grouped.group_norms) == set(batch.group_ids.tolist())
     for bucket in ("bucket_1", "bucket_2"):
         gids = [g for b, g, _ in grouped.groups if b == bucket]
