@@ -390,7 +390,7 @@ def _auto_nproc(cfg) -> tuple[int, int | None]:
     where the run cannot take two ranks (`setup.check_world`)."""
     from rldynamics.config import ConfigError
     from rldynamics.memory import available_memory
-    from rldynamics.rollout.engines import RANK_MEMORY_HEADROOM, engine_rank_memory
+    from rldynamics.rollout.sizing import RANK_MEMORY_HEADROOM, engine_rank_memory
     from rldynamics.threads import auto_ranks, explicit_threads, rank_threads, usable_cores
 
     cores = usable_cores()

@@ -102,6 +102,21 @@ def load_model_and_tokenizer(
     _check_source(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        if Path(path).expanduser().exists():
+            raise
+        raise OSError(_not_found_message(path) + f" Underlying error: {err}") from err
+    tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code, chat_template=chat_template)
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return attend_grouped(model.to(device)).eval(), tokenizer
+
+
+def load_tokenizer(path: str, *, trust_remote_code: bool = False,
+                   chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer `load_model_and_tokenizer` gives with the model (left padding, a pad token, `chat_template`
+    applied), alone."""
+    try:
         tokenizer = _load_tokenizer(path, trust_remote_code=trust_remote_code)
     except OSError as err:
         if Path(path).expanduser().exists():
@@ -110,9 +125,7 @@ def load_model_and_tokenizer(
     _prepare_tokenizer(tokenizer, path)
     if chat_template is not None:
         tokenizer.chat_template = _read_chat_template(chat_template)
-    if model.generation_config is not None and model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return attend_grouped(model.to(device)).eval(), tokenizer
+    return tokenizer
 
 
 def load_value_model(

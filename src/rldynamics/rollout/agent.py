@@ -191,6 +191,27 @@ def _start(ctx: RolloutContext, seed: int, group_id: int, row: int, names: tuple
     return traj
 
 
+def trajectory_tokens(cfg: EnvConfig, tokenizer) -> tuple[int, int]:
+    """Tokens of env seed 0's first prompt in the tokenizer's chat template, and an estimate of a whole trajectory's
+    from it: that prompt, a reply of `max_new_tokens` per turn and, before each further turn, what `_play_turn`
+    appends (the end of the turn, a user message with the reward, the invalid-action note and a state message like
+    the first, the generation prompt), and the tokens closing a cut last reply. For sizing memory before a run;
+    real states may be longer or shorter."""
+    env = make_env(cfg.name, **cfg.options())
+    observation = env.reset(0)
+    chat = ChatPrompts(tokenizer, enable_think=cfg.enable_think, open_answer=cfg.open_answer)
+    conversation, prompt = chat.start(system_message(env, cfg),
+                                      state_message(env, 1, observation, cfg.max_actions_per_traj))
+    user = f"Reward: -1\n{INVALID_NOTE}" + state_message(env, 2, observation, cfg.max_actions_per_traj)
+    following = chat.next_turn(conversation, user) if cfg.max_turns > 1 else ""
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    first, closing = count(prompt), len(chat.closing_ids())  # a reply cut at max_new_tokens is closed
+    return first, first + cfg.max_turns * cfg.max_new_tokens + (cfg.max_turns - 1) * count(following) + closing
+
+
 def _play_turn(ctx: RolloutContext, traj: Trajectory, response: list[int], turn: int,
                logprobs: list[float] | None = None) -> None:
     """Append the sampled response (and its sampling log-probs), execute its actions, append the next user message

@@ -88,36 +88,6 @@ ENGINES: dict[str, EngineEntry] = {
 }
 
 
-# The peak resident memory of one CPU rank training beside its own vLLM engine (`--nproc auto` weighs it): per
-# parameter, float32 weights, gradients and AdamW's two moments (16 bytes), the compute-dtype copy and the health
-# monitor's copy before a step (up to 8) and the engine's weights (up to 4, float32); then the engine's KV cache and
-# 2 GiB for the libraries and a micro-batch's activations and logits. A rank of `math-smollm2` on two ranks (135 M
-# parameters, 1 GiB of KV cache) peaked at 6.6 GB (docs/vllm.md); this says 7.0.
-RANK_BYTES_PER_PARAMETER = 28
-RANK_RUNTIME_BYTES = 2 * 2**30
-RANK_MEMORY_HEADROOM = 1.25  # `--nproc auto` wants a quarter more than the estimate: it held within 5 % on one preset
-
-
-def engine_rank_bytes(parameters: int, kv_cache_gib: float) -> int:
-    """Estimated peak resident memory of one CPU rank training a model of `parameters` beside its own engine."""
-    return parameters * RANK_BYTES_PER_PARAMETER + int(kv_cache_gib * 2**30) + RANK_RUNTIME_BYTES
-
-
-def engine_rank_memory(cfg: Config) -> int | None:
-    """`engine_rank_bytes` for the run's model (`model.path`: the embedded tiny model has none to speak of; a GGUF
-    source is counted in its converted directory, converted here if no run has yet) and KV cache; None where the
-    parameters cannot be counted before loading (a hub name: nothing local to read)."""
-    from rldynamics.models.gguf import ensure_gguf_model, is_gguf_source
-    from rldynamics.models.loading import parameter_count
-
-    path = cfg.model.path
-    try:
-        parameters = 0 if path == "tiny" else parameter_count(ensure_gguf_model(path) if is_gguf_source(path) else path)
-    except Exception:  # noqa: BLE001 (the run reports a model it cannot load, with its own words)
-        return None
-    return None if parameters is None else engine_rank_bytes(parameters, cfg.rollout.vllm_kv_cache_gib)
-
-
 def check_installed(engine: str) -> None:
     """ModuleNotFoundError naming the install lines when the module `rollout.engine=<engine>` needs is not
     importable."""

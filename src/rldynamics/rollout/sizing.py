@@ -1,0 +1,68 @@
+"""The memory of one CPU rank that trains beside its own vLLM engine, estimated before a run: `--nproc auto` starts
+two such ranks only where the machine's available memory holds both (`cli._auto_nproc`).
+
+A rank's peak: per parameter, float32 weights, gradients and AdamW's two moments (16 bytes), the compute-dtype copy
+and the health monitor's copy before a step (up to 8), the engine's weights (up to 4); the engine's KV cache; 2 GiB
+for the libraries and what an update holds whatever its rows (weight casts, the embedding's dense gradient, the
+log-softmax's chunks); and the activations of a micro-batch, per token it forwards (each distinct prompt once, then
+the rest of each row) per layer and hidden unit. Measured on SmolLM2-135M in bfloat16 (Intel Xeon Sapphire Rapids):
+one forward and backward of 4 rows of 650 tokens sharing 250 (1,850 tokens forwarded, 400 replies a row) held 4.3 GB
+over the weights and gradients, 3.1 GB with 2 rows, 1.9 GB at 325 tokens; whole runs peaked at 6.26 GiB a rank
+(`math-smollm2`, this estimate 7.9) and 10.0-10.3 GiB (`sokoban-smollm2`, 9.8, one process and two ranks): a model,
+a reference model or a critic, and the gradient analysis add what this does not count.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rldynamics.config import Config
+
+RANK_BYTES_PER_PARAMETER = 28
+RANK_RUNTIME_BYTES = 2 * 2**30
+RANK_ACTIVATION_BYTES = 72  # per token a micro-batch forwards, per layer and hidden unit (its replies' logits included)
+RANK_MEMORY_HEADROOM = 1.25  # `--nproc auto` wants a quarter more than the estimate
+
+
+def engine_rank_bytes(parameters: int, kv_cache_gib: float, tokens: int = 0, width: int = 0) -> int:
+    """Estimated peak resident memory of one rank training a model of `parameters` beside its own engine, with
+    micro-batches that forward `tokens` tokens through `width` (layers x hidden size)."""
+    return (parameters * RANK_BYTES_PER_PARAMETER + int(kv_cache_gib * 2**30) + RANK_RUNTIME_BYTES
+            + tokens * width * RANK_ACTIVATION_BYTES)
+
+
+def micro_batch_tokens(rows: int, group_size: int, prompt: int, whole: int, shared_prefix: bool) -> int:
+    """Tokens a micro-batch of `rows` rows of `whole` tokens forwards: with a shared prefix, the `prompt` tokens of
+    each group it holds (its rows are kept together) once and the rest of every row; else every row whole."""
+    if not shared_prefix:
+        return rows * whole
+    return math.ceil(rows / group_size) * prompt + rows * (whole - prompt)
+
+
+def engine_rank_memory(cfg: Config) -> int | None:
+    """`engine_rank_bytes` for the run: its model (`model.path`; a GGUF source is counted in its converted directory,
+    converted here if no run has yet; the embedded tiny model has nothing to speak of), its KV cache, and its
+    micro-batches of rows as long as `rollout.agent.trajectory_tokens` estimates. None where the model cannot be
+    read before loading (a hub name: nothing local to read)."""
+    from transformers import AutoConfig
+
+    from rldynamics.models.gguf import ensure_gguf_model, is_gguf_source
+    from rldynamics.models.loading import load_tokenizer, parameter_count
+    from rldynamics.rollout.agent import trajectory_tokens
+
+    path, kv = cfg.model.path, cfg.rollout.vllm_kv_cache_gib
+    if path == "tiny":
+        return engine_rank_bytes(0, kv)
+    try:
+        directory = str(ensure_gguf_model(path) if is_gguf_source(path) else path)
+        parameters = parameter_count(directory)
+        if parameters is None:
+            return None
+        config = AutoConfig.from_pretrained(directory)
+        tokenizer = load_tokenizer(directory, chat_template=cfg.model.chat_template)
+        prompt, whole = trajectory_tokens(cfg.env, tokenizer)
+    except Exception:  # noqa: BLE001 (the run reports a model it cannot load, with its own words)
+        return None
+    tokens = micro_batch_tokens(cfg.train.micro_batch_size, cfg.train.group_size, prompt, whole,
+                                cfg.train.shared_prefix)
+    return engine_rank_bytes(parameters, kv, tokens, config.num_hidden_layers * config.hidden_size)
