@@ -99,6 +99,31 @@ def test_rank_memory_counts_a_micro_batch_of_rows_as_long_as_a_rollout_writes(ti
     assert engine_rank_bytes(100, 1.0, 10, 20) == 100 * 28 + 3 * 2**30 + 10 * 20 * RANK_ACTIVATION_BYTES
 
 
+def test_rank_memory_of_a_saved_model_adds_a_reference_and_a_critic(tiny_cache, tmp_path):
+    """`engine_rank_memory` on a saved model directory: its parameters, the KV cache, a micro-batch of the preset's
+    rows through layers x hidden; 6 bytes a parameter more with a reference model, 24 more with a critic."""
+    from conftest import micro_model_batch
+    from rldynamics.models.loading import parameter_count
+    from rldynamics.rollout.agent import trajectory_tokens
+    from rldynamics.rollout.sizing import engine_rank_bytes, engine_rank_memory, micro_batch_tokens
+
+    model, tokenizer, _ = micro_model_batch(tiny_cache, group_size=2)
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    base = ["rollout.engine=vllm", f"model.path={tmp_path / 'm'}", "env.max_turns=2", "env.max_new_tokens=6",
+            "train.micro_batch_size=4", "train.group_size=2"]
+    cfg = make_config(overrides=base)
+    params = parameter_count(tmp_path / "m")
+    prompt, whole = trajectory_tokens(cfg.env, tokenizer)
+    tokens = 2 * prompt + 4 * (whole - prompt)  # two groups' prompts once, the rest of every row
+    assert micro_batch_tokens(4, 2, prompt, whole, shared_prefix=True) == tokens
+    plain = engine_rank_bytes(params, 1.0, tokens, model.config.num_hidden_layers * model.config.hidden_size)
+    assert engine_rank_memory(cfg) == plain
+    assert engine_rank_memory(cfg, reference=True) == plain + 6 * params
+    assert engine_rank_memory(make_config(overrides=[*base, "algo.adv_estimator=gae"])) == plain + 24 * params
+    assert engine_rank_memory(make_config(overrides=[*base[:1], "model.path=HuggingFaceTB/SmolLM2-135M"])) is None
+
+
 def test_parameters_are_counted_from_the_safetensors_headers(tmp_path):
     """`parameter_count` reads a directory's safetensors headers: the parameters the loaded model has (a tied head
     counted once), over several shard files too, and None for a directory without weights."""

@@ -391,6 +391,8 @@ def _auto_nproc(cfg) -> tuple[int, int | None]:
     from rldynamics.config import ConfigError
     from rldynamics.memory import available_memory
     from rldynamics.rollout.sizing import RANK_MEMORY_HEADROOM, engine_rank_memory
+    from rldynamics.train.diagnostics import needs_reference
+    from rldynamics.train.diagnostics.base import TRAIN
     from rldynamics.threads import auto_ranks, explicit_threads, rank_threads, usable_cores
 
     cores = usable_cores()
@@ -399,7 +401,7 @@ def _auto_nproc(cfg) -> tuple[int, int | None]:
         return 1, None
     engines = ""
     if cfg.rollout.engine != "hf":  # an engine per rank: as many ranks as the memory holds
-        need, available = engine_rank_memory(cfg), available_memory()
+        need, available = engine_rank_memory(cfg, reference=needs_reference(cfg, TRAIN)), available_memory()
         if need is None or available is None or ranks * need * RANK_MEMORY_HEADROOM > available:
             known = "" if need is None or available is None else \
                 (f": {ranks} would need about {ranks * need / 2**30:.1f} GiB and a quarter to spare, "

@@ -8,8 +8,10 @@ log-softmax's chunks); and the activations of a micro-batch, per token it forwar
 the rest of each row) per layer and hidden unit. Measured on SmolLM2-135M in bfloat16 (Intel Xeon Sapphire Rapids):
 one forward and backward of 4 rows of 650 tokens sharing 250 (1,850 tokens forwarded, 400 replies a row) held 4.3 GB
 over the weights and gradients, 3.1 GB with 2 rows, 1.9 GB at 325 tokens; whole runs peaked at 6.26 GiB a rank
-(`math-smollm2`, this estimate 7.9) and 10.0-10.3 GiB (`sokoban-smollm2`, 9.8, one process and two ranks): a model,
-a reference model or a critic, and the gradient analysis add what this does not count.
+(`math-smollm2`, this estimate 7.9) and 10.0-10.3 GiB (`sokoban-smollm2`, 9.8, one process and two ranks). A
+reference model adds its float32 weights and their compute-dtype copy, a critic its weights, gradients, AdamW moments
+and copies (its activations come at another time than the actor's); the gradient analysis adds what this does not
+count.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from rldynamics.config import Config
 RANK_BYTES_PER_PARAMETER = 28
 RANK_RUNTIME_BYTES = 2 * 2**30
 RANK_ACTIVATION_BYTES = 72  # per token a micro-batch forwards, per layer and hidden unit (its replies' logits included)
+RANK_REFERENCE_BYTES_PER_PARAMETER = 6  # a frozen reference model: float32 weights and the compute-dtype copy
+RANK_CRITIC_BYTES_PER_PARAMETER = 24  # a critic: as the actor's 28 without an engine's weights
 RANK_MEMORY_HEADROOM = 1.25  # `--nproc auto` wants a quarter more than the estimate
 
 
@@ -39,11 +43,12 @@ def micro_batch_tokens(rows: int, group_size: int, prompt: int, whole: int, shar
     return math.ceil(rows / group_size) * prompt + rows * (whole - prompt)
 
 
-def engine_rank_memory(cfg: Config) -> int | None:
+def engine_rank_memory(cfg: Config, reference: bool = False) -> int | None:
     """`engine_rank_bytes` for the run: its model (`model.path`; a GGUF source is counted in its converted directory,
-    converted here if no run has yet; the embedded tiny model has nothing to speak of), its KV cache, and its
-    micro-batches of rows as long as `rollout.agent.trajectory_tokens` estimates. None where the model cannot be
-    read before loading (a hub name: nothing local to read)."""
+    converted here if no run has yet; the embedded tiny model has nothing to speak of), its KV cache, its
+    micro-batches of rows as long as `rollout.agent.trajectory_tokens` estimates, a `reference` model (the caller
+    knows whether the run loads one: `train.diagnostics.needs_reference`) and a critic (`algo.has_critic`). None
+    where the model cannot be read before loading (a hub name: nothing local to read)."""
     from transformers import AutoConfig
 
     from rldynamics.models.gguf import ensure_gguf_model, is_gguf_source
@@ -65,4 +70,6 @@ def engine_rank_memory(cfg: Config) -> int | None:
         return None
     tokens = micro_batch_tokens(cfg.train.micro_batch_size, cfg.train.group_size, prompt, whole,
                                 cfg.train.shared_prefix)
-    return engine_rank_bytes(parameters, kv, tokens, config.num_hidden_layers * config.hidden_size)
+    others = (RANK_REFERENCE_BYTES_PER_PARAMETER * reference
+              + RANK_CRITIC_BYTES_PER_PARAMETER * cfg.algo.has_critic) * parameters
+    return engine_rank_bytes(parameters, kv, tokens, config.num_hidden_layers * config.hidden_size) + others
