@@ -51,7 +51,7 @@ def test_nproc_auto_is_one_process_where_two_ranks_do_not_apply(overrides, envir
 
 def test_nproc_auto_with_vllm_takes_two_ranks_where_the_memory_holds_an_engine_each(monkeypatch, capsys):
     """An engine and a replica per rank: two ranks where the machine's available memory holds twice the estimate of
-    one (`engine_rank_bytes`: 3 GiB for the tiny model, 1 GiB of it the KV cache) and a quarter more, else one process
+    one (`engine_rank_bytes`: 2 GiB for the tiny model, 1 GiB of it the KV cache) and a quarter more, else one process
     with a line that gives both figures and what `--nproc 2` would do; the same without figures for a model it cannot
     count."""
     from rldynamics import cli, memory, threads
@@ -59,14 +59,14 @@ def test_nproc_auto_with_vllm_takes_two_ranks_where_the_memory_holds_an_engine_e
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads, "usable_cores", lambda: 2)
     vllm = make_config(overrides=["rollout.engine=vllm", "tiny.hidden_size=128"])
-    monkeypatch.setattr(memory, "available_memory", lambda: 7.5 * 2**30)
+    monkeypatch.setattr(memory, "available_memory", lambda: 5.0 * 2**30)
     assert cli._auto_nproc(vllm) == (2, 1)
-    assert capsys.readouterr().out == ("2 ranks of 1 torch thread on the 2 usable cores, an engine each (about 3.0 "
-                                       "GiB a rank, 7.5 available) (--nproc auto; --nproc 1 runs one process)\n")
-    monkeypatch.setattr(memory, "available_memory", lambda: 7.4 * 2**30)
+    assert capsys.readouterr().out == ("2 ranks of 1 torch thread on the 2 usable cores, an engine each (about 2.0 "
+                                       "GiB a rank, 5.0 available) (--nproc auto; --nproc 1 runs one process)\n")
+    monkeypatch.setattr(memory, "available_memory", lambda: 4.9 * 2**30)
     assert cli._auto_nproc(vllm) == (1, None)
-    assert capsys.readouterr().out == ("one process with the vllm engine (--nproc auto: 2 would need about 6.0 GiB "
-                                       "and a quarter to spare, 7.4 available); --nproc 2 model.shard=false trains "
+    assert capsys.readouterr().out == ("one process with the vllm engine (--nproc auto: 2 would need about 4.0 GiB "
+                                       "and a quarter to spare, 4.9 available); --nproc 2 model.shard=false trains "
                                        "on 2 ranks, an engine and a replica each: faster, about 2 times the memory\n")
     hub = make_config(overrides=["rollout.engine=vllm", "model.path=HuggingFaceTB/SmolLM2-135M"])
     assert cli._auto_nproc(hub) == (1, None)
@@ -96,7 +96,7 @@ def test_rank_memory_counts_a_micro_batch_of_rows_as_long_as_a_rollout_writes(ti
     assert micro_batch_tokens(16, 8, 86, 150, shared_prefix=True) == 2 * 86 + 16 * 64
     assert micro_batch_tokens(4, 8, 86, 150, shared_prefix=True) == 86 + 4 * 64
     assert micro_batch_tokens(16, 8, 86, 150, shared_prefix=False) == 16 * 150
-    assert engine_rank_bytes(100, 1.0, 10, 20) == 100 * 28 + 3 * 2**30 + 10 * 20 * RANK_ACTIVATION_BYTES
+    assert engine_rank_bytes(100, 1.0, 10, 20) == 100 * 28 + 2 * 2**30 + 10 * 20 * RANK_ACTIVATION_BYTES
 
 
 def test_rank_memory_of_a_saved_model_adds_a_reference_and_a_critic(tiny_cache, tmp_path):

@@ -2,16 +2,20 @@
 two such ranks only where the machine's available memory holds both (`cli._auto_nproc`).
 
 A rank's peak: per parameter, float32 weights, gradients and AdamW's two moments (16 bytes), the compute-dtype copy
-and the health monitor's copy before a step (up to 8), the engine's weights (up to 4); the engine's KV cache; 2 GiB
-for the libraries and what an update holds whatever its rows (weight casts, the embedding's dense gradient, the
-log-softmax's chunks); and the activations of a micro-batch, per token it forwards (each distinct prompt once, then
-the rest of each row) per layer and hidden unit. Measured on SmolLM2-135M in bfloat16 (Intel Xeon Sapphire Rapids):
-one forward and backward of 4 rows of 650 tokens sharing 250 (1,850 tokens forwarded, 400 replies a row) held 4.3 GB
-over the weights and gradients, 3.1 GB with 2 rows, 1.9 GB at 325 tokens; whole runs peaked at 6.26 GiB a rank
-(`math-smollm2`, this estimate 7.9) and 10.0-10.3 GiB (`sokoban-smollm2`, 9.8, one process and two ranks). A
-reference model adds its float32 weights and their compute-dtype copy, a critic its weights, gradients, AdamW moments
-and copies (its activations come at another time than the actor's); the gradient analysis adds what this does not
-count.
+and the health monitor's copy before a step (up to 8), the engine's weights (up to 4); the engine's KV cache; 1 GiB
+for the libraries; and, per token a micro-batch forwards (each distinct prompt once, then the rest of each row), per
+layer and hidden unit, its activations, the update's casts and buffers and its replies' logits, fitted to whole runs
+of SmolLM2-135M with the vLLM engine in bfloat16 (Intel Xeon Sapphire Rapids; rows from `trajectory_tokens`):
+
+| preset | micro-batch | tokens forwarded | measured peak | estimate |
+|---|---|---:|---:|---:|
+| `math-smollm2` | 16 rows of up to 150, 2 prompts | 1,196 | 6.26 GiB | 8.0 GiB |
+| `sokoban-smollm2` | 4 rows of up to 887, 1 prompt | 2,819 | 10.0-10.3 GiB | 11.3 GiB |
+| `frozenlake-smollm2` (base model) | 8 rows of up to 823, 1 prompt | 4,911 | 15.6 GiB | 15.6 GiB |
+
+A reference model adds its float32 weights and their compute-dtype copy, a critic its weights, gradients, AdamW
+moments and copies (its activations come at another time than the actor's); the gradient analysis adds what this
+does not count.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ import math
 from rldynamics.config import Config
 
 RANK_BYTES_PER_PARAMETER = 28
-RANK_RUNTIME_BYTES = 2 * 2**30
-RANK_ACTIVATION_BYTES = 72  # per token a micro-batch forwards, per layer and hidden unit (its replies' logits included)
+RANK_RUNTIME_BYTES = 2**30
+RANK_ACTIVATION_BYTES = 128  # per token a micro-batch forwards, per layer and hidden unit (the table above)
 RANK_REFERENCE_BYTES_PER_PARAMETER = 6  # a frozen reference model: float32 weights and the compute-dtype copy
 RANK_CRITIC_BYTES_PER_PARAMETER = 24  # a critic: as the actor's 28 without an engine's weights
 RANK_MEMORY_HEADROOM = 1.25  # `--nproc auto` wants a quarter more than the estimate
