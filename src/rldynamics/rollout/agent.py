@@ -68,6 +68,13 @@ def state_message(env, turn: int, observation: str, actions_left: int) -> str:
     return text + (f"\nYou have {actions_left} actions left." if env.actions else "")
 
 
+def next_user_message(env, turn: int, observation: str, actions_left: int, reward: float, *, valid: bool) -> str:
+    """The user message before `turn` (> 1): the last turn's reward, the invalid-action note when its reply named no
+    valid action, and the state."""
+    note = "" if valid else INVALID_NOTE
+    return f"Reward: {reward:g}\n{note}" + state_message(env, turn, observation, actions_left)
+
+
 @dataclass
 class Trajectory:
     """Mutable state of one trajectory during the rollout."""
@@ -202,7 +209,7 @@ def trajectory_tokens(cfg: EnvConfig, tokenizer) -> tuple[int, int]:
     chat = ChatPrompts(tokenizer, enable_think=cfg.enable_think, open_answer=cfg.open_answer)
     conversation, prompt = chat.start(system_message(env, cfg),
                                       state_message(env, 1, observation, cfg.max_actions_per_traj))
-    user = f"Reward: -1\n{INVALID_NOTE}" + state_message(env, 2, observation, cfg.max_actions_per_traj)
+    user = next_user_message(env, 2, observation, cfg.max_actions_per_traj, -1.0, valid=False)
     following = chat.next_turn(conversation, user) if cfg.max_turns > 1 else ""
 
     def count(text: str) -> int:
@@ -254,9 +261,8 @@ def _play_turn(ctx: RolloutContext, traj: Trajectory, response: list[int], turn:
         if not stopped:
             traj.add(chat.closing_ids(), sampled=False)  # close a truncated reply; not trained
         return
-    note = "" if parsed.actions else INVALID_NOTE
-    user = (f"Reward: {weighted_sum(turn_rewards, ctx.weights):g}\n{note}"
-            + state_message(env, turn + 1, traj.observation, cfg.max_actions_per_traj - traj.num_actions))
+    user = next_user_message(env, turn + 1, traj.observation, cfg.max_actions_per_traj - traj.num_actions,
+                             weighted_sum(turn_rewards, ctx.weights), valid=bool(parsed.actions))
     following = chat.next_turn(traj.conversation, user)
     closing = chat.end_of_turn.rstrip()
     if stopped and following.startswith(closing) and ctx.tokenizer.decode(response[-1:]) == closing:
