@@ -77,21 +77,22 @@ def test_nproc_auto_with_vllm_takes_two_ranks_where_the_memory_holds_an_engine_e
 
 
 def test_rank_memory_counts_a_micro_batch_of_rows_as_long_as_a_rollout_writes(tiny_cache):
-    """`trajectory_tokens` against a real rollout of env seed 0 (a 2-turn Sokoban game of the untrained tiny model,
-    whose replies are invalid, so the second turn's user message is the one it sizes): the first prompt exactly, the
-    whole trajectory within a few tokens above; then a micro-batch's tokens and the rank's bytes by hand."""
+    """`trajectory_tokens` against a real rollout of env seeds 0-3 (2-turn Sokoban games of the untrained tiny model,
+    whose replies are invalid, so the second turn's user message is the one it sizes): the longest first prompt
+    exactly (seed 0's alone for seeds=range(1)), the longest trajectory within a few tokens above; then a
+    micro-batch's tokens and the rank's bytes by hand."""
     from conftest import micro_model_batch
     from rldynamics.rollout.agent import rollout, trajectory_tokens
     from rldynamics.rollout.sizing import RANK_ACTIVATION_BYTES, engine_rank_bytes, micro_batch_tokens
 
     cfg = make_config(overrides=["env.max_new_tokens=6", "env.max_turns=2"])
     model, tokenizer, batch = micro_model_batch(tiny_cache, group_size=2)
-    prompt, whole = trajectory_tokens(cfg.env, tokenizer)
+    prompt, whole = trajectory_tokens(cfg.env, tokenizer, seeds=range(4))
     torch.manual_seed(0)
-    seed0 = rollout(model, tokenizer, [0], 2, cfg.env, temperature=1.0)
-    first = seed0.response_mask.argmax(1)  # [2] each row's first sampled token: its prompt's length
-    lengths = seed0.attention_mask.sum(1)  # [2]
-    assert first.tolist() == [prompt, prompt]
+    played = rollout(model, tokenizer, [0, 1, 2, 3], 2, cfg.env, temperature=1.0)
+    first = played.response_mask.argmax(1)  # [8] each row's first sampled token: its prompt's length
+    lengths = played.attention_mask.sum(1)  # [8]
+    assert int(first.max()) == prompt and trajectory_tokens(cfg.env, tokenizer, seeds=range(1))[0] == int(first[0])
     assert int(lengths.max()) <= whole <= int(lengths.max()) + 8
     assert micro_batch_tokens(16, 8, 86, 150, shared_prefix=True) == 2 * 86 + 16 * 64
     assert micro_batch_tokens(4, 8, 86, 150, shared_prefix=True) == 86 + 4 * 64

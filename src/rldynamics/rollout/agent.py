@@ -198,25 +198,31 @@ def _start(ctx: RolloutContext, seed: int, group_id: int, row: int, names: tuple
     return traj
 
 
-def trajectory_tokens(cfg: EnvConfig, tokenizer) -> tuple[int, int]:
-    """Tokens of env seed 0's first prompt in the tokenizer's chat template, and an estimate of a whole trajectory's
-    from it: that prompt, a reply of `max_new_tokens` per turn and, before each further turn, what `_play_turn`
-    appends (the end of the turn, a user message with the reward, the invalid-action note and a state message like
-    the first, the generation prompt), and the tokens closing a cut last reply. For sizing memory before a run;
-    real states may be longer or shorter."""
-    env = make_env(cfg.name, **cfg.options())
-    observation = env.reset(0)
+def trajectory_tokens(cfg: EnvConfig, tokenizer, seeds: range = range(16)) -> tuple[int, int]:
+    """Tokens of the longest first prompt of the env's `seeds` in the tokenizer's chat template, and an estimate of
+    the longest whole trajectory: such a prompt, a reply of `max_new_tokens` per turn and, before each further turn,
+    what `_play_turn` appends (the end of the turn, a user message with the reward, the invalid-action note and a
+    state message like the first, the generation prompt), and the tokens closing a cut last reply. For sizing memory
+    before a run (a dataset's prompts differ in length); real states may be longer or shorter."""
     chat = ChatPrompts(tokenizer, enable_think=cfg.enable_think, open_answer=cfg.open_answer)
-    conversation, prompt = chat.start(system_message(env, cfg),
-                                      state_message(env, 1, observation, cfg.max_actions_per_traj))
-    user = next_user_message(env, 2, observation, cfg.max_actions_per_traj, -1.0, valid=False)
-    following = chat.next_turn(conversation, user) if cfg.max_turns > 1 else ""
+    closing = len(chat.closing_ids())  # a reply cut at max_new_tokens is closed
 
     def count(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    first, closing = count(prompt), len(chat.closing_ids())  # a reply cut at max_new_tokens is closed
-    return first, first + cfg.max_turns * cfg.max_new_tokens + (cfg.max_turns - 1) * count(following) + closing
+    env = make_env(cfg.name, **cfg.options())
+
+    def of(seed: int) -> tuple[int, int]:
+        observation = env.reset(seed)
+        conversation, prompt = chat.start(system_message(env, cfg),
+                                          state_message(env, 1, observation, cfg.max_actions_per_traj))
+        user = next_user_message(env, 2, observation, cfg.max_actions_per_traj, -1.0, valid=False)
+        following = count(chat.next_turn(conversation, user)) if cfg.max_turns > 1 else 0
+        first = count(prompt)
+        return first, first + cfg.max_turns * cfg.max_new_tokens + (cfg.max_turns - 1) * following + closing
+
+    sizes = [of(seed) for seed in seeds]
+    return max(first for first, _ in sizes), max(whole for _, whole in sizes)
 
 
 def _play_turn(ctx: RolloutContext, traj: Trajectory, response: list[int], turn: int,

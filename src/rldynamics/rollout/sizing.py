@@ -5,13 +5,14 @@ A rank's peak: per parameter, float32 weights, gradients and AdamW's two moments
 and the health monitor's copy before a step (up to 8), the engine's weights (up to 4); the engine's KV cache; 1 GiB
 for the libraries; and, per token a micro-batch forwards (each distinct prompt once, then the rest of each row), per
 layer and hidden unit, its activations, the update's casts and buffers and its replies' logits, fitted to whole runs
-of SmolLM2-135M with the vLLM engine in bfloat16 (Intel Xeon Sapphire Rapids; rows from `trajectory_tokens`):
+of SmolLM2-135M with the vLLM engine in bfloat16 (Intel Xeon Sapphire Rapids; rows from `trajectory_tokens`, the
+longest of env seeds 0-15):
 
 | preset | micro-batch | tokens forwarded | measured peak | estimate |
 |---|---|---:|---:|---:|
-| `math-smollm2` | 16 rows of up to 150, 2 prompts | 1,196 | 6.26 GiB | 8.0 GiB |
-| `sokoban-smollm2` | 4 rows of up to 887, 1 prompt | 2,819 | 10.0-10.3 GiB | 11.3 GiB |
-| `frozenlake-smollm2` (base model) | 8 rows of up to 823, 1 prompt | 4,911 | 15.6 GiB | 15.6 GiB |
+| `math-smollm2` | 16 rows of up to 151, 2 prompts | 1,212 | 6.26 GiB | 8.0 GiB |
+| `sokoban-smollm2` | 4 rows of up to 918, 1 prompt | 2,925 | 10.0-10.3 GiB | 11.5 GiB |
+| `frozenlake-smollm2` (base model) | 8 rows of up to 979, 1 prompt | 5,942 | 15.6 GiB | 17.8 GiB |
 
 A reference model adds its float32 weights and their compute-dtype copy, a critic its weights, gradients, AdamW
 moments and copies (its activations come at another time than the actor's); the gradient analysis adds what this
