@@ -24,6 +24,7 @@ import math
 import os
 import socket
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -100,12 +101,8 @@ def load_model_and_tokenizer(
     """
     torch_dtype = _parse_dtype(dtype)
     _check_source(path)
-    try:
+    with _named_if_missing(path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
-    except OSError as err:
-        if Path(path).expanduser().exists():
-            raise
-        raise OSError(_not_found_message(path) + f" Underlying error: {err}") from err
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code, chat_template=chat_template)
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -116,12 +113,8 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False,
                    chat_template: str | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer `load_model_and_tokenizer` gives with the model (left padding, a pad token, `chat_template`
     applied), alone."""
-    try:
+    with _named_if_missing(path):
         tokenizer = _load_tokenizer(path, trust_remote_code=trust_remote_code)
-    except OSError as err:
-        if Path(path).expanduser().exists():
-            raise
-        raise OSError(_not_found_message(path) + f" Underlying error: {err}") from err
     _prepare_tokenizer(tokenizer, path)
     if chat_template is not None:
         tokenizer.chat_template = _read_chat_template(chat_template)
@@ -285,6 +278,18 @@ def _hub_unreachable(timeout: float = 3.0) -> str | None:
         return (f"the hub ({url.hostname}:{port}) cannot be reached from here ({e.__class__.__name__}: {e}); "
                 "offline? then set HF_HUB_OFFLINE=1")
     return None
+
+
+@contextmanager
+def _named_if_missing(path: str):
+    """An OSError raised in the block for a `path` that does not exist locally says what to do
+    (`_not_found_message`); one for a local directory passes as it is."""
+    try:
+        yield
+    except OSError as err:
+        if Path(path).expanduser().exists():
+            raise
+        raise OSError(_not_found_message(path) + f" Underlying error: {err}") from err
 
 
 def _not_found_message(path: str) -> str:
