@@ -281,3 +281,30 @@ def test_two_ranks_trace_like_one_process(model, data, tmp_path):
                 for key in ("group_grad_sq", "group_update_sq", "group_weight_sq"):
                     assert got[key] == pytest.approx(getattr(want, key), rel=1e-4, abs=1e-12), (shard, key)
 
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e3])  # every gradient scaled; none
+def test_clipping_equals_clip_grad_norm_bit_for_bit(max_norm):
+    """`clip_gradients` returns `clip_grad_norm_`'s norm and leaves its gradients, bit for bit, whether it takes the
+    norms itself or reuses the trace's (`_gradient_norms`), with a parameter that has no gradient."""
+    from rldynamics.models.sharding import clip_gradients
+
+    torch.manual_seed(0)
+    reference = tiny_model()
+    params = [p for p in reference.parameters() if p.requires_grad]
+    for p in params[1:]:
+        p.grad = torch.randn_like(p) * 0.3
+    assert params[0].grad is None
+    expected_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    expected = [p.grad.clone() for p in params[1:]]
+    assert (expected_norm > max_norm) == (max_norm == 0.5)
+    for reuse in (False, True):
+        torch.manual_seed(0)
+        ours = tiny_model()
+        mine = [p for p in ours.parameters() if p.requires_grad]
+        for p in mine[1:]:
+            p.grad = torch.randn_like(p) * 0.3
+        norms = update._gradient_norms(mine)
+        taken = [n for n, p in zip(norms, mine, strict=True) if p.grad is not None] if reuse else None
+        assert clip_gradients(mine, max_norm, taken) == expected_norm
+        assert all(torch.equal(p.grad, e) for p, e in zip(mine[1:], expected, strict=True))

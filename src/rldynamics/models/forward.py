@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from rldynamics.algo.losses import entropy_from_logits, entropy_from_logprobs
+from rldynamics.algo.losses import entropy_from_logits, entropy_from_logprobs, tempered
 from rldynamics.models.attention import GQA_SDPA
 from rldynamics.models.lora import underlying
 from rldynamics.models.precision import FLOAT32_SDPA, checkpointing, weights_cast_once
@@ -46,7 +46,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         return _selected_logprobs(model, input_ids, attention_mask, positions.bool(), temperature, with_entropy,
                                   shared_prefix)
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # [N, L-1, V]
-    logits = logits / temperature  # [N, L-1, V]
+    logits = tempered(logits, temperature)  # [N, L-1, V]
     logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [N, L-1]
     logprobs = torch.nn.functional.pad(logp, (1, 0))  # [N, L]
     entropy = torch.nn.functional.pad(entropy_from_logits(logits), (1, 0)) if with_entropy else None  # [N, L]
@@ -385,7 +385,7 @@ def _chunked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: 
 
 def _logprob_chunk(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    every = torch.log_softmax(logits.float() / temperature, dim=-1)  # [m, V]
+    every = torch.log_softmax(tempered(logits.float(), temperature), dim=-1)  # [m, V]
     logp = every.gather(-1, targets[:, None]).squeeze(-1)  # [m]
     return logp, (entropy_from_logprobs(every) if with_entropy else torch.zeros_like(logp))  # [m], [m]
 

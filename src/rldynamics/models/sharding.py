@@ -84,9 +84,22 @@ def sync_gradients(model: torch.nn.Module) -> None:
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
 
 
-def clip_gradients(params: list[torch.Tensor], max_norm: float) -> float:
-    """`clip_grad_norm_` over all ranks' parameters (sharded ones included); returns the global pre-clip norm."""
-    return float(whole_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+def clip_gradients(params: list[torch.Tensor], max_norm: float, norms: list[torch.Tensor] | None = None) -> float:
+    """`clip_grad_norm_` over all ranks' parameters (sharded ones included); returns the global pre-clip norm.
+
+    The gradients are scaled only where the factor `max_norm / (norm + 1e-6)` is below 1: `clip_grad_norm_`
+    multiplies them by 1 otherwise, a pass over every gradient that changes no bit. `norms`: each float32
+    gradient's norm (parameters without a gradient left out) where the caller has taken them already (unsharded
+    parameters only); the total is their norm, as `clip_grad_norm_` takes it, bit for bit, and costs no second pass
+    over the gradients."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms is not None else torch.nn.utils.get_total_norm(grads)
+    whole = whole_tensor(total)  # a sharded run's DTensor gathered: every rank decides alike
+    if bool(max_norm / (whole + 1e-6) < 1.0):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(whole)
 
 
 def whole_tensor(t: torch.Tensor) -> torch.Tensor:

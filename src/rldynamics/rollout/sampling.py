@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from rldynamics.algo.losses import tempered
+
 
 class NonFiniteLogits(RuntimeError):
     """The policy's next-token scores are NaN / +inf, or -inf everywhere: nothing can be sampled."""
@@ -35,7 +37,7 @@ class SamplingGuard(LogitsProcessor):
         self.temperature = temperature
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scores = scores / self.temperature  # [B, V]
+        scores = tempered(scores, self.temperature)  # [B, V]
         usable = ~(torch.isnan(scores) | torch.isposinf(scores)).any(-1) & (scores > -torch.inf).any(-1)  # [B]
         if not bool(usable.all()):
             raise NonFiniteLogits(f"{int((~usable).sum())} of {len(usable)} sequences have non-finite next-token "

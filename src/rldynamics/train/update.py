@@ -204,9 +204,12 @@ def _step(model, optimizer, params: list[torch.Tensor], values: dict[str, float]
           guard: Guard | None, groups: _Groups | None, signal: bool = True) -> StepTrace:
     """Measure and clip the accumulated gradient, ask the guard, and step (skipped when the norm is not finite or
     the guard refuses); the gradients are zeroed either way."""
-    grad_sq = groups.squares([_norm(p.grad, p) for p in params]) if groups else {}
+    grad_norms = _gradient_norms(params) if groups else None
+    grad_sq = groups.squares(grad_norms) if groups else {}
     weight_sq = groups.squares([_norm(p) for p in params]) if groups else {}
-    grad_norm = clip_gradients(params, max_grad_norm)
+    taken = None if grad_norms is None or is_sharded(model) else [
+        norm for norm, p in zip(grad_norms, params, strict=True) if p.grad is not None]  # clipping's own norms
+    grad_norm = clip_gradients(params, max_grad_norm, taken)
     trace = StepTrace(grad_norm=grad_norm, clipped=grad_norm > max_grad_norm, skipped=False, group_grad_sq=grad_sq,
                       group_update_sq={}, group_weight_sq=weight_sq,
                       stats={**values, "grad_norm": grad_norm}, signal=signal)
@@ -229,6 +232,14 @@ def _traced_step(optimizer, params: list[torch.Tensor], groups: _Groups | None) 
     if groups is None:
         return {}
     return groups.squares([_norm(b.sub_(local(p).detach())) for p, b in zip(params, before, strict=True)])
+
+
+def _gradient_norms(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each parameter's gradient norm, this rank's part (0, float32, for a missing gradient), taken as
+    `clip_grad_norm_` takes it (`torch._foreach_norm`), so that clipping can reuse them. [0-dim] per parameter"""
+    present = [local(p.grad).detach() for p in params if p.grad is not None]
+    norms = iter(torch._foreach_norm(present) if present else [])
+    return [next(norms).float() if p.grad is not None else _norm(None, p) for p in params]
 
 
 def _norm(tensor: torch.Tensor | None, like: torch.Tensor | None = None) -> torch.Tensor:
