@@ -10,11 +10,11 @@ import inspect
 from contextlib import contextmanager
 
 import torch
-from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from rldynamics.algo.losses import entropy_from_logits, entropy_from_logprobs, tempered
+from rldynamics.algo.logprobs import selected_logprobs
+from rldynamics.algo.losses import entropy_from_logits, tempered
 from rldynamics.models.attention import GQA_SDPA
 from rldynamics.models.lora import underlying
 from rldynamics.models.precision import FLOAT32_SDPA, checkpointing, weights_cast_once
@@ -73,7 +73,7 @@ def packed_logprobs(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
     return torch.nn.functional.pad(grid, (1, 0))  # [R, L]
 
 
-CHUNK_ELEMENTS = 2**25  # float32 logits per chunk of the selected log-softmax (128 MiB)
+CHUNK_ELEMENTS: int | None = None  # float32 entries per chunk of the selected log-softmax; None: the device's
 
 
 def _selected_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
@@ -365,29 +365,9 @@ def embedded_together(model, *ids: torch.Tensor) -> list[dict[str, torch.Tensor]
 
 def _chunked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                       with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Float32 log-prob of `targets` [M] (and entropy) under `logits` [M, V] / temperature, in chunks of rows.
-
-    With several chunks and gradients on, each chunk is recomputed in backward (activation checkpointing),
-    so the float32 temporaries of only one chunk exist at a time.
-    """
-    step = max(1, CHUNK_ELEMENTS // max(logits.shape[-1], 1))
-    recompute = torch.is_grad_enabled() and logits.requires_grad and logits.shape[0] > step
-    parts = []
-    for start in range(0, logits.shape[0], step):
-        args = (logits[start:start + step], targets[start:start + step], temperature, with_entropy)
-        parts.append(checkpoint(_logprob_chunk, *args, use_reentrant=False) if recompute else _logprob_chunk(*args))
-    if not parts:  # no wanted position: empty, but on the forward's graph (a sharded backward runs on every rank)
-        empty = logits.float().sum(-1)  # [0]
-        return empty, (empty if with_entropy else None)
-    logp = torch.cat([p[0] for p in parts])  # [M]
-    return logp, (torch.cat([p[1] for p in parts]) if with_entropy else None)
-
-
-def _logprob_chunk(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    every = torch.log_softmax(tempered(logits.float(), temperature), dim=-1)  # [m, V]
-    logp = every.gather(-1, targets[:, None]).squeeze(-1)  # [m]
-    return logp, (entropy_from_logprobs(every) if with_entropy else torch.zeros_like(logp))  # [m], [m]
+    """Float32 log-prob of `targets` [M] (and entropy) under `logits` [M, V] / temperature, `CHUNK_ELEMENTS` float32
+    entries at a time, as one autograd node that keeps only the logits for backward (`algo.logprobs`)."""
+    return selected_logprobs(logits, targets, temperature, with_entropy, CHUNK_ELEMENTS)  # [M], [M] | None
 
 
 def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, pack: bool = True
