@@ -1,7 +1,7 @@
 """Seconds per training step of this checkout against another one, paired: the two alternate in one run.
 
     python bench/paired_steps.py --baseline-src DIR [--rounds 2] [--steps 3] [--preset math-smollm2] [key=value ...]
-    python bench/paired_steps.py --baseline-src DIR --replay runs/<name> --step N [--rounds 3]
+    python bench/paired_steps.py --baseline-src DIR --replay runs/<name> --step N [--rounds 2] [--steps 6]
     python bench/paired_steps.py --baseline-set train.micro_batch_size=8 [--rounds 2] [key=value ...]
     python bench/paired_steps.py --baseline-src DIR --nproc 2 [--rounds 2] [key=value ...]
 
@@ -22,8 +22,10 @@ compared the same way (`--baseline-src` defaults to this checkout's `src/`).
 leaves idle. Each rank's step is timed; the ranks wait for each other, so rank 0's timings are the step's.
 
 `--replay RUN --step N` times the update alone on identical work: each round replays the recorded step N of a run
-(`rldyn replay`: the same rollout, the same starting weights) from the baseline and then from this checkout, and
-reads the replay's `timing_s/update_actor` (and its other phases).
+(what `rldyn replay` runs: the same rollout, the same starting weights) `--steps` times in one process from the
+baseline and then from this checkout, drops each process's first replay (its one-off costs, as a run's first
+step), and reads the replays' `timing_s/update_actor` (and their other phases). The run needs its records to keep
+the state before their step (`record.state_before_mb` above the model's size) or a checkpoint before N.
 """
 
 from __future__ import annotations
@@ -75,10 +77,32 @@ def run_steps(src: Path, preset: str, steps: int, overrides: list[str], nproc: i
     return [timings(r) for r in rows[1:]]
 
 
-def replay_step(src: Path, run: Path, step: int) -> list[dict[str, float]]:
-    """The `timing_s/*` values of one `rldyn replay RUN --step N` from `src`."""
-    rldyn(src, "replay", str(run), "--step", str(step))
-    return [timings(json.loads((run / "replays" / f"step_{step}" / "metrics.jsonl").read_text().splitlines()[0]))]
+REPLAYS = """
+import json, sys, tempfile
+from pathlib import Path
+from rldynamics.config import load_config
+from rldynamics.tracking.step_records import RecordedStep
+from rldynamics.train import replay
+run, step, times = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+record = RecordedStep.read(replay.record_path(run, step))
+cfg = load_config(run / "config.yaml")
+start = replay.start_checkpoint(run, cfg, step, record)
+for _ in range(times):
+    with tempfile.TemporaryDirectory() as tmp:
+        done = replay.run_replay(replay.replay_config(cfg, start, step, record, []), Path(tmp) / "replay", record,
+                                 attribute=False)
+    print("ROW", json.dumps(done.metrics), flush=True)
+"""
+
+
+def replay_steps(src: Path, run: Path, step: int, times: int) -> list[dict[str, float]]:
+    """The `timing_s/*` values of the recorded step `step` of `run` replayed `times` times in one process from
+    `src` (each replay opens the session at the step's start again, as `rldyn replay` does), the first dropped."""
+    cmd = [sys.executable, "-c", REPLAYS, str(run), str(step), str(times)]
+    out = subprocess.run(cmd, env={**one_process_env(), "PYTHONPATH": str(src)}, check=True, capture_output=True,
+                         text=True).stdout
+    rows = [json.loads(line.removeprefix("ROW ")) for line in out.splitlines() if line.startswith("ROW ")]
+    return [timings(r) for r in rows[1:]]
 
 
 def medians(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -101,6 +125,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.replay is not None and args.step is None:
         parser.error("--replay needs --step N (a step with a record in RUN/records/)")
+    if args.steps < 2:
+        parser.error("--steps must be 2 or more: the first step (or replay) of each process is dropped")
     if args.replay is not None and args.baseline_set:
         parser.error("--baseline-set applies to training runs; a replay runs the recorded step's own config")
     if args.replay is not None and args.nproc != 1:
@@ -111,7 +137,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         for side, src, extra, nproc in (("baseline", args.baseline_src, args.baseline_set, 1),
                                         ("ours", OURS, [], args.nproc)):
-            rows = (replay_step(src, args.replay, args.step) if args.replay else
+            rows = (replay_steps(src, args.replay, args.step, args.steps) if args.replay else
                     run_steps(src, args.preset, args.steps, [*args.overrides, *extra], nproc))
             got[side] += rows
             shown = "update_actor" if args.replay else "step"
