@@ -7,13 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rldynamics.algo.logprobs import selected_logprobs
 from rldynamics.algo.losses import (
     AGG_MODES,
     POLICY_LOSSES,
     PolicyLossSettings,
     aggregate,
     aggregation_weights,
-    entropy_from_logits,
     entropy_from_logprobs,
     kl_penalty,
     loss_terms,
@@ -268,15 +268,20 @@ def test_kl_unknown_kind(kind):
 # --- entropy ---------------------------------------------------------------------------------
 
 
+def entropy_of(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's entropy as the trainer takes it (`algo.logprobs.selected_logprobs`, `entropy_from_logprobs`)."""
+    return selected_logprobs(logits, torch.zeros(logits.shape[0], dtype=torch.long), with_entropy=True)[1]
+
+
 def test_entropy_manual_values():
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [math.log(0.5), math.log(0.25), math.log(0.125), math.log(0.125)]])
-    out = entropy_from_logits(logits.double() + 3.0)  # shift invariant
+    out = entropy_of(logits + 3.0)  # shift invariant
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, torch.tensor([math.log(4), 1.75 * math.log(2)]))
     gen = torch.Generator().manual_seed(0)
     z = torch.randn(3, 11, generator=gen, dtype=torch.float64)
     p = torch.softmax(z, -1)
-    torch.testing.assert_close(entropy_from_logits(z), (-(p * p.log()).sum(-1)).float())
+    torch.testing.assert_close(entropy_of(z.float()), (-(p * p.log()).sum(-1)).float())
 
 
 def test_entropy_of_a_peaked_distribution_keeps_its_digits():
@@ -287,28 +292,16 @@ def test_entropy_of_a_peaked_distribution_keeps_its_digits():
     z[0, 0] = 20.0
     p = torch.softmax(z, -1)
     exact = -(p * p.log()).sum(-1)  # [1] float64
-    got = entropy_from_logits(z.float())
     assert float(exact) == pytest.approx(4.3e-5, rel=0.05)
-    torch.testing.assert_close(got.double(), exact, rtol=1e-2, atol=0)
+    torch.testing.assert_close(entropy_of(z.float()).double(), exact, rtol=1e-2, atol=0)
     logp = torch.log_softmax(z.float(), -1)
     torch.testing.assert_close(entropy_from_logprobs(logp).double(), exact, rtol=1e-2, atol=0)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 2, 5, 7, 100])
-def test_entropy_chunked_equals_unchunked(chunk_size):
-    gen = torch.Generator().manual_seed(1)
-    logits = torch.randn(3, 4, 50, generator=gen).to(torch.bfloat16)
-    full = entropy_from_logits(logits)
-    assert full.shape == (3, 4) and full.dtype == torch.float32
-    assert torch.equal(entropy_from_logits(logits, chunk_size=chunk_size), full)
-
-
-def test_entropy_gradient_and_bad_chunk():
+def test_entropy_gradient_of_a_uniform_distribution_is_zero():
     logits = torch.zeros(2, 3, requires_grad=True)
-    entropy_from_logits(logits, chunk_size=1).sum().backward()
+    entropy_of(logits).sum().backward()
     torch.testing.assert_close(logits.grad, torch.zeros(2, 3))  # uniform is a maximum
-    with pytest.raises(ValueError, match="chunk_size"):
-        entropy_from_logits(logits, chunk_size=0)
 
 
 # --- value loss ------------------------------------------------------------------------------

@@ -470,30 +470,6 @@ def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)  # [...]
 
 
-def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
-    """Entropy of the softmax distribution (`entropy_from_logprobs` of its log-softmax), in float32.
-
-    Args:
-        logits: ``[..., V]``.
-        chunk_size: if set (≥ 1), process this many rows of the flattened leading dims at a time to
-            bound the float32 ``[rows, V]`` temporaries; the values are identical.
-
-    Returns:
-        ``[...]`` float32 entropies (differentiable).
-    """
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be None or >= 1, got {chunk_size}")
-    lead_shape = logits.shape[:-1]
-    flat = logits.reshape(-1, logits.shape[-1])  # [M, V]
-    step = chunk_size or max(flat.shape[0], 1)
-    parts = []
-    for start in range(0, flat.shape[0], step):
-        parts.append(entropy_from_logprobs(torch.log_softmax(flat[start : start + step].float(), dim=-1)))  # [m]
-    if not parts:
-        return torch.zeros(lead_shape, dtype=torch.float32, device=logits.device)  # [...]
-    return torch.cat(parts).reshape(lead_shape)  # [...]
-
-
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,

@@ -14,7 +14,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from rldynamics.algo.logprobs import selected_logprobs
-from rldynamics.algo.losses import entropy_from_logits, tempered
 from rldynamics.models.attention import GQA_SDPA
 from rldynamics.models.lora import underlying
 from rldynamics.models.precision import FLOAT32_SDPA, checkpointing, weights_cast_once
@@ -45,12 +44,14 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     if positions is not None:
         return _selected_logprobs(model, input_ids, attention_mask, positions.bool(), temperature, with_entropy,
                                   shared_prefix)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # [N, L-1, V]
-    logits = tempered(logits, temperature)  # [N, L-1, V]
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [N, L-1]
-    logprobs = torch.nn.functional.pad(logp, (1, 0))  # [N, L]
-    entropy = torch.nn.functional.pad(entropy_from_logits(logits), (1, 0)) if with_entropy else None  # [N, L]
-    return logprobs, entropy
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # [N, L-1, V]
+    logp, entropy = _chunked_logprobs(logits.flatten(0, 1), input_ids[:, 1:].flatten(), temperature,
+                                      with_entropy)  # [N (L-1)], [N (L-1)] | None
+
+    def place(values: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(values.view(logits.shape[:2]), (1, 0))  # [N, L]
+
+    return place(logp), (place(entropy) if with_entropy else None)
 
 
 def packed_logprobs(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
