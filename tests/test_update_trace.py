@@ -308,3 +308,20 @@ def test_clipping_equals_clip_grad_norm_bit_for_bit(max_norm):
         taken = [n for n, p in zip(norms, mine, strict=True) if p.grad is not None] if reuse else None
         assert clip_gradients(mine, max_norm, taken) == expected_norm
         assert all(torch.equal(p.grad, e) for p, e in zip(mine[1:], expected, strict=True))
+
+
+def test_all_finite_finds_nan_and_inf_and_passes_huge_finite_weights():
+    """A NaN or an infinity anywhere makes a model non-finite; finite weights so large that their norm overflows
+    float32 (1e30: squares of 1e60) are still finite (the entry-by-entry fallback)."""
+    from rldynamics.models.sharding import all_finite
+
+    model = tiny_model()
+    assert all_finite(model, None)
+    weight = next(model.parameters())
+    for value, finite in ((float("nan"), False), (float("inf"), False), (-float("inf"), False), (1e30, True)):
+        kept = float(weight.data[0, 0])
+        weight.data[0, 0] = value
+        assert bool(torch.linalg.vector_norm(weight).isfinite()) is (value == 0)  # 1e30 overflows the norm too
+        assert all_finite(model) is finite, value
+        weight.data[0, 0] = kept
+    assert all_finite(model)

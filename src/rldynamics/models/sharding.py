@@ -113,9 +113,14 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def all_finite(*models: torch.nn.Module | None) -> bool:
-    """True when every parameter of the given models (None skipped) is finite, on every rank."""
-    params = [local(p) for m in models if m is not None for p in m.parameters()]
-    return all_true(bool(torch.stack([torch.isfinite(p).all() for p in params]).all()))
+    """True when every parameter of the given models (None skipped) is finite, on every rank.
+
+    A NaN or an infinity in a tensor makes its norm non-finite, so finite norms (`torch._foreach_norm`: one read of
+    each parameter, no [P] boolean tensor) answer at once; only a non-finite norm, which a sum of squares of finite
+    but huge values can also give, is settled entry by entry."""
+    params = [local(p).detach() for m in models if m is not None for p in m.parameters()]
+    finite = not params or bool(torch.stack(torch._foreach_norm(params)).isfinite().all())
+    return all_true(finite or bool(torch.stack([torch.isfinite(p).all() for p in params]).all()))
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
