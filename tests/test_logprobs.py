@@ -89,3 +89,25 @@ def test_no_rows_and_an_unused_entropy_still_backpropagate():
     want = z.detach().clone().requires_grad_()
     composition(want, targets, 1.0)[0].sum().backward()
     torch.testing.assert_close(z.grad, want.grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_backward_without_entropy_weight_is_the_compositions_bit_for_bit(dtype, temperature):
+    """With the entropy computed but weighted 0 (`algo.entropy_coef=0`), or not asked for, the gradient is the
+    eager composition's to the bit, so such runs train exactly as they did before the node."""
+    logits, targets = sample(rows=9, vocab=300, dtype=dtype)
+    g = torch.linspace(-1, 2, 9)
+
+    def grad_of(fn):
+        z = logits.detach().clone().requires_grad_()
+        logp, ent = fn(z)
+        ((logp * g).sum() + 0.0 * ent.sum()).backward()
+        return z.grad
+
+    want = grad_of(lambda z: composition(z, targets, temperature))
+    for with_entropy in (True, False):
+        got = grad_of(lambda z, e=with_entropy: (selected_logprobs(z, targets, temperature, True, 2 * 300)
+                                                 if e else (selected_logprobs(z, targets, temperature, False,
+                                                                              2 * 300)[0], torch.zeros(()))))
+        assert torch.equal(got, want)

@@ -8,8 +8,11 @@ time and saves only its input:
 - Forward: each chunk of rows is cast to float32, divided by the temperature (`algo.losses.tempered`), and
   log-softmaxed; the chunk's target entries and entropies are kept, the chunk itself is dropped.
 - Backward, from the upstream gradients ``g`` (log-probs) and ``h`` (entropies) of a row, with ``l`` its
-  log-softmax and ``p = exp(l)``: ``dz_j = (g [j = target] - p_j (g + h (l_j + H))) / T``. Each chunk's ``l`` is
-  recomputed (the same operations, so the same bits) and its gradient written in the logits' dtype.
+  log-softmax and ``p = exp(l)``: the gradient with respect to ``l``, ``g [j = target] - h p_j (l_j + 1)``, goes
+  through the log-softmax's own backward kernel (``u - p sum(u)``), then ``/ T``: in all,
+  ``dz_j = (g [j = target] - p_j (g + h (l_j + H))) / T``. Each chunk's ``l`` is recomputed (the same operations,
+  so the same bits) and its gradient written in the logits' dtype. With ``h = 0`` (an entropy coefficient of 0)
+  this is the composition's backward bit for bit.
 - Forward-mode (``torch.func.jvp``, the attribution's directional derivatives): with ``mu = sum_j p_j dz_j``,
   ``d logp = dz_target - mu`` and ``dH = -sum_j p_j dz_j (l_j + H)`` (for ``dz`` already divided by ``T``).
 
@@ -70,15 +73,16 @@ class SelectedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor):
-        logits, targets, entropy = ctx.saved_tensors
+        logits, targets, _ = ctx.saved_tensors
+        entropy_used = ctx.with_entropy and bool(grad_entropy.any())  # a zero coefficient adds nothing
         grad = torch.empty_like(logits)  # [M, V]
         for start in range(0, logits.shape[0], ctx.rows):
             part = slice(start, start + ctx.rows)
             every = _log_softmax(logits[part], ctx.temperature)  # [m, V]
-            g = grad_logp[part, None]  # [m, 1]
-            weight = g + grad_entropy[part, None] * (every + entropy[part, None]) if ctx.with_entropy else g  # [m, V]
-            chunk = (every.exp_() * weight).neg_()  # [m, V]  -p (g + h (l + H))
-            chunk.scatter_add_(-1, targets[part, None], g)  # + g at the target
+            upstream = (every.exp() * (every + 1.0) * -grad_entropy[part, None] if entropy_used
+                        else torch.zeros_like(every))  # [m, V] dH/dl = -p (l + 1)
+            upstream.scatter_add_(-1, targets[part, None], grad_logp[part, None])  # + g at the target
+            chunk = torch._log_softmax_backward_data(upstream, every, -1, every.dtype)  # [m, V]
             grad[part] = tempered(chunk, ctx.temperature)
         return grad, None, None, None, None
 
