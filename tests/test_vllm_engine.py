@@ -399,6 +399,25 @@ def test_unsupported_model_is_one_line(tiny128, tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_an_engine_that_samples_non_finite_log_probs_falls_back_to_eager_then_says_so(tiny128, tmp_path, capsys):
+    """The engine samples a test prompt at its start: a compiled model whose log-probs are not finite is rebuilt
+    eager (said in one line), and an eager one that still gives them is one error naming the HF engine. A NaN in
+    the final norm's weight makes every logit NaN."""
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny128, broken)
+    weights = load_file(broken / "model.safetensors")
+    weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"^rollout.engine=vllm: the eager model at .*broken in float32 gives "
+                                          r"non-finite log-probs on a test prompt .*; set rollout.engine=hf$"):
+        VllmEngine(str(broken), dtype="float32", kv_cache_gib=0.25, compile=True)
+    out = capsys.readouterr().out
+    assert "vllm engine: the compiled model gave non-finite log-probs on a test prompt" in out
+    assert out.rstrip().endswith("running it eager instead (rollout.vllm_compile=false)")
+
+
 def test_a_batch_larger_than_one_scheduler_step_with_row_seeds(engine32):
     """More prompt tokens than vLLM schedules in one step: with chunked prefill, the CPU build's seeded generators
     crash ("CPU Generator does not use offset") when a partly prefilled request is rewound; whole prefills only."""

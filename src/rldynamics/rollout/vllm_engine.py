@@ -29,7 +29,8 @@ Design choices:
   the norms and activations, which the CPU build runs as separate torch operations when eager; the graph takes the
   weights as inputs, so a sync is read by the next forward with no recompilation. vLLM's own cache of compiled
   graphs is switched off (`VLLM_USE_AOT_COMPILE=0`: under torch 2.13 it fails to load what it saved); inductor's
-  cache keeps later starts short.
+  cache keeps later starts short. The engine's first generation (three short prompts) must give finite log-probs:
+  a compiled model that does not is rebuilt eager (in one process), an eager one is a ConfigError.
 - One process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the engine's model lives in the trainer's process, as in TRL's
   `vllm_mode="colocate"` and verl's hybrid engine. Under torchrun every rank builds its own engine (tensor parallel
   size 1, vLLM's `external_launcher` on the ranks' process group) and samples its own groups; vLLM makes its groups
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import weakref
 
@@ -95,22 +97,40 @@ class VllmEngine:
         self.sleeping: set[str] = set()  # the parts now asleep: "weights", "kv_cache"
         self.adapted: weakref.ref | None = None  # the LoRA model last synced: its next sync sends its adapted blocks
         set_num_threads = torch.set_num_threads
+        settings = dict(model=path, dtype=dtype, seed=seed, enable_prefix_caching=True,
+                        # whole prefills: the CPU build rewinds a partly prefilled request's seeded generator, which
+                        # its CPU generators refuse ("CPU Generator does not use offset")
+                        enable_chunked_prefill=False,
+                        kv_cache_memory_bytes=int(kv_cache_gib * 2**30), logprobs_mode="processed_logprobs",
+                        max_model_len=max_model_len, enable_sleep_mode=self.sleeps, **_launcher())
         try:
             for logger in set(NOISE.values()):  # a filter: vLLM's logging config, applied while the engine is built,
                 logging.getLogger(logger).addFilter(_not_noise)  # resets its loggers' levels
-            self.llm = LLM(model=path, dtype=dtype, seed=seed, enforce_eager=not compile, enable_prefix_caching=True,
-                           # whole prefills: the CPU build rewinds a partly prefilled request's seeded generator,
-                           # which its CPU generators refuse ("CPU Generator does not use offset")
-                           enable_chunked_prefill=False,
-                           kv_cache_memory_bytes=int(kv_cache_gib * 2**30), logprobs_mode="processed_logprobs",
-                           max_model_len=max_model_len, enable_sleep_mode=self.sleeps, **_launcher())
+            self.llm = LLM(enforce_eager=not compile, **settings)
             atexit.register(self.close)  # before vLLM's own finalizer, which fails on a process group gone by then
             dist.before_leaving(self.close)  # its shutdown destroys the process group: the last thing done in it
-            self.generate([[0]], 1, 1.0, [], row_keys=[0])  # kernels that refuse the model fail here, not mid-run
+            finite = self._samples_finite()  # kernels that refuse the model fail here, not mid-run
+            if compile and not finite and not dist.distributed():
+                self.close()
+                print("vllm engine: the compiled model gave non-finite log-probs on a test prompt (inductor's cached "
+                      "kernels did so when its cache was written under another instruction set); running it eager "
+                      "instead (rollout.vllm_compile=false)", flush=True)
+                self.llm, compile = LLM(enforce_eager=True, **settings), False
+                finite = self._samples_finite()
         except Exception as e:  # noqa: BLE001 (vLLM raises plain ValueErrors / RuntimeErrors; name the cause)
             raise ConfigError(_load_error(path, dtype, e, compile)) from e
         finally:
             torch.set_num_threads = set_num_threads  # the CPU build made it a no-op
+        if not finite:  # eager, or compiled under torchrun (vLLM's shutdown there destroys the ranks' process group)
+            kind, fix = ("compiled", "rollout.vllm_compile=false") if compile else ("eager", "rollout.engine=hf")
+            raise ConfigError(f"rollout.engine=vllm: the {kind} model at {path} in {dtype} gives non-finite log-probs "
+                              f"on a test prompt (its weights or this machine's kernels); set {fix}")
+
+    def _samples_finite(self) -> bool:
+        """Whether the log-probs of a few sampled tokens (three rows of three lengths) are finite: a model whose
+        weights or kernels give NaN logits samples garbage."""
+        _, logprobs = self.generate([[0], [1] * 6, [2] * 11], 3, 1.0, [], row_keys=[0, 1, 2])
+        return all(math.isfinite(v) for row in logprobs for v in row)
 
     def close(self) -> None:
         """Shut the engine down (idempotent)."""
