@@ -197,8 +197,8 @@ class TrainConfig:
     optim: str = one_of("adamw_torch_fused", "adamw_torch_fused", "adamw_torch")
     """AdamW's implementation (actor and critic), by Hugging Face Trainer's names: adamw_torch_fused (torch's fused
     kernel, one pass over all parameters: 5x faster per step on SmolLM2-135M on an Intel Xeon; equal to the loop
-    within a few float32 ulps per step; bit for bit where MKL runs its AVX2 code) or adamw_torch (the per-parameter loop). Their states are
-    alike: a checkpoint resumes under either."""
+    within a few float32 ulps per step, bit for bit where MKL runs its AVX2 code) or adamw_torch (the per-parameter
+    loop). Their states are alike: a checkpoint resumes under either."""
     temperature: float = within(1.0, 0, inclusive=False)
     """Sampling temperature of training rollouts."""
     shuffle: bool = False

@@ -112,9 +112,9 @@ class VllmEngine:
             finite = self._samples_finite()  # kernels that refuse the model fail here, not mid-run
             if compile and not finite and not dist.distributed():
                 self.close()
-                print("vllm engine: the compiled model gave non-finite log-probs on a test prompt (inductor's cached "
-                      "kernels did so when its cache was written under another instruction set); running it eager "
-                      "instead (rollout.vllm_compile=false)", flush=True)
+                print("vllm engine: the compiled model gave non-finite log-probs on a test prompt (as seen with an "
+                      "inductor cache written under another instruction set); running it eager instead "
+                      "(rollout.vllm_compile=false)", flush=True)
                 self.llm, compile = LLM(enforce_eager=True, **settings), False
                 finite = self._samples_finite()
         except Exception as e:  # noqa: BLE001 (vLLM raises plain ValueErrors / RuntimeErrors; name the cause)
