@@ -59,7 +59,7 @@ from pathlib import Path
 BYTES = {"float32": 4, "bfloat16": 2}  # compute dtypes (model.dtype)
 STATE = 4  # bytes per parameter of the weights, the gradients and each AdamW moment: float32 in every compute dtype
 GB = 1e9
-CHUNK_ELEMENTS = 2**25  # models.forward.CHUNK_ELEMENTS: float32 logits per chunk of the selected log-softmax
+CHUNK_ELEMENTS = 2**25  # algo.logprobs.OTHER_CHUNK_ELEMENTS: float32 entries per log-softmax chunk on a GPU
 # glibc keeps freed blocks below its (adaptive) mmap threshold in the heap, so RSS would count memory that is free;
 # a fixed 64 KiB threshold returns every large block on free and RSS follows live memory
 MEASURE_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}

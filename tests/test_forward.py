@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import micro_model_batch
+from rldynamics.algo import logprobs
 from rldynamics.models import forward
 from rldynamics.models.forward import token_logprobs
 
@@ -44,7 +45,7 @@ def test_response_positions_only_equal_the_full_forward(setup, variant, monkeypa
     model, ids, attn, mask = setup
     lp, ent, grads = _loss_and_grads(model, ids, attn, mask)
     if variant == "chunked":  # 3 tokens per chunk, recomputed in backward
-        monkeypatch.setattr(forward, "CHUNK_ELEMENTS", 3 * model.config.vocab_size)
+        monkeypatch.setitem(logprobs.CHUNK_ELEMENTS, "cpu", 3 * model.config.vocab_size)
     other = NoLogitsToKeep(model) if variant == "no_logits_to_keep" else model
     lp_s, ent_s, grads_s = _loss_and_grads(other, ids, attn, mask, positions=mask)
     assert lp_s.shape == lp.shape and mask.sum() > 10
@@ -59,7 +60,7 @@ def test_chunked_log_softmax_matches_one_chunk(setup, monkeypatch):
     model, ids, attn, mask = setup
     with torch.no_grad():
         one, _ = token_logprobs(model, ids, attn, positions=mask)
-        monkeypatch.setattr(forward, "CHUNK_ELEMENTS", 1)  # one token per chunk
+        monkeypatch.setitem(logprobs.CHUNK_ELEMENTS, "cpu", 1)  # one token per chunk
         many, _ = token_logprobs(model, ids, attn, positions=mask)
     assert torch.equal(one, many)
 

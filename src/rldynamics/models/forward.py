@@ -30,7 +30,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         temperature: logits are divided by it (the sampling temperature of the rollout).
         positions: optional [N, L] mask of the tokens whose log-probs are needed (the response mask). Then
             columns past the last attended one are trimmed, the LM head and the log-softmax run only at the
-            positions that predict those tokens, in chunks of at most `CHUNK_ELEMENTS` logits (so a large
+            positions that predict those tokens, in chunks (`algo.logprobs.selected_logprobs`; so a large
             vocabulary never materialises [N, L, V] float32), and every other entry is 0.
         shared_prefix: with `positions`, rows whose tokens before their first response token are identical
             (the members of a group share their prompt) forward that prefix once: its key/value cache is
@@ -45,7 +45,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         return _selected_logprobs(model, input_ids, attention_mask, positions.bool(), temperature, with_entropy,
                                   shared_prefix)
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # [N, L-1, V]
-    logp, entropy = _chunked_logprobs(logits.flatten(0, 1), input_ids[:, 1:].flatten(), temperature,
+    logp, entropy = selected_logprobs(logits.flatten(0, 1), input_ids[:, 1:].flatten(), temperature,
                                       with_entropy)  # [N (L-1)], [N (L-1)] | None
 
     def place(values: torch.Tensor) -> torch.Tensor:
@@ -69,12 +69,9 @@ def packed_logprobs(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
     logits = _logits_at(model, input_ids, None, torch.nn.functional.pad(wanted, (0, 1)),
                         position_ids=position_ids, use_cache=False)  # [M, V]
     rows, cols = wanted.nonzero(as_tuple=True)  # [M], [M] row-major, the order of the logits
-    logp, _ = _chunked_logprobs(logits, input_ids[rows, cols + 1], 1.0, False)  # [M]
+    logp, _ = selected_logprobs(logits, input_ids[rows, cols + 1])  # [M]
     grid = logp.new_zeros(wanted.shape).index_put((rows, cols), logp)  # [R, L-1]
     return torch.nn.functional.pad(grid, (1, 0))  # [R, L]
-
-
-CHUNK_ELEMENTS: int | None = None  # float32 entries per chunk of the selected log-softmax; None: the device's
 
 
 def _selected_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
@@ -93,7 +90,7 @@ def _selected_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
         rows, cols = wanted.nonzero(as_tuple=True)  # [M], [M] row-major, the order of the logits
     else:
         logits, rows, cols = _packed_logits(model, ids, attn, wanted, split, pack)  # [M, V], [M], [M]
-    logp, ent = _chunked_logprobs(logits, ids[rows, cols + 1], temperature, with_entropy)  # [M], [M] | None
+    logp, ent = selected_logprobs(logits, ids[rows, cols + 1], temperature, with_entropy)  # [M], [M] | None
 
     def place(values: torch.Tensor) -> torch.Tensor:
         grid = values.new_zeros(n, width - 1).index_put((rows, cols), values)  # [N, W-1]
@@ -362,13 +359,6 @@ def embedded_together(model, *ids: torch.Tensor) -> list[dict[str, torch.Tensor]
     flat = embed(torch.cat([i.flatten() for i in ids]))  # [sum n_i l_i, H]
     parts = flat.split([i.numel() for i in ids])
     return [{"inputs_embeds": part.view(*i.shape, -1)} for i, part in zip(ids, parts, strict=True)]
-
-
-def _chunked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Float32 log-prob of `targets` [M] (and entropy) under `logits` [M, V] / temperature, `CHUNK_ELEMENTS` float32
-    entries at a time, as one autograd node that keeps only the logits for backward (`algo.logprobs`)."""
-    return selected_logprobs(logits, targets, temperature, with_entropy, CHUNK_ELEMENTS)  # [M], [M] | None
 
 
 def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, pack: bool = True
