@@ -139,6 +139,22 @@ def test_layer_groups_and_conflict_fraction():
     assert metrics["cos/a__b"] == pytest.approx(1 / 5)  # (1 - 1 + 1 - 1 + 1) / (sqrt 5 * sqrt 5)
 
 
+def test_gram_over_several_blocks_and_split_groups_equals_float64_products(monkeypatch):
+    """Groups whose spans cross the float64 blocks (and a last, shorter block): each [K, K] is the float64 product of
+    the group's coordinates, the vectors given in float32 and bfloat16."""
+    from rldynamics.analysis import gram as gram_module
+
+    monkeypatch.setattr(gram_module, "CHUNK", 7)
+    gen = torch.Generator().manual_seed(0)
+    vectors = [torch.randn(40, generator=gen), torch.randn(40, generator=gen).bfloat16(), torch.randn(40, generator=gen)]
+    groups = {"a": [(0, 5), (18, 33)], "b": [(5, 18)], "c": [(33, 40)]}
+    grams = gram(vectors, local_slices([(0, 40)], groups))  # [3, 3, 3]
+    for g, parts in enumerate(groups.values()):
+        rows = torch.stack([torch.cat([v[lo:hi] for lo, hi in parts]).double() for v in vectors])  # [3, n]
+        torch.testing.assert_close(grams[g], rows @ rows.T, rtol=1e-13, atol=0)
+    assert grams.dtype == torch.float64
+
+
 @pytest.mark.slow
 def test_training_run_logs_component_gradients(fast_overrides):
     import json

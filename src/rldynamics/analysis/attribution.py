@@ -59,11 +59,10 @@ from rldynamics import dist
 from rldynamics.algo.losses import PolicyLossSettings, loss_terms, weighted_total
 from rldynamics.algo.shares import sub_batch_share
 from rldynamics.analysis.engines import param_views, zeros_full
+from rldynamics.analysis.gram import CHUNK
 from rldynamics.analysis.objective import ActorInputs, actor_terms
 from rldynamics.models.forward import micro_batches, token_logprobs
 from rldynamics.rollout.batch import RolloutBatch
-
-DOT_CHUNK = 2**24  # elements per float64 chunk of a dot product (128 MiB)
 
 
 @dataclass
@@ -158,11 +157,11 @@ def _cosine(dots: torch.Tensor, squares: torch.Tensor, grad_sq: float) -> torch.
 
 
 def dot64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """<a, b> of two same-sized tensors, accumulated in float64 over chunks of `DOT_CHUNK` elements. 0-dim float64"""
+    """<a, b> of two same-sized tensors, accumulated in float64 over cache-sized chunks (`gram.CHUNK`). 0-dim float64"""
     a, b = a.reshape(-1), b.reshape(-1)  # [n], [n]
     total = torch.zeros((), dtype=torch.float64, device=a.device)
-    for start in range(0, a.numel(), DOT_CHUNK):
-        total += torch.dot(a[start:start + DOT_CHUNK].double(), b[start:start + DOT_CHUNK].double())
+    for start in range(0, a.numel(), CHUNK):
+        total += torch.dot(a[start:start + CHUNK].double(), b[start:start + CHUNK].double())
     return total
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from rldynamics.dist import collective_device, distributed
 
-CHUNK = 2**20  # coordinates per float64 block: K x 8 MiB of temporaries whatever the parameter count
+CHUNK = 2**17  # coordinates per float64 block: a K x 1 MiB buffer, near the CPU's caches, whatever the parameter count
 
 
 def local_slices(spans: list[tuple[int, int]], groups: dict[str, list[tuple[int, int]]]
@@ -46,18 +46,21 @@ def gram(vectors: list[torch.Tensor], slices: dict[str, list[tuple[int, int]]]) 
         vectors: K local vectors with the same layout.
         slices: `local_slices` of the layout (G groups).
     """
-    k = len(vectors)
-    out = torch.zeros(len(slices), k, k, dtype=torch.float64)  # [G, K, K]
+    k, device = len(vectors), vectors[0].device
+    out = torch.zeros(len(slices), k, k, dtype=torch.float64, device=device)  # [G, K, K]
+    buffer = torch.empty(k, CHUNK, dtype=torch.float64, device=device)  # [K, CHUNK], reused by every block
     for g, parts in enumerate(slices.values()):
         for start, end in parts:
-            for a in range(start, end, CHUNK):  # float64 copies of at most CHUNK coordinates at a time
-                block = torch.stack([v[a:min(a + CHUNK, end)].double() for v in vectors])  # [K, n]
-                out[g] += (block @ block.T).cpu()  # [K, K]
+            for a in range(start, end, CHUNK):  # each vector's next CHUNK coordinates, cast into the buffer
+                n = min(CHUNK, end - a)
+                block = buffer[:, :n]  # [K, n]
+                for row, v in zip(block, vectors, strict=True):
+                    row.copy_(v[a:a + n])
+                out[g] += block @ block.T  # [K, K]
     if distributed():
-        total = out.to(collective_device())  # [G, K, K]
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        out = total.cpu()
-    return out  # [G, K, K]
+        out = out.to(collective_device())  # [G, K, K]
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out.cpu()  # [G, K, K]
 
 
 def cosine(gram: torch.Tensor, a: int, b: int) -> float:

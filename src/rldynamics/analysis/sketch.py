@@ -25,7 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
-CHUNK = 2**22  # coordinates projected at a time: bounds the float32 temporaries of a sketch
+CHUNK = 2**16  # coordinates projected at a time: cache-sized float32 temporaries (0.33 s against 0.45 s at 2**22 for
+# SmolLM2's 134.5M coordinates, one thread, Intel Xeon Sapphire Rapids)
 
 
 class GradientSketcher:
