@@ -46,7 +46,7 @@ def gram(vectors: list[torch.Tensor], slices: dict[str, list[tuple[int, int]]]) 
         vectors: K local vectors with the same layout.
         slices: `local_slices` of the layout (G groups).
     """
-    k, device = len(vectors), vectors[0].device
+    k, device = len(vectors), vectors[0].device if vectors else torch.device("cpu")
     out = torch.zeros(len(slices), k, k, dtype=torch.float64, device=device)  # [G, K, K]
     buffer = torch.empty(k, CHUNK, dtype=torch.float64, device=device)  # [K, CHUNK], reused by every block
     for g, parts in enumerate(slices.values()):
