@@ -378,11 +378,13 @@ def _same(a, b) -> bool:
 def compare_updates(base: Replayed, other: Replayed) -> dict:
     """The what-if's update against the recorded one: norms, their cosine, and the compared losses."""
     out = {"metrics": {k: {"as_recorded": base.metrics.get(k), "what_if": other.metrics.get(k)} for k in COMPARED}}
-    if base.delta is not None and other.delta is not None:
-        a, b = base.delta.double(), other.delta.double()
-        na, nb = a.norm().item(), b.norm().item()
+    if base.delta is not None and other.delta is not None:  # whole [P] vectors: float64 products in blocks
+        from rldynamics.analysis.attribution import dot64
+
+        a, b = base.delta, other.delta
+        na, nb = float(dot64(a, a)) ** 0.5, float(dot64(b, b)) ** 0.5
         out.update(update_norm={"as_recorded": na, "what_if": nb},
-                   update_cosine=(a @ b).item() / (na * nb) if na > 0 and nb > 0 else None,
+                   update_cosine=float(dot64(a, b)) / (na * nb) if na > 0 and nb > 0 else None,
                    kept_rows={"as_recorded": len(base.kept_rows), "what_if": len(other.kept_rows)})
     return out
 
