@@ -59,7 +59,7 @@ from rldynamics import dist
 from rldynamics.algo.losses import PolicyLossSettings, loss_terms, weighted_total
 from rldynamics.algo.shares import sub_batch_share
 from rldynamics.analysis.engines import param_views, zeros_full
-from rldynamics.analysis.gram import CHUNK
+from rldynamics.analysis.gram import dot64
 from rldynamics.analysis.objective import ActorInputs, actor_terms
 from rldynamics.models.forward import micro_batches, token_logprobs
 from rldynamics.rollout.batch import RolloutBatch
@@ -154,15 +154,6 @@ def _cosine(dots: torch.Tensor, squares: torch.Tensor, grad_sq: float) -> torch.
     """<v, g> / (||v|| ||g||) per entry; NaN where v or g is the zero vector. [n] float64"""
     norms = (squares * grad_sq).sqrt()  # [n]
     return torch.where(norms > 0, dots / norms, math.nan)  # [n]
-
-
-def dot64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """<a, b> of two same-sized tensors, accumulated in float64 over cache-sized chunks (`gram.CHUNK`). 0-dim float64"""
-    a, b = a.reshape(-1), b.reshape(-1)  # [n], [n]
-    total = torch.zeros((), dtype=torch.float64, device=a.device)
-    for start in range(0, a.numel(), CHUNK):
-        total += torch.dot(a[start:start + CHUNK].double(), b[start:start + CHUNK].double())
-    return total
 
 
 def step_loss(model, batch: RolloutBatch, rows: torch.Tensor, inputs: ActorInputs, settings: PolicyLossSettings,

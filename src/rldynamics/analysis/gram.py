@@ -63,6 +63,15 @@ def gram(vectors: list[torch.Tensor], slices: dict[str, list[tuple[int, int]]]) 
     return out.cpu()  # [G, K, K]
 
 
+def dot64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """<a, b> of two same-sized tensors on one rank, accumulated in float64 over blocks of `CHUNK`. 0-dim float64"""
+    a, b = a.reshape(-1), b.reshape(-1)  # [n], [n]
+    total = torch.zeros((), dtype=torch.float64, device=a.device)
+    for start in range(0, a.numel(), CHUNK):
+        total += torch.dot(a[start:start + CHUNK].double(), b[start:start + CHUNK].double())
+    return total
+
+
 def cosine(gram: torch.Tensor, a: int, b: int) -> float:
     """cos of vectors `a` and `b` from their Gram matrix `gram` [K, K]; NaN when either is exactly zero."""
     na, nb = float(gram[a, a]), float(gram[b, b])

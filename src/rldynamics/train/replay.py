@@ -57,6 +57,7 @@ import torch
 
 from rldynamics import dist
 from rldynamics import metric_names as names
+from rldynamics.analysis.gram import dot64
 from rldynamics.config import (
     Config,
     ConfigError,
@@ -379,8 +380,6 @@ def compare_updates(base: Replayed, other: Replayed) -> dict:
     """The what-if's update against the recorded one: norms, their cosine, and the compared losses."""
     out = {"metrics": {k: {"as_recorded": base.metrics.get(k), "what_if": other.metrics.get(k)} for k in COMPARED}}
     if base.delta is not None and other.delta is not None:  # whole [P] vectors: float64 products in blocks
-        from rldynamics.analysis.attribution import dot64
-
         a, b = base.delta, other.delta
         na, nb = float(dot64(a, a)) ** 0.5, float(dot64(b, b)) ** 0.5
         out.update(update_norm={"as_recorded": na, "what_if": nb},
