@@ -11,7 +11,8 @@ Design choices:
   on the last sampled token (`RolloutBatch.token_rewards`).
 - Generation goes through a rollout engine (`rollout.engines.RolloutEngine`, chosen by `rollout.engine` from
   `rollout.engines.ENGINES`): `HFEngine` (the default, HF `generate`, any causal LM) or the colocated vLLM engine
-  (`rollout.vllm_engine`, `rollout.engine=vllm`). Both take token ids in and give the sampled ids and the
+  (`rollout.vllm_engine`, `rollout.engine=vllm`). The HF engine's rollout runs the model's large float32 linears
+  through weights packed once for it (`models.packed`). Both take token ids in and give the sampled ids and the
   sampler's log-prob of each (temperature applied) out; the batch keeps those log-probs
   (`RolloutBatch.rollout_logprobs`) so the sampler/trainer mismatch can be measured (`algo.rollout_corr`).
 - With the HF engine sampling is seeded by the caller through
@@ -36,6 +37,7 @@ from rldynamics.config import EnvConfig
 from rldynamics.envs import make_env
 from rldynamics.envs.reward_funcs import ERRORS, load_reward_funcs, score
 from rldynamics.models.forward import caches_plainly, with_cache
+from rldynamics.models.packed import packed_linears
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.rollout.chat import ChatPrompts, Conversation
 from rldynamics.rollout.engines import RolloutEngine
@@ -142,10 +144,12 @@ def rollout(model, tokenizer, seeds: list[int], group_size: int, cfg: EnvConfig,
     ctx = RolloutContext(cfg=cfg, chat=chat, tokenizer=tokenizer, weights=resolve_weights(probe_env, cfg, names))
     trajs = [_start(ctx, seed, first_group + g, (first_group + g) * group_size + j, names)
              for g, seed in enumerate(seeds) for j in range(group_size)]
+    packing = nullcontext()
     if respond is None and engine is None:
         engine = HFEngine(model, tokenizer)  # per rollout: its turn caches live as long as the rollout
+        packing = packed_linears(model, len(trajs))  # the weights stay fixed for the rollout: packed once
     scope = getattr(probe_env, "rollout_scope", None)  # optional Env hook (envs/base.py)
-    with scope() if scope is not None else nullcontext():
+    with scope() if scope is not None else nullcontext(), packing:
         for turn in range(1, cfg.max_turns + 1):
             active = [i for i, t in enumerate(trajs) if not t.done]
             if not active:
