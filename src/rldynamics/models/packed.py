@@ -1,4 +1,4 @@
-"""Generation's linear layers through oneDNN with each weight packed once per rollout (float32, CPU).
+"""Generation's linear layers through oneDNN with each weight packed once per rollout (CPU, float32 or bfloat16).
 
 A decode step multiplies a few rows (one per active trajectory) by every weight of the model. PyTorch runs a
 float32 `F.linear` on the CPU through MKL's GEMM, which at 16 rows reaches a fraction of the machine's rate (on an
@@ -9,15 +9,16 @@ weight reordered once into its own blocked layout (`torch.ops.mkldnn._reorder_li
 products 1.2-1.7x faster at 16 to 368 rows; the figures, CPU and command are in docs/benchmarks.md.
 
 `packed_linears(model, rows)` packs each float32 `nn.Linear` weight of at least `MIN_ELEMENTS` entries on the CPU
-(smaller ones lose to oneDNN's fixed cost per call) and routes the module's calls through the packed copy until
-the context exits. The rollout loop holds it for one rollout, during which the weights do not change (an HF
-engine's rollout generates with the trainer's model between updates, or with the lagged sampler's own copy). A
-call that needs what a packed copy cannot give (gradients, autocast to another dtype, an input of another dtype or
-device) runs the module's own forward, and a module with a forward of its own instance (accelerate's hooks) is
-left alone. The results equal `F.linear`'s up to float32 rounding (another order of
-summation: ~1e-6 relative); the log-probs a rollout records are those of the logits it sampled from, so the
-trainer's mismatch metrics see the difference as what it is. The packed copies hold one more copy of those
-weights (SmolLM2-135M: 0.5 GB in float32) while the rollout runs.
+(smaller ones lose to oneDNN's fixed cost per call) in the model's compute dtype, and routes the module's calls
+through the packed copy until the context exits. A bfloat16 run's autocast casts each weight once per `generate`;
+its packed copy is cast once per rollout. The rollout loop holds the context for one rollout, during which the
+weights do not change (an HF engine's rollout generates with the trainer's model between updates, or with the lagged
+sampler's own copy). A call that needs what a packed copy cannot give (gradients, autocast to another dtype, an
+input of another dtype or device) runs the module's own forward, and a module with a forward set on the instance
+(accelerate's hooks) is left alone. The results equal `F.linear`'s up to the rounding of their dtype (another order
+of summation: ~1e-6 relative in float32); the log-probs a rollout records are those of the logits it sampled from,
+so the trainer's mismatch metrics see the difference as what it is. The packed copies hold one more copy of those
+weights while the rollout runs (SmolLM2-135M: 0.5 GB in float32, 0.25 GB in bfloat16).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import contextlib
 import torch
 
 MIN_ELEMENTS = 1 << 18  # a weight this large or larger is packed (512 x 512); below it F.linear is as fast
+PACKED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # compute dtype -> the packed weights' dtype
 
 
 def available() -> bool:
@@ -44,30 +46,41 @@ def packable(module: torch.nn.Module) -> bool:
 
 
 class PackedLinear:
-    """The forward of a `nn.Linear` through a packed copy of its weight, as the module's instance `forward`."""
+    """The forward of a `nn.Linear` through a copy of its weight packed in `dtype`, as the module's instance
+    `forward`: float32 with autocast off, or bfloat16 under the CPU's bfloat16 autocast (the input, weight and bias
+    cast as autocast would, the output bfloat16)."""
 
-    def __init__(self, module: torch.nn.Linear, rows: int, own_forward):
-        self.own_forward = own_forward
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
-        self.bias = None if module.bias is None else module.bias.detach()
+    def __init__(self, module: torch.nn.Linear, rows: int, dtype: torch.dtype, own_forward):
+        self.own_forward, self.dtype = own_forward, dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach().to(dtype), rows)
+        self.bias = None if module.bias is None else module.bias.detach().to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        plain = (torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or x.dtype != torch.float32
-                 or x.device.type != "cpu")
-        if plain:
+        if not self.serves(x):
             return self.own_forward(x)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, "none", [], "")
+
+    def serves(self, x: torch.Tensor) -> bool:
+        """Whether the packed copy computes what the module would for `x`: no gradients, on the CPU, and in the
+        packed dtype (autocast's, or float32 with autocast off)."""
+        if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype not in (torch.float32, self.dtype):
+            return False
+        if torch.is_autocast_enabled("cpu"):
+            return torch.get_autocast_dtype("cpu") == self.dtype
+        return self.dtype == torch.float32 == x.dtype
 
 
 @contextlib.contextmanager
 def packed_linears(model: torch.nn.Module, rows: int):
     """Route the packable linears of `model` through weights packed for about `rows` rows (a hint for oneDNN's
-    layout) until exit; yields how many were packed. Nothing changes where oneDNN's packed linear is missing."""
-    modules = [m for m in model.modules() if packable(m)] if available() else []
+    layout) in the model's compute dtype (`models.precision.compute_in`) until exit; yields how many were packed.
+    Nothing changes where oneDNN's packed linear is missing or the model computes in another dtype."""
+    dtype = PACKED_DTYPES.get(getattr(model, "rldyn_compute_dtype", "float32"))
+    modules = [m for m in model.modules() if packable(m)] if available() and dtype is not None else []
     packed = []
     try:
         for module in modules:
-            module.forward = PackedLinear(module, max(rows, 1), module.forward)
+            module.forward = PackedLinear(module, max(rows, 1), dtype, module.forward)
             packed.append(module)
         yield len(modules)
     finally:
