@@ -119,3 +119,23 @@ def test_a_rollout_through_packed_weights_records_the_trainers_log_probs(tmp_pat
                             positions=batch.response_mask)  # [N, L]
     mask = batch.response_mask.bool()
     assert (batch.rollout_logprobs[mask] - old[mask]).abs().max() < (1e-4 if dtype == "float32" else 5e-2)
+
+
+def test_a_lora_models_frozen_base_linears_are_packed_under_its_adapters():
+    """peft's LoRA layer calls its base linear and adds the adapter's path: packed, the output is the unpacked one
+    within float32 rounding, and the adapters (small, trainable) are left alone."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(576, 512), torch.nn.ReLU(), torch.nn.Linear(512, 576))
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["0", "2"]))
+    for name, p in adapted.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)  # a trained adapter, so that its path counts
+    x = torch.randn(3, 7, 576)
+    with torch.no_grad():
+        want = adapted(x)
+        with packed_linears(adapted, rows=3) as count:
+            assert count == 2  # the two base layers, not the rank-4 adapters
+            got = adapted(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(want, model[2].base_layer(torch.relu(model[0].base_layer(x))))  # the adapters counted

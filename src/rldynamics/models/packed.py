@@ -55,9 +55,9 @@ class PackedLinear:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach().to(dtype), rows)
         self.bias = None if module.bias is None else module.bias.detach().to(dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if not self.serves(x):
-            return self.own_forward(x)
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # [..., in] -> [..., out]
+        if args or kwargs or not self.serves(x):  # more than `F.linear` takes (peft passes through what it gets)
+            return self.own_forward(x, *args, **kwargs)
         return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, "none", [], "")
 
     def serves(self, x: torch.Tensor) -> bool:
