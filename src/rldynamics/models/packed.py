@@ -27,8 +27,9 @@ import contextlib
 
 import torch
 
+from rldynamics.models.precision import COMPUTE_DTYPES, compute_dtype
+
 MIN_ELEMENTS = 1 << 18  # a weight this large or larger is packed (512 x 512); below it F.linear is as fast
-PACKED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # compute dtype -> the packed weights' dtype
 
 
 def available() -> bool:
@@ -75,7 +76,7 @@ def packed_linears(model: torch.nn.Module, rows: int):
     """Route the packable linears of `model` through weights packed for about `rows` rows (a hint for oneDNN's
     layout) in the model's compute dtype (`models.precision.compute_in`) until exit; yields how many were packed.
     Nothing changes where oneDNN's packed linear is missing or the model computes in another dtype."""
-    dtype = PACKED_DTYPES.get(getattr(model, "rldyn_compute_dtype", "float32"))
+    dtype = COMPUTE_DTYPES.get(compute_dtype(model))
     modules = [m for m in model.modules() if packable(m)] if available() and dtype is not None else []
     packed = []
     try:

@@ -57,6 +57,11 @@ class InAutocast(BoundWrapper):
             return self.__wrapped__(*args, **kwargs)
 
 
+def compute_dtype(model: torch.nn.Module) -> str:
+    """The dtype `compute_in` set `model` to compute in (a key of `COMPUTE_DTYPES`); float32 when none was set."""
+    return getattr(model, "rldyn_compute_dtype", "float32")
+
+
 def compute_in(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
     """Run every call of `model` under autocast in `dtype` (float32: unchanged). Parameters stay as they are."""
     if dtype == "float32":
@@ -114,7 +119,7 @@ def weights_cast_once(model: torch.nn.Module):
     one. It holds one copy of the trained weights in the compute dtype until it exits. Float32 models and
     FSDP2-sharded ones (whose unsharded weights are gathered and freed at every call) get a context that does
     nothing."""
-    dtype = getattr(model, "rldyn_compute_dtype", "float32")
+    dtype = compute_dtype(model)
     if dtype == "float32" or is_sharded(model):
         return contextlib.nullcontext()
     return torch.autocast(device_type=next(model.parameters()).device.type, dtype=COMPUTE_DTYPES[dtype],

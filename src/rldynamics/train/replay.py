@@ -66,6 +66,7 @@ from rldynamics.config import (
     config_diff,
     load_config,
 )
+from rldynamics.models.precision import compute_dtype
 from rldynamics.models.sharding import whole_tensor
 from rldynamics.rollout.batch import RolloutBatch
 from rldynamics.tracking.console import StepConsole
@@ -403,7 +404,7 @@ def write_attribution(s: Session, out: Path, replayed: StepRecord, record: Recor
     print(attribution_lines(data, replayed.rollout, record.pieces))
     if record.update_steps:
         norms = [t.grad_norm for t in record.update_steps]
-        dtype = getattr(s.model, "rldyn_compute_dtype", "float32")
+        dtype = compute_dtype(s.model)
         print(norm_note(data["grad_norm"], norms, len(filtered.batch), s.cfg.train, dtype))
 
 
