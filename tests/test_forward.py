@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -78,9 +76,6 @@ class Recording(torch.nn.Module):
     def get_input_embeddings(self):
         return self.model.get_input_embeddings()
 
-    def get_output_embeddings(self):
-        return self.model.get_output_embeddings()
-
     def forward(self, input_ids=None, attention_mask=None, logits_to_keep=0, past_key_values=None,
                 position_ids=None, use_cache=None, inputs_embeds=None):
         given = input_ids if input_ids is not None else inputs_embeds
@@ -125,7 +120,7 @@ def test_shared_prefix_forward_equals_the_full_forward(setup, data):
     assert len(set(labels)) == 2 < len(labels)  # two distinct prompts, shared by the rows of each group
     lp, ent, grads = _loss_and_grads(model, ids, attn, mask)
     recording, lookups = Recording(model), []
-    hook = model.get_input_embeddings().register_forward_hook(lambda module, *_: lookups.append(module.sparse))
+    hook = model.get_input_embeddings().register_forward_hook(lambda *_: lookups.append(1))
     try:
         lp_s, ent_s, grads_s = _loss_and_grads(recording, ids, attn, mask, positions=mask)
     finally:
@@ -136,9 +131,7 @@ def test_shared_prefix_forward_equals_the_full_forward(setup, data):
     if data == "uneven_prefixes":  # suffixes 8, 1, 11 | 10, 6, 5 in rows of 11: [11] [8 1] | [10] [6 5]
         assert packed == 4
     assert recording.shapes == [(2, int(first.max())), (packed, max(suffixes))], width
-    assert recording.embedded == [True, True] and lookups == [True]  # one lookup for both calls, a sparse gradient
-    assert not model.get_input_embeddings().sparse  # as it was
-    assert all(g.layout == torch.strided for g in grads_s)  # the tied head's dense gradient took the sparse rows
+    assert recording.embedded == [True, True] and len(lookups) == 1  # one embedding lookup for both calls
     torch.testing.assert_close(lp_s, lp * mask, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ent_s, ent * mask, rtol=1e-5, atol=1e-6)
     assert (lp_s[mask == 0] == 0).all() and (ent_s[mask == 0] == 0).all()
@@ -148,26 +141,6 @@ def test_shared_prefix_forward_equals_the_full_forward(setup, data):
     lp_u, _, _ = _loss_and_grads(recording, ids, attn, mask, positions=mask, shared_prefix=False)
     assert recording.shapes == [(len(ids), width)]  # switched off: one forward of whole rows
     torch.testing.assert_close(lp_u, lp_s, rtol=1e-5, atol=1e-6)
-
-
-def test_an_untied_embedding_keeps_a_dense_gradient(setup):
-    """Without a tied LM head to take its rows, the shared-prefix lookup's embedding gradient stays dense (the
-    optimizer takes no sparse one), and the gradients equal the full forward's."""
-    model, ids, attn, mask = setup
-    untied = copy.deepcopy(model)
-    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
-    assert untied.get_input_embeddings().weight is not untied.get_output_embeddings().weight
-    lp, _, grads = _loss_and_grads(untied, ids, attn, mask)
-    lookups = []
-    hook = untied.get_input_embeddings().register_forward_hook(lambda module, *_: lookups.append(module.sparse))
-    try:
-        lp_s, _, grads_s = _loss_and_grads(untied, ids, attn, mask, positions=mask)
-    finally:
-        hook.remove()
-    assert lookups[-1] is False and all(g.layout == torch.strided for g in grads_s)
-    torch.testing.assert_close(lp_s, lp * mask, rtol=1e-5, atol=1e-6)
-    for g, g_s in zip(grads, grads_s, strict=True):
-        torch.testing.assert_close(g_s, g, rtol=1e-4, atol=1e-6)
 
 
 def test_rows_without_a_shared_prefix_are_packed_into_one_forward(setup):

@@ -347,45 +347,18 @@ def _takes_keep(model) -> bool:
 
 def embedded_together(model, *ids: torch.Tensor) -> list[dict[str, torch.Tensor]]:
     """The inputs of several calls of `model` (token ids [n_i, l_i] each) embedded in one lookup, when gradients
-    flow into a trained input embedding: its backward then writes one [vocabulary, hidden] gradient for all the
-    calls instead of one per call. Where the embedding is tied to the LM head on a CPU (`sparse_lookup`), that
-    gradient is sparse, the rows of the looked-up tokens alone. Otherwise, or for a model without
-    `get_input_embeddings`, the ids as they are. One dict of model inputs per call (`inputs_embeds`
-    [n_i, l_i, H], or `input_ids`)."""
+    flow into a trained input embedding: its backward then writes one dense [vocabulary, hidden] gradient for all
+    the calls instead of one per call (SmolLM2's is 49,152 x 576 float32, zero-filled and added each time).
+    Otherwise, or for a model without `get_input_embeddings`, the ids as they are. One dict of model inputs per
+    call (`inputs_embeds` [n_i, l_i, H], or `input_ids`)."""
     base = underlying(model)
     embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     trained = embed is not None and any(p.requires_grad for p in embed.parameters())
     if not (trained and torch.is_grad_enabled()):
         return [{"input_ids": i} for i in ids]
-    with sparse_lookup(base, embed):
-        flat = embed(torch.cat([i.flatten() for i in ids]))  # [sum n_i l_i, H]
+    flat = embed(torch.cat([i.flatten() for i in ids]))  # [sum n_i l_i, H]
     parts = flat.split([i.numel() for i in ids])
     return [{"inputs_embeds": part.view(*i.shape, -1)} for i, part in zip(ids, parts, strict=True)]
-
-
-@contextmanager
-def sparse_lookup(base, embed: torch.nn.Module):
-    """While in the block, the lookups of `embed` give their weight a sparse gradient, when that weight is also
-    `base`'s LM head on a CPU (a plain parameter, not a sharded one).
-
-    A dense embedding gradient is a zero-filled [vocabulary, hidden] tensor with the looked-up rows added, then added
-    to the head's gradient of the same weight: SmolLM2's 49,152 x 576 float32, 113 MB written and read again per
-    micro-batch for a few hundred distinct tokens. A tied head always sends its dense gradient through the same
-    backward pass, and autograd sums the two before the weight's `.grad` gets them, so the sparse rows are added
-    into the head's gradient and `.grad` stays dense, as the optimizer needs (the same values, summed in another
-    order: float rounding). An untied embedding keeps its dense gradient."""
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    weight = getattr(embed, "weight", None)
-    tied = (isinstance(embed, torch.nn.Embedding) and head is not None and getattr(head, "weight", None) is weight
-            and type(weight) is torch.nn.Parameter and weight.device.type == "cpu")
-    if not tied or embed.sparse:
-        yield
-        return
-    embed.sparse = True
-    try:
-        yield
-    finally:
-        embed.sparse = False
 
 
 def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, pack: bool = True
