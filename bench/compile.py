@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from paired_steps import OURS, QUIET, medians, one_process_env, timings
+from paired_steps import OURS, QUIET, medians, side_env, timings
 
 ARMS = ("eager", "mlp", "block")
 SHOWN = ("step", "gen", "update_actor")
@@ -76,7 +76,7 @@ def run_arm(arm: str, preset: str, steps: int, overrides: list[str]) -> list[dic
     with tempfile.TemporaryDirectory() as tmp:
         args = ["train", "--preset", preset, f"train.steps={steps}", *QUIET, f"log.run_dir={tmp}", *overrides]
         subprocess.run([sys.executable, __file__, "--worker", arm, "--", *args], check=True,
-                       env={**one_process_env(), "PYTHONPATH": str(OURS)}, stdout=subprocess.DEVNULL)
+                       env=side_env(OURS), stdout=subprocess.DEVNULL)
         metrics = next(Path(tmp).glob("*/metrics.jsonl"))
         return [timings(json.loads(line)) for line in metrics.read_text().splitlines()]
 

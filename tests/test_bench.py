@@ -39,6 +39,25 @@ def vs_trl():
 
 
 @pytest.fixture(scope="module")
+def paired_steps():
+    yield from _imported("paired_steps")
+
+
+def test_paired_steps_sets_the_baseline_environment_on_top_of_its_own(paired_steps, monkeypatch):
+    """`--baseline-env KEY=VALUE` reaches the baseline's processes over the one-process environment and its
+    checkout's path; a malformed entry is refused by name."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    extra = paired_steps.parse_env(["THP_MEM_ALLOC_ENABLE=1", "GLIBC_TUNABLES=glibc.malloc.hugetlb=1"])
+    assert extra == {"THP_MEM_ALLOC_ENABLE": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    env = paired_steps.side_env(Path("/base/src"), extra)
+    assert (env["PYTHONPATH"], env["OMP_NUM_THREADS"], env["THP_MEM_ALLOC_ENABLE"]) == ("/base/src", "1", "1")
+    assert "THP_MEM_ALLOC_ENABLE" not in paired_steps.side_env(Path("/ours/src"))
+    for bad in ("THP_MEM_ALLOC_ENABLE", "=1", "A B=1"):
+        with pytest.raises(ValueError, match=f"--baseline-env {bad!r}: expected KEY=VALUE"):
+            paired_steps.parse_env([bad])
+
+
+@pytest.fixture(scope="module")
 def tiny_tokenizer():
     return build_tiny_tokenizer(tiny_corpus(make_config().env, num_seeds=20))
 
