@@ -75,9 +75,9 @@ class PackedLinear:
 def packed_linears(model: torch.nn.Module, rows: int):
     """Route the packable linears of `model` through weights packed for about `rows` rows (a hint for oneDNN's
     layout) in the model's compute dtype (`models.precision.compute_in`) until exit; yields how many were packed.
-    Nothing changes where oneDNN's packed linear is missing or the model computes in another dtype."""
-    dtype = COMPUTE_DTYPES.get(compute_dtype(model))
-    modules = [m for m in model.modules() if packable(m)] if available() and dtype is not None else []
+    Nothing changes where oneDNN's packed linear is missing."""
+    dtype = COMPUTE_DTYPES[compute_dtype(model)]
+    modules = [m for m in model.modules() if packable(m)] if available() else []
     packed = []
     try:
         for module in modules:
