@@ -369,3 +369,21 @@ def test_compile_bench_compiles_exactly_its_regions_of_every_block(compile_bench
     compiled = {name for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None}
     per_block = ["mlp", "input_layernorm", "post_attention_layernorm"] if arm == "mlp" else [""]
     assert compiled == {f"model.layers.{i}" + (f".{p}" if p else "") for i in range(2) for p in per_block}
+
+
+@pytest.fixture(scope="module")
+def figures():
+    yield from _imported("figures")
+
+
+def test_figures_bench_digests_the_pngs_each_side_drew(figures, tmp_path, capsys):
+    """Two sides that draw the same figures get the same digests of the files and of the report's images, which is
+    how `bench/figures.py` says whether a change kept the bytes."""
+    from test_plots import make_run
+
+    run = make_run(tmp_path / "run", analysis=())  # the curves and the health timeline: a few figures
+    for side in ("a", "b"):
+        figures.worker(run, tmp_path / side)
+    a, b = (json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{"))
+    assert a["pngs"] >= 2 and a["images"] >= 2 and a["plot_s"] > 0 and a["report_s"] > 0
+    assert (a["files"], a["embedded"]) == (b["files"], b["embedded"])

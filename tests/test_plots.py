@@ -455,6 +455,45 @@ def test_bar_axis_scale_follows_the_bars_not_the_whiskers():
     assert ax.get_yscale() == "log"
 
 
+def test_png_bytes_draws_once_and_gives_savefigs_bytes_at_each_dpi(monkeypatch):
+    """A figure laid out by its engine and drawn once is the figure `savefig` lays out and draws twice, byte for byte,
+    at the files' and the report's dpi alike; the figure keeps its layout engine and dpi, so it can be saved again."""
+    import io
+
+    from matplotlib.figure import Figure
+
+    from rldynamics.plots.figure import DPI, PNG_METADATA, REPORT_DPI, literal_text, new_figure, png_bytes
+
+    def build():
+        fig = new_figure(7, 4, facecolor="0.9")  # a PNG's background is white all the same
+        left, right = fig.subplots(1, 2)
+        left.plot([1, 2, 3], [1e-4, 0.3, 2.0], marker="o", label="a long legend entry")
+        left.set_yscale("log")
+        left.set_title("a title that needs room")
+        left.legend()
+        right.bar(["Q1", "Q2", "Q3"], [0.2, 0.5, 0.1])
+        right.set_ylabel("a y label")
+        fig.suptitle("the figure's title")
+        return fig
+
+    def savefig_bytes(fig, dpi):
+        literal_text(fig)
+        buf = io.BytesIO()
+        fig.savefig(buf, dpi=dpi, format="png", facecolor="white", metadata=PNG_METADATA)
+        return buf.getvalue()
+
+    draws = []
+    draw = Figure.draw
+    monkeypatch.setattr(Figure, "draw", lambda self, renderer: draws.append(1) or draw(self, renderer))
+    fig = build()
+    ours = [png_bytes(fig, dpi) for dpi in (DPI, REPORT_DPI, DPI)]
+    assert len(draws) == 3  # one draw a PNG
+    assert fig.get_layout_engine() is not None and fig.dpi == 100.0 and fig.get_facecolor() == (0.9, 0.9, 0.9, 1)
+    expected = [savefig_bytes(build(), dpi) for dpi in (DPI, REPORT_DPI)]
+    assert len(draws) == 3 + 2 * 2  # savefig lays out and draws: two draws a PNG
+    assert ours == [expected[0], expected[1], expected[0]]
+
+
 def test_paper_overlays_two_runs_at_the_same_steps(tmp_path):
     from matplotlib.colors import to_hex
 

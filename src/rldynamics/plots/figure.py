@@ -44,10 +44,19 @@ def save_png(fig: Figure, path: str | Path, dpi: int = DPI) -> Path:
 
 
 def png_bytes(fig: Figure, dpi: int = DPI) -> bytes:
-    """`fig` encoded as PNG bytes."""
+    """`fig` encoded as PNG bytes, laid out and drawn once. `savefig` draws a figure that has a layout engine twice:
+    once without rendering, only to lay it out, then for the pixels. The canvas's own `print_png` lays the figure out
+    within its one draw: the same bytes in less time. The figure keeps its dpi and face colour."""
     literal_text(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, dpi=dpi, format="png", facecolor="white", metadata=PNG_METADATA)
+    figure_dpi, face = fig.dpi, fig.get_facecolor()
+    try:
+        fig.set_dpi(dpi)
+        fig.set_facecolor("white")
+        fig.canvas.print_png(buf, metadata=PNG_METADATA)
+    finally:
+        fig.set_dpi(figure_dpi)
+        fig.set_facecolor(face)
     return buf.getvalue()
 
 
