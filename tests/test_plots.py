@@ -486,9 +486,11 @@ def test_png_bytes_draws_once_and_gives_savefigs_bytes_at_each_dpi(monkeypatch):
     draw = Figure.draw
     monkeypatch.setattr(Figure, "draw", lambda self, renderer: draws.append(1) or draw(self, renderer))
     fig = build()
+    figure_dpi = fig.dpi
     ours = [png_bytes(fig, dpi) for dpi in (DPI, REPORT_DPI, DPI)]
     assert len(draws) == 3  # one draw a PNG
-    assert fig.get_layout_engine() is not None and fig.dpi == 100.0 and fig.get_facecolor() == (0.9, 0.9, 0.9, 1)
+    assert figure_dpi not in (DPI, REPORT_DPI)  # so the dpi below is the figure's own, restored
+    assert fig.dpi == figure_dpi and fig.get_layout_engine() is not None and fig.get_facecolor() == (0.9, 0.9, 0.9, 1)
     expected = [savefig_bytes(build(), dpi) for dpi in (DPI, REPORT_DPI)]
     assert len(draws) == 3 + 2 * 2  # savefig lays out and draws: two draws a PNG
     assert ours == [expected[0], expected[1], expected[0]]
