@@ -36,11 +36,12 @@ def worker(run: Path, out: Path) -> None:
     start = time.perf_counter()
     assert report_command(run, out=out / "report.html", quiet=True) == 0
     report_s = time.perf_counter() - start
-    files = hashlib.sha256(b"".join(p.read_bytes() for p in sorted((out / "plots").glob("*.png")))).hexdigest()
+    pngs = sorted((out / "plots").glob("*.png"))
+    files = hashlib.sha256(b"".join(p.read_bytes() for p in pngs)).hexdigest()
     images = re.findall(r"base64,([^\"]+)", (out / "report.html").read_text())
     embedded = hashlib.sha256("".join(images).encode()).hexdigest()
     print(json.dumps({"plot_s": plot_s, "report_s": report_s, "files": files[:12], "embedded": embedded[:12],
-                      "pngs": len(list((out / "plots").glob("*.png"))), "images": len(images)}))
+                      "pngs": len(pngs), "images": len(images)}))
 
 
 def run_side(src: Path, run: Path) -> dict:
